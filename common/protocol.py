@@ -1,0 +1,183 @@
+"""The wire contract between the gateway (ROUTER) and the workers (DEALER).
+
+Every message is two ZeroMQ frames: a two-byte header ``[PROTOCOL_VERSION, MsgType]`` and a
+msgpack payload holding one of the dataclasses below. The full request travels once
+(``AddRequests``); after that only deltas travel (``StepOutputs`` lists the new token ids of each
+request in one worker step). Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class MsgType(IntEnum):
+    """One-byte message type carried in the header frame."""
+
+    READY = 1
+    HEARTBEAT = 2
+    ADD_REQUESTS = 3
+    ABORT = 4
+    STEP_OUTPUTS = 5
+    ERROR = 6
+    GOODBYE = 7
+
+
+class FinishReason:
+    """Why a request stopped; the strings are OpenAI's ``finish_reason`` where one exists."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling; ``temperature == 0`` means greedy, ``top_k == 0`` means off."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request as the worker needs it: token ids in, budget and stop rules."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Ready:
+    """Worker -> gateway on connect: who I am and how much I can hold."""
+
+    worker_name: str
+    model: str
+    max_model_len: int
+    kv_capacity_tokens: int
+    block_size: int
+    max_batch_size: int
+    device: str
+    dtype: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """Both directions. From a worker it carries its load figures; from the gateway it is empty."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    tokens_per_s: float = 0.0
+    steps: int = 0
+    peak_batch_size: int = 0
+
+
+@dataclass(slots=True)
+class AddRequests:
+    """Gateway -> worker: requests that arrived together travel together."""
+
+    requests: list[NewRequest]
+
+
+@dataclass(slots=True)
+class Abort:
+    """Gateway -> worker: stop these requests and free their KV blocks."""
+
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (a delta, never the whole sequence)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """Worker -> gateway once per step, for the whole batch."""
+
+    outputs: list[RequestOutput]
+    batch_size: int = 0
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class WorkerError:
+    """Worker -> gateway: a failure that is not tied to one request's normal output."""
+
+    message: str
+    request_id: str | None = None
+
+
+@dataclass(slots=True)
+class Goodbye:
+    """Worker -> gateway: leaving on purpose (shutdown); fail over at once, don't wait for expiry."""
+
+    reason: str = ""
+
+
+Message = Union[Ready, Heartbeat, AddRequests, Abort, StepOutputs, WorkerError, Goodbye]
+
+MESSAGE_TYPES: dict[MsgType, type] = {
+    MsgType.READY: Ready,
+    MsgType.HEARTBEAT: Heartbeat,
+    MsgType.ADD_REQUESTS: AddRequests,
+    MsgType.ABORT: Abort,
+    MsgType.STEP_OUTPUTS: StepOutputs,
+    MsgType.ERROR: WorkerError,
+    MsgType.GOODBYE: Goodbye,
+}
+_TYPE_OF: dict[type, MsgType] = {cls: t for t, cls in MESSAGE_TYPES.items()}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.items()}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version; receivers log and drop it."""
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Encode a message as ``[header, payload]`` frames."""
+    return [bytes((PROTOCOL_VERSION, _TYPE_OF[type(msg)])), _ENCODER.encode(msg)]
+
+
+def decode(frames: list[bytes] | list[memoryview]) -> Message:
+    """Decode ``[header, payload]`` frames; raise ProtocolError on anything malformed."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+    header = bytes(frames[0])
+    if len(header) != 2:
+        raise ProtocolError(f"header must be 2 bytes, got {len(header)}")
+    if header[0] != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {header[0]} (this side speaks {PROTOCOL_VERSION})")
+    try:
+        decoder = _DECODERS[MsgType(header[1])]
+    except ValueError:
+        raise ProtocolError(f"unknown message type {header[1]}") from None
+    try:
+        return decoder.decode(frames[1])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad {MsgType(header[1]).name} payload: {exc}") from None

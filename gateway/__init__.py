@@ -1,0 +1,1 @@
+"""The gateway: OpenAI-compatible HTTP API, chat templates, tokens and text; reaches workers over ZeroMQ."""

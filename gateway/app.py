@@ -1,0 +1,58 @@
+"""create_app(config) -> Litestar: routes, the worker client and tokenizer on app.state, OpenAI errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.di import Provide
+
+from common.model_source import resolve_model
+from gateway.config import GatewayConfig
+from gateway.errors import EXCEPTION_HANDLERS
+from gateway.generation import Generator
+from gateway.routes.chat import ChatController
+from gateway.routes.completions import CompletionsController
+from gateway.routes.health import health, ready, workers
+from gateway.routes.models import ModelsController
+from gateway.templates import ChatTemplate, read_template_source
+from gateway.tokenizer import load_tokenizer
+from gateway.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+def provide_generator(state: State) -> Generator:
+    return state.generator
+
+
+def create_app(config: GatewayConfig) -> Litestar:
+    source = resolve_model(config.model, config.served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        tokenizer = await asyncio.to_thread(load_tokenizer, source, config.cache_dir)
+        template_source = read_template_source(config.chat_template, getattr(tokenizer, "chat_template", None))
+        template = ChatTemplate(
+            template_source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+        )
+        client = WorkerClient(config.zmq_bind, source.name, config.heartbeat_interval, config.heartbeat_liveness)
+        await client.start()
+        app.state.generator = Generator(client, tokenizer, template, source.name, config.tokenizer_threads)
+        log.info("gateway serving %s on http://%s:%d", source.name, config.host, config.port)
+        try:
+            yield
+        finally:
+            app.state.generator.close()
+            await client.stop()
+
+    return Litestar(
+        route_handlers=[ChatController, CompletionsController, ModelsController, health, ready, workers],
+        dependencies={"generator": Provide(provide_generator, sync_to_thread=False)},
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=[lifespan],
+    )

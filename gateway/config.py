@@ -1,0 +1,34 @@
+"""Gateway settings: each is a flag with an environment twin (see common.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, MODEL, SERVED_MODEL_NAME, Flag
+
+GATEWAY_FLAGS = [
+    Flag("host", "127.0.0.1", "HTTP listen address (0.0.0.0 to accept other hosts)"),
+    Flag("port", 8000, "HTTP port", int),
+    Flag("zmq-bind", "tcp://127.0.0.1:5555", "Address the ROUTER socket binds for workers (tcp:// or ipc://)"),
+    Flag("chat-template", None, "Chat template: a name from chat_templates/ (e.g. chatml) or a .jinja path; default: the tokenizer's"),
+    Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
+]
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    """Parsed gateway settings."""
+
+    model: str = MODEL.default
+    served_model_name: str | None = None
+    cache_dir: str = CACHE_DIR.default
+    heartbeat_interval: float = HEARTBEAT_INTERVAL.default
+    heartbeat_liveness: int = HEARTBEAT_LIVENESS.default
+    host: str = "127.0.0.1"
+    port: int = 8000
+    zmq_bind: str = "tcp://127.0.0.1:5555"
+    chat_template: str | None = None
+    tokenizer_threads: int = 2
+
+
+ALL_GATEWAY_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, *GATEWAY_FLAGS]

@@ -1,0 +1,91 @@
+"""One generation as the routes see it: submit, then text deltas until the finish, aborting on exit.
+
+The ``finally`` is the cancellation story: when a streaming client disconnects, Litestar cancels the
+response, the cancellation reaches the ``await`` below, and the worker is told to stop the request
+and free its KV blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from common.protocol import FinishReason, NewRequest
+from gateway.errors import GenerationFailed
+from gateway.templates import ChatTemplate
+from gateway.tokenizer import IncrementalDetokenizer
+from gateway.worker_client import WorkerClient
+
+
+@dataclass(slots=True)
+class TextDelta:
+    """New text of one request, with the counts so far."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Generator:
+    """Everything a route needs to run a prompt: the tokenizer (off the event loop) and the workers."""
+
+    def __init__(self, client: WorkerClient, tokenizer: Any, template: ChatTemplate, model_name: str, threads: int) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.template = template
+        self.model_name = model_name
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Render the chat template and tokenize; the template already holds the special tokens."""
+        return self.tokenizer.encode(self.template.render(messages), add_special_tokens=False)
+
+    def text_prompt_ids(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    async def run_in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Tokenizing and template rendering take milliseconds: keep them off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def stream(self, request: NewRequest) -> AsyncIterator[TextDelta]:
+        """Yield text deltas as the worker produces tokens; the last one carries the finish reason."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        stream = self.client.submit(request)
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, GenerationFailed):
+                    raise item
+                text = detokenizer.push(item.new_token_ids)
+                finish = item.finish_reason
+                if finish is not None:
+                    text += detokenizer.flush()
+                    if finish == FinishReason.ABORT:
+                        finish = FinishReason.STOP
+                yield TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens)
+                if finish is not None:
+                    return
+        finally:
+            if not stream.finished:
+                self.client.abort(request.request_id)
+
+    async def complete(self, request: NewRequest) -> TextDelta:
+        """Run to the end and return all the text at once."""
+        parts: list[str] = []
+        last = TextDelta("", None, len(request.prompt_token_ids), 0)
+        async for delta in self.stream(request):
+            parts.append(delta.text)
+            last = delta
+        return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,101 @@
+"""POST /v1/chat/completions, streamed (SSE) or not."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Controller, Request, Response, post
+from litestar.response import Stream
+
+from common.protocol import NewRequest
+from gateway.errors import InvalidRequest
+from gateway.generation import Generator, now_s
+from gateway.routes.common import check_model, json_response, usage
+from gateway.schemas import ChatCompletionRequest, ChatMessage, decode_body
+from gateway.streaming import SSE_HEADERS, sse_events
+from gateway.validation import check_supported, new_request
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: role and plain-text content."""
+    if not messages:
+        raise InvalidRequest("`messages` must hold at least one message", param="messages")
+    result = []
+    for i, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise InvalidRequest(f"`messages[{i}].role` must be one of {', '.join(ROLES)}; got {message.role!r}", param=f"messages[{i}].role")
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidRequest(f"`messages[{i}].content` may only hold text parts", param=f"messages[{i}].content")
+            content = "".join(part.text for part in content)  # type: ignore[misc]
+        result.append({"role": message.role, "content": content or ""})
+    return result
+
+
+class ChatController(Controller):
+    path = "/v1/chat/completions"
+
+    @post("/", status_code=200)
+    async def create(self, request: Request, generator: Generator) -> Response:
+        req = decode_body(await request.body(), ChatCompletionRequest)
+        check_model(req.model, generator.model_name)
+        check_supported(req)
+        messages = message_dicts(req.messages)
+        limits = generator.client.limits()
+        prompt_ids = await generator.run_in_pool(generator.chat_prompt_ids, messages)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        new = new_request(req, prompt_ids, requested, param, limits)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunks = _chunks(generator, new, completion_id, include_usage)
+            return Stream(sse_events(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await generator.complete(new)
+        return json_response({
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": now_s(),
+            "model": generator.model_name,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": None,
+                "finish_reason": result.finish_reason,
+            }],
+            "usage": usage(result),
+        })
+
+
+async def _chunks(generator: Generator, new: NewRequest, completion_id: str, include_usage: bool) -> AsyncIterator[dict]:
+    created = now_s()
+
+    def chunk(delta: dict, finish_reason: str | None) -> dict:
+        body = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": generator.model_name,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    last = None
+    async for delta in generator.stream(new):
+        last = delta
+        if delta.text:
+            yield chunk({"content": delta.text}, None)
+        if delta.finish_reason is not None:
+            yield chunk({}, delta.finish_reason)
+    if include_usage and last is not None:
+        final = chunk({}, None)
+        final["choices"], final["usage"] = [], usage(last)
+        yield final

@@ -1,0 +1,26 @@
+"""Operator endpoints: /health (process up), /ready (a worker can take requests), /workers (the pool)."""
+
+from __future__ import annotations
+
+from litestar import Response, get
+
+from gateway.generation import Generator
+from gateway.routes.common import json_response
+
+
+@get("/health")
+async def health() -> Response:
+    return json_response({"status": "ok"})
+
+
+@get("/ready")
+async def ready(generator: Generator) -> Response:
+    workers = len(generator.client.workers)
+    response = json_response({"status": "ready" if workers else "no workers", "workers": workers})
+    response.status_code = 200 if workers else 503
+    return response
+
+
+@get("/workers")
+async def workers(generator: Generator) -> Response:
+    return json_response(generator.client.snapshot())

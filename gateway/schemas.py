@@ -1,0 +1,70 @@
+"""OpenAI request bodies as msgspec Structs: decoding checks the types, unknown fields are ignored."""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar, Union
+
+import msgspec
+
+from gateway.errors import InvalidRequest
+
+
+class TextPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and legacy completions."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: Union[str, list[int]]
+    echo: bool = False
+
+
+T = TypeVar("T")
+_FIELD = re.compile(r"at `\$\.([^`]+)`|missing required field `([^`]+)`")
+
+
+def decode_body(body: bytes, schema: type[T]) -> T:
+    """Parse a JSON body into ``schema``; every problem becomes a 400 that names the field."""
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        found = _FIELD.search(text)
+        param = (found.group(1) or found.group(2)) if found else None
+        raise InvalidRequest(f"invalid request body: {text}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None

@@ -1,0 +1,67 @@
+"""Chat templates rendered in a jinja2 sandbox, the way transformers renders them.
+
+The template comes from the tokenizer (``tokenizer.chat_template``) unless ``--chat-template``
+names one of the files in ``chat_templates/`` (e.g. ``chatml``) or a path to a ``.jinja`` file.
+The environment settings (trim_blocks, lstrip_blocks, loop controls, ``raise_exception``) match
+transformers', so a template renders here exactly as ``apply_chat_template`` renders it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.resources
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway.errors import InvalidRequest
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def bundled_templates() -> list[str]:
+    """Names of the templates shipped in ``chat_templates/``."""
+    files = importlib.resources.files("chat_templates").iterdir()
+    return sorted(f.name.removesuffix(".jinja") for f in files if f.name.endswith(".jinja"))
+
+
+def read_template_source(option: str | None, tokenizer_template: str | None) -> str:
+    """Pick the template text: the ``--chat-template`` choice, else the tokenizer's, else ChatML."""
+    if option:
+        if option in bundled_templates():
+            return importlib.resources.files("chat_templates").joinpath(f"{option}.jinja").read_text()
+        path = Path(option)
+        if path.is_file():
+            return path.read_text()
+        raise ValueError(f"--chat-template {option!r}: not a file, nor one of {', '.join(bundled_templates())}")
+    if tokenizer_template:
+        return tokenizer_template
+    return importlib.resources.files("chat_templates").joinpath("chatml.jinja").read_text()
+
+
+class ChatTemplate:
+    """A compiled chat template; ``render`` turns messages into the prompt text."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str | None]) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self.template = env.from_string(source)
+        self.special_tokens = special_tokens
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+        try:
+            return self.template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra
+            )
+        except TemplateError as exc:
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from None

@@ -1,0 +1,82 @@
+"""API request -> the worker's NewRequest, with every limit checked and every error naming its field."""
+
+from __future__ import annotations
+
+import uuid
+
+from common.protocol import NewRequest, SamplingParams
+from gateway.errors import InvalidRequest
+from gateway.schemas import SamplingFields
+
+MAX_SEED = 2**63 - 1
+
+
+def _check_range(value: float | None, name: str, low: float, high: float) -> None:
+    if value is not None and not low <= value <= high:
+        raise InvalidRequest(f"`{name}` must be between {low} and {high}; got {value}", param=name)
+
+
+def sampling_params(req: SamplingFields) -> SamplingParams:
+    """Sampling settings with OpenAI's defaults (temperature 1, top_p 1) and ranges."""
+    _check_range(req.temperature, "temperature", 0.0, 2.0)
+    _check_range(req.top_p, "top_p", 0.0, 1.0)
+    if req.top_p is not None and req.top_p == 0.0:
+        raise InvalidRequest("`top_p` must be greater than 0", param="top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise InvalidRequest(f"`top_k` must be -1 (off), 0 (off) or positive; got {req.top_k}", param="top_k")
+    if req.seed is not None and not -MAX_SEED <= req.seed <= MAX_SEED:
+        raise InvalidRequest("`seed` must fit in a signed 64-bit integer", param="seed")
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
+        seed=None if req.seed is None else req.seed % 2**63,
+    )
+
+
+def check_supported(req: SamplingFields) -> None:
+    """Refuse, clearly, what this server does not do yet rather than silently ignoring it."""
+    if req.n != 1:
+        raise InvalidRequest(f"`n` must be 1 on this server; got {req.n}", param="n")
+    if req.stop:
+        raise InvalidRequest("`stop` strings are not supported yet; use `stop_token_ids`", param="stop")
+
+
+def max_new_tokens(requested: int | None, param: str, prompt_len: int, max_model_len: int, kv_capacity: int) -> int:
+    """The output budget: what was asked for, or all the room left in the context."""
+    limit = min(max_model_len, kv_capacity)
+    if requested is not None and requested < 1:
+        raise InvalidRequest(f"`{param}` must be at least 1; got {requested}", param=param)
+    if prompt_len >= limit:
+        raise InvalidRequest(
+            f"the prompt has {prompt_len} tokens, but this model's context length is {limit} tokens "
+            "(prompt plus at least one output token must fit)",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise InvalidRequest(
+            f"the prompt ({prompt_len} tokens) plus `{param}` ({requested}) is {prompt_len + requested} tokens, "
+            f"more than this model's context length of {limit} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def new_request(
+    req: SamplingFields, prompt_ids: list[int], requested_tokens: int | None, param: str, limits: tuple[int, int]
+) -> NewRequest:
+    """Assemble the wire request once the prompt is tokenized."""
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    return NewRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=prompt_ids,
+        max_new_tokens=max_new_tokens(requested_tokens, param, len(prompt_ids), *limits),
+        sampling=sampling_params(req),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+    )

@@ -1,0 +1,279 @@
+"""The gateway's ROUTER socket: worker registry, heartbeats, request dispatch and output routing.
+
+Workers connect (DEALER) and register with ``Ready``. Any message from a worker counts as its
+heartbeat; a worker silent for ``liveness`` intervals, one that says ``Goodbye``, or one the ROUTER
+can no longer reach (ROUTER_MANDATORY makes such sends fail loudly) is purged, and each of its
+in-flight requests ends with an error. One receive task feeds every request's queue; submits made
+in the same event-loop tick travel to a worker in one ``AddRequests`` message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from common import protocol
+from common.protocol import (
+    Abort,
+    AddRequests,
+    FinishReason,
+    Goodbye,
+    Heartbeat,
+    NewRequest,
+    Ready,
+    RequestOutput,
+    StepOutputs,
+    WorkerError,
+)
+from gateway.errors import GenerationFailed, NoWorkerAvailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """What the gateway knows of one registered worker."""
+
+    identity: bytes
+    ready: Ready
+    expiry: float
+    load: Heartbeat = field(default_factory=Heartbeat)
+    inflight: set[str] = field(default_factory=set)
+    pending: list[NewRequest] = field(default_factory=list)
+    requests_assigned: int = 0
+    steps_seen: int = 0
+    batched_steps: int = 0  # steps that ran more than one sequence, as the worker reported them
+    peak_batch_size: int = 0
+
+    def snapshot(self) -> dict:
+        return {
+            "name": self.ready.worker_name,
+            "identity": self.identity.decode(errors="replace"),
+            "model": self.ready.model,
+            "device": self.ready.device,
+            "dtype": self.ready.dtype,
+            "max_model_len": self.ready.max_model_len,
+            "kv_capacity_tokens": self.ready.kv_capacity_tokens,
+            "inflight": len(self.inflight),
+            "requests_assigned": self.requests_assigned,
+            "running": self.load.running,
+            "waiting": self.load.waiting,
+            "free_blocks": self.load.free_blocks,
+            "total_blocks": self.load.total_blocks,
+            "tokens_per_s": self.load.tokens_per_s,
+            "steps": self.load.steps,
+            "steps_seen": self.steps_seen,
+            "batched_steps": self.batched_steps,
+            "peak_batch_size": max(self.peak_batch_size, self.load.peak_batch_size),
+        }
+
+
+class RequestStream:
+    """One request's outputs as they arrive: RequestOutput deltas, then an end (finish or error)."""
+
+    def __init__(self, request_id: str, worker: bytes) -> None:
+        self.request_id = request_id
+        self.worker = worker
+        self.queue: asyncio.Queue[RequestOutput | GenerationFailed] = asyncio.Queue()
+        self.finished = False
+
+
+class WorkerClient:
+    """Owns the ROUTER socket; ``submit`` and ``abort`` are the gateway's only ways to reach workers."""
+
+    def __init__(self, bind_address: str, model: str, heartbeat_interval: float, heartbeat_liveness: int) -> None:
+        self.bind_address = bind_address
+        self.model = model
+        self.interval = heartbeat_interval
+        self.liveness = heartbeat_liveness
+        self.workers: dict[bytes, WorkerInfo] = {}
+        self.streams: dict[str, RequestStream] = {}
+        self.add_messages_sent = 0
+        self.dropped_frames = 0
+        self._context = zmq.asyncio.Context()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._flush_scheduled = False
+
+    async def start(self) -> None:
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.bind_address)
+        self._socket = sock
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._heartbeat_loop())]
+        log.info("waiting for workers on %s", self.bind_address)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for stream in list(self.streams.values()):
+            self._end(stream, GenerationFailed("the gateway is shutting down"))
+        if self._socket is not None:
+            self._socket.close()
+        self._context.term()
+
+    # ---- what the HTTP side uses -------------------------------------------------------------
+
+    def limits(self) -> tuple[int, int]:
+        """(max_model_len, kv capacity) that every registered worker can take; 503 if none."""
+        if not self.workers:
+            raise NoWorkerAvailable("no worker is registered; start one with `llmpool worker`")
+        infos = self.workers.values()
+        return min(w.ready.max_model_len for w in infos), min(w.ready.kv_capacity_tokens for w in infos)
+
+    def submit(self, request: NewRequest) -> RequestStream:
+        """Send a request to the least-loaded worker; its outputs arrive on the returned stream."""
+        if not self.workers:
+            raise NoWorkerAvailable("no worker is registered; start one with `llmpool worker`")
+        worker = min(self.workers.values(), key=lambda w: (len(w.inflight), w.requests_assigned))
+        worker.inflight.add(request.request_id)
+        worker.requests_assigned += 1
+        worker.pending.append(request)
+        stream = RequestStream(request.request_id, worker.identity)
+        self.streams[request.request_id] = stream
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request and tell its worker to stop it (the client left, or a stop string hit)."""
+        stream = self.streams.pop(request_id, None)
+        if stream is None or stream.finished:
+            return
+        stream.finished = True
+        worker = self.workers.get(stream.worker)
+        if worker is None:
+            return
+        worker.inflight.discard(request_id)
+        if any(r.request_id == request_id for r in worker.pending):  # not sent yet: just drop it
+            worker.pending = [r for r in worker.pending if r.request_id != request_id]
+            return
+        self._send(worker, Abort([request_id]))
+
+    def snapshot(self) -> dict:
+        return {
+            "workers": [w.snapshot() for w in self.workers.values()],
+            "inflight": len(self.streams),
+            "add_messages_sent": self.add_messages_sent,
+            "dropped_frames": self.dropped_frames,
+        }
+
+    # ---- socket side -------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        """Send every worker its pending requests as one AddRequests message."""
+        self._flush_scheduled = False
+        for worker in list(self.workers.values()):
+            if worker.pending:
+                batch, worker.pending = worker.pending, []
+                self.add_messages_sent += 1
+                self._send(worker, AddRequests(batch))
+
+    def _send(self, worker: WorkerInfo, msg: protocol.Message) -> None:
+        assert self._socket is not None
+        try:
+            self._socket.send_multipart([worker.identity, *protocol.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY, or EAGAIN when full
+            self._purge(worker, f"worker {worker.ready.worker_name} is unreachable ({exc.strerror})")
+
+    async def _receive_loop(self) -> None:
+        assert self._socket is not None
+        while True:
+            frames = await self._socket.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            try:
+                msg = protocol.decode([f.buffer for f in frames[1:]])
+            except protocol.ProtocolError as exc:
+                self.dropped_frames += 1
+                log.warning("dropped a malformed message from %r: %s", identity[:64], exc)
+                continue
+            try:
+                self._dispatch(identity, msg)
+            except Exception:  # one bad message must not stop the receive loop
+                log.exception("failed to handle %s", type(msg).__name__)
+
+    def _dispatch(self, identity: bytes, msg: protocol.Message) -> None:
+        if isinstance(msg, Ready):
+            self._register(identity, msg)
+            return
+        worker = self.workers.get(identity)
+        if worker is None:
+            log.debug("message from unregistered peer %r ignored; it will re-register", identity[:64])
+            return
+        worker.expiry = time.monotonic() + self.interval * self.liveness
+        if isinstance(msg, StepOutputs):
+            self._on_step(worker, msg)
+        elif isinstance(msg, Heartbeat):
+            worker.load = msg
+        elif isinstance(msg, Goodbye):
+            self._purge(worker, f"worker {worker.ready.worker_name} left: {msg.reason}")
+        elif isinstance(msg, WorkerError):
+            log.error("worker %s: %s", worker.ready.worker_name, msg.message)
+            if msg.request_id in self.streams:
+                self._end(self.streams[msg.request_id], GenerationFailed(msg.message))
+
+    def _register(self, identity: bytes, ready: Ready) -> None:
+        if ready.protocol_version != protocol.PROTOCOL_VERSION or ready.model != self.model:
+            log.error(
+                "refused worker %s: it serves %r (protocol %d); this gateway serves %r (protocol %d)",
+                ready.worker_name, ready.model, ready.protocol_version, self.model, protocol.PROTOCOL_VERSION,
+            )
+            return
+        for old in [w for w in self.workers.values() if w.ready.worker_name == ready.worker_name and w.identity != identity]:
+            self._purge(old, f"worker {ready.worker_name} registered again (restarted or reconnected)")
+        self.workers[identity] = WorkerInfo(identity, ready, time.monotonic() + self.interval * self.liveness)
+        log.info("worker %s registered (%s, %s, %d KV tokens)", ready.worker_name, ready.device, ready.dtype, ready.kv_capacity_tokens)
+
+    def _on_step(self, worker: WorkerInfo, step: StepOutputs) -> None:
+        if step.batch_size:
+            worker.steps_seen += 1
+            worker.batched_steps += step.batch_size > 1
+            worker.peak_batch_size = max(worker.peak_batch_size, step.batch_size)
+        for output in step.outputs:
+            stream = self.streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted by us already
+            if output.finish_reason == FinishReason.ERROR:
+                self._end(stream, GenerationFailed(output.error or "the worker failed this request"))
+                continue
+            stream.queue.put_nowait(output)
+            if output.finish_reason is not None:
+                self._end(stream, None)
+
+    def _end(self, stream: RequestStream, error: GenerationFailed | None) -> None:
+        """Close a stream (with an error to deliver, or after its final output)."""
+        self.streams.pop(stream.request_id, None)
+        worker = self.workers.get(stream.worker)
+        if worker is not None:
+            worker.inflight.discard(stream.request_id)
+        if error is not None and not stream.finished:
+            stream.queue.put_nowait(error)
+        stream.finished = True
+
+    def _purge(self, worker: WorkerInfo, reason: str) -> None:
+        if self.workers.pop(worker.identity, None) is None:
+            return
+        log.warning("%s; failing its %d in-flight requests", reason, len(worker.inflight))
+        for request_id in list(worker.inflight):
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                self._end(stream, GenerationFailed(f"{reason}; the request was lost"))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            now = time.monotonic()
+            for worker in list(self.workers.values()):
+                if now > worker.expiry:
+                    self._purge(worker, f"worker {worker.ready.worker_name} missed {self.liveness} heartbeats")
+                else:
+                    self._send(worker, Heartbeat())

@@ -1,0 +1,1 @@
+"""``llmpool``: one command for the gateway, the workers, or both together (``serve``)."""

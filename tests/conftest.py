@@ -1,0 +1,123 @@
+"""Shared fixtures: real gateway and worker processes on loopback, started once per session.
+
+Every process writes its log to ``test-artifacts/<name>.log`` so a failure can be read afterwards.
+The default model loads from the conversion cache (~0.2 s) after the first run (~12 s).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "test-artifacts"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def spawn(args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m <args>`` with its output in test-artifacts/<name>.log."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    log = open(ARTIFACTS / f"{name}.log", "ab")
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop(process: subprocess.Popen, timeout: float = 15) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass
+class Server:
+    """A running gateway (and its workers) reachable on ``base_url``."""
+
+    port: int
+    zmq_port: int
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def zmq_address(self) -> str:
+        return f"tcp://127.0.0.1:{self.zmq_port}"
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.base_url + path, timeout=10)
+
+    def post(self, path: str, **kwargs: object) -> httpx.Response:
+        return httpx.post(self.base_url + path, timeout=120, **kwargs)
+
+    def workers(self) -> list[dict]:
+        return self.get("/workers").json()["workers"]
+
+    def wait_for_workers(self, count: int, timeout: float = 180) -> None:
+        wait_until(lambda: len(self.workers()) == count, timeout, f"{count} registered workers")
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            stop(process)
+
+
+def start_serve(name: str, workers: int, *extra: str) -> Server:
+    """``llmpool serve`` (the launcher) with ``workers`` local workers, waited on until they registered."""
+    server = Server(free_port(), free_port())
+    args = ["launcher", "serve", "--workers", str(workers), "--port", str(server.port), "--zmq-bind", server.zmq_address, *extra]
+    server.processes.append(spawn(args, name))
+    try:
+        server.wait_for_workers(workers)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    """The shared server: the launcher with two workers, as `llmpool serve --workers 2` starts it."""
+    srv = start_serve("serve-session", 2)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():  # noqa: ANN201 - a transformers tokenizer
+    from common.config import CACHE_DIR
+    from common.model_source import resolve_model
+    from gateway.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(MODEL), CACHE_DIR.default)

@@ -1,0 +1,163 @@
+"""The gateway's ROUTER side against a scripted fake worker (a real DEALER socket on loopback)."""
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from common import protocol
+from common.protocol import (
+    Abort, AddRequests, Goodbye, Heartbeat, NewRequest, Ready, RequestOutput, StepOutputs,
+)
+from gateway.errors import GenerationFailed, NoWorkerAvailable
+from gateway.worker_client import WorkerClient
+from tests.conftest import free_port
+
+READY = Ready("fake", "m", 1024, 4096, 16, 8, "cpu", "float32")
+
+
+class FakeWorker:
+    def __init__(self, address: str, name: bytes = b"fake") -> None:
+        self.context = zmq.asyncio.Context()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, name)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    async def send(self, msg) -> None:
+        await self.sock.send_multipart(protocol.encode(msg))
+
+    async def receive(self, kind: type, timeout: float = 5.0):
+        """The next message of ``kind``, skipping heartbeats."""
+        async def next_of_kind():
+            while True:
+                msg = protocol.decode(await self.sock.recv_multipart())
+                if isinstance(msg, kind):
+                    return msg
+        return await asyncio.wait_for(next_of_kind(), timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.context.term()
+
+
+async def eventually(check, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def run(scenario) -> None:
+    async def main():
+        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", "m", heartbeat_interval=0.2, heartbeat_liveness=3)
+        await client.start()
+        worker = FakeWorker(client.bind_address)
+        try:
+            await scenario(client, worker)
+        finally:
+            worker.close()
+            await client.stop()
+    asyncio.run(main())
+
+
+def request(i: int) -> NewRequest:
+    return NewRequest(f"r{i}", [1, 2, 3], 4)
+
+
+def test_requests_of_one_tick_travel_together_and_outputs_reach_their_streams():
+    async def scenario(client, worker):
+        await worker.send(READY)
+        await eventually(lambda: client.workers)
+        streams = [client.submit(request(i)) for i in range(3)]
+        added = await worker.receive(AddRequests)
+        assert [r.request_id for r in added.requests] == ["r0", "r1", "r2"]
+        assert client.add_messages_sent == 1
+        await worker.send(StepOutputs([RequestOutput("r0", [5], None, 3, 1), RequestOutput("r1", [6], "stop", 3, 1)], batch_size=3))
+        assert (await streams[0].queue.get()).new_token_ids == [5]
+        final = await streams[1].queue.get()
+        assert final.finish_reason == "stop" and streams[1].finished
+        assert client.snapshot()["workers"][0]["peak_batch_size"] == 3
+        client.abort("r0")
+        assert (await worker.receive(Abort)).request_ids == ["r0"]
+        assert client.snapshot()["workers"][0]["inflight"] == 1
+    run(scenario)
+
+
+def test_malformed_frames_are_dropped_and_the_socket_keeps_working():
+    async def scenario(client, worker):
+        await worker.send(READY)
+        await eventually(lambda: client.workers)
+        await worker.sock.send_multipart([b"\x01\x05", b"\xc1not msgpack"])
+        await worker.sock.send_multipart([b"\x63\x02", b""])
+        await worker.sock.send(b"one frame only")
+        await eventually(lambda: client.dropped_frames == 3)
+        stream = client.submit(request(0))
+        await worker.receive(AddRequests)
+        await worker.send(StepOutputs([RequestOutput("r0", [7], "length", 3, 1)]))
+        assert (await stream.queue.get()).new_token_ids == [7]
+    run(scenario)
+
+
+def test_goodbye_fails_in_flight_requests_with_a_clear_error():
+    async def scenario(client, worker):
+        await worker.send(READY)
+        await eventually(lambda: client.workers)
+        stream = client.submit(request(0))
+        await worker.receive(AddRequests)
+        await worker.send(Goodbye("shutting down"))
+        error = await asyncio.wait_for(stream.queue.get(), 5)
+        assert isinstance(error, GenerationFailed) and "left" in error.message
+        assert not client.workers
+    run(scenario)
+
+
+def test_a_silent_worker_expires_and_its_requests_fail():
+    async def scenario(client, worker):
+        await worker.send(READY)
+        await eventually(lambda: client.workers)
+        stream = client.submit(request(0))
+        error = await asyncio.wait_for(stream.queue.get(), 5)  # no heartbeats: gone after 3 x 0.2 s
+        assert isinstance(error, GenerationFailed) and "missed 3 heartbeats" in error.message
+        try:
+            client.submit(request(1))
+        except NoWorkerAvailable:
+            pass
+        else:
+            raise AssertionError("submit must fail with no worker")
+    run(scenario)
+
+
+def test_heartbeats_keep_a_worker_alive_and_carry_its_load():
+    async def scenario(client, worker):
+        await worker.send(READY)
+        for _ in range(8):  # 1.6 s, well past the 0.6 s expiry
+            await worker.send(Heartbeat(running=2, free_blocks=10, total_blocks=20))
+            await worker.receive(Heartbeat)  # the gateway heartbeats back
+        assert client.snapshot()["workers"][0]["running"] == 2
+    run(scenario)
+
+
+def test_a_worker_for_another_model_is_refused():
+    async def scenario(client, worker):
+        await worker.send(Ready("other", "not-m", 1024, 4096, 16, 8, "cpu", "float32"))
+        await asyncio.sleep(0.3)
+        assert not client.workers
+    run(scenario)
+
+
+def test_a_worker_registering_again_replaces_its_old_entry():
+    async def scenario(client, worker):
+        await worker.send(READY)
+        await eventually(lambda: client.workers)
+        stream = client.submit(request(0))
+        await worker.receive(AddRequests)
+        restarted = FakeWorker(client.bind_address, name=b"fake-restarted")
+        try:
+            await restarted.send(READY)  # same worker_name, new identity
+            error = await asyncio.wait_for(stream.queue.get(), 5)
+            assert isinstance(error, GenerationFailed) and "registered again" in error.message
+            assert [w.identity for w in client.workers.values()] == [b"fake-restarted"]
+        finally:
+            restarted.close()
+    run(scenario)

@@ -1,0 +1,199 @@
+"""The HTTP API end to end: the launcher, two real workers with the real model, the OpenAI SDK."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.conftest import MODEL, Server, wait_until
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_sdk_non_stream(client):
+    response = client.chat.completions.create(model=MODEL, messages=ask("What is the capital of France?"), max_tokens=24, temperature=0)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert response.usage.prompt_tokens > 5 and 0 < response.usage.completion_tokens <= 24
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_sdk_stream_follows_openai_chunk_format(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ask("Say hello."), max_tokens=16, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) >= 2, "the answer must arrive token by token"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"]) and chunks[-2].choices[0].finish_reason == finishes[0]
+    usage_chunk = chunks[-1]
+    # every content chunk carries at least one token (tokens of a split character arrive together)
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens >= len(content)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_curl_stream_framing(server):
+    body = json.dumps({"model": MODEL, "messages": ask("Hi"), "stream": True, "max_tokens": 12})
+    raw = subprocess.run(
+        ["curl", "-sN", server.base_url + "/v1/chat/completions", "-H", "content-type: application/json", "-d", body],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events)
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_legacy_completions(client):
+    response = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert response.object == "text_completion" and response.choices[0].text.strip()
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True))
+    assert streamed == response.choices[0].text
+
+
+def test_16_concurrent_streams_complete_and_are_batched(server, client):
+    before = {w["name"]: w["batched_steps"] for w in server.workers()}
+    results: dict[int, tuple[str, str | None]] = {}
+
+    def one(i: int) -> None:
+        text, finish = [], None
+        for chunk in client.chat.completions.create(
+            model=MODEL, messages=ask(f"Tell me a fact about the number {i}."), max_tokens=32, temperature=0.7, seed=i, stream=True
+        ):
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        results[i] = ("".join(text), finish)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(results) == list(range(16))
+    assert all(text and finish in ("stop", "length") for text, finish in results.values())
+    after = server.workers()
+    batched = sum(w["batched_steps"] - before.get(w["name"], 0) for w in after)
+    assert batched > 0, "no worker ran a step with more than one sequence"
+    assert max(w["peak_batch_size"] for w in after) > 1
+
+
+def test_two_workers_both_receive_work(server, client):
+    before = {w["name"]: (w["requests_assigned"], w["steps_seen"]) for w in server.workers()}
+    for i in range(4):
+        client.chat.completions.create(model=MODEL, messages=ask(f"Count to {i + 2}."), max_tokens=4)
+    after = {w["name"]: (w["requests_assigned"], w["steps_seen"]) for w in server.workers()}
+    assert len(after) == 2
+    for name, (assigned, steps) in after.items():
+        assert assigned > before[name][0] and steps > before[name][1], f"{name} got no work"
+
+
+GREEDY_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child in two sentences.",
+    "List three fruits.",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+def test_greedy_output_is_token_identical_to_transformers_generate(client, tokenizer):
+    """Same weights (loaded independently from the GGUF file), same dtype (bfloat16), same prompts."""
+    from transformers import AutoModelForCausalLM
+
+    from common.model_source import resolve_model
+
+    source = resolve_model(MODEL)
+    reference = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.bfloat16).eval()
+    for prompt in GREEDY_PROMPTS:
+        ids = tokenizer.apply_chat_template(ask(prompt), add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        with torch.inference_mode():
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
+        expected = tokenizer.decode(out, skip_special_tokens=True)
+        response = client.chat.completions.create(model=MODEL, messages=ask(prompt), max_tokens=40, temperature=0)
+        assert response.choices[0].message.content == expected, prompt
+        assert response.usage.prompt_tokens == len(ids)
+        assert response.usage.completion_tokens == len(out)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b'{"model": "SmolLM2-135M-Instruct", "messages": [', None),
+        (json.dumps({"model": MODEL}).encode(), "messages"),
+        (json.dumps({"model": MODEL, "messages": []}).encode(), "messages"),
+        (json.dumps({"model": MODEL, "messages": ask("x"), "max_tokens": -3}).encode(), "max_tokens"),
+        (json.dumps({"model": MODEL, "messages": ask("x"), "temperature": "hot"}).encode(), "temperature"),
+        (json.dumps({"model": MODEL, "messages": ask("hello " * 9000)}).encode(), "messages"),
+        (json.dumps({"model": MODEL, "messages": ask("x"), "max_tokens": 9000}).encode(), "max_tokens"),
+    ],
+    ids=["invalid-json", "missing-messages", "empty-messages", "negative-max-tokens", "wrong-type", "prompt-too-long", "prompt-plus-max-tokens-too-long"],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, param):
+    response = server.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
+    ok = client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=4)
+    assert ok.choices[0].message.content
+
+
+def test_context_errors_name_both_numbers(server):
+    response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("x"), "max_tokens": 9000})
+    message = response.json()["error"]["message"]
+    assert "9000" in message and "8192" in message
+
+
+def test_unknown_model_and_route_are_404(server, client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4", messages=ask("x"))
+    assert info.value.body["code"] == "model_not_found"
+    response = server.get("/v1/nothing-here")
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_client_disconnect_aborts_the_request_on_the_worker(server):
+    body = {"model": MODEL, "messages": ask("Write a very long story."), "stream": True, "max_tokens": 4000, "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        busy = [w for w in server.workers() if w["inflight"]]
+        assert busy, "the request should be in flight"
+    # The client is gone: the worker must stop the request and give all of its KV blocks back.
+    wait_until(
+        lambda: all(w["inflight"] == 0 and w["running"] == 0 and w["free_blocks"] == w["total_blocks"] for w in server.workers()),
+        timeout=15, what="the worker to abort the request and free its blocks",
+    )
+    steps = {w["name"]: w["steps"] for w in server.workers()}
+    time.sleep(2.5)  # two more heartbeats: no step ran, so nothing is generating any more
+    assert {w["name"]: w["steps"] for w in server.workers()} == steps

@@ -1,0 +1,168 @@
+"""Process-level behaviour: separate gateway and worker over tcp, worker crashes, launcher shutdown,
+and the commands that compose.yaml runs, run here as plain processes (no Docker engine here)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from tests.conftest import MODEL, REPO, Server, free_port, spawn, start_serve, stop, wait_until
+
+FAST_HEARTBEAT = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
+
+
+def sdk(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_sigkilled_worker_fails_its_requests_and_the_gateway_stays_up():
+    server = Server(free_port(), free_port())
+    gateway = spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "kill-gateway", FAST_HEARTBEAT)
+    worker = spawn(["worker", "--gateway-address", server.zmq_address], "kill-worker", FAST_HEARTBEAT)
+    server.processes += [gateway, worker]
+    try:
+        server.wait_for_workers(1)
+        client = sdk(server)
+        received: list[str] = []
+        errors: list[Exception] = []
+        started = threading.Event()
+
+        def long_stream() -> None:
+            try:
+                for chunk in client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
+                    max_tokens=4000, stream=True, extra_body={"ignore_eos": True},
+                ):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        received.append(chunk.choices[0].delta.content)
+                        started.set()
+            except Exception as exc:  # what the client sees when the worker dies
+                errors.append(exc)
+
+        thread = threading.Thread(target=long_stream)
+        thread.start()
+        assert started.wait(60), "the stream never started"
+        worker.send_signal(signal.SIGKILL)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the stream did not end after its worker died"
+        assert received and len(errors) == 1 and "lost" in str(errors[0])
+        assert server.get("/health").status_code == 200
+        wait_until(lambda: server.get("/ready").status_code == 503, 10, "the dead worker to be dropped")
+        with pytest.raises(openai.InternalServerError) as info:  # 503: no worker left
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert info.value.status_code == 503
+        # A new worker joins the running gateway and serving resumes.
+        server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address], "kill-worker-2", FAST_HEARTBEAT))
+        server.wait_for_workers(1)
+        assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4).choices
+    finally:
+        server.stop()
+
+
+def _children(pid: int) -> set[int]:
+    """All descendants of ``pid`` (from /proc)."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                if ppid == parent and int(entry.name) not in found:
+                    found.add(int(entry.name))
+                    frontier.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_launcher_stops_everything_on_signal(sig):
+    server = start_serve(f"launcher-{sig.name}", 2)
+    launcher = server.processes[0]
+    children = _children(launcher.pid)
+    assert len(children) >= 3, "gateway and two workers expected"
+    launcher.send_signal(sig)
+    launcher.wait(timeout=30)
+    wait_until(lambda: not any(_alive(pid) for pid in children), 15, "every child to exit")
+
+
+def test_killed_launcher_leaves_no_orphans():
+    server = start_serve("launcher-killed", 1)
+    launcher = server.processes[0]
+    children = _children(launcher.pid)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=10)
+    wait_until(lambda: not any(_alive(pid) for pid in children), 20, "children to die with the launcher")
+
+
+def test_launcher_restarts_a_crashed_worker():
+    server = start_serve("launcher-restart", 1)
+    try:
+        (worker_pid,) = [p for p in _children(server.processes[0].pid) if "worker" in Path(f"/proc/{p}/cmdline").read_text()]
+        (old,) = server.workers()
+        os.kill(worker_pid, signal.SIGKILL)
+        # The restarted worker registers under the same name; the gateway drops the dead entry at once.
+        wait_until(lambda: [w["identity"] for w in server.workers()] not in ([], [old["identity"]]), 90, "a restarted worker")
+        assert [w["name"] for w in server.workers()] == [old["name"]]
+        assert sdk(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4).choices
+    finally:
+        server.stop()
+
+
+COMPOSE_FILES = [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]]
+
+
+@pytest.mark.parametrize("files", COMPOSE_FILES, ids=["cpu", "gpu-override"])
+def test_compose_files_are_valid(files):
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (scripts/setup.sh --test installs it where apt-get works)")
+    args = ["docker-compose"] + [a for f in files for a in ("-f", f)] + ["config", "-q"]
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_services_run_as_plain_processes():
+    """Run each service's command with its environment; only host names and ports are mapped to loopback."""
+    services = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    port, zmq_port = free_port(), free_port()
+
+    def local(env: dict[str, str]) -> dict[str, str]:
+        mapped = {}
+        for key, value in env.items():
+            value = str(value).replace("tcp://gateway:5555", f"tcp://127.0.0.1:{zmq_port}")
+            value = value.replace("tcp://0.0.0.0:5555", f"tcp://127.0.0.1:{zmq_port}")
+            mapped[key] = str(port) if key == "LLMPOOL_PORT" else value
+        return mapped
+
+    processes = []
+    for name in ("gateway", "worker"):
+        service = services[name]
+        command = service["command"]
+        assert command[0] == "llmpool"
+        processes.append(spawn(["launcher", *command[1:]], f"compose-{name}", local(service["environment"])))
+    server = Server(port, zmq_port, processes)
+    try:
+        server.wait_for_workers(1)
+        reply = sdk(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+        assert reply.choices[0].message.content
+    finally:
+        server.stop()

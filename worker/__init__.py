@@ -1,0 +1,1 @@
+"""The worker: owns the model and the KV cache, schedules its own steps (continuous batching)."""

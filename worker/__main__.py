@@ -1,0 +1,41 @@
+"""``python -m worker`` / ``llmpool worker``: load the model and serve the gateway over ZeroMQ."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from common.config import add_flags, from_namespace
+from common.logs import setup_logging
+from common.model_source import resolve_model
+from worker.config import ALL_WORKER_FLAGS, WorkerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmpool worker", description=__doc__)
+    add_flags(parser, "worker", ALL_WORKER_FLAGS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = from_namespace(WorkerConfig, build_parser().parse_args(argv))
+    setup_logging("worker")
+    from worker.engine import Engine  # heavy imports (torch) after argument parsing
+    from worker.proc import WorkerProc
+
+    source = resolve_model(config.model, config.served_model_name)
+    engine = Engine(source, config)
+    runner = engine.runner
+    proc = WorkerProc(
+        engine, config.gateway_address, config.worker_name, source.name, str(runner.device),
+        str(runner.dtype).removeprefix("torch."), config.heartbeat_interval, config.heartbeat_liveness,
+    )
+    proc.install_signal_handlers()
+    logging.getLogger(__name__).info(
+        "worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks
+    )
+    proc.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Paged attention for transformers' own model classes.
+
+The model runner feeds the whole batch as one flat sequence ``[1, num_tokens]`` (decode tokens
+first, then prompt chunks) with per-token positions, and registers ``paged_attention`` as the
+model's attention implementation. Each layer then writes its new keys/values into the paged cache
+(``slot_mapping``), gathers each sequence's context through its block table, and hands the maths to
+transformers' SDPA function, so a lone sequence gets exactly the numbers ``generate`` gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION_NAME = "llmpool_paged"
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """A prompt chunk of one sequence inside the flat batch."""
+
+    start: int
+    num_tokens: int
+    num_computed: int  # tokens of this sequence already in the cache before this step
+    block_table: torch.Tensor  # [num_blocks_of_sequence]
+    mask: torch.Tensor | None  # [1, 1, num_tokens, context] causal mask with an offset; None if no prefix
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything a layer needs to find its part of the paged cache for this step."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [num_tokens]: flat cache slot of each new token
+    num_decode: int  # the first num_decode tokens are single-token steps of num_decode sequences
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks]
+    decode_max_len: int
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_max_len]; None when all lengths are equal
+    prefills: list[PrefillSpan]
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """``[batch, kv_heads, length, head_dim]`` view of the cached context of each block table."""
+    batch = block_tables.shape[0]
+    blocks = cache[block_tables]  # [batch, max_blocks, block_size, kv_heads, head_dim]
+    return blocks.view(batch, -1, *cache.shape[2:])[:, :length].transpose(1, 2)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    paged_metadata: AttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the paged cache; ``query`` is ``[1, heads, num_tokens, head_dim]``."""
+    meta = paged_metadata
+    assert meta is not None, "paged_attention needs paged_metadata"  # programming error, not user input
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    kv_shape = k_cache.shape[2:]
+    k_cache.view(-1, *kv_shape).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_cache.view(-1, *kv_shape).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+
+    heads, head_dim = query.shape[1], query.shape[3]
+    outputs = []
+    if meta.num_decode:
+        q = query[0, :, : meta.num_decode].transpose(0, 1).unsqueeze(2)  # [num_decode, heads, 1, head_dim]
+        k = _gather(k_cache, meta.decode_block_tables, meta.decode_max_len)
+        v = _gather(v_cache, meta.decode_block_tables, meta.decode_max_len)
+        out, _ = sdpa_attention_forward(module, q, k, v, meta.decode_mask, scaling=scaling)
+        outputs.append(out.reshape(meta.num_decode, heads, head_dim))
+    for span in meta.prefills:
+        end = span.start + span.num_tokens
+        q = query[:, :, span.start : end]
+        if span.num_computed == 0:
+            k, v = key[:, :, span.start : end], value[:, :, span.start : end]
+        else:
+            table = span.block_table.unsqueeze(0)
+            k = _gather(k_cache, table, span.num_computed + span.num_tokens)
+            v = _gather(v_cache, table, span.num_computed + span.num_tokens)
+        out, _ = sdpa_attention_forward(module, q, k, v, span.mask, scaling=scaling, is_causal=True)
+        outputs.append(out.reshape(span.num_tokens, heads, head_dim))
+    return torch.cat(outputs).unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)

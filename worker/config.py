@@ -1,0 +1,44 @@
+"""Worker settings: each is a flag with an environment twin (see common.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, MODEL, SERVED_MODEL_NAME, Flag
+
+WORKER_FLAGS = [
+    Flag("gateway-address", "tcp://127.0.0.1:5555", "ZeroMQ address of the gateway's ROUTER socket (tcp:// or ipc://)"),
+    Flag("worker-name", None, "Name this worker registers under (default: host-pid)"),
+    Flag("device", "auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N"),
+    Flag("dtype", "auto", "auto (bfloat16: 2x fp32's speed on an AVX-512-bf16 CPU and on GPUs), bfloat16, float16, float32"),
+    Flag("kv-cache-memory", "auto", "KV cache size: bytes (e.g. 2GiB), a fraction of free GPU memory (e.g. 0.85), or auto (1GiB on CPU, 0.85 on GPU)"),
+    Flag("block-size", 16, "Tokens per KV-cache block", int),
+    Flag("max-num-seqs", 128, "Most sequences in one step (the batch size limit)", int),
+    Flag("max-num-batched-tokens", 512, "Token budget of one step; longer prompts are prefilled in chunks", int),
+    Flag("max-model-len", 0, "Longest sequence (prompt + output) accepted; 0 means the model's own limit", int),
+    Flag("threads", 0, "CPU threads for torch; 0 leaves torch's default", int),
+]
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Parsed worker settings."""
+
+    model: str = MODEL.default
+    served_model_name: str | None = None
+    cache_dir: str = CACHE_DIR.default
+    heartbeat_interval: float = HEARTBEAT_INTERVAL.default
+    heartbeat_liveness: int = HEARTBEAT_LIVENESS.default
+    gateway_address: str = "tcp://127.0.0.1:5555"
+    worker_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_cache_memory: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 0
+    threads: int = 0
+
+
+ALL_WORKER_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, *WORKER_FLAGS]

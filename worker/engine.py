@@ -1,0 +1,124 @@
+"""The engine: requests in, one step at a time, token deltas out. No sockets here (see worker.proc)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from common.model_source import ModelSource
+from common.protocol import Heartbeat, NewRequest, RequestOutput, StepOutputs
+from worker.block_manager import BlockManager, blocks_for
+from worker.config import WorkerConfig
+from worker.model_runner import ModelRunner
+from worker.request import Request, RequestStatus
+from worker.scheduler import Scheduler
+
+
+class Engine:
+    """Continuous batching over a paged KV cache: ``add_request``/``abort`` between steps, ``step`` to run."""
+
+    def __init__(self, source: ModelSource, config: WorkerConfig) -> None:
+        self.runner = ModelRunner(source, config)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.max_num_seqs = config.max_num_seqs
+        self._rejected: list[RequestOutput] = []
+        self._requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.peak_batch_size = 0
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+
+    def add_request(self, new: NewRequest) -> None:
+        """Queue a request; one that can never fit is answered with an error at the next step."""
+        request = Request.from_wire(new, self.runner.eos_token_ids)
+        error = self._check(request)
+        if error is not None:
+            self._rejected.append(RequestOutput(new.request_id, [], "error", request.num_prompt_tokens, error=error))
+            return
+        self._requests[request.request_id] = request
+        self.runner.add_request(request)
+        self.scheduler.add(request)
+
+    def _check(self, request: Request) -> str | None:
+        if request.request_id in self._requests:
+            return f"request id {request.request_id} is already running"
+        if request.num_prompt_tokens == 0:
+            return "the prompt is empty"
+        if request.max_new_tokens < 1:
+            return "max_new_tokens must be at least 1"
+        total = request.max_total_tokens
+        if total > self.max_model_len:
+            return f"prompt ({request.num_prompt_tokens}) + max tokens ({request.max_new_tokens}) exceeds the context length ({self.max_model_len})"
+        if blocks_for(total, self.blocks.block_size) > self.blocks.num_blocks:
+            return f"prompt + max tokens ({total}) exceeds this worker's KV cache ({self.blocks.capacity_tokens} tokens)"
+        return None
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Stop requests now and free their blocks; returns their final outputs."""
+        aborted = self.scheduler.finish(set(request_ids), RequestStatus.FINISHED_ABORTED)
+        return [self._finish_output(r, []) for r in aborted]
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """After an error inside a step: end every request with the error and leave the cache empty."""
+        failed = self.scheduler.finish(set(self._requests), RequestStatus.FINISHED_ERROR)
+        for request in failed:
+            request.error = message
+        return [self._finish_output(r, []) for r in failed]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._rejected)
+
+    def step(self) -> StepOutputs:
+        """Schedule a batch, run the model once over it, and report what each request gained."""
+        outputs, self._rejected = self._rejected, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return StepOutputs(outputs)
+        sampled = self.runner.execute(batch)
+        finished = set(self.scheduler.update(batch, sampled))
+        for request in batch.requests:
+            token = sampled.get(request.request_id)
+            if request in finished:
+                outputs.append(self._finish_output(request, [token]))
+            elif token is not None:
+                outputs.append(self._output(request, [token]))
+        self._count_step(len(batch), len(sampled))
+        return StepOutputs(outputs, batch_size=len(batch), num_tokens=batch.total_tokens)
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request.request_id,
+            new_token_ids,
+            request.finish_reason,
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            error=request.error,
+        )
+
+    def _finish_output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        del self._requests[request.request_id]
+        self.runner.remove_request(request)
+        return self._output(request, new_token_ids)
+
+    def _count_step(self, batch_size: int, num_sampled: int) -> None:
+        self.num_steps += 1
+        self.peak_batch_size = max(self.peak_batch_size, batch_size)
+        now = time.monotonic()
+        self._recent_tokens.append((now, num_sampled))
+        while self._recent_tokens and self._recent_tokens[0][0] < now - 10.0:
+            self._recent_tokens.popleft()
+
+    def load(self) -> Heartbeat:
+        """Load figures for the gateway: queue lengths, free KV blocks, recent tokens/s."""
+        now = time.monotonic()
+        recent = sum(n for t, n in self._recent_tokens if t >= now - 10.0)
+        return Heartbeat(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            free_blocks=self.blocks.num_free_blocks,
+            total_blocks=self.blocks.num_blocks,
+            tokens_per_s=recent / 10.0,
+            steps=self.num_steps,
+            peak_batch_size=self.peak_batch_size,
+        )

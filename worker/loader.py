@@ -1,0 +1,48 @@
+"""Load a causal LM's weights, caching de-quantized GGUF weights as safetensors.
+
+De-quantizing the default GGUF model takes about 10 s on the CPU; loading the cached safetensors
+takes about 0.15 s and gives bit-identical weights, so every worker start after the first is fast.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from common.model_source import ModelSource, save_to_cache
+
+log = logging.getLogger(__name__)
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, cache_root: str) -> PreTrainedModel:
+    """The model on the CPU in ``dtype``; from the conversion cache when there is one."""
+    cached = source.cache_dir(cache_root, f"weights-{str(dtype).removeprefix('torch.')}")
+    if cached is not None and (cached / "model.safetensors").is_file():
+        log.info("loading converted weights from %s", cached)
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=dtype)
+    if cached is not None:
+        try:
+            _save_converted(model, cached)
+        except OSError as exc:  # a read-only cache costs speed, not correctness
+            log.warning("could not cache converted weights in %s: %s", cached, exc)
+    return model
+
+
+def _save_converted(model: PreTrainedModel, target: Path) -> None:
+    """Cache the de-quantized model as config + safetensors."""
+
+    def write(folder: Path) -> None:
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are plain tensors now
+        config.save_pretrained(folder)
+        model.generation_config.save_pretrained(folder)
+        save_model(model, str(folder / "model.safetensors"))
+
+    save_to_cache(target, write)
+    log.info("cached converted weights in %s", target)

@@ -1,0 +1,151 @@
+"""The worker process's socket side: a DEALER connected to the gateway, wrapped around the engine.
+
+The loop schedules its own steps (no round trip to the gateway per token): drain whatever arrived,
+run one engine step, send one StepOutputs for the whole batch, heartbeat when due. Any message from
+the gateway counts as its heartbeat; when it has been silent for ``liveness`` intervals the worker
+drops what it was doing (the gateway has failed those requests already), reconnects with backoff
+from 1 s to 32 s and registers again, so workers survive gateway restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+
+import zmq
+
+from common import protocol
+from common.protocol import Abort, AddRequests, Goodbye, Heartbeat, Ready, StepOutputs
+from worker.engine import Engine
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 32.0
+
+
+class WorkerProc:
+    """Connects, registers, and runs the engine loop until told to stop."""
+
+    def __init__(self, engine: Engine, address: str, name: str | None, model: str, device: str, dtype: str,
+                 heartbeat_interval: float, heartbeat_liveness: int) -> None:
+        self.engine = engine
+        self.address = address
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.ready = Ready(
+            worker_name=self.name,
+            model=model,
+            max_model_len=engine.max_model_len,
+            kv_capacity_tokens=engine.blocks.capacity_tokens,
+            block_size=engine.blocks.block_size,
+            max_batch_size=engine.max_num_seqs,
+            device=device,
+            dtype=dtype,
+        )
+        self.interval = heartbeat_interval
+        self.liveness = heartbeat_liveness
+        self.context = zmq.Context.instance()
+        self.stopping = False
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+
+    def run(self) -> None:
+        """Connect, serve until the gateway goes silent, reconnect with backoff; until stopped."""
+        backoff = 1.0
+        while not self.stopping:
+            sock = self._connect()
+            try:
+                heard = self._serve(sock)
+            finally:
+                if self.stopping:
+                    self._send(sock, Goodbye("shutting down"))
+                sock.close(linger=500 if self.stopping else 0)
+            dropped = self.engine.fail_all("worker lost its gateway")
+            if dropped:
+                log.warning("gateway silent: dropped %d requests", len(dropped))
+            if self.stopping:
+                break
+            backoff = 1.0 if heard else min(backoff * 2, MAX_BACKOFF_S)
+            log.info("reconnecting to %s in %.0f s", self.address, backoff)
+            self._sleep(backoff)
+
+    def _connect(self) -> zmq.Socket:
+        sock = self.context.socket(zmq.DEALER)
+        # A fresh identity per connection: the gateway may still hold the old one until it expires.
+        sock.setsockopt(zmq.IDENTITY, f"{self.name}/{uuid.uuid4().hex[:8]}".encode())
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.connect(self.address)
+        self._send(sock, self.ready)
+        log.info("registered with gateway at %s as %s", self.address, self.name)
+        return sock
+
+    def _serve(self, sock: zmq.Socket) -> bool:
+        """The step loop. Returns whether the gateway ever answered (to reset the backoff)."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        last_heard = time.monotonic()
+        heard = False
+        next_heartbeat = 0.0
+        while not self.stopping:
+            now = time.monotonic()
+            wait_s = 0.0 if self.engine.has_work() else max(0.0, min(next_heartbeat - now, self.interval))
+            if poller.poll(int(wait_s * 1000)):
+                if self._drain(sock):
+                    last_heard, heard = time.monotonic(), True
+            if self.engine.has_work():
+                self._send(sock, self._step())
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._send(sock, self.engine.load())
+                next_heartbeat = now + self.interval
+            if now - last_heard > self.interval * self.liveness:
+                log.warning("no word from the gateway for %.1f s", now - last_heard)
+                return heard
+        return heard
+
+    def _step(self) -> StepOutputs:
+        try:
+            return self.engine.step()
+        except Exception as exc:  # a failed step must not kill the worker or leak blocks
+            log.exception("step failed")
+            return StepOutputs(self.engine.fail_all(f"step failed: {type(exc).__name__}: {exc}"))
+
+    def _drain(self, sock: zmq.Socket) -> bool:
+        """Handle every message waiting on the socket; True if anything valid arrived."""
+        got = False
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return got
+            try:
+                msg = protocol.decode(frames)
+            except protocol.ProtocolError as exc:
+                log.warning("dropped a malformed message: %s", exc)
+                continue
+            got = True
+            if isinstance(msg, AddRequests):
+                for new in msg.requests:
+                    self.engine.add_request(new)
+            elif isinstance(msg, Abort):
+                self._send(sock, StepOutputs(self.engine.abort(msg.request_ids)))
+            elif not isinstance(msg, Heartbeat):
+                log.warning("unexpected %s from the gateway", type(msg).__name__)
+
+    def _send(self, sock: zmq.Socket, msg: protocol.Message) -> None:
+        """Never block the step loop on a slow or absent gateway: drop and log instead."""
+        try:
+            sock.send_multipart(protocol.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("gateway not accepting messages; dropped a %s", type(msg).__name__)
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(0.1)
+

@@ -1,0 +1,88 @@
+"""A request as the worker tracks it: its tokens, how many are in the KV cache, and its blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from common.protocol import FinishReason, NewRequest, SamplingParams
+
+
+class RequestStatus(IntEnum):
+    """Ordered so that ``status > PREEMPTED`` means finished; one status, no booleans that disagree."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Scheduling state from two counters: ``num_computed_tokens`` (in the KV cache) and ``num_tokens``.
+
+    Prefill, chunked prefill and decode are all "compute the tokens not yet computed"; a token is
+    sampled once every known token is computed.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @classmethod
+    def from_wire(cls, new: NewRequest, eos_token_ids: frozenset[int]) -> Request:
+        stop = frozenset(new.stop_token_ids) | (frozenset() if new.ignore_eos else eos_token_ids)
+        return cls(
+            request_id=new.request_id,
+            token_ids=list(new.prompt_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            max_new_tokens=new.max_new_tokens,
+            sampling=new.sampling,
+            stop_token_ids=stop,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.max_new_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int, max_model_len: int) -> None:
+        """Add a sampled token and decide whether the request is done."""
+        self.token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif self.num_output_tokens >= self.max_new_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH

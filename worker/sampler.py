@@ -1,0 +1,68 @@
+"""Pick the next token for every sequence of a batch at once, each with its own sampling settings.
+
+Sampling uses the exponential-race trick: ``argmax(probs / q)`` with ``q ~ Exp(1)`` draws from
+``probs``, so one batched op serves every row, and a seeded request only needs its own noise row
+drawn from its own generator (same seed, same params -> same tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.protocol import SamplingParams
+
+
+class Sampler:
+    """Batched greedy / temperature / top-k / top-p sampling with per-request seeds."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def add_request(self, request_id: str, seed: int | None) -> None:
+        if seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self._generators[request_id] = generator
+
+    def remove_request(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        """``logits`` is ``[batch, vocab]``; returns one token id per row."""
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if all(p.temperature == 0 for p in params):
+            return greedy.tolist()
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
+        logits = _apply_top_k_top_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, request_id in enumerate(request_ids):
+            generator = self._generators.get(request_id)
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(temperature > 0, sampled, greedy).tolist()
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask to -inf everything outside each row's top-k and top-p nucleus (one sort for the batch)."""
+    use_k = any(p.top_k > 0 for p in params)
+    use_p = any(p.top_p < 1.0 for p in params)
+    if not (use_k or use_p):
+        return logits
+    vocab = logits.shape[-1]
+    ascending, order = logits.sort(dim=-1)
+    if use_k:
+        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
+        kth_largest = ascending.gather(1, (vocab - k).unsqueeze(1))
+        ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
+    if use_p:
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        outside = cumulative <= (1.0 - top_p).unsqueeze(1)
+        outside[:, -1] = False  # the most likely token always stays
+        ascending = ascending.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ascending)

@@ -1,0 +1,134 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each computes.
+
+Every step has a token budget (``max_num_batched_tokens``). Running requests go first, one token
+each when decoding, or the next chunk of a prompt that did not fit in earlier steps (chunked
+prefill). Waiting requests are admitted in arrival order while the budget, the batch-size limit
+and free KV blocks allow. When a running request needs a block and none is free, the most
+recently admitted request is preempted: its blocks are freed and it goes back to the front of the
+queue, to be recomputed from prompt plus the tokens it already generated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from worker.block_manager import BlockManager
+from worker.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What the model runs this step: ``num_new_tokens[i]`` tokens of ``requests[i]``."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; the engine calls schedule() then update()."""
+
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's batch: running requests first, then newly admitted ones."""
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = self._schedule_running(batch, budget)
+        if not preempted:
+            self._schedule_waiting(batch, budget - batch.total_tokens)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
+        """Give each running request its next tokens; preempt from the back when blocks run out."""
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.blocks.allocate(request, num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    return preempted
+            batch.add(request, num_tokens)
+            budget -= num_tokens
+            index += 1
+        return preempted
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit waiting requests in order while the budget, batch size and free blocks allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.blocks.allocate(request, num_tokens):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.add(request, num_tokens)
+            budget -= num_tokens
+
+    def _preempt(self, request: Request) -> None:
+        """Free everything and queue the request first in line, to recompute what it had."""
+        self.blocks.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
+        """Advance the counters after a step, append sampled tokens, and retire finished requests."""
+        finished = []
+        for request, num_tokens in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += num_tokens
+            token = sampled.get(request.request_id)
+            if token is not None:
+                request.append_token(token, self.max_model_len)
+                if request.status.is_finished:
+                    finished.append(request)
+        for request in finished:
+            self._retire(request)
+        return finished
+
+    def finish(self, request_ids: set[str], status: RequestStatus) -> list[Request]:
+        """End these requests now (abort, error), wherever they are; return the ones found."""
+        found = [r for r in (*self.waiting, *self.running) if r.request_id in request_ids]
+        for request in found:
+            request.status = status
+            self._retire(request)
+        return found
+
+    def _retire(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.blocks.free(request)
