@@ -120,4 +120,4 @@ def tokenizer():  # noqa: ANN201 - a transformers tokenizer
     from common.model_source import resolve_model
     from gateway.tokenizer import load_tokenizer
 
-    return load_tokenizer(resolve_model(MODEL), CACHE_DIR.default)
+    return load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())

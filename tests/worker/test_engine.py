@@ -32,7 +32,7 @@ def run(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    model = load_model(resolve_model("SmolLM2-135M-Instruct"), torch.float32, CACHE_DIR.default).eval()
+    model = load_model(resolve_model("SmolLM2-135M-Instruct"), torch.float32, CACHE_DIR.env_default()).eval()
     with torch.inference_mode():
         return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
 
