@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+pip=(.venv/bin/python -m pip install -qq --disable-pip-version-check)
 # torch first and exactly this version: here it is the local CPU build; anything else pulls CUDA packages.
 "${pip[@]}" torch==2.13.0
 if [ "${1:-}" = "--test" ]; then

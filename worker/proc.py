@@ -70,9 +70,10 @@ class WorkerProc:
                 log.warning("gateway silent: dropped %d requests", len(dropped))
             if self.stopping:
                 break
-            backoff = 1.0 if heard else min(backoff * 2, MAX_BACKOFF_S)
+            backoff = 1.0 if heard else backoff
             log.info("reconnecting to %s in %.0f s", self.address, backoff)
             self._sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     def _connect(self) -> zmq.Socket:
         sock = self.context.socket(zmq.DEALER)

@@ -1,0 +1,1 @@
+"""``python -m bench``: throughput and latency of the streaming OpenAI API at several concurrency levels."""

@@ -1,0 +1,39 @@
+"""The architecture rule, checked: imports flow gateway -> common <- worker, never gateway <-> worker."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FORBIDDEN = {
+    "gateway": {"worker", "torch"},
+    "worker": {"gateway", "litestar", "jinja2"},
+    "common": {"gateway", "worker", "launcher", "torch", "zmq", "transformers", "litestar"},
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_import_direction(package):
+    offenders = {
+        f"{path.relative_to(REPO)} imports {bad}"
+        for path in (REPO / package).rglob("*.py")
+        for bad in imported_modules(path) & FORBIDDEN[package]
+    }
+    assert not offenders, sorted(offenders)
+
+
+def test_zmq_is_confined_to_the_socket_modules():
+    users = {str(p.relative_to(REPO)) for pkg in ("gateway", "worker") for p in (REPO / pkg).rglob("*.py") if "zmq" in imported_modules(p)}
+    assert users == {"gateway/worker_client.py", "worker/proc.py"}

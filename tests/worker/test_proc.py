@@ -1,0 +1,118 @@
+"""The worker's socket loop against a scripted fake gateway (a real ROUTER on loopback) and a stub engine."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import zmq
+
+from common import protocol
+from common.protocol import Abort, AddRequests, Goodbye, Heartbeat, NewRequest, Ready, RequestOutput, StepOutputs
+from tests.conftest import free_port
+from worker.proc import WorkerProc
+
+
+class StubEngine:
+    """Answers each request with one token, then finishes it."""
+
+    max_model_len = 128
+    max_num_seqs = 4
+    blocks = SimpleNamespace(capacity_tokens=64, block_size=16)
+
+    def __init__(self) -> None:
+        self.pending: list[NewRequest] = []
+        self.failed_all = 0
+
+    def add_request(self, new: NewRequest) -> None:
+        self.pending.append(new)
+
+    def abort(self, ids: list[str]) -> list[RequestOutput]:
+        self.pending = [r for r in self.pending if r.request_id not in ids]
+        return [RequestOutput(i, [], "abort") for i in ids]
+
+    def has_work(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> StepOutputs:
+        done, self.pending = self.pending, []
+        return StepOutputs([RequestOutput(r.request_id, [42], "length", len(r.prompt_token_ids), 1) for r in done], batch_size=len(done))
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        self.failed_all += 1
+        return []
+
+    def load(self) -> Heartbeat:
+        return Heartbeat(running=len(self.pending))
+
+
+class FakeGateway:
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.sock.bind(self.address)
+
+    def receive(self, kind: type, timeout: float = 5.0) -> tuple[bytes, object]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                identity, *frames = self.sock.recv_multipart()
+                msg = protocol.decode(frames)
+                if isinstance(msg, kind):
+                    return identity, msg
+        raise TimeoutError(f"no {kind.__name__} from the worker")
+
+    def send(self, identity: bytes, msg) -> None:
+        self.sock.send_multipart([identity, *protocol.encode(msg)])
+
+    def close(self) -> None:
+        self.sock.close()
+        self.context.term()
+
+
+def start_worker(address: str, engine: StubEngine) -> tuple[WorkerProc, threading.Thread]:
+    proc = WorkerProc(engine, address, "w-test", "m", "cpu", "float32", heartbeat_interval=0.1, heartbeat_liveness=3)
+    thread = threading.Thread(target=proc.run, daemon=True)
+    thread.start()
+    return proc, thread
+
+
+def test_worker_registers_serves_survives_garbage_and_says_goodbye():
+    gateway = FakeGateway()
+    engine = StubEngine()
+    proc, thread = start_worker(gateway.address, engine)
+    try:
+        identity, ready = gateway.receive(Ready)
+        assert (ready.worker_name, ready.model, ready.kv_capacity_tokens, ready.max_batch_size) == ("w-test", "m", 64, 4)
+        gateway.sock.send_multipart([identity, b"\x01\x03", b"\xc1 not msgpack"])
+        gateway.sock.send_multipart([identity, b"junk"])
+        gateway.send(identity, AddRequests([NewRequest("a", [1, 2], 5), NewRequest("b", [3], 5)]))
+        _, step = gateway.receive(StepOutputs)
+        assert step.batch_size == 2 and [(o.request_id, o.new_token_ids) for o in step.outputs] == [("a", [42]), ("b", [42])]
+        gateway.send(identity, Abort(["zzz"]))
+        _, aborted = gateway.receive(StepOutputs)
+        assert aborted.outputs[0].finish_reason == "abort"
+        proc.stopping = True
+        gateway.receive(Goodbye)
+        thread.join(5)
+        assert not thread.is_alive()
+    finally:
+        proc.stopping = True
+        gateway.close()
+
+
+def test_worker_reconnects_and_registers_again_when_the_gateway_goes_silent():
+    gateway = FakeGateway()
+    engine = StubEngine()
+    proc, thread = start_worker(gateway.address, engine)
+    try:
+        first, _ = gateway.receive(Ready)
+        # Never answer: after 3 x 0.1 s of silence the worker drops its work and reconnects.
+        second, again = gateway.receive(Ready, timeout=5)
+        assert second != first and again.worker_name == "w-test"
+        assert engine.failed_all >= 1
+    finally:
+        proc.stopping = True
+        thread.join(5)
+        gateway.close()
