@@ -43,6 +43,7 @@ class WorkerInfo:
     ready: Ready
     expiry: float
     load: Heartbeat = field(default_factory=Heartbeat)
+    heartbeats: int = 0  # load reports received; lets a reader tell fresh figures from stale ones
     inflight: set[str] = field(default_factory=set)
     pending: list[NewRequest] = field(default_factory=list)
     requests_assigned: int = 0
@@ -67,6 +68,7 @@ class WorkerInfo:
             "total_blocks": self.load.total_blocks,
             "tokens_per_s": self.load.tokens_per_s,
             "steps": self.load.steps,
+            "heartbeats": self.heartbeats,
             "steps_seen": self.steps_seen,
             "batched_steps": self.batched_steps,
             "peak_batch_size": max(self.peak_batch_size, self.load.peak_batch_size),
@@ -214,6 +216,7 @@ class WorkerClient:
             self._on_step(worker, msg)
         elif isinstance(msg, Heartbeat):
             worker.load = msg
+            worker.heartbeats += 1
         elif isinstance(msg, Goodbye):
             self._purge(worker, f"worker {worker.ready.worker_name} left: {msg.reason}")
         elif isinstance(msg, WorkerError):

@@ -190,10 +190,18 @@ def test_client_disconnect_aborts_the_request_on_the_worker(server):
         busy = [w for w in server.workers() if w["inflight"]]
         assert busy, "the request should be in flight"
     # The client is gone: the worker must stop the request and give all of its KV blocks back.
-    wait_until(
-        lambda: all(w["inflight"] == 0 and w["running"] == 0 and w["free_blocks"] == w["total_blocks"] for w in server.workers()),
-        timeout=15, what="the worker to abort the request and free its blocks",
-    )
+    # Only load reports sent after the disconnect count (two more heartbeats, so a whole interval).
+    seen = {w["name"]: w["heartbeats"] for w in server.workers()}
+
+    def fresh_and_idle() -> bool:
+        workers = server.workers()
+        return all(
+            w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0 and w["free_blocks"] == w["total_blocks"]
+            for w in workers
+        )
+
+    wait_until(fresh_and_idle, timeout=15, what="the worker to abort the request and free its blocks")
     steps = {w["name"]: w["steps"] for w in server.workers()}
-    time.sleep(2.5)  # two more heartbeats: no step ran, so nothing is generating any more
-    assert {w["name"]: w["steps"] for w in server.workers()} == steps
+    seen = {w["name"]: w["heartbeats"] for w in server.workers()}
+    wait_until(lambda: all(w["heartbeats"] >= seen[w["name"]] + 2 for w in server.workers()), 10, "two more heartbeats")
+    assert {w["name"]: w["steps"] for w in server.workers()} == steps, "a worker kept stepping after the abort"

@@ -1,5 +1,6 @@
 """The engine in-process with the real default model: batching, chunked prefill and preemption must
-not change greedy output. In float32 the paged path matches transformers' ``generate`` exactly."""
+not change greedy output. In float32 both model implementations (the native Llama forward and
+transformers' classes) match transformers' ``generate`` exactly."""
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ def reference() -> list[list[int]]:
         return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
 
 
+@pytest.mark.parametrize("impl", ["native", "transformers"])
 @pytest.mark.parametrize(
     "settings",
     [
@@ -46,8 +48,8 @@ def reference() -> list[list[int]]:
     ],
     ids=["batched", "chunked-prefill", "preemption"],
 )
-def test_greedy_output_matches_generate_in_float32(settings, reference):
-    config = WorkerConfig(dtype="float32", **settings)
+def test_greedy_output_matches_generate_in_float32(settings, impl, reference):
+    config = WorkerConfig(dtype="float32", model_impl=impl, **settings)
     engine = Engine(resolve_model("SmolLM2-135M-Instruct"), config)
     out = run(engine, PROMPTS)
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == reference

@@ -52,3 +52,12 @@ def test_same_seed_same_tokens_whatever_the_batch():
     unseeded = Sampler(torch.device("cpu"))
     draws = {tuple(unseeded(x, ["a"] * 3, [SamplingParams(temperature=1.5)] * 3)) for _ in range(10)}
     assert len(draws) > 1
+
+
+def test_samples_follow_the_distribution_and_never_pick_masked_tokens():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
+    x = torch.log(probs).repeat(4000, 1)  # -inf for the last token
+    out = Sampler(torch.device("cpu"))(x, ["r"] * 4000, [SamplingParams(temperature=1.0)] * 4000)
+    counts = torch.bincount(torch.tensor(out), minlength=5).float() / 4000
+    assert counts[4] == 0
+    assert torch.allclose(counts[:4], probs[:4], atol=0.03), counts

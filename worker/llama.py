@@ -1,0 +1,141 @@
+"""A lean forward pass for Llama-family models (Llama, SmolLM, Qwen2-style QKV bias) over the paged cache.
+
+Why it exists: at batch 1 a decode step through transformers' module tree spends a third of its time
+in Python (about 400 module calls per step for the default model). Here each layer is one fused QKV
+projection, one fused gate/up projection and a handful of tensor ops. The arithmetic mirrors
+transformers' Llama code op for op (float32 RMSNorm, the same rotary embedding module, the same SDPA
+call through ``paged_attention``), and fused projections are bit-identical to separate ones, so
+greedy output stays token-identical to ``generate``. Other architectures use transformers' classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention import AttentionMetadata, paged_attention
+
+SUPPORTED = {"llama", "qwen2"}
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Architectures whose layers match the plain Llama block (no sliding window, SiLU MLP)."""
+    config = model.config
+    return (
+        config.model_type in SUPPORTED
+        and getattr(config, "hidden_act", "silu") == "silu"
+        and not getattr(config, "use_sliding_window", False)
+        and not getattr(config, "mlp_bias", False)
+    )
+
+
+@dataclass(slots=True)
+class _Layer:
+    """Weights of one decoder block, projections fused; quacks like an attention module for SDPA."""
+
+    layer_idx: int
+    num_key_value_groups: int
+    input_norm: torch.Tensor
+    qkv: _Linear
+    o_proj: _Linear
+    post_norm: torch.Tensor
+    gate_up: _Linear
+    down: _Linear
+    is_causal: bool = True
+    training: bool = False
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op (float32 statistics, cast back, then scale)."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class _Linear:
+    """A projection; on the CPU its weight is pre-packed once for oneDNN instead of on every call.
+
+    Pre-packing makes bf16 projections 1.2-2x faster on the CPU and gives bit-identical results.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.bias = bias
+        self.packed = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1) if self.packed else weight.detach()
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [None], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaForward:
+    """Holds fused weights taken from a loaded transformers model; ``__call__`` runs one step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = model.config
+        decoder = model.model
+        self.eps = config.rms_norm_eps
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.embed = decoder.embed_tokens.weight
+        self.final_norm = decoder.norm.weight
+        self.lm_head = _Linear(model.lm_head.weight)
+        self.rotary = decoder.rotary_emb
+        self.layers = [self._fuse(i, block) for i, block in enumerate(decoder.layers)]
+        decoder.layers = torch.nn.ModuleList()  # the fused copies replace them; free the originals
+
+    def _fuse(self, index: int, block: torch.nn.Module) -> _Layer:
+        attn, mlp = block.self_attn, block.mlp
+        bias = None
+        if attn.q_proj.bias is not None:
+            bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
+        return _Layer(
+            layer_idx=index,
+            num_key_value_groups=self.heads // self.kv_heads,
+            input_norm=block.input_layernorm.weight.detach(),
+            qkv=_Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), bias),
+            o_proj=_Linear(attn.o_proj.weight),
+            post_norm=block.post_attention_layernorm.weight.detach(),
+            gate_up=_Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+            down=_Linear(mlp.down_proj.weight),
+        )
+
+    @torch.inference_mode()
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """``input_ids``/``positions`` are ``[1, num_tokens]``; returns logits of the selected rows."""
+        hidden = F.embedding(input_ids, self.embed)  # [1, T, hidden]
+        cos, sin = self.rotary(hidden, positions)  # [1, T, head_dim]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads: [1, 1, T, head_dim]
+        num_tokens = input_ids.shape[1]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for layer in self.layers:
+            x = _rms_norm(hidden, layer.input_norm, self.eps)
+            qkv = layer.qkv(x)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(1, num_tokens, self.heads, self.head_dim).transpose(1, 2)
+            k = k.view(1, num_tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(1, num_tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            attn, _ = paged_attention(layer, q, k, v, None, scaling=self.head_dim**-0.5, paged_metadata=metadata)
+            hidden = hidden + layer.o_proj(attn.reshape(1, num_tokens, -1))
+            x = _rms_norm(hidden, layer.post_norm, self.eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        hidden = _rms_norm(hidden[0, logits_indices], self.final_norm, self.eps)
+        return self.lm_head(hidden)
