@@ -4,7 +4,10 @@ The model runner feeds the whole batch as one flat sequence ``[1, num_tokens]`` 
 first, then prompt chunks) with per-token positions, and registers ``paged_attention`` as the
 model's attention implementation. Each layer then writes its new keys/values into the paged cache
 (``slot_mapping``), gathers each sequence's context through its block table, and hands the maths to
-transformers' SDPA function, so a lone sequence gets exactly the numbers ``generate`` gets.
+transformers' SDPA function, so a lone sequence gets exactly the numbers ``generate`` gets. Groups
+of several decode rows use two batched matmuls and a float32 softmax instead: on the CPU that is 2x
+faster than SDPA for one query token per row, and 5x faster than the ``enable_gqa`` path
+transformers takes when no mask is needed.
 """
 
 from __future__ import annotations
@@ -30,15 +33,24 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Single-token rows of similar context length, padded to the group's longest one."""
+
+    start: int  # first row of the group within the decode rows
+    num_rows: int
+    block_tables: torch.Tensor  # [num_rows, max_blocks]
+    max_len: int
+    mask: torch.Tensor | None  # [num_rows, 1, 1, max_len]; None when all lengths are equal
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything a layer needs to find its part of the paged cache for this step."""
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor  # [num_tokens]: flat cache slot of each new token
     num_decode: int  # the first num_decode tokens are single-token steps of num_decode sequences
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks]
-    decode_max_len: int
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_max_len]; None when all lengths are equal
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -47,6 +59,22 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tor
     batch = block_tables.shape[0]
     blocks = cache[block_tables]  # [batch, max_blocks, block_size, kv_heads, head_dim]
     return blocks.view(batch, -1, *cache.shape[2:])[:, :length].transpose(1, 2)
+
+
+def _decode_rows_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """Attention for one query token per row: ``query`` ``[rows, heads, head_dim]``, key/value
+    ``[rows, kv_heads, length, head_dim]``. Heads sharing a KV head sit next to each other
+    (head h reads KV head h // groups), so a view folds them into one matrix per KV head."""
+    rows, heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    packed = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.matmul(packed, key.transpose(-1, -2)).float() * scaling  # [rows, kv_heads, groups, length]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1).to(value.dtype)
+    return torch.matmul(weights, value).reshape(rows, heads, head_dim)
 
 
 def paged_attention(
@@ -69,12 +97,16 @@ def paged_attention(
 
     heads, head_dim = query.shape[1], query.shape[3]
     outputs = []
-    if meta.num_decode:
-        q = query[0, :, : meta.num_decode].transpose(0, 1).unsqueeze(2)  # [num_decode, heads, 1, head_dim]
-        k = _gather(k_cache, meta.decode_block_tables, meta.decode_max_len)
-        v = _gather(v_cache, meta.decode_block_tables, meta.decode_max_len)
-        out, _ = sdpa_attention_forward(module, q, k, v, meta.decode_mask, scaling=scaling)
-        outputs.append(out.reshape(meta.num_decode, heads, head_dim))
+    for group in meta.decode_groups:
+        rows = slice(group.start, group.start + group.num_rows)
+        q = query[0, :, rows].transpose(0, 1)  # [rows, heads, head_dim]
+        k = _gather(k_cache, group.block_tables, group.max_len)
+        v = _gather(v_cache, group.block_tables, group.max_len)
+        if group.num_rows == 1:  # exactly what generate computes for a lone sequence
+            out, _ = sdpa_attention_forward(module, q.unsqueeze(2), k, v, group.mask, scaling=scaling)
+            outputs.append(out.reshape(1, heads, head_dim))
+        else:
+            outputs.append(_decode_rows_attention(q, k, v, group.mask, scaling or head_dim**-0.5))
     for span in meta.prefills:
         end = span.start + span.num_tokens
         q = query[:, :, span.start : end]
