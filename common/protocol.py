@@ -86,6 +86,7 @@ class Heartbeat:
     tokens_per_s: float = 0.0
     steps: int = 0
     peak_batch_size: int = 0
+    preemptions: int = 0
 
 
 @dataclass(slots=True)

@@ -69,6 +69,7 @@ class WorkerInfo:
             "tokens_per_s": self.load.tokens_per_s,
             "steps": self.load.steps,
             "heartbeats": self.heartbeats,
+            "preemptions": self.load.preemptions,
             "steps_seen": self.steps_seen,
             "batched_steps": self.batched_steps,
             "peak_batch_size": max(self.peak_batch_size, self.load.peak_batch_size),

@@ -110,14 +110,18 @@ def paged_attention(
     for span in meta.prefills:
         end = span.start + span.num_tokens
         q = query[:, :, span.start : end]
-        if span.num_computed == 0:
+        if span.num_computed == 0:  # a whole prompt, or its first chunk: exactly what generate computes
             k, v = key[:, :, span.start : end], value[:, :, span.start : end]
-        else:
-            table = span.block_table.unsqueeze(0)
-            k = _gather(k_cache, table, span.num_computed + span.num_tokens)
-            v = _gather(v_cache, table, span.num_computed + span.num_tokens)
-        out, _ = sdpa_attention_forward(module, q, k, v, span.mask, scaling=scaling, is_causal=True)
-        outputs.append(out.reshape(span.num_tokens, heads, head_dim))
+            out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=scaling, is_causal=True)
+            outputs.append(out.reshape(span.num_tokens, heads, head_dim))
+            continue
+        # A later chunk attends to the cached prefix: enable_gqa with the mask is 2x transformers'
+        # repeat_kv route here (which copies the whole context out to every query head).
+        table = span.block_table.unsqueeze(0)
+        k = _gather(k_cache, table, span.num_computed + span.num_tokens)
+        v = _gather(v_cache, table, span.num_computed + span.num_tokens)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scaling, enable_gqa=True)
+        outputs.append(out[0].transpose(0, 1).reshape(span.num_tokens, heads, head_dim))
     return torch.cat(outputs).unsqueeze(0), None
 
 

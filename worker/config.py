@@ -15,6 +15,7 @@ WORKER_FLAGS = [
     Flag("block-size", 16, "Tokens per KV-cache block", int),
     Flag("max-num-seqs", 128, "Most sequences in one step (the batch size limit)", int),
     Flag("max-num-batched-tokens", 512, "Token budget of one step; longer prompts are prefilled in chunks", int),
+    Flag("max-prefill-chunk", 64, "Most prompt tokens in one step while other requests are decoding (keeps their inter-token latency steady)", int),
     Flag("max-model-len", 0, "Longest sequence (prompt + output) accepted; 0 means the model's own limit", int),
     Flag("model-impl", "auto", "native (fused Llama-family forward), transformers (any causal LM), or auto (native where supported)"),
     Flag("threads", 0, "CPU threads for torch; 0 leaves torch's default", int),
@@ -38,6 +39,7 @@ class WorkerConfig:
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
+    max_prefill_chunk: int = 64
     max_model_len: int = 0
     model_impl: str = "auto"
     threads: int = 0

@@ -21,7 +21,9 @@ class Engine:
         self.runner = ModelRunner(source, config)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.max_prefill_chunk
+        )
         self.max_num_seqs = config.max_num_seqs
         self._rejected: list[RequestOutput] = []
         self._requests: dict[str, Request] = {}
@@ -121,4 +123,5 @@ class Engine:
             tokens_per_s=recent / 10.0,
             steps=self.num_steps,
             peak_batch_size=self.peak_batch_size,
+            preemptions=self.scheduler.num_preemptions,
         )

@@ -1,6 +1,7 @@
 """Continuous batching decisions, on plain Python objects (no model)."""
 
 from worker.request import RequestStatus
+from worker.scheduler import ScheduledBatch
 from tests.worker.factories import make_request, make_scheduler
 
 
@@ -96,3 +97,15 @@ def test_abort_frees_a_running_request():
     scheduler.schedule()
     found = scheduler.finish({"a", "unknown"}, RequestStatus.FINISHED_ABORTED)
     assert [r.request_id for r in found] == ["a"] and scheduler.blocks.num_free_blocks == 4
+
+
+def test_prompt_chunks_are_capped_while_others_decode_but_not_when_idle():
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=64)
+    scheduler.max_prefill_chunk = 8
+    first = make_request("first", 40)
+    scheduler.add(first)
+    assert scheduler.schedule().num_new_tokens == [40]  # nothing decoding: the whole budget
+    scheduler.update(ScheduledBatch([first], [40]), {"first": 5})
+    scheduler.add(make_request("second", 40))
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [1, 8]  # first decodes; second's prompt comes 8 tokens a step

@@ -1,0 +1,99 @@
+"""Scheduling behaviour seen from the API: chunked prefill under load, preemption when KV runs out."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL, Server, start_serve, wait_until
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, times: list[float]) -> dict:
+    """Stream a chat completion, appending the arrival time of every content chunk to ``times``."""
+    usage: dict = {}
+    async with client.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = httpx.Response(200, content=line[6:]).json()
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    times.append(time.perf_counter())
+    return usage
+
+
+@pytest.fixture(scope="module")
+def one_worker() -> Server:
+    server = start_serve("serve-chunked", 1)
+    yield server
+    server.stop()
+
+
+def test_a_long_prompt_does_not_freeze_running_streams(one_worker):
+    """A 2,000-token prompt arrives while 16 streams decode: their inter-token p99 over the time the
+    prompt is being prefilled stays within 3x of their median inter-token latency."""
+    url = one_worker.base_url + "/v1/chat/completions"
+
+    async def scenario() -> tuple[list[list[float]], tuple[float, float], dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            times: list[list[float]] = [[] for _ in range(16)]
+            streams = [
+                asyncio.create_task(_stream(client, url, {
+                    "model": MODEL, "messages": [{"role": "user", "content": f"Tell story number {i}."}],
+                    "max_tokens": 160, "ignore_eos": True, "temperature": 0.8,
+                }, times[i]))
+                for i in range(16)
+            ]
+            while min(len(t) for t in times) < 20:  # everyone is decoding
+                await asyncio.sleep(0.05)
+            start = time.perf_counter()
+            long_usage = await _stream(client, url, {
+                "model": MODEL, "messages": [{"role": "user", "content": "word " * 1990}], "max_tokens": 1,
+            }, [])
+            window = (start, time.perf_counter())
+            await asyncio.gather(*streams)
+            return times, window, long_usage
+
+    times, (start, end), long_usage = asyncio.run(scenario())
+    assert long_usage["prompt_tokens"] >= 2000
+    gaps = [(b, b - a) for t in times for a, b in zip(t, t[1:])]
+    median = statistics.median(g for _, g in gaps)
+    during = sorted(g for at, g in gaps if start <= at <= end + median)
+    assert len(during) > 16, "the long prompt should take several steps to prefill"
+    p99 = during[min(len(during) - 1, round(0.99 * (len(during) - 1)))]
+    assert p99 <= 3 * median, f"inter-token p99 {p99 * 1000:.0f} ms during the prefill vs median {median * 1000:.0f} ms"
+
+
+def test_oversubscribed_kv_cache_preempts_and_every_answer_is_still_right():
+    """A KV cache that holds ~2 requests' worth of tokens, 6 requests at once: requests are preempted
+    and recomputed, and each greedy answer equals the answer it gets alone (float32: exact)."""
+    server = start_serve("serve-preempt", 1, "--dtype", "float32", "--kv-cache-memory", "8MiB", "--block-size", "16")
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        prompts = [f"Write a few sentences about the number {i}." for i in range(6)]
+
+        def ask(prompt: str) -> str:
+            reply = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=60, temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            return reply.choices[0].message.content
+
+        alone = [ask(p) for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(ask, prompts))
+        assert together == alone
+        seen = server.workers()[0]["heartbeats"]
+        wait_until(lambda: server.workers()[0]["heartbeats"] > seen, 10, "a fresh load report")
+        worker = server.workers()[0]
+        assert worker["kv_capacity_tokens"] < 6 * 100, worker
+        assert worker["preemptions"] > 0, "the workload should have oversubscribed the cache"
+    finally:
+        server.stop()
