@@ -87,6 +87,8 @@ class Heartbeat:
     steps: int = 0
     peak_batch_size: int = 0
     preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queried_tokens: int = 0
 
 
 @dataclass(slots=True)

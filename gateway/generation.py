@@ -29,6 +29,7 @@ class TextDelta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 class Generator:
@@ -70,7 +71,7 @@ class Generator:
                     text += detokenizer.flush()
                     if finish == FinishReason.ABORT:
                         finish = FinishReason.STOP
-                yield TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens)
+                yield TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens)
                 if finish is not None:
                     return
         finally:
@@ -84,7 +85,7 @@ class Generator:
         async for delta in self.stream(request):
             parts.append(delta.text)
             last = delta
-        return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)
 
 
 def now_s() -> int:

@@ -1,13 +1,21 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks handed to requests, with no tensors in sight.
+"""Paged KV-cache bookkeeping with automatic prefix caching, and no tensors in sight.
 
 The model runner owns the KV tensors, shaped ``[num_blocks, block_size, ...]``; this module only
 decides which block ids a request's tokens live in. Admission asks it for room before a request
 runs, so the cache can never be over-committed.
+
+Prefix caching: once a block is full of computed tokens it gets a hash chained from its parent's
+(so equal hashes mean equal whole prefixes) and is registered. A new request first looks its
+prompt up block by block and shares every block that matches (reference counts), computing only
+the rest. A block whose last user is done goes to the back of an LRU free list but keeps its
+contents and hash until it is taken for other tokens, so a later request with the same prefix
+(a shared system prompt, the next turn of a conversation) still finds it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from worker.request import Request
 
@@ -17,13 +25,30 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class BlockManager:
-    """A free list of block ids; requests take blocks as their sequences grow and give all back at the end."""
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # the tokens behind the hash, checked on lookup (no false sharing)
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    """Hands out blocks, shares cached prefix blocks, and takes them back (reverse order, LRU)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.hit_tokens = 0  # prompt tokens served from the cache, since start
+        self.queried_tokens = 0  # prompt tokens looked up
 
     @property
     def num_free_blocks(self) -> int:
@@ -33,16 +58,81 @@ class BlockManager:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def match_prefix(self, request: Request) -> int:
+        """Share the cached blocks of a new request's leading full blocks; returns tokens reused.
+
+        At least one token is always left to compute, so the step still produces logits.
+        """
+        if not self.enable_prefix_caching or request.block_ids:
+            return 0
+        size = self.block_size
+        parent: int | None = None
+        tokens = request.token_ids
+        usable = (len(tokens) - 1) // size
+        self.queried_tokens += request.num_tokens
+        for index in range(usable):
+            chunk = tuple(tokens[index * size : (index + 1) * size])
+            block_hash = chain_hash(parent, chunk)
+            block_id = self._cached.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            self._take(block_id)
+            request.block_ids.append(block_id)
+            request.block_hashes.append(block_hash)
+            parent = block_hash
+        reused = len(request.block_ids) * size
+        request.num_computed_tokens = reused
+        self.hit_tokens += reused
+        return reused
+
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if it can't."""
         needed = blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size) - len(request.block_ids)
         if needed > len(self._free):
             return False
         for _ in range(needed):
-            request.block_ids.append(self._free.popleft())
+            block_id = next(iter(self._free))  # least recently freed
+            self._forget(block_id)
+            self._take(block_id)
+            request.block_ids.append(block_id)
         return True
 
+    def register_full_blocks(self, request: Request) -> None:
+        """After a step: hash the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        full = request.num_computed_tokens // size
+        for index in range(len(request.block_hashes), full):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            chunk = tuple(request.token_ids[index * size : (index + 1) * size])
+            block_hash = chain_hash(parent, chunk)
+            request.block_hashes.append(block_hash)
+            block = self.blocks[request.block_ids[index]]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash, block.token_ids = block_hash, chunk
+                self._cached[block_hash] = block.block_id
+
     def free(self, request: Request) -> None:
-        """Give back all of a request's blocks, last first, so recently used blocks are reused last."""
-        self._free.extend(reversed(request.block_ids))
+        """Drop the request's references, last block first, so prefixes outlive their tails in the LRU."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
         request.block_ids.clear()
+        request.block_hashes.clear()
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _forget(self, block_id: int) -> None:
+        """A free block is about to hold other tokens: its cached contents are gone."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()

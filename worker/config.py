@@ -16,6 +16,7 @@ WORKER_FLAGS = [
     Flag("max-num-seqs", 128, "Most sequences in one step (the batch size limit)", int),
     Flag("max-num-batched-tokens", 512, "Token budget of one step; longer prompts are prefilled in chunks", int),
     Flag("max-prefill-chunk", 64, "Most prompt tokens in one step while other requests are decoding (keeps their inter-token latency steady)", int),
+    Flag("prefix-caching", True, "Reuse the KV blocks of prompt prefixes seen before (a shared system prompt, earlier turns)", bool),
     Flag("max-model-len", 0, "Longest sequence (prompt + output) accepted; 0 means the model's own limit", int),
     Flag("model-impl", "auto", "native (fused Llama-family forward), transformers (any causal LM), or auto (native where supported)"),
     Flag("threads", 0, "CPU threads for torch; 0 leaves torch's default", int),
@@ -40,6 +41,7 @@ class WorkerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int = 64
+    prefix_caching: bool = True
     max_model_len: int = 0
     model_impl: str = "auto"
     threads: int = 0

@@ -19,7 +19,7 @@ class Engine:
 
     def __init__(self, source: ModelSource, config: WorkerConfig) -> None:
         self.runner = ModelRunner(source, config)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.max_prefill_chunk
@@ -95,6 +95,7 @@ class Engine:
             request.finish_reason,
             request.num_prompt_tokens,
             request.num_output_tokens,
+            request.num_cached_tokens,
             error=request.error,
         )
 
@@ -124,4 +125,6 @@ class Engine:
             steps=self.num_steps,
             peak_batch_size=self.peak_batch_size,
             preemptions=self.scheduler.num_preemptions,
+            prefix_hit_tokens=self.blocks.hit_tokens,
+            prefix_queried_tokens=self.blocks.queried_tokens,
         )

@@ -48,7 +48,9 @@ class Request:
     stop_token_ids: frozenset[int]
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
     error: str | None = None
 
     @classmethod

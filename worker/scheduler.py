@@ -121,8 +121,13 @@ class Scheduler:
         """Admit waiting requests in order while the budgets, batch size and free blocks allow."""
         while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            cached = self.blocks.match_prefix(request)
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = cached
             num_tokens = self._take(request)
             if num_tokens == 0 or not self.blocks.allocate(request, num_tokens):
+                self.blocks.free(request)  # don't pin shared blocks while waiting
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -143,6 +148,7 @@ class Scheduler:
         finished = []
         for request, num_tokens in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += num_tokens
+            self.blocks.register_full_blocks(request)
             token = sampled.get(request.request_id)
             if token is not None:
                 request.append_token(token, self.max_model_len)

@@ -19,6 +19,7 @@ def usage(delta: TextDelta) -> dict:
         "prompt_tokens": delta.prompt_tokens,
         "completion_tokens": delta.completion_tokens,
         "total_tokens": delta.prompt_tokens + delta.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": delta.cached_tokens},
     }
 
 

@@ -97,3 +97,33 @@ def test_oversubscribed_kv_cache_preempts_and_every_answer_is_still_right():
         assert worker["preemptions"] > 0, "the workload should have oversubscribed the cache"
     finally:
         server.stop()
+
+
+def test_a_repeated_long_system_prompt_is_served_from_the_prefix_cache(one_worker):
+    """Same ~1,000-token system prompt, new question: the second request's prompt mostly comes from
+    the KV cache (reported as cached_tokens) and its time to first token is at least 5x lower."""
+    client = openai.OpenAI(base_url=one_worker.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    system = "You are a meticulous assistant. " + " ".join(f"Rule {i}: answer carefully and politely." for i in range(120))
+
+    def first_token_time(question: str) -> tuple[float, dict]:
+        start = time.perf_counter()
+        first = None
+        usage = None
+        for chunk in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=4, stream=True, stream_options={"include_usage": True},
+        ):
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - start
+            usage = chunk.usage or usage
+        return first, usage.model_dump()
+
+    cold, cold_usage = first_token_time("What is rule 7?")
+    warm, warm_usage = first_token_time("What is rule 8?")
+    assert cold_usage["prompt_tokens"] >= 1000
+    assert cold_usage["prompt_tokens_details"]["cached_tokens"] < 100
+    assert warm_usage["prompt_tokens_details"]["cached_tokens"] >= 960
+    assert warm * 5 <= cold, f"cold TTFT {cold * 1000:.0f} ms, warm {warm * 1000:.0f} ms"
+    seen = one_worker.workers()[0]["heartbeats"]
+    wait_until(lambda: one_worker.workers()[0]["heartbeats"] > seen, 10, "a fresh load report")
+    assert one_worker.workers()[0]["prefix_hit_tokens"] >= 960

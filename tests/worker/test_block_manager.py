@@ -34,3 +34,69 @@ def test_free_returns_every_block():
     blocks.free(b)
     assert a.block_ids == [] and blocks.num_free_blocks == 4
     assert len(set(blocks._free)) == 4
+
+
+def computed(blocks: BlockManager, request, num_tokens: int) -> None:
+    """Pretend a step computed ``num_tokens`` tokens of ``request``."""
+    assert blocks.allocate(request, num_tokens)
+    request.num_computed_tokens += num_tokens
+    blocks.register_full_blocks(request)
+
+
+def test_a_shared_prefix_is_reused_block_by_block():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    prefix = list(range(100, 110))  # 2 full blocks + 2 tokens
+    first = make_request("a", 0, token_ids=prefix + [1, 2])
+    computed(blocks, first, 12)
+    second = make_request("b", 0, token_ids=prefix + [7, 8, 9])
+    assert blocks.match_prefix(second) == 8
+    assert second.block_ids == first.block_ids[:2] and second.num_computed_tokens == 8
+    assert [blocks.blocks[i].ref_count for i in second.block_ids] == [2, 2]
+    assert blocks.hit_tokens == 8
+
+
+def test_at_least_one_token_is_left_to_compute():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(100, 108))  # exactly two blocks
+    computed(blocks, make_request("a", 0, token_ids=tokens), 8)
+    again = make_request("b", 0, token_ids=tokens)
+    assert blocks.match_prefix(again) == 4  # the second block holds the last token: recompute it
+
+
+def test_same_block_after_a_different_prefix_is_not_a_hit():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    computed(blocks, make_request("a", 0, token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9]), 9)
+    other = make_request("b", 0, token_ids=[9, 9, 9, 9, 5, 6, 7, 8, 9])
+    assert blocks.match_prefix(other) == 0
+
+
+def test_freed_blocks_stay_cached_until_reused_least_recent_first():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    first = make_request("a", 0, token_ids=list(range(100, 109)))
+    computed(blocks, first, 9)  # blocks: 2 full (cached) + 1 partial
+    cached_ids = first.block_ids[:2]
+    blocks.free(first)
+    assert blocks.num_free_blocks == 4
+    again = make_request("b", 0, token_ids=list(range(100, 109)))
+    assert blocks.match_prefix(again) == 8  # still there after its owner finished
+    blocks.free(again)
+    # Other tokens need 3 blocks: the never-used block and the partial one go first, then the
+    # tail of the prefix (freed before its head), and the prefix's first block survives.
+    other = make_request("c", 0, token_ids=list(range(500, 512)))
+    assert blocks.allocate(other, 12)
+    assert cached_ids[0] not in other.block_ids and cached_ids[1] in other.block_ids
+    assert blocks.match_prefix(make_request("d", 0, token_ids=list(range(100, 109)))) == 4
+
+
+def test_free_returns_shared_blocks_only_when_the_last_user_leaves():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    tokens = list(range(100, 106))
+    a = make_request("a", 0, token_ids=tokens)
+    computed(blocks, a, 6)
+    b = make_request("b", 0, token_ids=tokens)
+    blocks.match_prefix(b)
+    assert blocks.allocate(b, 2)
+    blocks.free(a)
+    assert blocks.num_free_blocks == 4 - 2  # the shared block and b's own block are still in use
+    blocks.free(b)
+    assert blocks.num_free_blocks == 4

@@ -63,3 +63,17 @@ def test_a_request_that_can_never_fit_is_rejected_not_stuck():
     outputs = engine.step().outputs
     assert outputs[0].finish_reason == "error" and "KV cache" in outputs[0].error
     assert not engine.has_work()
+
+
+def test_a_prefix_cache_hit_gives_the_same_answer_as_a_cold_run():
+    engine = Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
+    prompt = PROMPTS[2] + PROMPTS[1] + PROMPTS[2]  # 50 tokens: 3 full blocks of 16 can be reused
+    cold = run(engine, [prompt])["r0"]
+    assert engine.blocks.hit_tokens == 0
+    engine.add_request(NewRequest("warm", prompt, NEW_TOKENS, SamplingParams(temperature=0)))
+    warm, outputs = [], []
+    while engine.has_work():
+        outputs += engine.step().outputs
+    warm = [t for o in outputs for t in o.new_token_ids]
+    assert warm == cold
+    assert outputs[0].num_cached_tokens == 48 and engine.blocks.hit_tokens == 48
