@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.protocol import FinishReason, NewRequest
+from common.protocol import FinishReason, NewRequest, RequestOutput
 from gateway.errors import GenerationFailed
 from gateway.templates import ChatTemplate
 from gateway.tokenizer import IncrementalDetokenizer
@@ -62,7 +62,7 @@ class Generator:
         stream = self.client.submit(request)
         try:
             while True:
-                item = await stream.queue.get()
+                item = _merge_ready(await stream.queue.get(), stream.queue)
                 if isinstance(item, GenerationFailed):
                     raise item
                 text = detokenizer.push(item.new_token_ids)
@@ -86,6 +86,18 @@ class Generator:
             parts.append(delta.text)
             last = delta
         return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+
+
+def _merge_ready(item: RequestOutput | GenerationFailed, queue: asyncio.Queue) -> RequestOutput | GenerationFailed:
+    """Fold outputs that are already waiting into one: when the client or the gateway falls behind
+    the worker, one chunk carries several tokens instead of the backlog growing chunk by chunk."""
+    while isinstance(item, RequestOutput) and item.finish_reason is None and not queue.empty():
+        following = queue.get_nowait()
+        if isinstance(following, GenerationFailed):
+            return following
+        following.new_token_ids = item.new_token_ids + following.new_token_ids
+        item = following
+    return item
 
 
 def now_s() -> int:
