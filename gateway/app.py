@@ -7,17 +7,19 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from litestar import Litestar
+from litestar import Litestar, Router
 from litestar.datastructures import State
 from litestar.di import Provide
 
 from common.model_source import resolve_model
+from gateway.auth import api_key_guard, parse_keys
 from gateway.config import GatewayConfig
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.generation import Generator
+from gateway.metrics import Metrics, http_metrics_middleware
 from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
-from gateway.routes.health import health, ready, workers
+from gateway.routes.health import health, metrics, ready, workers
 from gateway.routes.models import ModelsController
 from gateway.templates import ChatTemplate, read_template_source
 from gateway.tokenizer import load_tokenizer
@@ -42,7 +44,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         )
         client = WorkerClient(config.zmq_bind, source.name, config.heartbeat_interval, config.heartbeat_liveness)
         await client.start()
-        app.state.generator = Generator(client, tokenizer, template, source.name, config.tokenizer_threads)
+        app.state.generator = Generator(client, tokenizer, template, source.name, config.tokenizer_threads, Metrics(client))
         log.info("gateway serving %s on http://%s:%d", source.name, config.host, config.port)
         try:
             yield
@@ -50,9 +52,17 @@ def create_app(config: GatewayConfig) -> Litestar:
             app.state.generator.close()
             await client.stop()
 
-    return Litestar(
-        route_handlers=[ChatController, CompletionsController, ModelsController, health, ready, workers],
+    keys = parse_keys(config.api_key)
+    api = Router(
+        path="/",
+        route_handlers=[ChatController, CompletionsController, ModelsController, ready, workers, metrics],
+        guards=[api_key_guard(keys)] if keys else [],
+    )
+    app = Litestar(
+        route_handlers=[api, health],
         dependencies={"generator": Provide(provide_generator, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
+        middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "generator", None), "metrics", None))],
         lifespan=[lifespan],
     )
+    return app

@@ -11,6 +11,7 @@ GATEWAY_FLAGS = [
     Flag("port", 8000, "HTTP port", int),
     Flag("zmq-bind", "tcp://127.0.0.1:5555", "Address the ROUTER socket binds for workers (tcp:// or ipc://)"),
     Flag("chat-template", None, "Chat template: a name from chat_templates/ (e.g. chatml) or a .jinja path; default: the tokenizer's"),
+    Flag("api-key", None, "API key(s), comma-separated: every route but /health then wants `Authorization: Bearer KEY`"),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
 ]
 
@@ -28,6 +29,7 @@ class GatewayConfig:
     port: int = 8000
     zmq_bind: str = "tcp://127.0.0.1:5555"
     chat_template: str | None = None
+    api_key: str | None = None
     tokenizer_threads: int = 2
 
 

@@ -32,6 +32,11 @@ class InvalidRequest(GatewayError):
     error_type = "invalid_request_error"
 
 
+class Unauthorized(GatewayError):
+    status_code = 401
+    error_type = "invalid_request_error"
+
+
 class NotFound(GatewayError):
     status_code = 404
     error_type = "invalid_request_error"

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from common.protocol import FinishReason, NewRequest, RequestOutput
 from gateway.errors import GenerationFailed
+from gateway.metrics import Metrics
 from gateway.templates import ChatTemplate
 from gateway.tokenizer import IncrementalDetokenizer
 from gateway.worker_client import WorkerClient
@@ -35,8 +36,11 @@ class TextDelta:
 class Generator:
     """Everything a route needs to run a prompt: the tokenizer (off the event loop) and the workers."""
 
-    def __init__(self, client: WorkerClient, tokenizer: Any, template: ChatTemplate, model_name: str, threads: int) -> None:
+    def __init__(
+        self, client: WorkerClient, tokenizer: Any, template: ChatTemplate, model_name: str, threads: int, metrics: Metrics
+    ) -> None:
         self.client = client
+        self.metrics = metrics
         self.tokenizer = tokenizer
         self.template = template
         self.model_name = model_name
@@ -60,21 +64,26 @@ class Generator:
         """Yield text deltas as the worker produces tokens; the last one carries the finish reason."""
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         stream = self.client.submit(request)
+        clock = _Clock(self.metrics)
         try:
             while True:
                 item = _merge_ready(await stream.queue.get(), stream.queue)
                 if isinstance(item, GenerationFailed):
+                    clock.outcome = "error"
                     raise item
+                clock.tokens(item)
                 text = detokenizer.push(item.new_token_ids)
                 finish = item.finish_reason
                 if finish is not None:
                     text += detokenizer.flush()
                     if finish == FinishReason.ABORT:
                         finish = FinishReason.STOP
+                    clock.outcome = finish
                 yield TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens)
                 if finish is not None:
                     return
         finally:
+            clock.done()
             if not stream.finished:
                 self.client.abort(request.request_id)
 
@@ -86,6 +95,38 @@ class Generator:
             parts.append(delta.text)
             last = delta
         return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+
+
+class _Clock:
+    """Feeds one request's latencies and outcome to the metrics as its tokens arrive."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.submitted = self.last = time.perf_counter()
+        self.first_seen = False
+        self.outcome = "cancelled"  # unless a finish or an error says otherwise
+        self.prompt_tokens = self.generated = 0
+
+    def tokens(self, item: RequestOutput) -> None:
+        count = len(item.new_token_ids)
+        self.prompt_tokens, self.generated = item.num_prompt_tokens, item.num_output_tokens
+        if not count:
+            return
+        now = time.perf_counter()
+        if not self.first_seen:
+            self.first_seen = True
+            self.metrics.ttft.observe(now - self.submitted)
+        else:
+            gap = (now - self.last) / count  # several tokens in one message share the gap
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        self.last = now
+
+    def done(self) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.submitted)
+        self.metrics.generations.labels(self.outcome).inc()
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+        self.metrics.generation_tokens.inc(self.generated)
 
 
 def _merge_ready(item: RequestOutput | GenerationFailed, queue: asyncio.Queue) -> RequestOutput | GenerationFailed:

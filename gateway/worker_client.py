@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
@@ -100,6 +101,7 @@ class WorkerClient:
         self.streams: dict[str, RequestStream] = {}
         self.add_messages_sent = 0
         self.dropped_frames = 0
+        self.departed: deque[dict] = deque(maxlen=16)  # recently dropped workers, for operators
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
@@ -170,6 +172,7 @@ class WorkerClient:
             "inflight": len(self.streams),
             "add_messages_sent": self.add_messages_sent,
             "dropped_frames": self.dropped_frames,
+            "departed": list(self.departed),
         }
 
     # ---- socket side -------------------------------------------------------------------------
@@ -268,6 +271,7 @@ class WorkerClient:
     def _purge(self, worker: WorkerInfo, reason: str) -> None:
         if self.workers.pop(worker.identity, None) is None:
             return
+        self.departed.append({"name": worker.ready.worker_name, "reason": reason, "at": time.time()})
         log.warning("%s; failing its %d in-flight requests", reason, len(worker.inflight))
         for request_id in list(worker.inflight):
             stream = self.streams.get(request_id)

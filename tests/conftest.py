@@ -67,6 +67,7 @@ class Server:
     port: int
     zmq_port: int
     processes: list[subprocess.Popen] = field(default_factory=list)
+    api_key: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -76,11 +77,15 @@ class Server:
     def zmq_address(self) -> str:
         return f"tcp://127.0.0.1:{self.zmq_port}"
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.base_url + path, timeout=10)
+        return httpx.get(self.base_url + path, timeout=10, headers=self.headers)
 
     def post(self, path: str, **kwargs: object) -> httpx.Response:
-        return httpx.post(self.base_url + path, timeout=120, **kwargs)
+        return httpx.post(self.base_url + path, timeout=120, headers=self.headers, **kwargs)
 
     def workers(self) -> list[dict]:
         return self.get("/workers").json()["workers"]
@@ -93,11 +98,12 @@ class Server:
             stop(process)
 
 
-def start_serve(name: str, workers: int, *extra: str) -> Server:
+def start_serve(name: str, workers: int, *extra: str, env: dict[str, str] | None = None) -> Server:
     """``llmpool serve`` (the launcher) with ``workers`` local workers, waited on until they registered."""
-    server = Server(free_port(), free_port())
+    api_key = (env or {}).get("LLMPOOL_API_KEY", "").split(",")[0] or None
+    server = Server(free_port(), free_port(), api_key=api_key)
     args = ["launcher", "serve", "--workers", str(workers), "--port", str(server.port), "--zmq-bind", server.zmq_address, *extra]
-    server.processes.append(spawn(args, name))
+    server.processes.append(spawn(args, name, env))
     try:
         server.wait_for_workers(workers)
     except BaseException:

@@ -1,8 +1,10 @@
-"""Operator endpoints: /health (process up), /ready (a worker can take requests), /workers (the pool)."""
+"""Operator endpoints: /health (process up), /ready (a worker can take requests), /workers (the pool
+as JSON), /metrics (Prometheus)."""
 
 from __future__ import annotations
 
 from litestar import Response, get
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.generation import Generator
 from gateway.routes.common import json_response
@@ -24,3 +26,8 @@ async def ready(generator: Generator) -> Response:
 @get("/workers")
 async def workers(generator: Generator) -> Response:
     return json_response(generator.client.snapshot())
+
+
+@get("/metrics")
+async def metrics(generator: Generator) -> Response:
+    return Response(content=generator.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,109 @@
+"""GET /metrics in Prometheus format: request outcomes, latency histograms, and the pool's state.
+
+Latencies are recorded by the generation pipeline as tokens pass through; per-worker figures
+(batch, queue, KV usage, prefix-cache hits) are read from the workers' latest heartbeats at scrape
+time. prometheus_client does the exposition format and histogram buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.worker_client import WorkerClient
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
+KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/workers", "/metrics"}
+
+
+class Metrics:
+    """The gateway's own registry (not the process-global one), so several apps can live in one process."""
+
+    def __init__(self, client: WorkerClient) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter("llmpool_http_requests", "HTTP responses by path and status", ["path", "status"], registry=r)
+        self.generations = Counter("llmpool_generations", "Finished generations by outcome (stop, length, error, cancelled)", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("llmpool_prompt_tokens", "Prompt tokens of finished generations", registry=r)
+        self.generation_tokens = Counter("llmpool_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("llmpool_time_to_first_token_seconds", "Submit to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("llmpool_inter_token_latency_seconds", "Gap between tokens, per token", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("llmpool_e2e_request_latency_seconds", "Submit to last token", buckets=LATENCY_BUCKETS, registry=r)
+        r.register(PoolCollector(client))
+
+    def path_label(self, path: str) -> str:
+        return path if path in KNOWN_PATHS else "other"
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class PoolCollector(Collector):
+    """Per-worker gauges from the latest heartbeats, read when Prometheus scrapes."""
+
+    def __init__(self, client: WorkerClient) -> None:
+        self.client = client
+
+    def collect(self) -> Iterator:
+        snapshot = self.client.snapshot()
+        workers = snapshot["workers"]
+        gauges = {
+            "running": GaugeMetricFamily("llmpool_worker_running", "Sequences in the worker's running batch", labels=["worker"]),
+            "waiting": GaugeMetricFamily("llmpool_worker_waiting", "Requests queued on the worker", labels=["worker"]),
+            "kv": GaugeMetricFamily("llmpool_worker_kv_cache_usage_ratio", "Share of KV blocks in use", labels=["worker"]),
+            "tps": GaugeMetricFamily("llmpool_worker_tokens_per_second", "Tokens generated per second, last 10 s", labels=["worker"]),
+            "peak": GaugeMetricFamily("llmpool_worker_peak_batch_size", "Largest batch the worker has run", labels=["worker"]),
+        }
+        counters = {
+            "hits": CounterMetricFamily("llmpool_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", labels=["worker"]),
+            "queried": CounterMetricFamily("llmpool_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", labels=["worker"]),
+            "preempt": CounterMetricFamily("llmpool_worker_preemptions", "Requests preempted for lack of KV blocks", labels=["worker"]),
+            "steps": CounterMetricFamily("llmpool_worker_steps", "Engine steps run", labels=["worker"]),
+        }
+        for w in workers:
+            name = [w["name"]]
+            gauges["running"].add_metric(name, w["running"])
+            gauges["waiting"].add_metric(name, w["waiting"])
+            gauges["kv"].add_metric(name, 1 - w["free_blocks"] / w["total_blocks"] if w["total_blocks"] else 0.0)
+            gauges["tps"].add_metric(name, w["tokens_per_s"])
+            gauges["peak"].add_metric(name, w["peak_batch_size"])
+            counters["hits"].add_metric(name, w["prefix_hit_tokens"])
+            counters["queried"].add_metric(name, w["prefix_queried_tokens"])
+            counters["preempt"].add_metric(name, w["preemptions"])
+            counters["steps"].add_metric(name, w["steps"])
+        states = GaugeMetricFamily("llmpool_workers", "Workers by state", labels=["state"])
+        busy = sum(1 for w in workers if w["running"] or w["waiting"])
+        states.add_metric(["busy"], busy)
+        states.add_metric(["ready"], len(workers) - busy)
+        states.add_metric(["dead"], len(snapshot["departed"]))
+        yield states
+        yield GaugeMetricFamily("llmpool_queue_length", "Requests waiting on all workers", value=sum(w["waiting"] for w in workers))
+        yield GaugeMetricFamily("llmpool_running_batch_size", "Sequences running on all workers", value=sum(w["running"] for w in workers))
+        yield GaugeMetricFamily("llmpool_inflight_requests", "Requests the gateway is waiting on", value=snapshot["inflight"])
+        yield from gauges.values()
+        yield from counters.values()
+
+
+def http_metrics_middleware(metrics_of: object):  # noqa: ANN201 - an ASGI middleware factory
+    """Count every HTTP response by path and status (streams count when their headers go out)."""
+
+    def factory(app):  # noqa: ANN001, ANN202
+        async def middleware(scope, receive, send):  # noqa: ANN001, ANN202
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+
+            async def counting_send(message):  # noqa: ANN001, ANN202
+                if message["type"] == "http.response.start":
+                    metrics = metrics_of()
+                    if metrics is not None:
+                        metrics.http_requests.labels(metrics.path_label(scope["path"]), str(message["status"])).inc()
+                await send(message)
+
+            await app(scope, receive, counting_send)
+
+        return middleware
+
+    return factory

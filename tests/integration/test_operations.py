@@ -1,0 +1,66 @@
+"""Operator surface: Prometheus metrics and API keys, against real processes."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL, start_serve
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one Prometheus sample (0 when absent)."""
+    label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{re.escape(name)}(\{{{re.escape(label_text)}\}})? (\S+)$" if labels else rf"^{re.escape(name)} (\S+)$"
+    for line in text.splitlines():
+        found = re.match(pattern, line)
+        if found:
+            return float(found.groups()[-1])
+    return 0.0
+
+
+def test_metrics_count_requests_latencies_and_the_pool(server):
+    before = server.get("/metrics").text
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    for _ in range(3):
+        list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, stream=True))
+    server.post("/v1/chat/completions", json={"model": MODEL})  # a 400
+    text = server.get("/metrics").text
+    assert text.count("# TYPE") > 10
+    finished = sample(text, "llmpool_generations_total", outcome="length") + sample(text, "llmpool_generations_total", outcome="stop")
+    finished_before = sample(before, "llmpool_generations_total", outcome="length") + sample(before, "llmpool_generations_total", outcome="stop")
+    assert finished - finished_before == 3
+    assert sample(text, "llmpool_time_to_first_token_seconds_count") >= sample(before, "llmpool_time_to_first_token_seconds_count") + 3
+    assert sample(text, "llmpool_inter_token_latency_seconds_count") > sample(before, "llmpool_inter_token_latency_seconds_count")
+    assert sample(text, "llmpool_http_requests_total", path="/v1/chat/completions", status="400") >= 1
+    assert sample(text, "llmpool_workers", state="ready") + sample(text, "llmpool_workers", state="busy") == 2
+    for worker in server.workers():
+        assert f'llmpool_worker_kv_cache_usage_ratio{{worker="{worker["name"]}"}}' in text
+    assert "llmpool_queue_length" in text and "llmpool_running_batch_size" in text
+    assert "llmpool_worker_prefix_cache_hit_tokens_total" in text
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    server = start_serve("serve-apikey", 1, env={"LLMPOOL_API_KEY": "key-one,key-two"})
+    yield server
+    server.stop()
+
+
+def test_api_key_closes_everything_but_health(keyed_server):
+    url = keyed_server.base_url
+    assert httpx.get(url + "/health").status_code == 200
+    for path in ("/v1/models", "/workers", "/metrics", "/ready"):
+        response = httpx.get(url + path)
+        assert response.status_code == 401, path
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer key-two"}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=url + "/v1", api_key="key-one", max_retries=0)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert reply.choices[0].message.content
