@@ -21,6 +21,7 @@ from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
 from gateway.routes.health import health, metrics, ready, workers
 from gateway.routes.models import ModelsController
+from gateway.routes.ui import UI_ROUTES
 from gateway.templates import ChatTemplate, read_template_source
 from gateway.tokenizer import load_tokenizer
 from gateway.worker_client import WorkerClient
@@ -59,7 +60,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         guards=[api_key_guard(keys)] if keys else [],
     )
     app = Litestar(
-        route_handlers=[api, health],
+        route_handlers=[api, health, *(UI_ROUTES if config.ui else [])],
         dependencies={"generator": Provide(provide_generator, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "generator", None), "metrics", None))],

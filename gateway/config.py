@@ -12,6 +12,7 @@ GATEWAY_FLAGS = [
     Flag("zmq-bind", "tcp://127.0.0.1:5555", "Address the ROUTER socket binds for workers (tcp:// or ipc://)"),
     Flag("chat-template", None, "Chat template: a name from chat_templates/ (e.g. chatml) or a .jinja path; default: the tokenizer's"),
     Flag("api-key", None, "API key(s), comma-separated: every route but /health then wants `Authorization: Bearer KEY`"),
+    Flag("ui", True, "Serve the playground (/) and operator page (/dashboard)", bool),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
 ]
 
@@ -30,6 +31,7 @@ class GatewayConfig:
     zmq_bind: str = "tcp://127.0.0.1:5555"
     chat_template: str | None = None
     api_key: str | None = None
+    ui: bool = True
     tokenizer_threads: int = 2
 
 

