@@ -12,6 +12,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 
 from common.model_source import resolve_model
+from gateway.admission import Admission
 from gateway.auth import api_key_guard, parse_keys
 from gateway.config import GatewayConfig
 from gateway.errors import EXCEPTION_HANDLERS
@@ -43,9 +44,15 @@ def create_app(config: GatewayConfig) -> Litestar:
         template = ChatTemplate(
             template_source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
         )
-        client = WorkerClient(config.zmq_bind, source.name, config.heartbeat_interval, config.heartbeat_liveness)
+        client = WorkerClient(
+            config.zmq_bind, source.name, config.heartbeat_interval, config.heartbeat_liveness, config.max_retries
+        )
         await client.start()
-        app.state.generator = Generator(client, tokenizer, template, source.name, config.tokenizer_threads, Metrics(client))
+        admission = Admission(config.max_concurrent_requests, config.max_waiting_requests)
+        app.state.generator = Generator(
+            client, tokenizer, template, source.name, config.tokenizer_threads, Metrics(client, admission), admission,
+            config.request_timeout,
+        )
         log.info("gateway serving %s on http://%s:%d", source.name, config.host, config.port)
         try:
             yield

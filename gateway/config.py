@@ -13,6 +13,10 @@ GATEWAY_FLAGS = [
     Flag("chat-template", None, "Chat template: a name from chat_templates/ (e.g. chatml) or a .jinja path; default: the tokenizer's"),
     Flag("api-key", None, "API key(s), comma-separated: every route but /health then wants `Authorization: Bearer KEY`"),
     Flag("ui", True, "Serve the playground (/) and operator page (/dashboard)", bool),
+    Flag("max-concurrent-requests", 256, "Requests in flight at the workers; more wait in a bounded queue", int),
+    Flag("max-waiting-requests", 256, "Requests queued for a slot; past that, 429 with Retry-After at once", int),
+    Flag("request-timeout", 600.0, "Seconds a request may take before it is aborted with 504", float),
+    Flag("max-retries", 2, "Times a request is moved to another worker after its worker died, before it fails", int),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
 ]
 
@@ -32,6 +36,10 @@ class GatewayConfig:
     chat_template: str | None = None
     api_key: str | None = None
     ui: bool = True
+    max_retries: int = 2
+    max_concurrent_requests: int = 256
+    max_waiting_requests: int = 256
+    request_timeout: float = 600.0
     tokenizer_threads: int = 2
 
 

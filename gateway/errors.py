@@ -57,9 +57,15 @@ class GenerationFailed(GatewayError):
     error_type = "server_error"
 
 
+class RequestTimeout(GatewayError):
+    status_code = 504
+    error_type = "timeout"
+
+
 def error_response(error: GatewayError) -> Response:
+    headers = {"Retry-After": "1"} if isinstance(error, (Overloaded, NoWorkerAvailable)) else None
     return Response(
-        content=orjson.dumps(error.body()), status_code=error.status_code, media_type="application/json"
+        content=orjson.dumps(error.body()), status_code=error.status_code, media_type="application/json", headers=headers
     )
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from common.protocol import FinishReason, NewRequest, RequestOutput
-from gateway.errors import GenerationFailed
+from gateway.admission import Admission, Slot
+from gateway.errors import GenerationFailed, RequestTimeout
 from gateway.metrics import Metrics
 from gateway.templates import ChatTemplate
 from gateway.tokenizer import IncrementalDetokenizer
@@ -37,10 +38,13 @@ class Generator:
     """Everything a route needs to run a prompt: the tokenizer (off the event loop) and the workers."""
 
     def __init__(
-        self, client: WorkerClient, tokenizer: Any, template: ChatTemplate, model_name: str, threads: int, metrics: Metrics
+        self, client: WorkerClient, tokenizer: Any, template: ChatTemplate, model_name: str, threads: int,
+        metrics: Metrics, admission: Admission, timeout_s: float,
     ) -> None:
         self.client = client
         self.metrics = metrics
+        self.admission = admission
+        self.timeout_s = timeout_s
         self.tokenizer = tokenizer
         self.template = template
         self.model_name = model_name
@@ -60,14 +64,31 @@ class Generator:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def stream(self, request: NewRequest) -> AsyncIterator[TextDelta]:
-        """Yield text deltas as the worker produces tokens; the last one carries the finish reason."""
+    async def stream(self, request: NewRequest, slot: Slot) -> AsyncIterator[TextDelta]:
+        """Yield text deltas as the worker produces tokens; the last one carries the finish reason.
+
+        ``slot`` (from ``admission.acquire()``) is released when the generation ends; past
+        ``timeout_s`` the request is aborted with a 504.
+        """
+        try:
+            async for delta in self._stream(request):
+                yield delta
+        finally:
+            slot.release()
+
+    async def _stream(self, request: NewRequest) -> AsyncIterator[TextDelta]:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         stream = self.client.submit(request)
         clock = _Clock(self.metrics)
         try:
             while True:
-                item = _merge_ready(await stream.queue.get(), stream.queue)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        item = _merge_ready(await stream.queue.get(), stream.queue)
+                except TimeoutError:
+                    clock.outcome = "timeout"
+                    raise RequestTimeout(f"the request took longer than --request-timeout ({self.timeout_s:g} s)") from None
                 if isinstance(item, GenerationFailed):
                     clock.outcome = "error"
                     raise item
@@ -87,11 +108,11 @@ class Generator:
             if not stream.finished:
                 self.client.abort(request.request_id)
 
-    async def complete(self, request: NewRequest) -> TextDelta:
+    async def complete(self, request: NewRequest, slot: Slot) -> TextDelta:
         """Run to the end and return all the text at once."""
         parts: list[str] = []
         last = TextDelta("", None, len(request.prompt_token_ids), 0)
-        async for delta in self.stream(request):
+        async for delta in self.stream(request, slot):
             parts.append(delta.text)
             last = delta
         return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)

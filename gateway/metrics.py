@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.admission import Admission
 from gateway.worker_client import WorkerClient
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
@@ -22,7 +23,7 @@ KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health
 class Metrics:
     """The gateway's own registry (not the process-global one), so several apps can live in one process."""
 
-    def __init__(self, client: WorkerClient) -> None:
+    def __init__(self, client: WorkerClient, admission: Admission) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter("llmpool_http_requests", "HTTP responses by path and status", ["path", "status"], registry=r)
@@ -32,7 +33,7 @@ class Metrics:
         self.ttft = Histogram("llmpool_time_to_first_token_seconds", "Submit to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("llmpool_inter_token_latency_seconds", "Gap between tokens, per token", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("llmpool_e2e_request_latency_seconds", "Submit to last token", buckets=LATENCY_BUCKETS, registry=r)
-        r.register(PoolCollector(client))
+        r.register(PoolCollector(client, admission))
 
     def path_label(self, path: str) -> str:
         return path if path in KNOWN_PATHS else "other"
@@ -44,8 +45,9 @@ class Metrics:
 class PoolCollector(Collector):
     """Per-worker gauges from the latest heartbeats, read when Prometheus scrapes."""
 
-    def __init__(self, client: WorkerClient) -> None:
+    def __init__(self, client: WorkerClient, admission: Admission) -> None:
         self.client = client
+        self.admission = admission
 
     def collect(self) -> Iterator:
         snapshot = self.client.snapshot()
@@ -93,6 +95,9 @@ class PoolCollector(Collector):
         yield GaugeMetricFamily("llmpool_queue_length", "Requests waiting on all workers", value=sum(w["waiting"] for w in workers))
         yield GaugeMetricFamily("llmpool_running_batch_size", "Sequences running on all workers", value=sum(w["running"] for w in workers))
         yield GaugeMetricFamily("llmpool_inflight_requests", "Requests the gateway is waiting on", value=snapshot["inflight"])
+        yield GaugeMetricFamily("llmpool_gateway_queued_requests", "Requests queued for an admission slot", value=self.admission.waiting)
+        yield CounterMetricFamily("llmpool_gateway_rejected_requests", "Requests refused with 429", value=self.admission.rejected)
+        yield CounterMetricFamily("llmpool_resumed_requests", "Requests moved to another worker after theirs died", value=snapshot["resumed"])
         yield from gauges.values()
         yield from counters.values()
 

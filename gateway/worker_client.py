@@ -2,9 +2,12 @@
 
 Workers connect (DEALER) and register with ``Ready``. Any message from a worker counts as its
 heartbeat; a worker silent for ``liveness`` intervals, one that says ``Goodbye``, or one the ROUTER
-can no longer reach (ROUTER_MANDATORY makes such sends fail loudly) is purged, and each of its
-in-flight requests ends with an error. One receive task feeds every request's queue; submits made
-in the same event-loop tick travel to a worker in one ``AddRequests`` message.
+can no longer reach (ROUTER_MANDATORY makes such sends fail loudly) is purged. Each of its in-flight
+requests is then resumed on another worker as prompt plus the tokens already delivered, with the
+remaining budget and the same sampling settings, so the client's stream simply continues; only when
+no worker is left, or a request has been moved ``max_retries`` times, does it end with an error.
+One receive task feeds every request's queue; submits made in the same event-loop tick travel to a
+worker in one ``AddRequests`` message.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from common.protocol import (
     NewRequest,
     Ready,
     RequestOutput,
+    SamplingParams,
     StepOutputs,
     WorkerError,
 )
@@ -80,21 +84,48 @@ class WorkerInfo:
 
 
 class RequestStream:
-    """One request's outputs as they arrive: RequestOutput deltas, then an end (finish or error)."""
+    """One request's outputs as they arrive: RequestOutput deltas, then an end (finish or error).
 
-    def __init__(self, request_id: str, worker: bytes) -> None:
-        self.request_id = request_id
-        self.worker = worker
+    It remembers what it needs to resume elsewhere: the original request and the token ids delivered.
+    """
+
+    def __init__(self, request: NewRequest) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.worker = b""
         self.queue: asyncio.Queue[RequestOutput | GenerationFailed] = asyncio.Queue()
         self.finished = False
+        self.generated: list[int] = []
+        self.offset = 0  # tokens generated before the current worker took the request over
+        self.retries = 0
+        self.cached_tokens: int | None = None
+
+    def resumed_request(self) -> NewRequest:
+        """The request as a new worker must run it: the prompt grows by what was already generated."""
+        original = self.request
+        sampling = original.sampling
+        if sampling.seed is not None:  # a fresh generator there: derive its seed from the resume point
+            sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k, (sampling.seed + len(self.generated)) % 2**63)
+        return NewRequest(
+            request_id=original.request_id,
+            prompt_token_ids=original.prompt_token_ids + self.generated,
+            max_new_tokens=original.max_new_tokens - len(self.generated),
+            sampling=sampling,
+            stop_token_ids=original.stop_token_ids,
+            ignore_eos=original.ignore_eos,
+        )
 
 
 class WorkerClient:
     """Owns the ROUTER socket; ``submit`` and ``abort`` are the gateway's only ways to reach workers."""
 
-    def __init__(self, bind_address: str, model: str, heartbeat_interval: float, heartbeat_liveness: int) -> None:
+    def __init__(
+        self, bind_address: str, model: str, heartbeat_interval: float, heartbeat_liveness: int, max_retries: int = 2
+    ) -> None:
         self.bind_address = bind_address
         self.model = model
+        self.max_retries = max_retries
+        self.resumed = 0  # requests moved to another worker after theirs died
         self.interval = heartbeat_interval
         self.liveness = heartbeat_liveness
         self.workers: dict[bytes, WorkerInfo] = {}
@@ -140,16 +171,21 @@ class WorkerClient:
         """Send a request to the least-loaded worker; its outputs arrive on the returned stream."""
         if not self.workers:
             raise NoWorkerAvailable("no worker is registered; start one with `llmpool worker`")
+        stream = RequestStream(request)
+        self.streams[request.request_id] = stream
+        self._assign(stream, request)
+        return stream
+
+    def _assign(self, stream: RequestStream, request: NewRequest) -> None:
+        """Queue ``request`` for the least-loaded worker; it is sent at the end of this loop tick."""
         worker = min(self.workers.values(), key=lambda w: (len(w.inflight), w.requests_assigned))
         worker.inflight.add(request.request_id)
         worker.requests_assigned += 1
         worker.pending.append(request)
-        stream = RequestStream(request.request_id, worker.identity)
-        self.streams[request.request_id] = stream
+        stream.worker = worker.identity
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
-        return stream
 
     def abort(self, request_id: str) -> None:
         """Forget a request and tell its worker to stop it (the client left, or a stop string hit)."""
@@ -171,6 +207,7 @@ class WorkerClient:
             "workers": [w.snapshot() for w in self.workers.values()],
             "inflight": len(self.streams),
             "add_messages_sent": self.add_messages_sent,
+            "resumed": self.resumed,
             "dropped_frames": self.dropped_frames,
             "departed": list(self.departed),
         }
@@ -187,11 +224,27 @@ class WorkerClient:
                 self._send(worker, AddRequests(batch))
 
     def _send(self, worker: WorkerInfo, msg: protocol.Message) -> None:
+        """Send without blocking; a send that fails (EHOSTUNREACH under ROUTER_MANDATORY, or EAGAIN
+        when the peer's queue is full) purges the worker. zmq.asyncio reports it through the future."""
         assert self._socket is not None
         try:
-            self._socket.send_multipart([worker.identity, *protocol.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY, or EAGAIN when full
-            self._purge(worker, f"worker {worker.ready.worker_name} is unreachable ({exc.strerror})")
+            sent = self._socket.send_multipart([worker.identity, *protocol.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._unreachable(worker, exc)
+            return
+        if sent.done():
+            self._check_sent(worker, sent)
+        else:
+            sent.add_done_callback(lambda future: self._check_sent(worker, future))
+
+    def _check_sent(self, worker: WorkerInfo, future: asyncio.Future) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None:
+            self._unreachable(worker, exc)
+
+    def _unreachable(self, worker: WorkerInfo, exc: BaseException) -> None:
+        reason = exc.strerror if isinstance(exc, zmq.ZMQError) else str(exc)
+        self._purge(worker, f"worker {worker.ready.worker_name} is unreachable ({reason})")
 
     async def _receive_loop(self) -> None:
         assert self._socket is not None
@@ -237,9 +290,10 @@ class WorkerClient:
                 ready.worker_name, ready.model, ready.protocol_version, self.model, protocol.PROTOCOL_VERSION,
             )
             return
-        for old in [w for w in self.workers.values() if w.ready.worker_name == ready.worker_name and w.identity != identity]:
-            self._purge(old, f"worker {ready.worker_name} registered again (restarted or reconnected)")
+        old = [w for w in self.workers.values() if w.ready.worker_name == ready.worker_name and w.identity != identity]
         self.workers[identity] = WorkerInfo(identity, ready, time.monotonic() + self.interval * self.liveness)
+        for worker in old:  # after adding the new one, so its requests can resume right there
+            self._purge(worker, f"worker {ready.worker_name} registered again (restarted or reconnected)")
         log.info("worker %s registered (%s, %s, %d KV tokens)", ready.worker_name, ready.device, ready.dtype, ready.kv_capacity_tokens)
 
     def _on_step(self, worker: WorkerInfo, step: StepOutputs) -> None:
@@ -254,6 +308,13 @@ class WorkerClient:
             if output.finish_reason == FinishReason.ERROR:
                 self._end(stream, GenerationFailed(output.error or "the worker failed this request"))
                 continue
+            stream.generated.extend(output.new_token_ids)
+            if stream.cached_tokens is None and output.new_token_ids:
+                stream.cached_tokens = output.num_cached_tokens
+            # Counts as the client sees them, whichever worker produced the tokens.
+            output.num_prompt_tokens -= stream.offset
+            output.num_output_tokens += stream.offset
+            output.num_cached_tokens = stream.cached_tokens or 0
             stream.queue.put_nowait(output)
             if output.finish_reason is not None:
                 self._end(stream, None)
@@ -272,11 +333,30 @@ class WorkerClient:
         if self.workers.pop(worker.identity, None) is None:
             return
         self.departed.append({"name": worker.ready.worker_name, "reason": reason, "at": time.time()})
-        log.warning("%s; failing its %d in-flight requests", reason, len(worker.inflight))
+        log.warning("%s; resuming its %d in-flight requests elsewhere", reason, len(worker.inflight))
         for request_id in list(worker.inflight):
             stream = self.streams.get(request_id)
             if stream is not None:
-                self._end(stream, GenerationFailed(f"{reason}; the request was lost"))
+                self._resume(stream, reason)
+
+    def _resume(self, stream: RequestStream, reason: str) -> None:
+        """Move a request whose worker died to another one, or end it if it can't be moved."""
+        if not self.workers:
+            self._end(stream, GenerationFailed(f"{reason}; no other worker can take the request over"))
+            return
+        if stream.retries >= self.max_retries:
+            self._end(stream, GenerationFailed(f"{reason}; the request was moved {stream.retries} times already"))
+            return
+        request = stream.resumed_request()
+        if request.max_new_tokens <= 0:  # every token was delivered, only the finish was lost
+            final = RequestOutput(stream.request_id, [], FinishReason.LENGTH, len(stream.request.prompt_token_ids), len(stream.generated))
+            stream.queue.put_nowait(final)
+            self._end(stream, None)
+            return
+        stream.retries += 1
+        stream.offset = len(stream.generated)
+        self.resumed += 1
+        self._assign(stream, request)
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -84,8 +84,8 @@ class Server:
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.base_url + path, timeout=10, headers=self.headers)
 
-    def post(self, path: str, **kwargs: object) -> httpx.Response:
-        return httpx.post(self.base_url + path, timeout=120, headers=self.headers, **kwargs)
+    def post(self, path: str, headers: dict[str, str] | None = None, **kwargs: object) -> httpx.Response:
+        return httpx.post(self.base_url + path, timeout=120, headers={**self.headers, **(headers or {})}, **kwargs)
 
     def workers(self) -> list[dict]:
         return self.get("/workers").json()["workers"]

@@ -10,6 +10,7 @@ from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
 from common.protocol import NewRequest
+from gateway.admission import Slot
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, now_s
 from gateway.routes.common import check_model, json_response, usage
@@ -51,12 +52,13 @@ class ChatController(Controller):
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         new = new_request(req, prompt_ids, requested, param, limits)
+        slot = await generator.admission.acquire()  # 429 now, before any response starts
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = _chunks(generator, new, completion_id, include_usage)
+            chunks = _chunks(generator, new, slot, completion_id, include_usage)
             return Stream(sse_events(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await generator.complete(new)
+        result = await generator.complete(new, slot)
         return json_response({
             "id": completion_id,
             "object": "chat.completion",
@@ -72,7 +74,7 @@ class ChatController(Controller):
         })
 
 
-async def _chunks(generator: Generator, new: NewRequest, completion_id: str, include_usage: bool) -> AsyncIterator[dict]:
+async def _chunks(generator: Generator, new: NewRequest, slot: Slot, completion_id: str, include_usage: bool) -> AsyncIterator[dict]:
     created = now_s()
 
     def chunk(delta: dict, finish_reason: str | None) -> dict:
@@ -89,7 +91,7 @@ async def _chunks(generator: Generator, new: NewRequest, completion_id: str, inc
 
     yield chunk({"role": "assistant", "content": ""}, None)
     last = None
-    async for delta in generator.stream(new):
+    async for delta in generator.stream(new, slot):
         last = delta
         if delta.text:
             yield chunk({"content": delta.text}, None)

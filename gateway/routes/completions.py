@@ -9,6 +9,7 @@ from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
 from common.protocol import NewRequest
+from gateway.admission import Slot
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, now_s
 from gateway.routes.common import check_model, json_response, usage
@@ -33,12 +34,13 @@ class CompletionsController(Controller):
         else:
             prompt_ids = req.prompt
         new = new_request(req, prompt_ids, req.max_tokens if req.max_tokens is not None else 16, "max_tokens", limits)
+        slot = await generator.admission.acquire()  # 429 now, before any response starts
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = _chunks(generator, new, completion_id, include_usage)
+            chunks = _chunks(generator, new, slot, completion_id, include_usage)
             return Stream(sse_events(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await generator.complete(new)
+        result = await generator.complete(new, slot)
         return json_response({
             "id": completion_id,
             "object": "text_completion",
@@ -49,10 +51,10 @@ class CompletionsController(Controller):
         })
 
 
-async def _chunks(generator: Generator, new: NewRequest, completion_id: str, include_usage: bool) -> AsyncIterator[dict]:
+async def _chunks(generator: Generator, new: NewRequest, slot: Slot, completion_id: str, include_usage: bool) -> AsyncIterator[dict]:
     created = now_s()
     last = None
-    async for delta in generator.stream(new):
+    async for delta in generator.stream(new, slot):
         last = delta
         body = {
             "id": completion_id,

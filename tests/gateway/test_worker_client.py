@@ -7,7 +7,7 @@ import zmq.asyncio
 
 from common import protocol
 from common.protocol import (
-    Abort, AddRequests, Goodbye, Heartbeat, NewRequest, Ready, RequestOutput, StepOutputs,
+    Abort, AddRequests, Goodbye, Heartbeat, NewRequest, Ready, RequestOutput, SamplingParams, StepOutputs,
 )
 from gateway.errors import GenerationFailed, NoWorkerAvailable
 from gateway.worker_client import WorkerClient
@@ -146,7 +146,7 @@ def test_a_worker_for_another_model_is_refused():
     run(scenario)
 
 
-def test_a_worker_registering_again_replaces_its_old_entry():
+def test_a_worker_registering_again_replaces_its_old_entry_and_takes_its_requests_back():
     async def scenario(client, worker):
         await worker.send(READY)
         await eventually(lambda: client.workers)
@@ -154,10 +154,38 @@ def test_a_worker_registering_again_replaces_its_old_entry():
         await worker.receive(AddRequests)
         restarted = FakeWorker(client.bind_address, name=b"fake-restarted")
         try:
-            await restarted.send(READY)  # same worker_name, new identity
-            error = await asyncio.wait_for(stream.queue.get(), 5)
-            assert isinstance(error, GenerationFailed) and "registered again" in error.message
+            await restarted.send(READY)  # same worker_name, new identity: the same worker, restarted
+            resent = await restarted.receive(AddRequests)
+            assert [r.request_id for r in resent.requests] == ["r0"]
             assert [w.identity for w in client.workers.values()] == [b"fake-restarted"]
+            await restarted.send(StepOutputs([RequestOutput("r0", [9], "length", 3, 1)]))
+            assert (await asyncio.wait_for(stream.queue.get(), 5)).new_token_ids == [9]
         finally:
             restarted.close()
+    run(scenario)
+
+
+def test_a_dead_workers_requests_resume_on_another_worker_where_they_left_off():
+    async def scenario(client, worker):
+        other = FakeWorker(client.bind_address, name=b"other")
+        try:
+            await worker.send(READY)
+            await eventually(lambda: client.workers)
+            stream = client.submit(NewRequest("r0", [1, 2, 3], 5, SamplingParams(temperature=0.7, seed=11)))
+            await worker.receive(AddRequests)
+            await other.send(Ready("other", "m", 1024, 4096, 16, 8, "cpu", "float32"))
+            await eventually(lambda: len(client.workers) == 2)
+            await worker.send(StepOutputs([RequestOutput("r0", [7], None, 3, 1)]))
+            await worker.send(StepOutputs([RequestOutput("r0", [8], None, 3, 2)]))
+            await worker.send(Goodbye("crashing"))
+            moved = (await other.receive(AddRequests)).requests[0]
+            assert moved.prompt_token_ids == [1, 2, 3, 7, 8] and moved.max_new_tokens == 3
+            assert moved.sampling.temperature == 0.7 and moved.sampling.seed == 13
+            await other.send(StepOutputs([RequestOutput("r0", [9], "length", 5, 1)]))
+            outputs = [await asyncio.wait_for(stream.queue.get(), 5) for _ in range(3)]
+            assert [o.new_token_ids for o in outputs] == [[7], [8], [9]]
+            assert (outputs[-1].num_prompt_tokens, outputs[-1].num_output_tokens) == (3, 3)
+            assert client.resumed == 1
+        finally:
+            other.close()
     run(scenario)

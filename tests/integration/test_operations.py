@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, start_serve
+from tests.conftest import MODEL, start_serve, wait_until
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -64,3 +66,33 @@ def test_api_key_closes_everything_but_health(keyed_server):
     client = openai.OpenAI(base_url=url + "/v1", api_key="key-one", max_retries=0)
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert reply.choices[0].message.content
+
+
+def test_past_the_concurrency_limit_and_queue_requests_get_429_at_once():
+    server = start_serve("serve-backpressure", 1, "--max-concurrent-requests", "1", "--max-waiting-requests", "1")
+    try:
+        url = server.base_url + "/v1/chat/completions"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 200,
+                "ignore_eos": True, "stream": True}
+        queued_status: list[int] = []
+
+        def queued_request() -> None:
+            with httpx.Client(timeout=120) as client:
+                queued_status.append(client.post(url, json={**body, "max_tokens": 4}).status_code)
+
+        with httpx.stream("POST", url, json=body, timeout=60) as first:  # holds the only slot
+            assert first.status_code == 200
+            lines = first.iter_lines()  # keep it: a dropped iterator closes the response (and aborts it)
+            next(lines)
+            waiter = threading.Thread(target=queued_request)
+            waiter.start()
+            wait_until(lambda: sample(server.get("/metrics").text, "llmpool_gateway_queued_requests") == 1, 30, "a queued request")
+            started = time.perf_counter()
+            refused = httpx.post(url, json={**body, "stream": False}, timeout=60)
+            assert time.perf_counter() - started < 2, "a refusal must not wait"
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "server_overloaded"
+        waiter.join(120)
+        assert queued_status == [200], "the queued request runs once the slot is free"
+    finally:
+        server.stop()
