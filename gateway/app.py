@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from litestar import Litestar, Router
+from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
 
+from common.config import parse_size
 from common.model_source import resolve_model
 from gateway.admission import Admission
 from gateway.auth import api_key_guard, parse_keys
@@ -49,6 +51,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         )
         await client.start()
         admission = Admission(config.max_concurrent_requests, config.max_waiting_requests)
+        app.state.allow_request_chat_template = config.allow_request_chat_template
         app.state.generator = Generator(
             client, tokenizer, template, source.name, config.tokenizer_threads, Metrics(client, admission), admission,
             config.request_timeout,
@@ -66,8 +69,11 @@ def create_app(config: GatewayConfig) -> Litestar:
         route_handlers=[ChatController, CompletionsController, ModelsController, ready, workers, metrics],
         guards=[api_key_guard(keys)] if keys else [],
     )
+    origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]
     app = Litestar(
         route_handlers=[api, health, *(UI_ROUTES if config.ui else [])],
+        request_max_body_size=parse_size(config.max_body_size),
+        cors_config=CORSConfig(allow_origins=origins, allow_headers=["Authorization", "Content-Type"]) if origins else None,
         dependencies={"generator": Provide(provide_generator, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "generator", None), "metrics", None))],

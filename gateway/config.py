@@ -12,6 +12,9 @@ GATEWAY_FLAGS = [
     Flag("zmq-bind", "tcp://127.0.0.1:5555", "Address the ROUTER socket binds for workers (tcp:// or ipc://)"),
     Flag("chat-template", None, "Chat template: a name from chat_templates/ (e.g. chatml) or a .jinja path; default: the tokenizer's"),
     Flag("api-key", None, "API key(s), comma-separated: every route but /health then wants `Authorization: Bearer KEY`"),
+    Flag("max-body-size", "4MiB", "Largest request body accepted; larger ones get 413"),
+    Flag("cors-allow-origins", None, "Origins allowed to call the API from a browser, comma-separated (* for any); CORS is off by default"),
+    Flag("allow-request-chat-template", False, "Let requests bring their own `chat_template` (rendered in the sandbox); refused by default", bool),
     Flag("ui", True, "Serve the playground (/) and operator page (/dashboard)", bool),
     Flag("max-concurrent-requests", 256, "Requests in flight at the workers; more wait in a bounded queue", int),
     Flag("max-waiting-requests", 256, "Requests queued for a slot; past that, 429 with Retry-After at once", int),
@@ -36,6 +39,9 @@ class GatewayConfig:
     chat_template: str | None = None
     api_key: str | None = None
     ui: bool = True
+    max_body_size: str = "4MiB"
+    cors_allow_origins: str | None = None
+    allow_request_chat_template: bool = False
     max_retries: int = 2
     max_concurrent_requests: int = 256
     max_waiting_requests: int = 256

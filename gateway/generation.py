@@ -50,9 +50,11 @@ class Generator:
         self.model_name = model_name
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Render the chat template and tokenize; the template already holds the special tokens."""
-        return self.tokenizer.encode(self.template.render(messages), add_special_tokens=False)
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], template_source: str | None = None) -> list[int]:
+        """Render the chat template (the server's, or one the request brought) and tokenize; the
+        template already holds the special tokens."""
+        template = self.template if template_source is None else self.template.with_source(template_source)
+        return self.tokenizer.encode(template.render(messages), add_special_tokens=False)
 
     def text_prompt_ids(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)

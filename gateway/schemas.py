@@ -46,6 +46,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    chat_template: str | None = None  # refused unless --allow-request-chat-template
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -68,3 +69,5 @@ def decode_body(body: bytes, schema: type[T]) -> T:
         raise InvalidRequest(f"invalid request body: {text}", param=param) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec raises this for invalid UTF-8 inside strings
+        raise InvalidRequest(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None

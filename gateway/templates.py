@@ -58,6 +58,13 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.special_tokens = special_tokens
 
+    def with_source(self, source: str) -> ChatTemplate:
+        """Another template in the same sandbox, for a request that brings its own."""
+        try:
+            return ChatTemplate(source, self.special_tokens)
+        except TemplateError as exc:
+            raise InvalidRequest(f"`chat_template` does not compile: {exc}", param="chat_template") from None
+
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
         try:
             return self.template.render(

@@ -46,9 +46,14 @@ class ChatController(Controller):
         req = decode_body(await request.body(), ChatCompletionRequest)
         check_model(req.model, generator.model_name)
         check_supported(req)
+        if req.chat_template is not None and not request.app.state.allow_request_chat_template:
+            raise InvalidRequest(
+                "`chat_template` in a request is refused on this server (templates come from the server side; "
+                "start it with --allow-request-chat-template to allow them)", param="chat_template",
+            )
         messages = message_dicts(req.messages)
         limits = generator.client.limits()
-        prompt_ids = await generator.run_in_pool(generator.chat_prompt_ids, messages)
+        prompt_ids = await generator.run_in_pool(generator.chat_prompt_ids, messages, req.chat_template)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         new = new_request(req, prompt_ids, requested, param, limits)

@@ -205,3 +205,24 @@ def test_client_disconnect_aborts_the_request_on_the_worker(server):
     seen = {w["name"]: w["heartbeats"] for w in server.workers()}
     wait_until(lambda: all(w["heartbeats"] >= seen[w["name"]] + 2 for w in server.workers()), 10, "two more heartbeats")
     assert {w["name"]: w["steps"] for w in server.workers()} == steps, "a worker kept stepping after the abort"
+
+
+def test_garbage_non_utf8_and_oversized_bodies_are_refused_and_the_server_keeps_serving(server, client):
+    url = "/v1/chat/completions"
+    headers = {"content-type": "application/json"}
+    garbage = bytes(range(256)) * 4096  # 1 MiB of bytes that are neither JSON nor UTF-8
+    assert server.post(url, content=garbage, headers=headers).status_code == 400
+    assert server.post(url, content=b'{"model": "\xff\xfe"}', headers=headers).status_code == 400
+    too_big = server.post(url, content=b" " * (5 * 2**20), headers=headers)  # over the 4 MiB default
+    assert too_big.status_code == 413 and "error" in too_big.json()
+    assert client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=4).choices[0].message.content
+
+
+def test_a_chat_template_in_the_request_is_refused_by_default(server):
+    response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "chat_template": "{{ 7 * 7 }}"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template"
+
+
+def test_cors_is_off_by_default(server):
+    response = httpx.options(server.base_url + "/v1/models", headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "GET"})
+    assert "access-control-allow-origin" not in response.headers
