@@ -111,4 +111,6 @@ HEARTBEAT_INTERVAL = Flag("heartbeat-interval", 1.0, "Seconds between heartbeats
 HEARTBEAT_LIVENESS = Flag(
     "heartbeat-liveness", 5, "Missed heartbeat intervals after which the peer counts as dead", int
 )
-SHARED_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS]
+LOG_LEVEL = Flag("log-level", "INFO", "DEBUG, INFO, WARNING or ERROR")
+LOG_FORMAT = Flag("log-format", "text", "text, or json (one object per line, with request_id on request events)")
+SHARED_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, LOG_LEVEL, LOG_FORMAT]

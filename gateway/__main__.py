@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     config = from_namespace(GatewayConfig, build_parser().parse_args(argv))
-    setup_logging("gateway")
+    setup_logging("gateway", config.log_level, config.log_format)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
 
 

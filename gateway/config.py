@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, MODEL, SERVED_MODEL_NAME, Flag
+from common.config import CACHE_DIR, SHARED_FLAGS, Flag
 
 GATEWAY_FLAGS = [
     Flag("host", "127.0.0.1", "HTTP listen address (0.0.0.0 to accept other hosts)"),
@@ -28,11 +28,13 @@ GATEWAY_FLAGS = [
 class GatewayConfig:
     """Parsed gateway settings."""
 
-    model: str = MODEL.default
+    model: str = "SmolLM2-135M-Instruct"
     served_model_name: str | None = None
     cache_dir: str = CACHE_DIR.default
-    heartbeat_interval: float = HEARTBEAT_INTERVAL.default
-    heartbeat_liveness: int = HEARTBEAT_LIVENESS.default
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 5
+    log_level: str = "INFO"
+    log_format: str = "text"
     host: str = "127.0.0.1"
     port: int = 8000
     zmq_bind: str = "tcp://127.0.0.1:5555"
@@ -49,4 +51,4 @@ class GatewayConfig:
     tokenizer_threads: int = 2
 
 
-ALL_GATEWAY_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, *GATEWAY_FLAGS]
+ALL_GATEWAY_FLAGS = [*SHARED_FLAGS, *GATEWAY_FLAGS]

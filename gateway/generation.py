@@ -8,6 +8,7 @@ and free its KV blocks at its next step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,9 @@ from gateway.metrics import Metrics
 from gateway.templates import ChatTemplate
 from gateway.tokenizer import IncrementalDetokenizer
 from gateway.worker_client import WorkerClient
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -82,7 +86,7 @@ class Generator:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         stream = self.client.submit(request)
-        clock = _Clock(self.metrics)
+        clock = _Clock(self.metrics, request.request_id)
         try:
             while True:
                 try:
@@ -121,10 +125,12 @@ class Generator:
 
 
 class _Clock:
-    """Feeds one request's latencies and outcome to the metrics as its tokens arrive."""
+    """Feeds one request's latencies and outcome to the metrics (and one log line) as tokens arrive."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, request_id: str) -> None:
         self.metrics = metrics
+        self.request_id = request_id
+        self.ttft = None
         self.submitted = self.last = time.perf_counter()
         self.first_seen = False
         self.outcome = "cancelled"  # unless a finish or an error says otherwise
@@ -138,7 +144,8 @@ class _Clock:
         now = time.perf_counter()
         if not self.first_seen:
             self.first_seen = True
-            self.metrics.ttft.observe(now - self.submitted)
+            self.ttft = now - self.submitted
+            self.metrics.ttft.observe(self.ttft)
         else:
             gap = (now - self.last) / count  # several tokens in one message share the gap
             for _ in range(count):
@@ -146,7 +153,15 @@ class _Clock:
         self.last = now
 
     def done(self) -> None:
-        self.metrics.e2e.observe(time.perf_counter() - self.submitted)
+        elapsed = time.perf_counter() - self.submitted
+        log.info(
+            "request %s %s: %d prompt + %d generated tokens, first token %s, %.0f ms",
+            self.request_id, self.outcome, self.prompt_tokens, self.generated,
+            "-" if self.ttft is None else f"{self.ttft * 1000:.0f} ms", elapsed * 1000,
+            extra={"request_id": self.request_id, "outcome": self.outcome, "prompt_tokens": self.prompt_tokens,
+                   "completion_tokens": self.generated, "ttft_s": self.ttft, "duration_s": round(elapsed, 4)},
+        )
+        self.metrics.e2e.observe(elapsed)
         self.metrics.generations.labels(self.outcome).inc()
         self.metrics.prompt_tokens.inc(self.prompt_tokens)
         self.metrics.generation_tokens.inc(self.generated)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from common.protocol import NewRequest, SamplingParams
@@ -66,14 +67,26 @@ def max_new_tokens(requested: int | None, param: str, prompt_len: int, max_model
     return requested
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def request_id(header: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token, else a fresh one; it follows the request
+    into the worker (it is the wire request id) and comes back in the response's X-Request-Id."""
+    if header and _REQUEST_ID.fullmatch(header):
+        return f"{header}-{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its id
+    return uuid.uuid4().hex
+
+
 def new_request(
-    req: SamplingFields, prompt_ids: list[int], requested_tokens: int | None, param: str, limits: tuple[int, int]
+    req: SamplingFields, prompt_ids: list[int], requested_tokens: int | None, param: str, limits: tuple[int, int],
+    rid: str,
 ) -> NewRequest:
     """Assemble the wire request once the prompt is tokenized."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
     return NewRequest(
-        request_id=uuid.uuid4().hex,
+        request_id=rid,
         prompt_token_ids=prompt_ids,
         max_new_tokens=max_new_tokens(requested_tokens, param, len(prompt_ids), *limits),
         sampling=sampling_params(req),

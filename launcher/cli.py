@@ -134,5 +134,5 @@ def main(argv: list[str] | None = None) -> None:
         worker_main(argv[1:])
         return
     args = build_parser().parse_args(argv)
-    setup_logging("launcher")
+    setup_logging("launcher", args.log_level, args.log_format)
     sys.exit(Supervisor(args).run())

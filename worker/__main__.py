@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     config = from_namespace(WorkerConfig, build_parser().parse_args(argv))
-    setup_logging("worker")
+    setup_logging("worker", config.log_level, config.log_format)
     from worker.engine import Engine  # heavy imports (torch) after argument parsing
     from worker.proc import WorkerProc
 

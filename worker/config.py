@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, MODEL, SERVED_MODEL_NAME, Flag
+from common.config import CACHE_DIR, SHARED_FLAGS, Flag
 
 WORKER_FLAGS = [
     Flag("gateway-address", "tcp://127.0.0.1:5555", "ZeroMQ address of the gateway's ROUTER socket (tcp:// or ipc://)"),
@@ -27,11 +27,13 @@ WORKER_FLAGS = [
 class WorkerConfig:
     """Parsed worker settings."""
 
-    model: str = MODEL.default
+    model: str = "SmolLM2-135M-Instruct"
     served_model_name: str | None = None
     cache_dir: str = CACHE_DIR.default
-    heartbeat_interval: float = HEARTBEAT_INTERVAL.default
-    heartbeat_liveness: int = HEARTBEAT_LIVENESS.default
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 5
+    log_level: str = "INFO"
+    log_format: str = "text"
     gateway_address: str = "tcp://127.0.0.1:5555"
     worker_name: str | None = None
     device: str = "auto"
@@ -47,4 +49,4 @@ class WorkerConfig:
     threads: int = 0
 
 
-ALL_WORKER_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, *WORKER_FLAGS]
+ALL_WORKER_FLAGS = [*SHARED_FLAGS, *WORKER_FLAGS]

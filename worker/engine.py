@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -12,6 +13,8 @@ from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.request import Request, RequestStatus
 from worker.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -41,6 +44,8 @@ class Engine:
         self._requests[request.request_id] = request
         self.runner.add_request(request)
         self.scheduler.add(request)
+        log.info("request %s queued: %d prompt tokens, up to %d new", request.request_id, request.num_prompt_tokens,
+                 request.max_new_tokens, extra={"request_id": request.request_id})
 
     def _check(self, request: Request) -> str | None:
         if request.request_id in self._requests:
@@ -100,6 +105,9 @@ class Engine:
         )
 
     def _finish_output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        log.info("request %s %s: %d generated, %d prompt tokens from the prefix cache", request.request_id,
+                 request.finish_reason, request.num_output_tokens, request.num_cached_tokens,
+                 extra={"request_id": request.request_id, "finish_reason": request.finish_reason})
         del self._requests[request.request_id]
         self.runner.remove_request(request)
         return self._output(request, new_token_ids)

@@ -16,7 +16,7 @@ from gateway.generation import Generator, now_s
 from gateway.routes.common import check_model, json_response, usage
 from gateway.schemas import ChatCompletionRequest, ChatMessage, decode_body
 from gateway.streaming import SSE_HEADERS, sse_events
-from gateway.validation import check_supported, new_request
+from gateway.validation import check_supported, new_request, request_id
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -56,13 +56,13 @@ class ChatController(Controller):
         prompt_ids = await generator.run_in_pool(generator.chat_prompt_ids, messages, req.chat_template)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        new = new_request(req, prompt_ids, requested, param, limits)
+        new = new_request(req, prompt_ids, requested, param, limits, request_id(request.headers.get("x-request-id")))
         slot = await generator.admission.acquire()  # 429 now, before any response starts
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = _chunks(generator, new, slot, completion_id, include_usage)
-            return Stream(sse_events(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+            return Stream(sse_events(chunks), media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": new.request_id})
         result = await generator.complete(new, slot)
         return json_response({
             "id": completion_id,
@@ -76,7 +76,7 @@ class ChatController(Controller):
                 "finish_reason": result.finish_reason,
             }],
             "usage": usage(result),
-        })
+        }, new.request_id)
 
 
 async def _chunks(generator: Generator, new: NewRequest, slot: Slot, completion_id: str, include_usage: bool) -> AsyncIterator[dict]:

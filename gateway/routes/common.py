@@ -23,5 +23,7 @@ def usage(delta: TextDelta) -> dict:
     }
 
 
-def json_response(payload: dict) -> Response:
-    return Response(content=orjson.dumps(payload), media_type="application/json")
+def json_response(payload: dict, request_id: str | None = None) -> Response:
+    """A JSON response, with the request's id as X-Request-Id when there is one."""
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return Response(content=orjson.dumps(payload), media_type="application/json", headers=headers)

@@ -15,7 +15,7 @@ from gateway.generation import Generator, now_s
 from gateway.routes.common import check_model, json_response, usage
 from gateway.schemas import CompletionRequest, decode_body
 from gateway.streaming import SSE_HEADERS, sse_events
-from gateway.validation import check_supported, new_request
+from gateway.validation import check_supported, new_request, request_id
 
 
 class CompletionsController(Controller):
@@ -33,13 +33,16 @@ class CompletionsController(Controller):
             prompt_ids = await generator.run_in_pool(generator.text_prompt_ids, req.prompt)
         else:
             prompt_ids = req.prompt
-        new = new_request(req, prompt_ids, req.max_tokens if req.max_tokens is not None else 16, "max_tokens", limits)
+        new = new_request(
+            req, prompt_ids, req.max_tokens if req.max_tokens is not None else 16, "max_tokens", limits,
+            request_id(request.headers.get("x-request-id")),
+        )
         slot = await generator.admission.acquire()  # 429 now, before any response starts
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = _chunks(generator, new, slot, completion_id, include_usage)
-            return Stream(sse_events(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+            return Stream(sse_events(chunks), media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": new.request_id})
         result = await generator.complete(new, slot)
         return json_response({
             "id": completion_id,
@@ -48,7 +51,7 @@ class CompletionsController(Controller):
             "model": generator.model_name,
             "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
             "usage": usage(result),
-        })
+        }, new.request_id)
 
 
 async def _chunks(generator: Generator, new: NewRequest, slot: Slot, completion_id: str, include_usage: bool) -> AsyncIterator[dict]:

@@ -42,3 +42,15 @@ def test_parse_size():
     assert parse_size("2GiB") == 2 * 2**30
     assert parse_size("512MiB") == 512 * 2**20
     assert parse_size("1000") == 1000
+
+
+def test_json_logs_carry_extra_fields():
+    import json
+    import logging
+
+    from common.logs import JsonFormatter
+
+    record = logging.LogRecord("gateway.generation", logging.INFO, "", 0, "request %s done", ("r1",), None)
+    record.request_id = "r1"
+    entry = json.loads(JsonFormatter("gateway").format(record))
+    assert entry["message"] == "request r1 done" and entry["request_id"] == "r1" and entry["component"] == "gateway"

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import MODEL, Server, wait_until
+from tests.conftest import ARTIFACTS, MODEL, Server, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +226,16 @@ def test_a_chat_template_in_the_request_is_refused_by_default(server):
 def test_cors_is_off_by_default(server):
     response = httpx.options(server.base_url + "/v1/models", headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "GET"})
     assert "access-control-allow-origin" not in response.headers
+
+
+def test_the_request_id_comes_back_and_is_logged_on_both_sides(server):
+    response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "max_tokens": 3},
+                           headers={"X-Request-Id": "trace-42"})
+    rid = response.headers["x-request-id"]
+    assert rid.startswith("trace-42-")
+
+    def logged() -> bool:
+        log = (ARTIFACTS / "serve-session.log").read_text()
+        return f"worker.engine: request {rid} queued" in log and f"gateway.generation: request {rid} " in log
+
+    wait_until(logged, 10, "the request id in the gateway's and the worker's logs")
