@@ -21,7 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     config = from_namespace(GatewayConfig, build_parser().parse_args(argv))
     setup_logging("gateway", config.log_level, config.log_format)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.run(
+        create_app(config), host=config.host, port=config.port, log_config=None, access_log=False,
+        timeout_graceful_shutdown=5,
+    )
 
 
 if __name__ == "__main__":

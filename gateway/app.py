@@ -78,5 +78,6 @@ def create_app(config: GatewayConfig) -> Litestar:
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "generator", None), "metrics", None))],
         lifespan=[lifespan],
+        logging_config=None,  # common.logs configures logging, the same way in every process
     )
     return app
