@@ -89,6 +89,7 @@ class Heartbeat:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
+    draining: bool = False  # finishing its requests before leaving: send it no new ones
 
 
 @dataclass(slots=True)

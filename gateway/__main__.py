@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("gateway", config.log_level, config.log_format)
     uvicorn.run(
         create_app(config), host=config.host, port=config.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=config.shutdown_grace,
     )
 
 

@@ -58,6 +58,7 @@ class PoolCollector(Collector):
             "kv": GaugeMetricFamily("llmpool_worker_kv_cache_usage_ratio", "Share of KV blocks in use", labels=["worker"]),
             "tps": GaugeMetricFamily("llmpool_worker_tokens_per_second", "Tokens generated per second, last 10 s", labels=["worker"]),
             "peak": GaugeMetricFamily("llmpool_worker_peak_batch_size", "Largest batch the worker has run", labels=["worker"]),
+            "draining": GaugeMetricFamily("llmpool_worker_draining", "1 while the worker finishes its requests before leaving", labels=["worker"]),
         }
         counters = {
             "hits": CounterMetricFamily("llmpool_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", labels=["worker"]),
@@ -72,6 +73,7 @@ class PoolCollector(Collector):
             gauges["kv"].add_metric(name, 1 - w["free_blocks"] / w["total_blocks"] if w["total_blocks"] else 0.0)
             gauges["tps"].add_metric(name, w["tokens_per_s"])
             gauges["peak"].add_metric(name, w["peak_batch_size"])
+            gauges["draining"].add_metric(name, int(w["draining"]))
             counters["hits"].add_metric(name, w["prefix_hit_tokens"])
             counters["queried"].add_metric(name, w["prefix_queried_tokens"])
             counters["preempt"].add_metric(name, w["preemptions"])
@@ -87,9 +89,11 @@ class PoolCollector(Collector):
         yield info
         yield up
         states = GaugeMetricFamily("llmpool_workers", "Workers by state", labels=["state"])
-        busy = sum(1 for w in workers if w["running"] or w["waiting"])
+        draining = sum(1 for w in workers if w["draining"])
+        busy = sum(1 for w in workers if not w["draining"] and (w["running"] or w["waiting"]))
+        states.add_metric(["draining"], draining)
         states.add_metric(["busy"], busy)
-        states.add_metric(["ready"], len(workers) - busy)
+        states.add_metric(["ready"], len(workers) - busy - draining)
         states.add_metric(["dead"], len(snapshot["departed"]))
         yield states
         yield GaugeMetricFamily("llmpool_queue_length", "Requests waiting on all workers", value=sum(w["waiting"] for w in workers))

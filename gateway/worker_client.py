@@ -80,6 +80,7 @@ class WorkerInfo:
             "steps_seen": self.steps_seen,
             "batched_steps": self.batched_steps,
             "peak_batch_size": max(self.peak_batch_size, self.load.peak_batch_size),
+            "draining": self.load.draining,
         }
 
 
@@ -167,10 +168,14 @@ class WorkerClient:
         infos = self.workers.values()
         return min(w.ready.max_model_len for w in infos), min(w.ready.kv_capacity_tokens for w in infos)
 
+    def _available(self) -> list[WorkerInfo]:
+        """Workers that take new requests (registered and not draining)."""
+        return [w for w in self.workers.values() if not w.load.draining]
+
     def submit(self, request: NewRequest) -> RequestStream:
         """Send a request to the least-loaded worker; its outputs arrive on the returned stream."""
-        if not self.workers:
-            raise NoWorkerAvailable("no worker is registered; start one with `llmpool worker`")
+        if not self._available():
+            raise NoWorkerAvailable("no worker is taking requests; start one with `llmpool worker`")
         stream = RequestStream(request)
         self.streams[request.request_id] = stream
         self._assign(stream, request)
@@ -178,7 +183,7 @@ class WorkerClient:
 
     def _assign(self, stream: RequestStream, request: NewRequest) -> None:
         """Queue ``request`` for the least-loaded worker; it is sent at the end of this loop tick."""
-        worker = min(self.workers.values(), key=lambda w: (len(w.inflight), w.requests_assigned))
+        worker = min(self._available(), key=lambda w: (len(w.inflight), w.requests_assigned))
         worker.inflight.add(request.request_id)
         worker.requests_assigned += 1
         worker.pending.append(request)
@@ -341,7 +346,7 @@ class WorkerClient:
 
     def _resume(self, stream: RequestStream, reason: str) -> None:
         """Move a request whose worker died to another one, or end it if it can't be moved."""
-        if not self.workers:
+        if not self._available():
             self._end(stream, GenerationFailed(f"{reason}; no other worker can take the request over"))
             return
         if stream.retries >= self.max_retries:

@@ -27,7 +27,7 @@ log = logging.getLogger("launcher")
 
 LAUNCHER_FLAGS = [
     Flag("workers", 1, "Local worker processes to start", int),
-    Flag("shutdown-grace", 10.0, "Seconds children get to exit after SIGTERM before SIGKILL", float),
+    Flag("kill-after", 45.0, "Seconds children get to drain and exit after SIGTERM before SIGKILL", float),
 ]
 _SERVE_WORKER_FLAGS = [f for f in ALL_WORKER_FLAGS if f not in ALL_GATEWAY_FLAGS and f.name != "gateway-address"]
 _PR_SET_PDEATHSIG = 1
@@ -71,7 +71,7 @@ class Supervisor:
             Child(f"worker-{i}", "worker", {**worker_env, "LLMPOOL_WORKER_NAME": f"worker-{i}"})
             for i in range(args.workers)
         ]
-        self.grace = args.shutdown_grace
+        self.grace = args.kill_after
         self.stopping = False
 
     def run(self) -> int:

@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     proc = WorkerProc(
         engine, config.gateway_address, config.worker_name, source.name, str(runner.device),
         str(runner.dtype).removeprefix("torch."), config.heartbeat_interval, config.heartbeat_liveness,
+        config.drain_timeout,
     )
     proc.install_signal_handlers()
     logging.getLogger(__name__).info(

@@ -19,6 +19,7 @@ WORKER_FLAGS = [
     Flag("prefix-caching", True, "Reuse the KV blocks of prompt prefixes seen before (a shared system prompt, earlier turns)", bool),
     Flag("max-model-len", 0, "Longest sequence (prompt + output) accepted; 0 means the model's own limit", int),
     Flag("model-impl", "auto", "native (fused Llama-family forward), transformers (any causal LM), or auto (native where supported)"),
+    Flag("drain-timeout", 30.0, "Seconds a draining worker (after SIGTERM) may spend finishing its requests", float),
     Flag("threads", 0, "CPU threads for torch; 0 leaves torch's default", int),
 ]
 
@@ -47,6 +48,7 @@ class WorkerConfig:
     max_model_len: int = 0
     model_impl: str = "auto"
     threads: int = 0
+    drain_timeout: float = 30.0
 
 
 ALL_WORKER_FLAGS = [*SHARED_FLAGS, *WORKER_FLAGS]

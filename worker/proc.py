@@ -3,8 +3,12 @@
 The loop schedules its own steps (no round trip to the gateway per token): drain whatever arrived,
 run one engine step, send one StepOutputs for the whole batch, heartbeat when due. Any message from
 the gateway counts as its heartbeat; when it has been silent for ``liveness`` intervals the worker
-drops what it was doing (the gateway has failed those requests already), reconnects with backoff
+drops what it was doing (the gateway has moved those requests already), reconnects with backoff
 from 1 s to 32 s and registers again, so workers survive gateway restarts.
+
+SIGTERM (or SIGINT) drains: the worker tells the gateway at once (``draining`` in its heartbeat),
+finishes what it holds, then says Goodbye and exits. A second signal, or ``drain_timeout``, ends the
+drain early; the gateway then moves the requests that were left to other workers.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ class WorkerProc:
     """Connects, registers, and runs the engine loop until told to stop."""
 
     def __init__(self, engine: Engine, address: str, name: str | None, model: str, device: str, dtype: str,
-                 heartbeat_interval: float, heartbeat_liveness: int) -> None:
+                 heartbeat_interval: float, heartbeat_liveness: int, drain_timeout: float = 30.0) -> None:
         self.engine = engine
         self.address = address
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
@@ -49,10 +53,22 @@ class WorkerProc:
         self.liveness = heartbeat_liveness
         self.context = zmq.Context.instance()
         self.stopping = False
+        self.drain_timeout = drain_timeout
+        self.draining_since: float | None = None
+        self._announced_drain = False
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+            signal.signal(sig, lambda *_: self.drain())
+
+    def drain(self) -> None:
+        """First call: finish the current requests, take no new ones, then leave. Second: leave now."""
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+            load = self.engine.load()
+            log.info("draining: finishing %d requests, taking no new ones", load.running + load.waiting)
+        else:
+            self.stopping = True
 
     def run(self) -> None:
         """Connect, serve until the gateway goes silent, reconnect with backoff; until stopped."""
@@ -92,6 +108,7 @@ class WorkerProc:
         last_heard = time.monotonic()
         heard = False
         next_heartbeat = 0.0
+        self._announced_drain = False
         while not self.stopping:
             now = time.monotonic()
             wait_s = 0.0 if self.engine.has_work() else max(0.0, min(next_heartbeat - now, self.interval))
@@ -101,8 +118,16 @@ class WorkerProc:
             if self.engine.has_work():
                 self._send(sock, self._step())
             now = time.monotonic()
+            if self.draining_since is not None:
+                if not self.engine.has_work() or now - self.draining_since > self.drain_timeout:
+                    self.stopping = True
+                    return heard
+                if not self._announced_drain:
+                    self._announced_drain, next_heartbeat = True, now  # tell the gateway right away
             if now >= next_heartbeat:
-                self._send(sock, self.engine.load())
+                load = self.engine.load()
+                load.draining = self.draining_since is not None
+                self._send(sock, load)
                 next_heartbeat = now + self.interval
             if now - last_heard > self.interval * self.liveness:
                 log.warning("no word from the gateway for %.1f s", now - last_heard)

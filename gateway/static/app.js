@@ -254,6 +254,7 @@ async function refreshDashboard() {
   const tps = byWorker(samples, "llmpool_worker_tokens_per_second");
   const peak = byWorker(samples, "llmpool_worker_peak_batch_size");
   const hits = byWorker(samples, "llmpool_worker_prefix_cache_hit_tokens_total");
+  const draining = byWorker(samples, "llmpool_worker_draining");
   const live = Object.values(up).filter((s) => s.value === 1).length;
   $("stat-workers").textContent = live;
   $("stat-running").textContent = total("llmpool_running_batch_size");
@@ -266,7 +267,8 @@ async function refreshDashboard() {
   const rows = Object.keys(up).sort().map((name) => {
     const alive = up[name].value === 1;
     const busy = alive && ((running[name] || {}).value || (waiting[name] || {}).value);
-    const workerState = !alive ? "dead" : busy ? "busy" : "ready";
+    const isDraining = alive && draining[name] && draining[name].value === 1;
+    const workerState = !alive ? "dead" : isDraining ? "draining" : busy ? "busy" : "ready";
     const usage = alive ? (kv[name] || { value: 0 }).value : 0;
     const row = document.createElement("tr");
     row.dataset.worker = name;
