@@ -47,7 +47,8 @@ def create_app(config: GatewayConfig) -> Litestar:
             template_source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
         )
         client = WorkerClient(
-            config.zmq_bind, source.name, config.heartbeat_interval, config.heartbeat_liveness, config.max_retries
+            config.zmq_bind, source.name, config.heartbeat_interval, config.heartbeat_liveness, config.max_retries,
+            config.hung_timeout,
         )
         await client.start()
         admission = Admission(config.max_concurrent_requests, config.max_waiting_requests)

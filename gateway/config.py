@@ -20,6 +20,7 @@ GATEWAY_FLAGS = [
     Flag("max-waiting-requests", 256, "Requests queued for a slot; past that, 429 with Retry-After at once", int),
     Flag("request-timeout", 600.0, "Seconds a request may take before it is aborted with 504", float),
     Flag("shutdown-grace", 30.0, "Seconds in-flight requests get to finish after SIGTERM; new connections are refused", float),
+    Flag("hung-timeout", 60.0, "Seconds a worker holding requests may go without producing anything before it counts as hung", float),
     Flag("max-retries", 2, "Times a request is moved to another worker after its worker died, before it fails", int),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
 ]
@@ -47,6 +48,7 @@ class GatewayConfig:
     allow_request_chat_template: bool = False
     max_retries: int = 2
     shutdown_grace: float = 30.0
+    hung_timeout: float = 60.0
     max_concurrent_requests: int = 256
     max_waiting_requests: int = 256
     request_timeout: float = 600.0

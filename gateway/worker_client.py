@@ -49,6 +49,7 @@ class WorkerInfo:
     expiry: float
     load: Heartbeat = field(default_factory=Heartbeat)
     heartbeats: int = 0  # load reports received; lets a reader tell fresh figures from stale ones
+    last_progress: float = field(default_factory=time.monotonic)  # last step output, or last time it had no work
     inflight: set[str] = field(default_factory=set)
     pending: list[NewRequest] = field(default_factory=list)
     requests_assigned: int = 0
@@ -121,8 +122,10 @@ class WorkerClient:
     """Owns the ROUTER socket; ``submit`` and ``abort`` are the gateway's only ways to reach workers."""
 
     def __init__(
-        self, bind_address: str, model: str, heartbeat_interval: float, heartbeat_liveness: int, max_retries: int = 2
+        self, bind_address: str, model: str, heartbeat_interval: float, heartbeat_liveness: int, max_retries: int = 2,
+        hung_timeout: float = 60.0,
     ) -> None:
+        self.hung_timeout = hung_timeout
         self.bind_address = bind_address
         self.model = model
         self.max_retries = max_retries
@@ -184,6 +187,8 @@ class WorkerClient:
     def _assign(self, stream: RequestStream, request: NewRequest) -> None:
         """Queue ``request`` for the least-loaded worker; it is sent at the end of this loop tick."""
         worker = min(self._available(), key=lambda w: (len(w.inflight), w.requests_assigned))
+        if not worker.inflight:
+            worker.last_progress = time.monotonic()  # the progress clock starts with the work
         worker.inflight.add(request.request_id)
         worker.requests_assigned += 1
         worker.pending.append(request)
@@ -302,6 +307,7 @@ class WorkerClient:
         log.info("worker %s registered (%s, %s, %d KV tokens)", ready.worker_name, ready.device, ready.dtype, ready.kv_capacity_tokens)
 
     def _on_step(self, worker: WorkerInfo, step: StepOutputs) -> None:
+        worker.last_progress = time.monotonic()
         if step.batch_size:
             worker.steps_seen += 1
             worker.batched_steps += step.batch_size > 1
@@ -370,5 +376,8 @@ class WorkerClient:
             for worker in list(self.workers.values()):
                 if now > worker.expiry:
                     self._purge(worker, f"worker {worker.ready.worker_name} missed {self.liveness} heartbeats")
+                elif worker.inflight and now - worker.last_progress > self.hung_timeout:
+                    # Alive (heartbeats arrive) but its engine produces nothing: a hung step.
+                    self._purge(worker, f"worker {worker.ready.worker_name} made no progress for {self.hung_timeout:g} s")
                 else:
                     self._send(worker, Heartbeat())

@@ -189,3 +189,27 @@ def test_a_dead_workers_requests_resume_on_another_worker_where_they_left_off():
         finally:
             other.close()
     run(scenario)
+
+
+def test_a_worker_that_heartbeats_but_makes_no_progress_counts_as_hung():
+    async def main():
+        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", "m", heartbeat_interval=0.1, heartbeat_liveness=5, hung_timeout=0.6)
+        await client.start()
+        worker = FakeWorker(client.bind_address)
+        try:
+            await worker.send(READY)
+            await eventually(lambda: client.workers)
+            stream = client.submit(request(0))
+            await worker.receive(AddRequests)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while stream.queue.empty() and loop.time() < deadline:  # heartbeats keep coming, tokens don't
+                await worker.send(Heartbeat(running=1))
+                await asyncio.sleep(0.05)
+            error = stream.queue.get_nowait()
+            assert isinstance(error, GenerationFailed) and "made no progress" in error.message
+            assert not client.workers
+        finally:
+            worker.close()
+            await client.stop()
+    asyncio.run(main())

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import random
 import signal
-import threading
 from collections.abc import Iterator
 
 import openai
 import pytest
+import zmq
 
-from tests.conftest import MODEL, Server, free_port, spawn, start_serve, wait_until
+from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, start_serve, wait_until
 
 FAST = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 
@@ -102,3 +106,123 @@ def test_sigterm_on_the_launcher_lets_running_streams_finish():
         assert launcher.wait(timeout=60) == 0
     finally:
         server.stop()
+
+
+def report(**counts: int) -> None:
+    """Append what a fault test did (requests served, clients gone, faults injected, requests lost)."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    with open(ARTIFACTS / "fault-report.jsonl", "a") as out:
+        out.write(json.dumps(counts) + "\n")
+
+
+def test_a_stopped_worker_is_detected_its_stream_resumes_and_it_rejoins_after_sigcont(pool):
+    server, workers = pool
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    reference, _ = stream_text(client)
+    stopped: list[str] = []
+
+    def stop_serving_worker(count: int) -> None:
+        if count == 10 and not stopped:
+            (busy,) = [w["name"] for w in server.workers() if w["inflight"]]
+            workers[busy].send_signal(signal.SIGSTOP)
+            stopped.append(busy)
+
+    try:
+        text, tokens = stream_text(client, stop_serving_worker)
+        assert stopped and text == reference and tokens == 48
+        assert stopped[0] not in [w["name"] for w in server.workers()]
+    finally:
+        for name in stopped:
+            workers[name].send_signal(signal.SIGCONT)
+    # Back from SIGCONT, it finds the gateway silent towards it, reconnects and registers afresh.
+    wait_until(lambda: sorted(w["name"] for w in server.workers()) == sorted(workers), 30, "the stopped worker to rejoin")
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3).choices
+    report(test="sigstop", served=3, disconnected=0, faults=1, lost=0)
+
+
+def test_workers_rejoin_a_restarted_gateway(pool):
+    server, workers = pool
+    gateway = server.processes[0]
+    gateway.send_signal(signal.SIGTERM)
+    gateway.wait(timeout=30)
+    server.processes[0] = spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "faults-gateway-2", FAST)
+    server.wait_for_workers(2, timeout=60)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3).choices
+    report(test="gateway-restart", served=1, disconnected=0, faults=1, lost=0)
+
+
+def test_malformed_frames_on_the_router_port_are_dropped(pool):
+    server, _ = pool
+    context = zmq.Context()
+    stranger = context.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 2000)  # deliver what was sent before closing
+    stranger.connect(server.zmq_address)
+    junk = [[b"hello"], [b"\x01\x05", b"\xc1\xc1"], [b"\x09\x01", b""], [b"\x01\x63", b"x"], [os.urandom(64), os.urandom(4096)],
+            [b"\x01\x01", b"\x81\xa3bad\x01"]]
+    for frames in junk:
+        stranger.send_multipart(frames)
+    stranger.close()
+    context.term()
+    wait_until(lambda: server.get("/workers").json()["dropped_frames"] >= len(junk) - 1, 10, "the junk to be counted")
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3).choices
+    assert len(server.workers()) == 2
+    report(test="malformed-frames", served=1, disconnected=0, faults=len(junk), lost=0)
+
+
+def test_200_streaming_clients_with_random_disconnects(pool):
+    """200 concurrent streams; about a third hang up early. Every other stream completes with correct
+    framing, and afterwards no KV block is left allocated anywhere."""
+    server, _ = pool
+    rng = random.Random(7)
+    plan = [rng.random() < 0.33 for _ in range(200)]  # True: hang up after a few chunks
+
+    async def one(i: int, hang_up: bool) -> str:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"Say something about {i}."}],
+                           "max_tokens": 16, "stream": True, "ignore_eos": True}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        raw = b""
+        try:
+            while True:
+                data = await asyncio.wait_for(reader.read(65536), 300)
+                if not data:
+                    break
+                raw += data
+                if hang_up and raw.count(b"data: ") >= 3:
+                    return "disconnected"
+        finally:
+            writer.close()
+        head, _, body_bytes = raw.partition(b"\r\n\r\n")
+        assert b" 200 " in head.split(b"\r\n")[0], head[:100]
+        events = decode_chunked(body_bytes).decode().split("\n\n")
+        assert events[-1] == "" and events[-2] == "data: [DONE]", events[-3:]
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len({c["id"] for c in chunks}) == 1
+        return "completed"
+
+    async def everyone() -> list[str]:
+        return await asyncio.gather(*(one(i, hang_up) for i, hang_up in enumerate(plan)))
+
+    outcomes = asyncio.run(everyone())
+    assert outcomes.count("completed") == plan.count(False)
+    seen = {w["name"]: w["heartbeats"] for w in server.workers()}
+    wait_until(lambda: all(w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0
+                           and w["waiting"] == 0 and w["free_blocks"] == w["total_blocks"] for w in server.workers()),
+               30, "every KV block back after the storm")
+    assert server.get("/workers").json()["inflight"] == 0
+    report(test="200-clients", served=outcomes.count("completed"), disconnected=outcomes.count("disconnected"), faults=0, lost=0)
+
+
+def decode_chunked(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out, body = out + rest[:size], rest[size + 2:]
+    return out
