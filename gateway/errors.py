@@ -57,6 +57,11 @@ class GenerationFailed(GatewayError):
     error_type = "server_error"
 
 
+class ClientGone(GatewayError):
+    status_code = 499  # nginx's "client closed request": nobody reads it, but logs and metrics do
+    error_type = "client_closed_request"
+
+
 class RequestTimeout(GatewayError):
     status_code = 504
     error_type = "timeout"

@@ -13,7 +13,7 @@ from common.protocol import NewRequest
 from gateway.admission import Slot
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, now_s
-from gateway.routes.common import check_model, json_response, usage
+from gateway.routes.common import check_model, json_response, unless_disconnected, usage
 from gateway.schemas import ChatCompletionRequest, ChatMessage, decode_body
 from gateway.streaming import SSE_HEADERS, sse_events
 from gateway.validation import check_supported, new_request, request_id
@@ -63,7 +63,7 @@ class ChatController(Controller):
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = _chunks(generator, new, slot, completion_id, include_usage)
             return Stream(sse_events(chunks), media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": new.request_id})
-        result = await generator.complete(new, slot)
+        result = await unless_disconnected(request, generator.complete(new, slot))
         return json_response({
             "id": completion_id,
             "object": "chat.completion",

@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
-import orjson
-from litestar import Response
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
 
-from gateway.errors import NotFound
+import orjson
+from litestar import Request, Response
+
+from gateway.errors import ClientGone, NotFound
 from gateway.generation import TextDelta
+
+T = TypeVar("T")
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` (a non-streamed generation) but cancel it, which aborts it on the worker, as
+    soon as the client hangs up; streams get this from Litestar, plain responses need it here."""
+    task = asyncio.ensure_future(work)
+
+    async def hang_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise ClientGone("the client closed the connection; the request was aborted")
+    return task.result()
 
 
 def check_model(requested: str, served: str) -> None:

@@ -239,3 +239,16 @@ def test_the_request_id_comes_back_and_is_logged_on_both_sides(server):
         return f"worker.engine: request {rid} queued" in log and f"gateway.generation: request {rid} " in log
 
     wait_until(logged, 10, "the request id in the gateway's and the worker's logs")
+
+
+def test_a_non_streaming_client_that_hangs_up_gets_its_request_aborted(server):
+    body = {"model": MODEL, "messages": ask("Write a very long story."), "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=2)  # gives up, closes the socket
+    seen = {w["name"]: w["heartbeats"] for w in server.workers()}
+    wait_until(
+        lambda: all(w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0
+                    and w["free_blocks"] == w["total_blocks"] for w in server.workers()),
+        15, "the worker to abort the abandoned request",
+    )
+    assert server.get("/workers").json()["inflight"] == 0

@@ -18,6 +18,11 @@ from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, start_ser
 FAST = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_report() -> None:
+    (ARTIFACTS / "fault-report.jsonl").unlink(missing_ok=True)
+
+
 @pytest.fixture
 def pool() -> Iterator[tuple[Server, dict]]:
     """A gateway and two float32 workers (float32: a resumed greedy stream must match exactly)."""
@@ -68,6 +73,7 @@ def test_sigkilled_worker_mid_stream_the_stream_resumes_on_the_other_worker(pool
     assert resumed_tokens == reference_tokens == 48
     snapshot = server.get("/workers").json()
     assert snapshot["resumed"] == 1 and [w["name"] for w in snapshot["workers"]] != killed
+    report(test="sigkill", served=2, disconnected=0, faults=1, lost=0)
 
 
 def test_a_draining_worker_finishes_its_requests_and_gets_no_new_ones(pool):
@@ -94,6 +100,7 @@ def test_a_draining_worker_finishes_its_requests_and_gets_no_new_ones(pool):
     assert server.get("/workers").json()["resumed"] == 0, "nothing had to be moved"
     others = {w["name"]: w["requests_assigned"] for w in server.workers()}
     assert all(others[n] >= assigned_before[n] + 3 for n in others)
+    report(test="drain", served=4, disconnected=0, faults=0, lost=0)
 
 
 def test_sigterm_on_the_launcher_lets_running_streams_finish():
