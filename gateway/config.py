@@ -21,6 +21,7 @@ GATEWAY_FLAGS = [
     Flag("request-timeout", 600.0, "Seconds a request may take before it is aborted with 504", float),
     Flag("shutdown-grace", 30.0, "Seconds in-flight requests get to finish after SIGTERM; new connections are refused", float),
     Flag("hung-timeout", 60.0, "Seconds a worker holding requests may go without producing anything before it counts as hung", float),
+    Flag("prefix-affinity-slack", 2048, "Route a request to the worker that last saw its prefix unless that worker has this many more outstanding tokens than the least-loaded one; -1 turns affinity off", int),
     Flag("max-retries", 2, "Times a request is moved to another worker after its worker died, before it fails", int),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
 ]
@@ -49,6 +50,7 @@ class GatewayConfig:
     max_retries: int = 2
     shutdown_grace: float = 30.0
     hung_timeout: float = 60.0
+    prefix_affinity_slack: int = 2048
     max_concurrent_requests: int = 256
     max_waiting_requests: int = 256
     request_timeout: float = 600.0

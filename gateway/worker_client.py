@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import zmq
@@ -52,6 +52,7 @@ class WorkerInfo:
     last_progress: float = field(default_factory=time.monotonic)  # last step output, or last time it had no work
     inflight: set[str] = field(default_factory=set)
     pending: list[NewRequest] = field(default_factory=list)
+    outstanding_tokens: int = 0  # prompt + remaining budget of its in-flight requests: the routing load
     requests_assigned: int = 0
     steps_seen: int = 0
     batched_steps: int = 0  # steps that ran more than one sequence, as the worker reported them
@@ -67,6 +68,7 @@ class WorkerInfo:
             "max_model_len": self.ready.max_model_len,
             "kv_capacity_tokens": self.ready.kv_capacity_tokens,
             "inflight": len(self.inflight),
+            "outstanding_tokens": self.outstanding_tokens,
             "requests_assigned": self.requests_assigned,
             "running": self.load.running,
             "waiting": self.load.waiting,
@@ -101,6 +103,7 @@ class RequestStream:
         self.offset = 0  # tokens generated before the current worker took the request over
         self.retries = 0
         self.cached_tokens: int | None = None
+        self.cost = 0  # what it adds to its worker's outstanding tokens
 
     def resumed_request(self) -> NewRequest:
         """The request as a new worker must run it: the prompt grows by what was already generated."""
@@ -118,14 +121,50 @@ class RequestStream:
         )
 
 
+class PrefixAffinity:
+    """Remembers which worker last got each prompt prefix (64, 128, 256 and 512 tokens long), so
+    requests sharing a long prefix (a system prompt, a conversation) land where it is cached."""
+
+    LENGTHS = (512, 256, 128, 64)
+    CAPACITY = 50_000
+
+    def __init__(self, slack_tokens: int) -> None:
+        self.slack = slack_tokens
+        self._owner: OrderedDict[int, bytes] = OrderedDict()
+        self.hits = 0
+
+    def _keys(self, prompt: list[int]) -> list[int]:
+        return [hash(tuple(prompt[:n])) for n in self.LENGTHS if len(prompt) > n]
+
+    def choose(self, prompt: list[int], available: list[WorkerInfo], least_loaded: WorkerInfo) -> WorkerInfo:
+        """The worker that last got this prompt's longest known prefix, unless it is much busier."""
+        keys = self._keys(prompt)
+        by_identity = {w.identity: w for w in available}
+        chosen = least_loaded
+        for key in keys:  # longest shared prefix first
+            owner = by_identity.get(self._owner.get(key, b""))
+            if owner is not None:
+                if owner.outstanding_tokens <= least_loaded.outstanding_tokens + self.slack:
+                    chosen = owner
+                    self.hits += owner is not least_loaded
+                break
+        for key in keys:
+            self._owner[key] = chosen.identity
+            self._owner.move_to_end(key)
+        while len(self._owner) > self.CAPACITY:
+            self._owner.popitem(last=False)
+        return chosen
+
+
 class WorkerClient:
     """Owns the ROUTER socket; ``submit`` and ``abort`` are the gateway's only ways to reach workers."""
 
     def __init__(
         self, bind_address: str, model: str, heartbeat_interval: float, heartbeat_liveness: int, max_retries: int = 2,
-        hung_timeout: float = 60.0,
+        hung_timeout: float = 60.0, affinity_slack: int | None = 2048,
     ) -> None:
         self.hung_timeout = hung_timeout
+        self.affinity = PrefixAffinity(affinity_slack) if affinity_slack is not None else None
         self.bind_address = bind_address
         self.model = model
         self.max_retries = max_retries
@@ -185,8 +224,17 @@ class WorkerClient:
         return stream
 
     def _assign(self, stream: RequestStream, request: NewRequest) -> None:
-        """Queue ``request`` for the least-loaded worker; it is sent at the end of this loop tick."""
-        worker = min(self._available(), key=lambda w: (len(w.inflight), w.requests_assigned))
+        """Queue ``request`` for a worker; it is sent at the end of this loop tick.
+
+        The least-loaded worker by outstanding tokens, unless prefix affinity points at a worker that
+        probably holds this prompt's prefix in its KV cache and is not much busier.
+        """
+        available = self._available()
+        worker = min(available, key=lambda w: (w.outstanding_tokens, len(w.inflight), w.requests_assigned))
+        if self.affinity is not None:
+            worker = self.affinity.choose(request.prompt_token_ids, available, worker)
+        stream.cost = len(request.prompt_token_ids) + request.max_new_tokens
+        worker.outstanding_tokens += stream.cost
         if not worker.inflight:
             worker.last_progress = time.monotonic()  # the progress clock starts with the work
         worker.inflight.add(request.request_id)
@@ -206,7 +254,9 @@ class WorkerClient:
         worker = self.workers.get(stream.worker)
         if worker is None:
             return
-        worker.inflight.discard(request_id)
+        if request_id in worker.inflight:
+            worker.inflight.discard(request_id)
+            worker.outstanding_tokens -= stream.cost
         if any(r.request_id == request_id for r in worker.pending):  # not sent yet: just drop it
             worker.pending = [r for r in worker.pending if r.request_id != request_id]
             return
@@ -218,6 +268,7 @@ class WorkerClient:
             "inflight": len(self.streams),
             "add_messages_sent": self.add_messages_sent,
             "resumed": self.resumed,
+            "affinity_hits": self.affinity.hits if self.affinity else 0,
             "dropped_frames": self.dropped_frames,
             "departed": list(self.departed),
         }
@@ -334,8 +385,9 @@ class WorkerClient:
         """Close a stream (with an error to deliver, or after its final output)."""
         self.streams.pop(stream.request_id, None)
         worker = self.workers.get(stream.worker)
-        if worker is not None:
+        if worker is not None and stream.request_id in worker.inflight:
             worker.inflight.discard(stream.request_id)
+            worker.outstanding_tokens -= stream.cost
         if error is not None and not stream.finished:
             stream.queue.put_nowait(error)
         stream.finished = True

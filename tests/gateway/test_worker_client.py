@@ -213,3 +213,20 @@ def test_a_worker_that_heartbeats_but_makes_no_progress_counts_as_hung():
             worker.close()
             await client.stop()
     asyncio.run(main())
+
+
+def test_prefix_affinity_sends_a_shared_prefix_to_the_same_worker_unless_it_is_much_busier():
+    from gateway.worker_client import PrefixAffinity, WorkerInfo
+
+    a = WorkerInfo(b"a", READY, 0.0)
+    b = WorkerInfo(b"b", READY, 0.0)
+    affinity = PrefixAffinity(slack_tokens=1000)
+    system = list(range(600))
+    assert affinity.choose(system + [1], [a, b], least_loaded=a) is a
+    a.outstanding_tokens = 900  # busier, but within the slack: still a, where the prefix is cached
+    assert affinity.choose(system + [2], [a, b], least_loaded=b) is a
+    a.outstanding_tokens = 5000  # much busier: the least-loaded one takes it (and the prefix moves)
+    assert affinity.choose(system + [3], [a, b], least_loaded=b) is b
+    assert affinity.choose(list(range(1000, 1100)), [a, b], least_loaded=a) is a  # an unseen prefix
+    assert affinity.choose([1, 2, 3], [a, b], least_loaded=b) is b  # too short to bother
+    assert affinity.hits == 1
