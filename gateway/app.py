@@ -49,6 +49,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         client = WorkerClient(
             config.zmq_bind, source.name, config.heartbeat_interval, config.heartbeat_liveness, config.max_retries,
             config.hung_timeout, config.prefix_affinity_slack if config.prefix_affinity_slack >= 0 else None,
+            config.curve_server_secret_key, config.curve_authorized_keys,
         )
         await client.start()
         admission = Admission(config.max_concurrent_requests, config.max_waiting_requests)

@@ -22,6 +22,8 @@ GATEWAY_FLAGS = [
     Flag("shutdown-grace", 30.0, "Seconds in-flight requests get to finish after SIGTERM; new connections are refused", float),
     Flag("hung-timeout", 60.0, "Seconds a worker holding requests may go without producing anything before it counts as hung", float),
     Flag("prefix-affinity-slack", 2048, "Route a request to the worker that last saw its prefix unless that worker has this many more outstanding tokens than the least-loaded one; -1 turns affinity off", int),
+    Flag("curve-server-secret-key", None, "CURVE: the gateway's secret key file (from `llmpool keys`); encrypts worker traffic"),
+    Flag("curve-authorized-keys", None, "CURVE: folder of worker public key files allowed to connect"),
     Flag("max-retries", 2, "Times a request is moved to another worker after its worker died, before it fails", int),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
 ]
@@ -51,6 +53,8 @@ class GatewayConfig:
     shutdown_grace: float = 30.0
     hung_timeout: float = 60.0
     prefix_affinity_slack: int = 2048
+    curve_server_secret_key: str | None = None
+    curve_authorized_keys: str | None = None
     max_concurrent_requests: int = 256
     max_waiting_requests: int = 256
     request_timeout: float = 600.0

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+import zmq.auth
+import zmq.auth.asyncio
 
 from common import protocol
 from common.protocol import (
@@ -162,7 +164,11 @@ class WorkerClient:
     def __init__(
         self, bind_address: str, model: str, heartbeat_interval: float, heartbeat_liveness: int, max_retries: int = 2,
         hung_timeout: float = 60.0, affinity_slack: int | None = 2048,
+        curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
     ) -> None:
+        self.curve_secret_key = curve_secret_key
+        self.curve_authorized_keys = curve_authorized_keys
+        self._authenticator: zmq.auth.asyncio.AsyncioAuthenticator | None = None
         self.hung_timeout = hung_timeout
         self.affinity = PrefixAffinity(affinity_slack) if affinity_slack is not None else None
         self.bind_address = bind_address
@@ -183,6 +189,8 @@ class WorkerClient:
 
     async def start(self) -> None:
         sock = self._context.socket(zmq.ROUTER)
+        if self.curve_secret_key:
+            self._enable_curve(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.LINGER, 0)
@@ -190,6 +198,21 @@ class WorkerClient:
         self._socket = sock
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._heartbeat_loop())]
         log.info("waiting for workers on %s", self.bind_address)
+
+    def _enable_curve(self, sock: zmq.Socket) -> None:
+        """CURVE: traffic is encrypted, and only workers whose public key is in the authorized folder
+        can connect (a ZAP authenticator checks each handshake), so strangers can't register or listen."""
+        if not self.curve_authorized_keys:
+            raise ValueError("--curve-server-secret-key needs --curve-authorized-keys (a folder of worker public keys)")
+        public, secret = zmq.auth.load_certificate(self.curve_secret_key)
+        if secret is None:
+            raise ValueError(f"{self.curve_secret_key} holds no secret key")
+        self._authenticator = zmq.auth.asyncio.AsyncioAuthenticator(self._context)
+        self._authenticator.start()
+        self._authenticator.configure_curve(domain="*", location=self.curve_authorized_keys)
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        log.info("CURVE on: workers must hold a key from %s", self.curve_authorized_keys)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -199,6 +222,8 @@ class WorkerClient:
             self._end(stream, GenerationFailed("the gateway is shutting down"))
         if self._socket is not None:
             self._socket.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.term()
 
     # ---- what the HTTP side uses -------------------------------------------------------------
@@ -209,6 +234,11 @@ class WorkerClient:
             raise NoWorkerAvailable("no worker is registered; start one with `llmpool worker`")
         infos = self.workers.values()
         return min(w.ready.max_model_len for w in infos), min(w.ready.kv_capacity_tokens for w in infos)
+
+    def ready_workers(self) -> list[WorkerInfo]:
+        """Workers taking requests and making progress on the ones they hold (for /ready)."""
+        now = time.monotonic()
+        return [w for w in self._available() if not w.inflight or now - w.last_progress < self.hung_timeout / 2]
 
     def _available(self) -> list[WorkerInfo]:
         """Workers that take new requests (registered and not draining)."""

@@ -118,7 +118,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(serve, "worker", _SERVE_WORKER_FLAGS)
     commands.add_parser("gateway", help="the gateway alone (flags: llmpool gateway --help)", add_help=False)
     commands.add_parser("worker", help="one worker alone (flags: llmpool worker --help)", add_help=False)
+    keys = commands.add_parser("keys", help="make CURVE key pairs for the gateway and workers")
+    keys.add_argument("folder", help="where to write gateway.key(_secret) and worker-N.key(_secret)")
+    keys.add_argument("--workers", type=int, default=1, help="worker key pairs to make")
     return parser
+
+
+def make_keys(folder: str, workers: int) -> None:
+    """gateway.key / gateway.key_secret and worker-N pairs; put the workers' public files in the
+    gateway's --curve-authorized-keys folder (done here: FOLDER/authorized)."""
+    import shutil
+
+    import zmq.auth
+
+    os.makedirs(os.path.join(folder, "authorized"), exist_ok=True)
+    zmq.auth.create_certificates(folder, "gateway")
+    for i in range(workers):
+        public, _ = zmq.auth.create_certificates(folder, f"worker-{i}")
+        shutil.copy(public, os.path.join(folder, "authorized"))
+    print(f"gateway: --curve-server-secret-key {folder}/gateway.key_secret --curve-authorized-keys {folder}/authorized")
+    print(f"worker N: --curve-client-secret-key {folder}/worker-N.key_secret --curve-server-public-key {folder}/gateway.key")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,5 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         worker_main(argv[1:])
         return
     args = build_parser().parse_args(argv)
+    if args.command == "keys":
+        make_keys(args.folder, args.workers)
+        return
     setup_logging("launcher", args.log_level, args.log_format)
     sys.exit(Supervisor(args).run())

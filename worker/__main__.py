@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
         engine, config.gateway_address, config.worker_name, source.name, str(runner.device),
         str(runner.dtype).removeprefix("torch."), config.heartbeat_interval, config.heartbeat_liveness,
         config.drain_timeout,
+        (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None,
     )
     proc.install_signal_handlers()
     logging.getLogger(__name__).info(

@@ -20,6 +20,8 @@ WORKER_FLAGS = [
     Flag("max-model-len", 0, "Longest sequence (prompt + output) accepted; 0 means the model's own limit", int),
     Flag("model-impl", "auto", "native (fused Llama-family forward), transformers (any causal LM), or auto (native where supported)"),
     Flag("drain-timeout", 30.0, "Seconds a draining worker (after SIGTERM) may spend finishing its requests", float),
+    Flag("curve-client-secret-key", None, "CURVE: this worker's secret key file (from `llmpool keys`)"),
+    Flag("curve-server-public-key", None, "CURVE: the gateway's public key file"),
     Flag("threads", 0, "CPU threads for torch; 0 leaves torch's default", int),
 ]
 
@@ -49,6 +51,8 @@ class WorkerConfig:
     model_impl: str = "auto"
     threads: int = 0
     drain_timeout: float = 30.0
+    curve_client_secret_key: str | None = None
+    curve_server_public_key: str | None = None
 
 
 ALL_WORKER_FLAGS = [*SHARED_FLAGS, *WORKER_FLAGS]

@@ -21,6 +21,7 @@ import time
 import uuid
 
 import zmq
+import zmq.auth
 
 from common import protocol
 from common.protocol import Abort, AddRequests, Goodbye, Heartbeat, Ready, StepOutputs
@@ -35,7 +36,9 @@ class WorkerProc:
     """Connects, registers, and runs the engine loop until told to stop."""
 
     def __init__(self, engine: Engine, address: str, name: str | None, model: str, device: str, dtype: str,
-                 heartbeat_interval: float, heartbeat_liveness: int, drain_timeout: float = 30.0) -> None:
+                 heartbeat_interval: float, heartbeat_liveness: int, drain_timeout: float = 30.0,
+                 curve_keys: tuple[str, str] | None = None) -> None:
+        self.curve_keys = curve_keys  # (own secret key file, gateway public key file)
         self.engine = engine
         self.address = address
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
@@ -96,6 +99,10 @@ class WorkerProc:
         # A fresh identity per connection: the gateway may still hold the old one until it expires.
         sock.setsockopt(zmq.IDENTITY, f"{self.name}/{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.SNDHWM, 100_000)
+        if self.curve_keys:
+            own_public, own_secret = zmq.auth.load_certificate(self.curve_keys[0])
+            server_public, _ = zmq.auth.load_certificate(self.curve_keys[1])
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = own_public, own_secret, server_public
         sock.connect(self.address)
         self._send(sock, self.ready)
         log.info("registered with gateway at %s as %s", self.address, self.name)

@@ -17,8 +17,9 @@ async def health() -> Response:
 
 @get("/ready")
 async def ready(generator: Generator) -> Response:
-    workers = len(generator.client.workers)
-    response = json_response({"status": "ready" if workers else "no workers", "workers": workers})
+    """200 when at least one worker takes requests and makes progress on those it holds."""
+    workers = len(generator.client.ready_workers())
+    response = json_response({"status": "ready" if workers else "no worker ready", "workers": workers})
     response.status_code = 200 if workers else 503
     return response
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -163,6 +164,32 @@ def test_compose_services_run_as_plain_processes():
     try:
         server.wait_for_workers(1)
         reply = sdk(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+        assert reply.choices[0].message.content
+    finally:
+        server.stop()
+
+
+def test_curve_lets_only_authorized_workers_in(tmp_path):
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "launcher", "keys", str(keys), "--workers", "1"], cwd=REPO, check=True, capture_output=True)
+    strangers = tmp_path / "strangers"
+    subprocess.run([sys.executable, "-m", "launcher", "keys", str(strangers)], cwd=REPO, check=True, capture_output=True)
+    server = Server(free_port(), free_port())
+    gateway_args = ["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address,
+                    "--curve-server-secret-key", str(keys / "gateway.key_secret"), "--curve-authorized-keys", str(keys / "authorized")]
+    server.processes.append(spawn(gateway_args, "curve-gateway", FAST_HEARTBEAT))
+    try:
+        server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "trusted",
+                                       "--curve-client-secret-key", str(keys / "worker-0.key_secret"),
+                                       "--curve-server-public-key", str(keys / "gateway.key")], "curve-trusted", FAST_HEARTBEAT))
+        server.wait_for_workers(1)
+        server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "no-keys"], "curve-nokeys", FAST_HEARTBEAT))
+        server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "unknown-key",
+                                       "--curve-client-secret-key", str(strangers / "worker-0.key_secret"),
+                                       "--curve-server-public-key", str(keys / "gateway.key")], "curve-stranger", FAST_HEARTBEAT))
+        time.sleep(8)  # both have long loaded their model and tried to register
+        assert [w["name"] for w in server.workers()] == ["trusted"]
+        reply = sdk(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         assert reply.choices[0].message.content
     finally:
         server.stop()
