@@ -114,3 +114,16 @@ HEARTBEAT_LIVENESS = Flag(
 LOG_LEVEL = Flag("log-level", "INFO", "DEBUG, INFO, WARNING or ERROR")
 LOG_FORMAT = Flag("log-format", "text", "text, or json (one object per line, with request_id on request events)")
 SHARED_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, LOG_LEVEL, LOG_FORMAT]
+
+
+@dataclass(slots=True)
+class SharedConfig:
+    """The settings of SHARED_FLAGS; the gateway's and the worker's configs extend it."""
+
+    model: str = MODEL.default
+    served_model_name: str | None = None
+    cache_dir: str = CACHE_DIR.default
+    heartbeat_interval: float = HEARTBEAT_INTERVAL.default
+    heartbeat_liveness: int = HEARTBEAT_LIVENESS.default
+    log_level: str = LOG_LEVEL.default
+    log_format: str = LOG_FORMAT.default

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import CACHE_DIR, SHARED_FLAGS, Flag
+from common.config import SHARED_FLAGS, Flag, SharedConfig
 
 GATEWAY_FLAGS = [
     Flag("host", "127.0.0.1", "HTTP listen address (0.0.0.0 to accept other hosts)"),
@@ -30,16 +30,9 @@ GATEWAY_FLAGS = [
 
 
 @dataclass(slots=True)
-class GatewayConfig:
+class GatewayConfig(SharedConfig):
     """Parsed gateway settings."""
 
-    model: str = "SmolLM2-135M-Instruct"
-    served_model_name: str | None = None
-    cache_dir: str = CACHE_DIR.default
-    heartbeat_interval: float = 1.0
-    heartbeat_liveness: int = 5
-    log_level: str = "INFO"
-    log_format: str = "text"
     host: str = "127.0.0.1"
     port: int = 8000
     zmq_bind: str = "tcp://127.0.0.1:5555"

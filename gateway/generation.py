@@ -19,6 +19,7 @@ from common.protocol import FinishReason, NewRequest, RequestOutput
 from gateway.admission import Admission, Slot
 from gateway.errors import GenerationFailed, RequestTimeout
 from gateway.metrics import Metrics
+from gateway.stop import StopChecker
 from gateway.templates import ChatTemplate
 from gateway.tokenizer import IncrementalDetokenizer
 from gateway.worker_client import WorkerClient
@@ -70,19 +71,19 @@ class Generator:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def stream(self, request: NewRequest, slot: Slot) -> AsyncIterator[TextDelta]:
+    async def stream(self, request: NewRequest, slot: Slot, stops: list[str] | None = None) -> AsyncIterator[TextDelta]:
         """Yield text deltas as the worker produces tokens; the last one carries the finish reason.
 
         ``slot`` (from ``admission.acquire()``) is released when the generation ends; past
         ``timeout_s`` the request is aborted with a 504.
         """
         try:
-            async for delta in self._stream(request):
+            async for delta in self._stream(request, StopChecker(stops or [])):
                 yield delta
         finally:
             slot.release()
 
-    async def _stream(self, request: NewRequest) -> AsyncIterator[TextDelta]:
+    async def _stream(self, request: NewRequest, stop: StopChecker) -> AsyncIterator[TextDelta]:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         stream = self.client.submit(request)
@@ -103,6 +104,12 @@ class Generator:
                 finish = item.finish_reason
                 if finish is not None:
                     text += detokenizer.flush()
+                text, stopped = stop.push(text)
+                if stopped:  # the stop text is cut; the worker is told to stop in the finally
+                    finish = FinishReason.STOP
+                elif finish is not None:
+                    text += stop.flush()
+                if finish is not None:
                     if finish == FinishReason.ABORT:
                         finish = FinishReason.STOP
                     clock.outcome = finish
@@ -114,11 +121,11 @@ class Generator:
             if not stream.finished:
                 self.client.abort(request.request_id)
 
-    async def complete(self, request: NewRequest, slot: Slot) -> TextDelta:
+    async def complete(self, request: NewRequest, slot: Slot, stops: list[str] | None = None) -> TextDelta:
         """Run to the end and return all the text at once."""
         parts: list[str] = []
         last = TextDelta("", None, len(request.prompt_token_ids), 0)
-        async for delta in self.stream(request, slot):
+        async for delta in self.stream(request, slot, stops):
             parts.append(delta.text)
             last = delta
         return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)

@@ -35,12 +35,23 @@ def sampling_params(req: SamplingFields) -> SamplingParams:
     )
 
 
+MAX_STOPS = 16
+
+
 def check_supported(req: SamplingFields) -> None:
     """Refuse, clearly, what this server does not do yet rather than silently ignoring it."""
     if req.n != 1:
         raise InvalidRequest(f"`n` must be 1 on this server; got {req.n}", param="n")
-    if req.stop:
-        raise InvalidRequest("`stop` strings are not supported yet; use `stop_token_ids`", param="stop")
+
+
+def stop_strings(req: SamplingFields) -> list[str]:
+    """``stop`` as a list: a string or up to MAX_STOPS non-empty strings."""
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise InvalidRequest(f"`stop` may hold at most {MAX_STOPS} strings; got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise InvalidRequest("`stop` strings must not be empty", param="stop")
+    return stops
 
 
 def max_new_tokens(requested: int | None, param: str, prompt_len: int, max_model_len: int, kv_capacity: int) -> int:

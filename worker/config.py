@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import CACHE_DIR, SHARED_FLAGS, Flag
+from common.config import SHARED_FLAGS, Flag, SharedConfig
 
 WORKER_FLAGS = [
     Flag("gateway-address", "tcp://127.0.0.1:5555", "ZeroMQ address of the gateway's ROUTER socket (tcp:// or ipc://)"),
@@ -27,16 +27,9 @@ WORKER_FLAGS = [
 
 
 @dataclass(slots=True)
-class WorkerConfig:
+class WorkerConfig(SharedConfig):
     """Parsed worker settings."""
 
-    model: str = "SmolLM2-135M-Instruct"
-    served_model_name: str | None = None
-    cache_dir: str = CACHE_DIR.default
-    heartbeat_interval: float = 1.0
-    heartbeat_liveness: int = 5
-    log_level: str = "INFO"
-    log_format: str = "text"
     gateway_address: str = "tcp://127.0.0.1:5555"
     worker_name: str | None = None
     device: str = "auto"

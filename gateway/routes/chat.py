@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Controller, Request, Response, post
-from litestar.response import Stream
 
 from common.protocol import NewRequest
 from gateway.admission import Slot
 from gateway.errors import InvalidRequest
-from gateway.generation import Generator, now_s
-from gateway.routes.common import check_model, json_response, unless_disconnected, usage
+from gateway.generation import Generator, TextDelta, now_s
+from gateway.routes.common import check_model, respond, usage
 from gateway.schemas import ChatCompletionRequest, ChatMessage, decode_body
-from gateway.streaming import SSE_HEADERS, sse_events
-from gateway.validation import check_supported, new_request, request_id
+from gateway.validation import check_supported, new_request, request_id, stop_strings
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -46,6 +43,7 @@ class ChatController(Controller):
         req = decode_body(await request.body(), ChatCompletionRequest)
         check_model(req.model, generator.model_name)
         check_supported(req)
+        stops = stop_strings(req)
         if req.chat_template is not None and not request.app.state.allow_request_chat_template:
             raise InvalidRequest(
                 "`chat_template` in a request is refused on this server (templates come from the server side; "
@@ -57,29 +55,28 @@ class ChatController(Controller):
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         new = new_request(req, prompt_ids, requested, param, limits, request_id(request.headers.get("x-request-id")))
-        slot = await generator.admission.acquire()  # 429 now, before any response starts
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = _chunks(generator, new, slot, completion_id, include_usage)
-            return Stream(sse_events(chunks), media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": new.request_id})
-        result = await unless_disconnected(request, generator.complete(new, slot))
-        return json_response({
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": now_s(),
-            "model": generator.model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "logprobs": None,
-                "finish_reason": result.finish_reason,
-            }],
-            "usage": usage(result),
-        }, new.request_id)
+        return await respond(request, generator, req, new, stops, "chatcmpl", _chunks, _body)
 
 
-async def _chunks(generator: Generator, new: NewRequest, slot: Slot, completion_id: str, include_usage: bool) -> AsyncIterator[dict]:
+def _body(generator: Generator, completion_id: str, result: TextDelta) -> dict:
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": now_s(),
+        "model": generator.model_name,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+        }],
+        "usage": usage(result),
+    }
+
+
+async def _chunks(
+    generator: Generator, new: NewRequest, slot: Slot, stops: list[str], completion_id: str, include_usage: bool
+) -> AsyncIterator[dict]:
     created = now_s()
 
     def chunk(delta: dict, finish_reason: str | None) -> dict:
@@ -96,7 +93,7 @@ async def _chunks(generator: Generator, new: NewRequest, slot: Slot, completion_
 
     yield chunk({"role": "assistant", "content": ""}, None)
     last = None
-    async for delta in generator.stream(new, slot):
+    async for delta in generator.stream(new, slot, stops):
         last = delta
         if delta.text:
             yield chunk({"content": delta.text}, None)

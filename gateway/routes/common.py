@@ -3,16 +3,38 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import orjson
 from litestar import Request, Response
+from litestar.response import Stream
+
+from common.protocol import NewRequest
 
 from gateway.errors import ClientGone, NotFound
-from gateway.generation import TextDelta
+from gateway.generation import Generator, TextDelta
+from gateway.schemas import SamplingFields
+from gateway.streaming import SSE_HEADERS, sse_events
 
 T = TypeVar("T")
+
+
+async def respond(
+    request: Request, generator: Generator, req: SamplingFields, new: NewRequest, stops: list[str], id_prefix: str,
+    chunks: Callable[..., AsyncIterator[dict]], body: Callable[[Generator, str, TextDelta], dict],
+) -> Response:
+    """Admit the request (a 429 comes now, before any response starts), then stream it as SSE built
+    from ``chunks`` or answer it whole with ``body``."""
+    slot = await generator.admission.acquire()
+    completion_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = sse_events(chunks(generator, new, slot, stops, completion_id, include_usage))
+        return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": new.request_id})
+    result = await unless_disconnected(request, generator.complete(new, slot, stops))
+    return json_response(body(generator, completion_id, result), new.request_id)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-import time
 
 import httpx
 import openai
@@ -252,3 +251,20 @@ def test_a_non_streaming_client_that_hangs_up_gets_its_request_aborted(server):
         15, "the worker to abort the abandoned request",
     )
     assert server.get("/workers").json()["inflight"] == 0
+
+
+def test_stop_strings_cut_the_text_in_both_modes_and_end_the_generation(client):
+    messages = ask("List three fruits.")
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    text = full.choices[0].message.content
+    words = text.split()
+    stop = words[len(words) // 2]  # a word in the middle of the greedy answer
+    expected = text[: text.index(stop)]
+    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=[stop, "@@@"])
+    assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < full.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=messages, stop=[""])

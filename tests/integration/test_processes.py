@@ -16,7 +16,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import MODEL, REPO, Server, free_port, spawn, start_serve, stop, wait_until
+from tests.conftest import MODEL, REPO, Server, free_port, spawn, start_serve, wait_until
 
 FAST_HEARTBEAT = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 

@@ -1,0 +1,38 @@
+"""Stop strings over streamed text: the stop text itself is never sent, and a tail that could still
+grow into a stop string is held back until it turns out not to be one."""
+
+from __future__ import annotations
+
+
+class StopChecker:
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add new text; return (text that is safe to send now, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        buffer = self.pending + text
+        hits = [i for i in (buffer.find(stop) for stop in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buffer[: min(hits)], True
+        keep = self._partial_tail(buffer)
+        self.pending = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        """At the end of the generation, the held-back tail was not a stop string after all."""
+        text, self.pending = self.pending, ""
+        return text
+
+    def _partial_tail(self, buffer: str) -> int:
+        """Length of the longest end of ``buffer`` that is the start of some stop string."""
+        longest = 0
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
