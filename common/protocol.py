@@ -40,12 +40,22 @@ class FinishReason:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request sampling; ``temperature == 0`` means greedy, ``top_k == 0`` means off."""
+    """Per-request sampling; ``temperature == 0`` means greedy, ``top_k == 0`` means off.
+
+    Penalties, bias and ``min_tokens`` change the logits before the choice, greedy or not (OpenAI's
+    and vLLM's semantics); their defaults leave the logits untouched.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
 
 @dataclass(slots=True)

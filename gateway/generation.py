@@ -47,6 +47,7 @@ class Generator:
         metrics: Metrics, admission: Admission, timeout_s: float,
     ) -> None:
         self.client = client
+        self.vocab_size = len(tokenizer)
         self.metrics = metrics
         self.admission = admission
         self.timeout_s = timeout_s
@@ -71,20 +72,22 @@ class Generator:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def stream(self, request: NewRequest, slot: Slot, stops: list[str] | None = None) -> AsyncIterator[TextDelta]:
+    async def stream(
+        self, request: NewRequest, slot: Slot, stops: list[str] | None = None, skip_special_tokens: bool = True
+    ) -> AsyncIterator[TextDelta]:
         """Yield text deltas as the worker produces tokens; the last one carries the finish reason.
 
         ``slot`` (from ``admission.acquire()``) is released when the generation ends; past
         ``timeout_s`` the request is aborted with a 504.
         """
         try:
-            async for delta in self._stream(request, StopChecker(stops or [])):
+            async for delta in self._stream(request, StopChecker(stops or []), skip_special_tokens):
                 yield delta
         finally:
             slot.release()
 
-    async def _stream(self, request: NewRequest, stop: StopChecker) -> AsyncIterator[TextDelta]:
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
+    async def _stream(self, request: NewRequest, stop: StopChecker, skip_special_tokens: bool) -> AsyncIterator[TextDelta]:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         stream = self.client.submit(request)
         clock = _Clock(self.metrics, request.request_id)
@@ -121,11 +124,13 @@ class Generator:
             if not stream.finished:
                 self.client.abort(request.request_id)
 
-    async def complete(self, request: NewRequest, slot: Slot, stops: list[str] | None = None) -> TextDelta:
+    async def complete(
+        self, request: NewRequest, slot: Slot, stops: list[str] | None = None, skip_special_tokens: bool = True
+    ) -> TextDelta:
         """Run to the end and return all the text at once."""
         parts: list[str] = []
         last = TextDelta("", None, len(request.prompt_token_ids), 0)
-        async for delta in self.stream(request, slot, stops):
+        async for delta in self.stream(request, slot, stops, skip_special_tokens):
             parts.append(delta.text)
             last = delta
         return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)

@@ -17,7 +17,18 @@ def _check_range(value: float | None, name: str, low: float, high: float) -> Non
         raise InvalidRequest(f"`{name}` must be between {low} and {high}; got {value}", param=name)
 
 
-def sampling_params(req: SamplingFields) -> SamplingParams:
+def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float]:
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            raise InvalidRequest(f"`logit_bias` keys must be token ids from 0 to {vocab_size - 1}; got {key!r}", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise InvalidRequest(f"`logit_bias` values must be between -100 and 100; got {value}", param="logit_bias")
+        bias[int(key)] = value
+    return bias
+
+
+def sampling_params(req: SamplingFields, vocab_size: int) -> SamplingParams:
     """Sampling settings with OpenAI's defaults (temperature 1, top_p 1) and ranges."""
     _check_range(req.temperature, "temperature", 0.0, 2.0)
     _check_range(req.top_p, "top_p", 0.0, 1.0)
@@ -27,11 +38,24 @@ def sampling_params(req: SamplingFields) -> SamplingParams:
         raise InvalidRequest(f"`top_k` must be -1 (off), 0 (off) or positive; got {req.top_k}", param="top_k")
     if req.seed is not None and not -MAX_SEED <= req.seed <= MAX_SEED:
         raise InvalidRequest("`seed` must fit in a signed 64-bit integer", param="seed")
+    _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _check_range(req.min_p, "min_p", 0.0, 1.0)
+    if req.repetition_penalty is not None and not 0 < req.repetition_penalty <= 10:
+        raise InvalidRequest(f"`repetition_penalty` must be above 0 and at most 10; got {req.repetition_penalty}", param="repetition_penalty")
+    if req.min_tokens < 0:
+        raise InvalidRequest(f"`min_tokens` must be 0 or more; got {req.min_tokens}", param="min_tokens")
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(req.top_k or 0, 0),
         seed=None if req.seed is None else req.seed % 2**63,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req, vocab_size),
+        min_tokens=req.min_tokens,
     )
 
 
@@ -91,16 +115,19 @@ def request_id(header: str | None) -> str:
 
 def new_request(
     req: SamplingFields, prompt_ids: list[int], requested_tokens: int | None, param: str, limits: tuple[int, int],
-    rid: str,
+    rid: str, vocab_size: int,
 ) -> NewRequest:
     """Assemble the wire request once the prompt is tokenized."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
+    budget = max_new_tokens(requested_tokens, param, len(prompt_ids), *limits)
+    if req.min_tokens > budget:
+        raise InvalidRequest(f"`min_tokens` ({req.min_tokens}) is more than the token budget ({budget})", param="min_tokens")
     return NewRequest(
         request_id=rid,
         prompt_token_ids=prompt_ids,
-        max_new_tokens=max_new_tokens(requested_tokens, param, len(prompt_ids), *limits),
-        sampling=sampling_params(req),
+        max_new_tokens=budget,
+        sampling=sampling_params(req, vocab_size),
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
     )

@@ -54,6 +54,8 @@ class Engine:
             return "the prompt is empty"
         if request.max_new_tokens < 1:
             return "max_new_tokens must be at least 1"
+        if any(not 0 <= t < self.runner.vocab_size for t in request.sampling.logit_bias):
+            return f"logit_bias names a token outside the vocabulary (0 to {self.runner.vocab_size - 1})"
         total = request.max_total_tokens
         if total > self.max_model_len:
             return f"prompt ({request.num_prompt_tokens}) + max tokens ({request.max_new_tokens}) exceeds the context length ({self.max_model_len})"

@@ -75,6 +75,7 @@ class ModelRunner:
         limit = model_config.max_position_embeddings
         self.max_model_len = min(limit, config.max_model_len) if config.max_model_len > 0 else limit
         self.eos_token_ids = _eos_ids(model)
+        self.vocab_size = model_config.vocab_size
         self.kv_caches = self._allocate_kv_cache(model_config, config.kv_cache_memory)
         self.num_blocks = self.kv_caches[0][0].shape[0]
         self.sampler = Sampler(self.device)
@@ -139,9 +140,8 @@ class ModelRunner:
             ).logits[0]
         if not inputs.sampled_requests:
             return {}
-        ids = [r.request_id for r in inputs.sampled_requests]
-        tokens = self.sampler(logits, ids, [r.sampling for r in inputs.sampled_requests])
-        return dict(zip(ids, tokens))
+        tokens = self.sampler(logits, inputs.sampled_requests)
+        return {r.request_id: token for r, token in zip(inputs.sampled_requests, tokens)}
 
     def _prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Flatten the batch: single-token rows first (batched attention), then prompt chunks."""

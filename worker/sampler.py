@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from common.protocol import SamplingParams
+from worker.request import Request
 
 
 class Sampler:
@@ -30,16 +31,22 @@ class Sampler:
     def remove_request(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """``logits`` is ``[batch, vocab]``; returns one token id per row."""
-        logits = logits.float()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """``logits`` is ``[batch, vocab]``, one row per request; returns one token id per row."""
+        request_ids = [r.request_id for r in requests]
+        params = [r.sampling for r in requests]
+        logits = _adjust(logits.float(), requests)
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
             return greedy.tolist()
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
         logits = _apply_top_k_top_p(logits, params)
-        cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+        probs = logits.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        cdf = probs.cumsum(dim=-1)
         uniform = torch.rand(len(params), device=logits.device)
         for row, request_id in enumerate(request_ids):
             generator = self._generators.get(request_id)
@@ -49,6 +56,32 @@ class Sampler:
         sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         sampled = sampled.clamp(max=cdf.shape[-1] - 1)
         return torch.where(temperature > 0, sampled, greedy).tolist()
+
+
+def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Penalties, logit bias and min_tokens, row by row for the rows that ask for them (most don't)."""
+    vocab = logits.shape[-1]
+    copied = False
+    for row, request in enumerate(requests):
+        p = request.sampling
+        wants = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias or p.min_tokens
+        if wants and not copied:  # never change the caller's tensor
+            logits, copied = logits.clone(), True
+        p = request.sampling
+        output = request.token_ids[request.num_prompt_tokens :]
+        if output and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab)[:vocab].float()
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device)
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[row, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        if len(output) < p.min_tokens and request.stop_token_ids:
+            logits[row, torch.tensor(sorted(request.stop_token_ids), device=logits.device)] = float("-inf")
+    return logits
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

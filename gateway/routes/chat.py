@@ -54,7 +54,7 @@ class ChatController(Controller):
         prompt_ids = await generator.run_in_pool(generator.chat_prompt_ids, messages, req.chat_template)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        new = new_request(req, prompt_ids, requested, param, limits, request_id(request.headers.get("x-request-id")))
+        new = new_request(req, prompt_ids, requested, param, limits, request_id(request.headers.get("x-request-id")), generator.vocab_size)
         return await respond(request, generator, req, new, stops, "chatcmpl", _chunks, _body)
 
 
@@ -75,7 +75,8 @@ def _body(generator: Generator, completion_id: str, result: TextDelta) -> dict:
 
 
 async def _chunks(
-    generator: Generator, new: NewRequest, slot: Slot, stops: list[str], completion_id: str, include_usage: bool
+    generator: Generator, new: NewRequest, slot: Slot, stops: list[str], completion_id: str, include_usage: bool,
+    skip_special_tokens: bool,
 ) -> AsyncIterator[dict]:
     created = now_s()
 
@@ -93,7 +94,7 @@ async def _chunks(
 
     yield chunk({"role": "assistant", "content": ""}, None)
     last = None
-    async for delta in generator.stream(new, slot, stops):
+    async for delta in generator.stream(new, slot, stops, skip_special_tokens):
         last = delta
         if delta.text:
             yield chunk({"content": delta.text}, None)

@@ -31,9 +31,9 @@ async def respond(
     completion_id = f"{id_prefix}-{uuid.uuid4().hex}"
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = sse_events(chunks(generator, new, slot, stops, completion_id, include_usage))
+        events = sse_events(chunks(generator, new, slot, stops, completion_id, include_usage, req.skip_special_tokens))
         return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": new.request_id})
-    result = await unless_disconnected(request, generator.complete(new, slot, stops))
+    result = await unless_disconnected(request, generator.complete(new, slot, stops, req.skip_special_tokens))
     return json_response(body(generator, completion_id, result), new.request_id)
 
 

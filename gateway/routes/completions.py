@@ -33,7 +33,7 @@ class CompletionsController(Controller):
             prompt_ids = req.prompt
         new = new_request(
             req, prompt_ids, req.max_tokens if req.max_tokens is not None else 16, "max_tokens", limits,
-            request_id(request.headers.get("x-request-id")),
+            request_id(request.headers.get("x-request-id")), generator.vocab_size,
         )
         return await respond(request, generator, req, new, stops, "cmpl", _chunks, _body)
 
@@ -50,11 +50,12 @@ def _body(generator: Generator, completion_id: str, result: TextDelta) -> dict:
 
 
 async def _chunks(
-    generator: Generator, new: NewRequest, slot: Slot, stops: list[str], completion_id: str, include_usage: bool
+    generator: Generator, new: NewRequest, slot: Slot, stops: list[str], completion_id: str, include_usage: bool,
+    skip_special_tokens: bool,
 ) -> AsyncIterator[dict]:
     created = now_s()
     last = None
-    async for delta in generator.stream(new, slot, stops):
+    async for delta in generator.stream(new, slot, stops, skip_special_tokens):
         last = delta
         body = {
             "id": completion_id,

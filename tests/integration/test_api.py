@@ -268,3 +268,29 @@ def test_stop_strings_cut_the_text_in_both_modes_and_end_the_generation(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=messages, stop=[""])
+
+
+def test_logit_bias_min_tokens_and_penalties_through_the_api(client, tokenizer):
+    banana = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = client.completions.create(model=MODEL, prompt="I like", max_tokens=3, temperature=0, logit_bias={str(banana): 100})
+    assert forced.choices[0].text == tokenizer.decode([banana] * 3)
+    plain = client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=1, temperature=0)
+    first = tokenizer.encode(plain.choices[0].message.content, add_special_tokens=False)[0]
+    banned = client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=1, temperature=0, logit_bias={str(first): -100})
+    assert banned.choices[0].message.content != plain.choices[0].message.content
+    short = client.chat.completions.create(model=MODEL, messages=ask("Reply with one word: yes or no?"), max_tokens=40, temperature=0)
+    assert short.usage.completion_tokens < 20 and short.choices[0].finish_reason == "stop"
+    held = client.chat.completions.create(model=MODEL, messages=ask("Reply with one word: yes or no?"), max_tokens=40,
+                                          temperature=0, extra_body={"min_tokens": 20})
+    assert held.usage.completion_tokens >= 20
+    penalised = client.chat.completions.create(model=MODEL, messages=ask("Count: one one one one"), max_tokens=20, temperature=0,
+                                               presence_penalty=1.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+    assert penalised.choices[0].message.content
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 3), ("frequency_penalty", -2.5), ("logit_bias", {"abc": 1}),
+                                          ("logit_bias", {"5": 101}), ("logit_bias", {"99999999": 1}), ("min_p", 1.5),
+                                          ("repetition_penalty", 0), ("min_tokens", -1)])
+def test_out_of_range_sampling_fields_are_400_naming_the_field(server, field, value):
+    response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field

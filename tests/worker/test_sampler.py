@@ -3,7 +3,14 @@
 import torch
 
 from common.protocol import SamplingParams
+from worker.request import Request
 from worker.sampler import Sampler
+
+
+def reqs(ids, params, outputs=None):
+    """Requests with a 3-token prompt (and optional generated tokens) and the given sampling."""
+    outputs = outputs or [[] for _ in params]
+    return [Request(i, [1, 2, 3] + out, 3, 100, p, frozenset({0})) for i, p, out in zip(ids, params, outputs)]
 
 
 def logits(rows: int = 4, vocab: int = 50) -> torch.Tensor:
@@ -12,7 +19,7 @@ def logits(rows: int = 4, vocab: int = 50) -> torch.Tensor:
 
 def test_greedy_is_argmax():
     x = logits()
-    assert Sampler(torch.device("cpu"))(x, list("abcd"), [SamplingParams(temperature=0)] * 4) == x.argmax(-1).tolist()
+    assert Sampler(torch.device("cpu"))(x, reqs(list("abcd"), [SamplingParams(temperature=0)] * 4)) == x.argmax(-1).tolist()
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy_even_when_hot():
@@ -20,13 +27,13 @@ def test_top_k_1_and_tiny_top_p_are_greedy_even_when_hot():
     sampler = Sampler(torch.device("cpu"))
     params = [SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=2.0, top_p=1e-6)] * 2
     for _ in range(5):
-        assert sampler(x, list("abcd"), params) == x.argmax(-1).tolist()
+        assert sampler(x, reqs(list("abcd"), params)) == x.argmax(-1).tolist()
 
 
 def test_rows_mix_greedy_and_sampled():
     x = logits(rows=2)
     sampler = Sampler(torch.device("cpu"))
-    out = sampler(x, ["g", "s"], [SamplingParams(temperature=0), SamplingParams(temperature=1.0)])
+    out = sampler(x, reqs(["g", "s"], [SamplingParams(temperature=0), SamplingParams(temperature=1.0)]))
     assert out[0] == x[0].argmax().item() and 0 <= out[1] < 50
 
 
@@ -34,7 +41,7 @@ def test_top_k_only_picks_among_the_k_best():
     x = logits(rows=1, vocab=100)
     allowed = set(x[0].topk(5).indices.tolist())
     sampler = Sampler(torch.device("cpu"))
-    picks = {sampler(x, ["a"], [SamplingParams(temperature=5.0, top_k=5)])[0] for _ in range(200)}
+    picks = {sampler(x, reqs(["a"], [SamplingParams(temperature=5.0, top_k=5)]))[0] for _ in range(200)}
     assert picks <= allowed and len(picks) > 1
 
 
@@ -46,18 +53,49 @@ def test_same_seed_same_tokens_whatever_the_batch():
         sampler = Sampler(torch.device("cpu"))
         for request_id in ids:
             sampler.add_request(request_id, 7)
-        return [sampler(x, ids, params)[0] for _ in range(10)]
+        return [sampler(x, reqs(ids, params))[0] for _ in range(10)]
 
     assert run(["a", "b", "c"]) == run(["z", "y", "x"])
     unseeded = Sampler(torch.device("cpu"))
-    draws = {tuple(unseeded(x, ["a"] * 3, [SamplingParams(temperature=1.5)] * 3)) for _ in range(10)}
+    draws = {tuple(unseeded(x, reqs(["a", "b", "c"], [SamplingParams(temperature=1.5)] * 3))) for _ in range(10)}
     assert len(draws) > 1
 
 
 def test_samples_follow_the_distribution_and_never_pick_masked_tokens():
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
     x = torch.log(probs).repeat(4000, 1)  # -inf for the last token
-    out = Sampler(torch.device("cpu"))(x, ["r"] * 4000, [SamplingParams(temperature=1.0)] * 4000)
+    out = Sampler(torch.device("cpu"))(x, reqs(["r"] * 4000, [SamplingParams(temperature=1.0)] * 4000))
     counts = torch.bincount(torch.tensor(out), minlength=5).float() / 4000
     assert counts[4] == 0
     assert torch.allclose(counts[:4], probs[:4], atol=0.03), counts
+
+
+def test_logit_bias_forces_and_bans_tokens_even_when_greedy():
+    x = logits(rows=2)
+    best = x[1].argmax().item()
+    out = Sampler(torch.device("cpu"))(x, reqs(["force", "ban"], [
+        SamplingParams(temperature=0, logit_bias={7: 100.0}),
+        SamplingParams(temperature=0, logit_bias={best: -100.0}),
+    ]))
+    assert out[0] == 7 and out[1] != best
+    assert x[1].argmax().item() == best, "the caller's logits are left alone"
+
+
+def test_penalties_push_away_from_tokens_already_generated():
+    x = torch.full((1, 10), 0.5)
+    x[0, 4] = 1.0  # the favourite...
+    plain = Sampler(torch.device("cpu"))(x.clone(), reqs(["a"], [SamplingParams(temperature=0)], [[4, 4]]))
+    assert plain == [4]
+    for params in (SamplingParams(temperature=0, frequency_penalty=0.6), SamplingParams(temperature=0, presence_penalty=1.5),
+                   SamplingParams(temperature=0, repetition_penalty=3.0)):
+        assert Sampler(torch.device("cpu"))(x.clone(), reqs(["a"], [params], [[4, 4]])) != [4], params
+
+
+def test_min_tokens_holds_back_stop_tokens_and_min_p_trims_the_tail():
+    x = torch.zeros(1, 10)
+    x[0, 0] = 5.0  # token 0 is the stop token of reqs()
+    assert Sampler(torch.device("cpu"))(x.clone(), reqs(["a"], [SamplingParams(temperature=0, min_tokens=2)], [[3]])) != [0]
+    assert Sampler(torch.device("cpu"))(x.clone(), reqs(["a"], [SamplingParams(temperature=0, min_tokens=2)], [[3, 3]])) == [0]
+    y = torch.tensor([[3.0, 2.9, -5.0, -5.0, -5.0]])
+    picks = {Sampler(torch.device("cpu"))(y, reqs(["a"], [SamplingParams(temperature=1.0, min_p=0.5)]))[0] for _ in range(100)}
+    assert picks == {0, 1}
