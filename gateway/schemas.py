@@ -57,7 +57,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: Union[str, list[int]]
+    prompt: Union[str, list]  # checked in the route: a string, strings, token ids or lists of them
     echo: bool = False
 
 

@@ -60,12 +60,13 @@ def sampling_params(req: SamplingFields, vocab_size: int) -> SamplingParams:
 
 
 MAX_STOPS = 16
+MAX_N = 16
 
 
 def check_supported(req: SamplingFields) -> None:
-    """Refuse, clearly, what this server does not do yet rather than silently ignoring it."""
-    if req.n != 1:
-        raise InvalidRequest(f"`n` must be 1 on this server; got {req.n}", param="n")
+    """Refuse, clearly, what is out of range or not done here rather than silently ignoring it."""
+    if not 1 <= req.n <= MAX_N:
+        raise InvalidRequest(f"`n` must be between 1 and {MAX_N}; got {req.n}", param="n")
 
 
 def stop_strings(req: SamplingFields) -> list[str]:
@@ -115,19 +116,23 @@ def request_id(header: str | None) -> str:
 
 def new_request(
     req: SamplingFields, prompt_ids: list[int], requested_tokens: int | None, param: str, limits: tuple[int, int],
-    rid: str, vocab_size: int,
+    rid: str, vocab_size: int, choice: int = 0,
 ) -> NewRequest:
-    """Assemble the wire request once the prompt is tokenized."""
+    """Assemble the wire request once the prompt is tokenized; ``choice`` numbers the ``n`` copies
+    (each its own request id, and with a seed, its own seed derived from it)."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
     budget = max_new_tokens(requested_tokens, param, len(prompt_ids), *limits)
     if req.min_tokens > budget:
         raise InvalidRequest(f"`min_tokens` ({req.min_tokens}) is more than the token budget ({budget})", param="min_tokens")
+    sampling = sampling_params(req, vocab_size)
+    if choice and sampling.seed is not None:
+        sampling.seed = (sampling.seed + choice) % 2**63
     return NewRequest(
-        request_id=rid,
+        request_id=f"{rid}-{choice}" if choice else rid,
         prompt_token_ids=prompt_ids,
         max_new_tokens=budget,
-        sampling=sampling_params(req, vocab_size),
+        sampling=sampling,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
     )

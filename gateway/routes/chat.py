@@ -7,8 +7,6 @@ from typing import Any
 
 from litestar import Controller, Request, Response, post
 
-from common.protocol import NewRequest
-from gateway.admission import Slot
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, TextDelta, now_s
 from gateway.routes.common import check_model, respond, usage
@@ -54,53 +52,58 @@ class ChatController(Controller):
         prompt_ids = await generator.run_in_pool(generator.chat_prompt_ids, messages, req.chat_template)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        new = new_request(req, prompt_ids, requested, param, limits, request_id(request.headers.get("x-request-id")), generator.vocab_size)
-        return await respond(request, generator, req, new, stops, "chatcmpl", _chunks, _body)
+        rid = request_id(request.headers.get("x-request-id"))
+        news = [new_request(req, prompt_ids, requested, param, limits, rid, generator.vocab_size, choice) for choice in range(req.n)]
+        return await respond(request, generator, req, news, stops, "chatcmpl", _chunks, _body)
 
 
-def _body(generator: Generator, completion_id: str, result: TextDelta) -> dict:
+def _body(generator: Generator, completion_id: str, results: list[TextDelta], n: int) -> dict:
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": now_s(),
         "model": generator.model_name,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": None,
-            "finish_reason": result.finish_reason,
-        }],
-        "usage": usage(result),
+        "choices": [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": None,
+                "finish_reason": result.finish_reason,
+            }
+            for index, result in enumerate(results)
+        ],
+        "usage": usage(results, n),
     }
 
 
 async def _chunks(
-    generator: Generator, new: NewRequest, slot: Slot, stops: list[str], completion_id: str, include_usage: bool,
-    skip_special_tokens: bool,
+    generator: Generator, deltas: AsyncIterator[tuple[int, TextDelta]], completion_id: str, include_usage: bool,
+    choices: int, n: int,
 ) -> AsyncIterator[dict]:
     created = now_s()
 
-    def chunk(delta: dict, finish_reason: str | None) -> dict:
+    def chunk(index: int, delta: dict, finish_reason: str | None) -> dict:
         body = {
             "id": completion_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": generator.model_name,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
         }
         if include_usage:
             body["usage"] = None
         return body
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    last = None
-    async for delta in generator.stream(new, slot, stops, skip_special_tokens):
-        last = delta
+    for index in range(choices):
+        yield chunk(index, {"role": "assistant", "content": ""}, None)
+    last: dict[int, TextDelta] = {}
+    async for index, delta in deltas:
+        last[index] = delta
         if delta.text:
-            yield chunk({"content": delta.text}, None)
+            yield chunk(index, {"content": delta.text}, None)
         if delta.finish_reason is not None:
-            yield chunk({}, delta.finish_reason)
-    if include_usage and last is not None:
-        final = chunk({}, None)
-        final["choices"], final["usage"] = [], usage(last)
+            yield chunk(index, {}, delta.finish_reason)
+    if include_usage and len(last) == choices:
+        final = chunk(0, {}, None)
+        final["choices"], final["usage"] = [], usage([last[i] for i in range(choices)], n)
         yield final

@@ -13,7 +13,7 @@ from litestar.response import Stream
 
 from common.protocol import NewRequest
 
-from gateway.errors import ClientGone, NotFound
+from gateway.errors import ClientGone, GatewayError, NotFound, Overloaded
 from gateway.generation import Generator, TextDelta
 from gateway.schemas import SamplingFields
 from gateway.streaming import SSE_HEADERS, sse_events
@@ -22,19 +22,66 @@ T = TypeVar("T")
 
 
 async def respond(
-    request: Request, generator: Generator, req: SamplingFields, new: NewRequest, stops: list[str], id_prefix: str,
-    chunks: Callable[..., AsyncIterator[dict]], body: Callable[[Generator, str, TextDelta], dict],
+    request: Request, generator: Generator, req: SamplingFields, news: list[NewRequest], stops: list[str], id_prefix: str,
+    chunks: Callable[..., AsyncIterator[dict]], body: Callable[[Generator, str, list[TextDelta], int], dict],
 ) -> Response:
-    """Admit the request (a 429 comes now, before any response starts), then stream it as SSE built
-    from ``chunks`` or answer it whole with ``body``."""
-    slot = await generator.admission.acquire()
+    """Admit the generations (a 429 comes now, before any response starts), then stream them as SSE
+    built from ``chunks`` or answer whole with ``body``. ``news`` holds one generation per choice
+    (``n`` per prompt), choice i being ``news[i]``."""
+    slots = []
+    try:
+        for _ in news:
+            slots.append(await generator.admission.acquire())
+    except Overloaded:
+        for slot in slots:
+            slot.release()
+        raise
     completion_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    skip = req.skip_special_tokens
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = sse_events(chunks(generator, new, slot, stops, completion_id, include_usage, req.skip_special_tokens))
-        return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": new.request_id})
-    result = await unless_disconnected(request, generator.complete(new, slot, stops, req.skip_special_tokens))
-    return json_response(body(generator, completion_id, result), new.request_id)
+        deltas = _merged(generator, news, slots, stops, skip)
+        events = sse_events(chunks(generator, deltas, completion_id, include_usage, len(news), req.n))
+        return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": news[0].request_id})
+    work = asyncio.gather(*(generator.complete(new, slot, stops, skip) for new, slot in zip(news, slots)))
+    results = await unless_disconnected(request, work)
+    return json_response(body(generator, completion_id, list(results), req.n), news[0].request_id)
+
+
+async def _merged(
+    generator: Generator, news: list[NewRequest], slots: list, stops: list[str], skip: bool
+) -> AsyncIterator[tuple[int, TextDelta]]:
+    """The deltas of several generations as (choice index, delta), in arrival order."""
+    if len(news) == 1:
+        async for delta in generator.stream(news[0], slots[0], stops, skip):
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            async for delta in generator.stream(news[index], slots[index], stops, skip):
+                queue.put_nowait((index, delta))
+        except GatewayError as exc:
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(news))]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, GatewayError):
+                raise item
+            else:
+                yield index, item
+    finally:  # the client left or one choice failed: stop the others (which aborts them on the worker)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -63,12 +110,16 @@ def check_model(requested: str, served: str) -> None:
         raise NotFound(f"the model `{requested}` does not exist; this server serves `{served}`", param="model", code="model_not_found")
 
 
-def usage(delta: TextDelta) -> dict:
+def usage(finals: list[TextDelta], n: int = 1) -> dict:
+    """Usage of all choices; each prompt counts once however many choices (``n``) it had."""
+    prompts = finals[::n]
+    prompt_tokens = sum(d.prompt_tokens for d in prompts)
+    completion_tokens = sum(d.completion_tokens for d in finals)
     return {
-        "prompt_tokens": delta.prompt_tokens,
-        "completion_tokens": delta.completion_tokens,
-        "total_tokens": delta.prompt_tokens + delta.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": delta.cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in prompts)},
     }
 
 

@@ -6,13 +6,37 @@ from collections.abc import AsyncIterator
 
 from litestar import Controller, Request, Response, post
 
-from common.protocol import NewRequest
-from gateway.admission import Slot
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, TextDelta, now_s
 from gateway.routes.common import check_model, respond, usage
 from gateway.schemas import CompletionRequest, decode_body
 from gateway.validation import check_supported, new_request, request_id, stop_strings
+
+
+MAX_PROMPTS = 64
+
+
+def _prompt_ids(generator: Generator, prompt: object) -> list[list[int]]:
+    """``prompt`` as token ids, one list per prompt: a string, strings, token ids, or lists of them."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
+    else:
+        raise InvalidRequest("`prompt` must be a string, a list of strings, token ids, or a list of token-id lists", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"`prompt` may hold at most {MAX_PROMPTS} prompts; got {len(prompts)}", param="prompt")
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append(generator.text_prompt_ids(p))
+        elif all(isinstance(t, int) and 0 <= t < generator.vocab_size for t in p):
+            out.append(list(p))
+        else:
+            raise InvalidRequest(f"`prompt` token ids must be integers from 0 to {generator.vocab_size - 1}", param="prompt")
+    return out
 
 
 class CompletionsController(Controller):
@@ -27,47 +51,50 @@ class CompletionsController(Controller):
         if req.echo:
             raise InvalidRequest("`echo` is not supported yet", param="echo")
         limits = generator.client.limits()
-        if isinstance(req.prompt, str):
-            prompt_ids = await generator.run_in_pool(generator.text_prompt_ids, req.prompt)
-        else:
-            prompt_ids = req.prompt
-        new = new_request(
-            req, prompt_ids, req.max_tokens if req.max_tokens is not None else 16, "max_tokens", limits,
-            request_id(request.headers.get("x-request-id")), generator.vocab_size,
-        )
-        return await respond(request, generator, req, new, stops, "cmpl", _chunks, _body)
+        prompts = await generator.run_in_pool(_prompt_ids, generator, req.prompt)
+        rid = request_id(request.headers.get("x-request-id"))
+        budget = req.max_tokens if req.max_tokens is not None else 16
+        news = [
+            new_request(req, ids, budget, "max_tokens", limits, f"{rid}-p{p}" if len(prompts) > 1 else rid, generator.vocab_size, choice)
+            for p, ids in enumerate(prompts)
+            for choice in range(req.n)
+        ]
+        return await respond(request, generator, req, news, stops, "cmpl", _chunks, _body)
 
 
-def _body(generator: Generator, completion_id: str, result: TextDelta) -> dict:
+def _body(generator: Generator, completion_id: str, results: list[TextDelta], n: int) -> dict:
     return {
         "id": completion_id,
         "object": "text_completion",
         "created": now_s(),
         "model": generator.model_name,
-        "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
-        "usage": usage(result),
+        "choices": [
+            {"index": index, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            for index, result in enumerate(results)
+        ],
+        "usage": usage(results, n),
     }
 
 
 async def _chunks(
-    generator: Generator, new: NewRequest, slot: Slot, stops: list[str], completion_id: str, include_usage: bool,
-    skip_special_tokens: bool,
+    generator: Generator, deltas: AsyncIterator[tuple[int, TextDelta]], completion_id: str, include_usage: bool,
+    choices: int, n: int,
 ) -> AsyncIterator[dict]:
     created = now_s()
-    last = None
-    async for delta in generator.stream(new, slot, stops, skip_special_tokens):
-        last = delta
+    last: dict[int, TextDelta] = {}
+    async for index, delta in deltas:
+        last[index] = delta
         body = {
             "id": completion_id,
             "object": "text_completion",
             "created": created,
             "model": generator.model_name,
-            "choices": [{"index": 0, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}],
+            "choices": [{"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}],
         }
         if include_usage:
             body["usage"] = None
         if delta.text or delta.finish_reason is not None:
             yield body
-    if include_usage and last is not None:
+    if include_usage and len(last) == choices:
         yield {"id": completion_id, "object": "text_completion", "created": created, "model": generator.model_name,
-               "choices": [], "usage": usage(last)}
+               "choices": [], "usage": usage([last[i] for i in range(choices)], n)}

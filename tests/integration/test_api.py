@@ -294,3 +294,42 @@ def test_logit_bias_min_tokens_and_penalties_through_the_api(client, tokenizer):
 def test_out_of_range_sampling_fields_are_400_naming_the_field(server, field, value):
     response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), field: value})
     assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_n_choices_in_both_modes(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ask("Name a colour."), max_tokens=8, n=3, seed=5, temperature=1.0)
+    assert [c.index for c in reply.choices] == [0, 1, 2] and all(c.message.content for c in reply.choices)
+    single = client.chat.completions.create(model=MODEL, messages=ask("Name a colour."), max_tokens=8)
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens, "the prompt counts once"
+    texts: dict[int, str] = {}
+    finished = set()
+    for chunk in client.chat.completions.create(model=MODEL, messages=ask("Name a colour."), max_tokens=8, n=3, seed=5,
+                                                temperature=1.0, stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finished.add(choice.index)
+        last = chunk
+    assert finished == {0, 1, 2} and all(texts[i] for i in range(3))
+    assert last.usage.prompt_tokens == reply.usage.prompt_tokens and last.usage.completion_tokens >= 3
+
+
+def test_the_same_seed_gives_the_same_text(client):
+    """One request at a time (so batching cannot change the numbers): same seed and params, same text."""
+    def sample(seed: int) -> str:
+        return client.chat.completions.create(model=MODEL, messages=ask("Invent a name for a cat."), max_tokens=12,
+                                              temperature=1.2, seed=seed).choices[0].message.content
+    assert sample(11) == sample(11)
+    assert len({sample(11), sample(12), sample(13)}) > 1
+
+
+def test_completions_take_lists_of_prompts_and_token_ids(client, tokenizer):
+    ids = tokenizer.encode("The sky is", add_special_tokens=False)
+    reply = client.completions.create(model=MODEL, prompt=["The sky is", "Grass is"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    by_ids = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=4, temperature=0)
+    assert len(by_ids.choices) == 2 and by_ids.choices[0].text == by_ids.choices[1].text
+    alone = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == alone.choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[[1, 2], "mixed", 3], max_tokens=2)
