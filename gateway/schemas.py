@@ -48,6 +48,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # Not done yet: declared so that asking for them is refused (400) instead of silently ignored.
+    logprobs: Union[bool, int, None] = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: Union[str, dict, None] = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -59,6 +65,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Union[str, list]  # checked in the route: a string, strings, token ids or lists of them
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 T = TypeVar("T")

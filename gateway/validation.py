@@ -67,6 +67,18 @@ def check_supported(req: SamplingFields) -> None:
     """Refuse, clearly, what is out of range or not done here rather than silently ignoring it."""
     if not 1 <= req.n <= MAX_N:
         raise InvalidRequest(f"`n` must be between 1 and {MAX_N}; got {req.n}", param="n")
+    not_yet = {
+        "logprobs": req.logprobs not in (None, False),
+        "top_logprobs": req.top_logprobs not in (None, 0),
+        "tools": bool(req.tools),
+        "tool_choice": req.tool_choice not in (None, "none"),
+        "response_format": req.response_format is not None and req.response_format.get("type") != "text",
+        "suffix": getattr(req, "suffix", None) is not None,
+        "best_of": getattr(req, "best_of", None) not in (None, req.n),
+    }
+    for field, asked in not_yet.items():
+        if asked:
+            raise InvalidRequest(f"`{field}` is not supported by this server yet", param=field)
 
 
 def stop_strings(req: SamplingFields) -> list[str]:

@@ -333,3 +333,16 @@ def test_completions_take_lists_of_prompts_and_token_ids(client, tokenizer):
     assert by_ids.choices[0].text == alone.choices[0].text
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=[[1, 2], "mixed", 3], max_tokens=2)
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", True), ("top_logprobs", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("response_format", {"type": "json_object"}), ("tool_choice", "required")])
+def test_fields_not_supported_yet_are_refused_not_ignored(server, field, value):
+    response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_legacy_completion_fields_not_supported_yet_are_refused(server):
+    for field, value in (("suffix", "end"), ("best_of", 3), ("echo", True)):
+        response = server.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, field
