@@ -216,7 +216,7 @@ def test_a_worker_that_heartbeats_but_makes_no_progress_counts_as_hung():
 
 
 def test_prefix_affinity_sends_a_shared_prefix_to_the_same_worker_unless_it_is_much_busier():
-    from gateway.worker_client import PrefixAffinity, WorkerInfo
+    from gateway.pool import PrefixAffinity, WorkerInfo
 
     a = WorkerInfo(b"a", READY, 0.0)
     b = WorkerInfo(b"b", READY, 0.0)
