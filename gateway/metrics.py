@@ -7,7 +7,7 @@ time. prometheus_client does the exposition format and histogram buckets.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -106,7 +106,7 @@ class PoolCollector(Collector):
         yield from counters.values()
 
 
-def http_metrics_middleware(metrics_of: object):  # noqa: ANN201 - an ASGI middleware factory
+def http_metrics_middleware(metrics_of: Callable[[], Metrics | None]):  # noqa: ANN201 - an ASGI middleware factory
     """Count every HTTP response by path and status (streams count when their headers go out)."""
 
     def factory(app):  # noqa: ANN001, ANN202

@@ -7,7 +7,7 @@ import time
 from collections import deque
 
 from common.model_source import ModelSource
-from common.protocol import Heartbeat, NewRequest, RequestOutput, StepOutputs
+from common.protocol import FinishReason, Heartbeat, NewRequest, RequestOutput, StepOutputs
 from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
@@ -39,7 +39,7 @@ class Engine:
         request = Request.from_wire(new, self.runner.eos_token_ids)
         error = self._check(request)
         if error is not None:
-            self._rejected.append(RequestOutput(new.request_id, [], "error", request.num_prompt_tokens, error=error))
+            self._rejected.append(RequestOutput(new.request_id, [], FinishReason.ERROR, request.num_prompt_tokens, error=error))
             return
         self._requests[request.request_id] = request
         self.runner.add_request(request)

@@ -9,7 +9,7 @@ from litestar import Controller, Request, Response, post
 
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, TextDelta, now_s
-from gateway.routes.common import check_model, respond, usage
+from gateway.routes.common import Chunks, check_model, respond, usage
 from gateway.schemas import ChatCompletionRequest, ChatMessage, decode_body
 from gateway.validation import check_supported, new_request, request_id, stop_strings
 
@@ -80,30 +80,18 @@ async def _chunks(
     generator: Generator, deltas: AsyncIterator[tuple[int, TextDelta]], completion_id: str, include_usage: bool,
     choices: int, n: int,
 ) -> AsyncIterator[dict]:
-    created = now_s()
+    make = Chunks(generator, completion_id, "chat.completion.chunk", include_usage)
 
     def chunk(index: int, delta: dict, finish_reason: str | None) -> dict:
-        body = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": generator.model_name,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-        }
-        if include_usage:
-            body["usage"] = None
-        return body
+        return make({"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
 
     for index in range(choices):
         yield chunk(index, {"role": "assistant", "content": ""}, None)
-    last: dict[int, TextDelta] = {}
     async for index, delta in deltas:
-        last[index] = delta
+        make.last[index] = delta
         if delta.text:
             yield chunk(index, {"content": delta.text}, None)
         if delta.finish_reason is not None:
             yield chunk(index, {}, delta.finish_reason)
-    if include_usage and len(last) == choices:
-        final = chunk(0, {}, None)
-        final["choices"], final["usage"] = [], usage([last[i] for i in range(choices)], n)
+    if (final := make.usage_chunk(choices, n)) is not None:
         yield final

@@ -14,7 +14,7 @@ from litestar.response import Stream
 from common.protocol import NewRequest
 
 from gateway.errors import ClientGone, GatewayError, NotFound, Overloaded
-from gateway.generation import Generator, TextDelta
+from gateway.generation import Generator, TextDelta, now_s
 from gateway.schemas import SamplingFields
 from gateway.streaming import SSE_HEADERS, sse_events
 
@@ -108,6 +108,28 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 def check_model(requested: str, served: str) -> None:
     if requested != served:
         raise NotFound(f"the model `{requested}` does not exist; this server serves `{served}`", param="model", code="model_not_found")
+
+
+class Chunks:
+    """The envelope of one streamed completion's chunks: one id and creation time throughout,
+    ``usage: null`` on every chunk when usage was asked for, and a last chunk that carries it."""
+
+    def __init__(self, generator: Generator, completion_id: str, object_name: str, include_usage: bool) -> None:
+        self.base = {"id": completion_id, "object": object_name, "created": now_s(), "model": generator.model_name}
+        self.include_usage = include_usage
+        self.last: dict[int, TextDelta] = {}  # each choice's latest delta, for the usage chunk
+
+    def __call__(self, choice: dict) -> dict:
+        body = {**self.base, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, choices: int, n: int) -> dict | None:
+        """The closing usage chunk, when it was asked for and every choice reported."""
+        if not self.include_usage or len(self.last) != choices:
+            return None
+        return {**self.base, "choices": [], "usage": usage([self.last[i] for i in range(choices)], n)}
 
 
 def usage(finals: list[TextDelta], n: int = 1) -> dict:

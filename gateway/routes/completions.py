@@ -8,7 +8,7 @@ from litestar import Controller, Request, Response, post
 
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, TextDelta, now_s
-from gateway.routes.common import check_model, respond, usage
+from gateway.routes.common import Chunks, check_model, respond, usage
 from gateway.schemas import CompletionRequest, decode_body
 from gateway.validation import check_supported, new_request, request_id, stop_strings
 
@@ -80,21 +80,10 @@ async def _chunks(
     generator: Generator, deltas: AsyncIterator[tuple[int, TextDelta]], completion_id: str, include_usage: bool,
     choices: int, n: int,
 ) -> AsyncIterator[dict]:
-    created = now_s()
-    last: dict[int, TextDelta] = {}
+    make = Chunks(generator, completion_id, "text_completion", include_usage)
     async for index, delta in deltas:
-        last[index] = delta
-        body = {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": generator.model_name,
-            "choices": [{"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}],
-        }
-        if include_usage:
-            body["usage"] = None
+        make.last[index] = delta
         if delta.text or delta.finish_reason is not None:
-            yield body
-    if include_usage and len(last) == choices:
-        yield {"id": completion_id, "object": "text_completion", "created": created, "model": generator.model_name,
-               "choices": [], "usage": usage([last[i] for i in range(choices)], n)}
+            yield make({"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason})
+    if (final := make.usage_chunk(choices, n)) is not None:
+        yield final
