@@ -56,6 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
 
 
 @dataclass(slots=True)
@@ -117,6 +118,16 @@ class Abort:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one sampled position, from the model's raw distribution (before
+    penalties, bias, temperature or truncation, as vLLM reports them by default)."""
+
+    logprob: float  # of the token that was chosen
+    top_ids: list[int] = field(default_factory=list)  # most likely first
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request (a delta, never the whole sequence)."""
 
@@ -127,6 +138,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
 
 
 @dataclass(slots=True)

@@ -12,12 +12,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from common.protocol import FinishReason, NewRequest, RequestOutput
 from gateway.admission import Admission, Slot
 from gateway.errors import GenerationFailed, RequestTimeout
+from gateway.logprobs import TokenLogprob, TokenTexts
 from gateway.metrics import Metrics
 from gateway.stop import StopChecker
 from gateway.templates import ChatTemplate
@@ -37,6 +38,7 @@ class TextDelta:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of this delta's tokens, when asked for
 
 
 class Generator:
@@ -52,6 +54,7 @@ class Generator:
         self.admission = admission
         self.timeout_s = timeout_s
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self.template = template
         self.model_name = model_name
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
@@ -116,7 +119,8 @@ class Generator:
                     if finish == FinishReason.ABORT:
                         finish = FinishReason.STOP
                     clock.outcome = finish
-                yield TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens)
+                logprobs = self._visible_logprobs(item, skip_special_tokens)
+                yield TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs)
                 if finish is not None:
                     return
         finally:
@@ -124,16 +128,28 @@ class Generator:
             if not stream.finished:
                 self.client.abort(request.request_id)
 
+    def _visible_logprobs(self, item: RequestOutput, skip_special_tokens: bool) -> list[TokenLogprob]:
+        """Logprobs of the tokens that make text: a skipped special token (the end-of-sequence one)
+        has no place in ``content``, as in OpenAI's answers."""
+        if not item.logprobs:
+            return []
+        pairs = zip(item.new_token_ids, item.logprobs)
+        if not skip_special_tokens:
+            return list(pairs)
+        return [(t, lp) for t, lp in pairs if not self.token_texts.is_special(t)]
+
     async def complete(
         self, request: NewRequest, slot: Slot, stops: list[str] | None = None, skip_special_tokens: bool = True
     ) -> TextDelta:
         """Run to the end and return all the text at once."""
         parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         last = TextDelta("", None, len(request.prompt_token_ids), 0)
         async for delta in self.stream(request, slot, stops, skip_special_tokens):
             parts.append(delta.text)
+            logprobs.extend(delta.logprobs)
             last = delta
-        return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens, logprobs)
 
 
 class _Clock:
@@ -187,6 +203,8 @@ def _merge_ready(item: RequestOutput | GenerationFailed, queue: asyncio.Queue) -
         if isinstance(following, GenerationFailed):
             return following
         following.new_token_ids = item.new_token_ids + following.new_token_ids
+        if item.logprobs and following.logprobs:
+            following.logprobs = item.logprobs + following.logprobs
         item = following
     return item
 

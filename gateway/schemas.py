@@ -9,6 +9,8 @@ import msgspec
 
 from gateway.errors import InvalidRequest
 
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs (vLLM allows the same for legacy `logprobs`)
+
 
 class TextPart(msgspec.Struct):
     type: str
@@ -26,7 +28,7 @@ class StreamOptions(msgspec.Struct):
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by chat and legacy completions."""
+    """Fields shared by chat and legacy completions (each adds ``logprobs_count()``)."""
 
     model: str
     stream: bool = False
@@ -49,8 +51,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     # Not done yet: declared so that asking for them is refused (400) instead of silently ignored.
-    logprobs: Union[bool, int, None] = None
-    top_logprobs: int | None = None
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
@@ -60,6 +60,18 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     chat_template: str | None = None  # refused unless --allow-request-chat-template
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprobs_count(self) -> int | None:
+        """How many alternatives per token the worker reports (None: no logprobs at all)."""
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"`top_logprobs` must be between 0 and {MAX_LOGPROBS}; got {self.top_logprobs}", param="top_logprobs")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -67,6 +79,12 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = None
+
+    def logprobs_count(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"`logprobs` must be between 0 and {MAX_LOGPROBS}; got {self.logprobs}", param="logprobs")
+        return self.logprobs
 
 
 T = TypeVar("T")

@@ -56,6 +56,7 @@ def sampling_params(req: SamplingFields, vocab_size: int) -> SamplingParams:
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req, vocab_size),
         min_tokens=req.min_tokens,
+        logprobs=req.logprobs_count(),  # type: ignore[attr-defined]
     )
 
 
@@ -68,8 +69,6 @@ def check_supported(req: SamplingFields) -> None:
     if not 1 <= req.n <= MAX_N:
         raise InvalidRequest(f"`n` must be between 1 and {MAX_N}; got {req.n}", param="n")
     not_yet = {
-        "logprobs": req.logprobs not in (None, False),
-        "top_logprobs": req.top_logprobs not in (None, 0),
         "tools": bool(req.tools),
         "tool_choice": req.tool_choice not in (None, "none"),
         "response_format": req.response_format is not None and req.response_format.get("type") != "text",

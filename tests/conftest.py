@@ -121,6 +121,14 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def client(server: Server):  # noqa: ANN201 - an openai.OpenAI
+    """The OpenAI SDK pointed at the shared server, as a user would point it."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
 def tokenizer():  # noqa: ANN201 - a transformers tokenizer
     from common.config import CACHE_DIR
     from common.model_source import resolve_model

@@ -7,7 +7,7 @@ import time
 from collections import deque
 
 from common.model_source import ModelSource
-from common.protocol import FinishReason, Heartbeat, NewRequest, RequestOutput, StepOutputs
+from common.protocol import FinishReason, Heartbeat, NewRequest, RequestOutput, StepOutputs, TokenLogprobs
 from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
@@ -84,18 +84,19 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutputs(outputs)
-        sampled = self.runner.execute(batch)
+        sampled, logprobs = self.runner.execute(batch)
         finished = set(self.scheduler.update(batch, sampled))
         for request in batch.requests:
             token = sampled.get(request.request_id)
+            lp = logprobs.get(request.request_id)
             if request in finished:
-                outputs.append(self._finish_output(request, [token]))
+                outputs.append(self._finish_output(request, [token], lp))
             elif token is not None:
-                outputs.append(self._output(request, [token]))
+                outputs.append(self._output(request, [token], lp))
         self._count_step(len(batch), len(sampled))
         return StepOutputs(outputs, batch_size=len(batch), num_tokens=batch.total_tokens)
 
-    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+    def _output(self, request: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:
         return RequestOutput(
             request.request_id,
             new_token_ids,
@@ -104,15 +105,16 @@ class Engine:
             request.num_output_tokens,
             request.num_cached_tokens,
             error=request.error,
+            logprobs=None if logprobs is None else [logprobs],
         )
 
-    def _finish_output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+    def _finish_output(self, request: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:
         log.info("request %s %s: %d generated, %d prompt tokens from the prefix cache", request.request_id,
                  request.finish_reason, request.num_output_tokens, request.num_cached_tokens,
                  extra={"request_id": request.request_id, "finish_reason": request.finish_reason})
         del self._requests[request.request_id]
         self.runner.remove_request(request)
-        return self._output(request, new_token_ids)
+        return self._output(request, new_token_ids, logprobs)
 
     def _count_step(self, batch_size: int, num_sampled: int) -> None:
         self.num_steps += 1

@@ -17,6 +17,7 @@ import torch
 
 from common.config import parse_size
 from common.model_source import ModelSource
+from common.protocol import TokenLogprobs
 from worker.attention import ATTENTION_NAME, AttentionMetadata, DecodeGroup, PrefillSpan
 from worker.config import WorkerConfig
 from worker.llama import LlamaForward, supports
@@ -125,8 +126,9 @@ class ModelRunner:
         self.sampler.remove_request(request.request_id)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
-        """Run the batch through the model; return a sampled token for each request whose prompt is done."""
+    def execute(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Run the batch through the model; return a sampled token for each request whose prompt is
+        done, and the logprobs of those that asked for them."""
         inputs = self._prepare(batch)
         if self.native is not None:
             logits = self.native(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
@@ -139,9 +141,10 @@ class ModelRunner:
                 paged_metadata=inputs.metadata,
             ).logits[0]
         if not inputs.sampled_requests:
-            return {}
-        tokens = self.sampler(logits, inputs.sampled_requests)
-        return {r.request_id: token for r, token in zip(inputs.sampled_requests, tokens)}
+            return {}, {}
+        tokens, logprobs = self.sampler(logits, inputs.sampled_requests)
+        ids = [r.request_id for r in inputs.sampled_requests]
+        return dict(zip(ids, tokens)), {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}
 
     def _prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Flatten the batch: single-token rows first (batched attention), then prompt chunks."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from common.protocol import SamplingParams
+from common.protocol import SamplingParams, TokenLogprobs
 from worker.request import Request
+
+Sampled = tuple[list[int], list[TokenLogprobs | None]]  # one token per row, and its logprobs if asked for
 
 
 class Sampler:
@@ -31,14 +33,18 @@ class Sampler:
     def remove_request(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         """``logits`` is ``[batch, vocab]``, one row per request; returns one token id per row."""
+        chosen = self._choose(logits, requests)
+        return chosen.tolist(), _logprobs(logits, chosen, requests)
+
+    def _choose(self, raw_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         request_ids = [r.request_id for r in requests]
         params = [r.sampling for r in requests]
-        logits = _adjust(logits.float(), requests)
+        logits = _adjust(raw_logits.float(), requests)
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
-            return greedy.tolist()
+            return greedy
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
         logits = _apply_top_k_top_p(logits, params)
@@ -55,7 +61,25 @@ class Sampler:
         # The first token whose cumulative probability exceeds u; masked tokens add nothing, so never win.
         sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         sampled = sampled.clamp(max=cdf.shape[-1] - 1)
-        return torch.where(temperature > 0, sampled, greedy).tolist()
+        return torch.where(temperature > 0, sampled, greedy)
+
+
+def _logprobs(raw_logits: torch.Tensor, chosen: torch.Tensor, requests: list[Request]) -> list[TokenLogprobs | None]:
+    """The chosen token's log-probability and the ``k`` most likely, for the rows that ask."""
+    result: list[TokenLogprobs | None] = [None] * len(requests)
+    rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+    if not rows:
+        return result
+    index = torch.tensor(rows, device=raw_logits.device)
+    logprobs = raw_logits.index_select(0, index).float().log_softmax(dim=-1)
+    picked = logprobs.gather(1, chosen.index_select(0, index).unsqueeze(1)).squeeze(1).tolist()
+    k = max(requests[i].sampling.logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, row in enumerate(rows):
+        want = requests[row].sampling.logprobs
+        result[row] = TokenLogprobs(picked[j], top_ids[j][:want], top_values[j][:want])
+    return result
 
 
 def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -9,6 +9,7 @@ from litestar import Controller, Request, Response, post
 
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, TextDelta, now_s
+from gateway.logprobs import chat_logprobs
 from gateway.routes.common import Chunks, check_model, respond, usage
 from gateway.schemas import ChatCompletionRequest, ChatMessage, decode_body
 from gateway.validation import check_supported, new_request, request_id, stop_strings
@@ -57,7 +58,8 @@ class ChatController(Controller):
         return await respond(request, generator, req, news, stops, "chatcmpl", _chunks, _body)
 
 
-def _body(generator: Generator, completion_id: str, results: list[TextDelta], n: int) -> dict:
+def _body(generator: Generator, completion_id: str, results: list[TextDelta], req: ChatCompletionRequest) -> dict:
+    logprobs = req.logprobs_count() is not None
     return {
         "id": completion_id,
         "object": "chat.completion",
@@ -67,31 +69,33 @@ def _body(generator: Generator, completion_id: str, results: list[TextDelta], n:
             {
                 "index": index,
                 "message": {"role": "assistant", "content": result.text},
-                "logprobs": None,
+                "logprobs": chat_logprobs(generator.token_texts, result.logprobs) if logprobs else None,
                 "finish_reason": result.finish_reason,
             }
             for index, result in enumerate(results)
         ],
-        "usage": usage(results, n),
+        "usage": usage(results, req.n),
     }
 
 
 async def _chunks(
     generator: Generator, deltas: AsyncIterator[tuple[int, TextDelta]], completion_id: str, include_usage: bool,
-    choices: int, n: int,
+    choices: int, req: ChatCompletionRequest,
 ) -> AsyncIterator[dict]:
     make = Chunks(generator, completion_id, "chat.completion.chunk", include_usage)
+    with_logprobs = req.logprobs_count() is not None
 
-    def chunk(index: int, delta: dict, finish_reason: str | None) -> dict:
-        return make({"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
+    def chunk(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        return make({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
     for index in range(choices):
         yield chunk(index, {"role": "assistant", "content": ""}, None)
     async for index, delta in deltas:
         make.last[index] = delta
-        if delta.text:
-            yield chunk(index, {"content": delta.text}, None)
+        if delta.text or (with_logprobs and delta.logprobs):
+            logprobs = chat_logprobs(generator.token_texts, delta.logprobs) if with_logprobs else None
+            yield chunk(index, {"content": delta.text}, None, logprobs)
         if delta.finish_reason is not None:
             yield chunk(index, {}, delta.finish_reason)
-    if (final := make.usage_chunk(choices, n)) is not None:
+    if (final := make.usage_chunk(choices, req.n)) is not None:
         yield final

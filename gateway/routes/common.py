@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 async def respond(
     request: Request, generator: Generator, req: SamplingFields, news: list[NewRequest], stops: list[str], id_prefix: str,
-    chunks: Callable[..., AsyncIterator[dict]], body: Callable[[Generator, str, list[TextDelta], int], dict],
+    chunks: Callable[..., AsyncIterator[dict]], body: Callable[[Generator, str, list[TextDelta], SamplingFields], dict],
 ) -> Response:
     """Admit the generations (a 429 comes now, before any response starts), then stream them as SSE
     built from ``chunks`` or answer whole with ``body``. ``news`` holds one generation per choice
@@ -41,11 +41,11 @@ async def respond(
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         deltas = _merged(generator, news, slots, stops, skip)
-        events = sse_events(chunks(generator, deltas, completion_id, include_usage, len(news), req.n))
+        events = sse_events(chunks(generator, deltas, completion_id, include_usage, len(news), req))
         return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": news[0].request_id})
     work = asyncio.gather(*(generator.complete(new, slot, stops, skip) for new, slot in zip(news, slots)))
     results = await unless_disconnected(request, work)
-    return json_response(body(generator, completion_id, list(results), req.n), news[0].request_id)
+    return json_response(body(generator, completion_id, list(results), req), news[0].request_id)
 
 
 async def _merged(

@@ -8,6 +8,7 @@ from litestar import Controller, Request, Response, post
 
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, TextDelta, now_s
+from gateway.logprobs import completion_logprobs
 from gateway.routes.common import Chunks, check_model, respond, usage
 from gateway.schemas import CompletionRequest, decode_body
 from gateway.validation import check_supported, new_request, request_id, stop_strings
@@ -62,28 +63,38 @@ class CompletionsController(Controller):
         return await respond(request, generator, req, news, stops, "cmpl", _chunks, _body)
 
 
-def _body(generator: Generator, completion_id: str, results: list[TextDelta], n: int) -> dict:
+def _body(generator: Generator, completion_id: str, results: list[TextDelta], req: CompletionRequest) -> dict:
+    with_logprobs = req.logprobs_count() is not None
     return {
         "id": completion_id,
         "object": "text_completion",
         "created": now_s(),
         "model": generator.model_name,
         "choices": [
-            {"index": index, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            {
+                "index": index,
+                "text": result.text,
+                "logprobs": completion_logprobs(generator.token_texts, result.logprobs) if with_logprobs else None,
+                "finish_reason": result.finish_reason,
+            }
             for index, result in enumerate(results)
         ],
-        "usage": usage(results, n),
+        "usage": usage(results, req.n),
     }
 
 
 async def _chunks(
     generator: Generator, deltas: AsyncIterator[tuple[int, TextDelta]], completion_id: str, include_usage: bool,
-    choices: int, n: int,
+    choices: int, req: CompletionRequest,
 ) -> AsyncIterator[dict]:
     make = Chunks(generator, completion_id, "text_completion", include_usage)
+    with_logprobs = req.logprobs_count() is not None
+    offsets = [0] * choices  # where each choice's next text starts, for text_offset
     async for index, delta in deltas:
         make.last[index] = delta
-        if delta.text or delta.finish_reason is not None:
-            yield make({"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason})
-    if (final := make.usage_chunk(choices, n)) is not None:
+        if delta.text or delta.finish_reason is not None or (with_logprobs and delta.logprobs):
+            logprobs = completion_logprobs(generator.token_texts, delta.logprobs, offsets[index]) if with_logprobs else None
+            offsets[index] += len(delta.text)
+            yield make({"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason})
+    if (final := make.usage_chunk(choices, req.n)) is not None:
         yield final
