@@ -24,6 +24,7 @@ from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
 from gateway.routes.health import health, metrics, ready, workers
 from gateway.routes.models import ModelsController
+from gateway.routes.tokenize import TokenizeController
 from gateway.routes.ui import UI_ROUTES
 from gateway.templates import ChatTemplate, read_template_source
 from gateway.tokenizer import load_tokenizer
@@ -68,7 +69,7 @@ def create_app(config: GatewayConfig) -> Litestar:
     keys = parse_keys(config.api_key)
     api = Router(
         path="/",
-        route_handlers=[ChatController, CompletionsController, ModelsController, ready, workers, metrics],
+        route_handlers=[ChatController, CompletionsController, ModelsController, TokenizeController, ready, workers, metrics],
         guards=[api_key_guard(keys)] if keys else [],
     )
     origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]

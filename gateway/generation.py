@@ -59,14 +59,23 @@ class Generator:
         self.model_name = model_name
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]], template_source: str | None = None) -> list[int]:
-        """Render the chat template (the server's, or one the request brought) and tokenize; the
-        template already holds the special tokens."""
+    def chat_prompt_ids(
+        self, messages: list[dict[str, Any]], template_source: str | None = None, variables: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Render the chat template (the server's, or one the request brought) with any extra
+        ``variables`` (``chat_template_kwargs``, ``tools``) and tokenize; the template already holds
+        the special tokens."""
         template = self.template if template_source is None else self.template.with_source(template_source)
-        return self.tokenizer.encode(template.render(messages), add_special_tokens=False)
+        text = template.render(messages, add_generation_prompt, variables)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def text_prompt_ids(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt)
+    def text_prompt_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def max_model_len(self) -> int | None:
+        """The context length every registered worker takes (None while no worker is registered)."""
+        return self.client.limits()[0] if self.client.workers else None
 
     async def run_in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Tokenizing and template rendering take milliseconds: keep them off the event loop."""

@@ -60,6 +60,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     chat_template: str | None = None  # refused unless --allow-request-chat-template
+    chat_template_kwargs: dict | None = None  # more variables for the template (e.g. enable_thinking)
     logprobs: bool = False
     top_logprobs: int | None = None
 
@@ -85,6 +86,23 @@ class CompletionRequest(SamplingFields, kw_only=True):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"`logprobs` must be between 0 and {MAX_LOGPROBS}; got {self.logprobs}", param="logprobs")
         return self.logprobs
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's POST /tokenize: a prompt, or chat messages rendered through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: yes for a prompt, no for messages (the template has them)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
 
 
 T = TypeVar("T")

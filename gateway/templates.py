@@ -20,6 +20,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from gateway.errors import InvalidRequest
 
 
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "raise_exception", "strftime_now"})
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
@@ -65,7 +68,13 @@ class ChatTemplate:
         except TemplateError as exc:
             raise InvalidRequest(f"`chat_template` does not compile: {exc}", param="chat_template") from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, variables: dict[str, Any] | None = None) -> str:
+        """``variables`` are more template variables (``chat_template_kwargs``, ``tools``); they may
+        not replace the messages or the special tokens."""
+        extra = variables or {}
+        reserved = sorted(RESERVED_VARIABLES.union(self.special_tokens).intersection(extra))
+        if reserved:
+            raise InvalidRequest(f"`chat_template_kwargs` may not set {', '.join(reserved)}", param="chat_template_kwargs")
         try:
             return self.template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra

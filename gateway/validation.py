@@ -72,8 +72,7 @@ def check_supported(req: SamplingFields) -> None:
         "tools": bool(req.tools),
         "tool_choice": req.tool_choice not in (None, "none"),
         "response_format": req.response_format is not None and req.response_format.get("type") != "text",
-        "suffix": getattr(req, "suffix", None) is not None,
-        "best_of": getattr(req, "best_of", None) not in (None, req.n),
+        "suffix": getattr(req, "suffix", None) is not None,  # insertion needs a fill-in-the-middle model
     }
     for field, asked in not_yet.items():
         if asked:

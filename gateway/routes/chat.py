@@ -50,7 +50,7 @@ class ChatController(Controller):
             )
         messages = message_dicts(req.messages)
         limits = generator.client.limits()
-        prompt_ids = await generator.run_in_pool(generator.chat_prompt_ids, messages, req.chat_template)
+        prompt_ids = await generator.run_in_pool(generator.chat_prompt_ids, messages, req.chat_template, req.chat_template_kwargs)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         rid = request_id(request.headers.get("x-request-id"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 
 from litestar import Controller, Request, Response, post
 
@@ -15,6 +16,7 @@ from gateway.validation import check_supported, new_request, request_id, stop_st
 
 
 MAX_PROMPTS = 64
+MAX_BEST_OF = 16
 
 
 def _prompt_ids(generator: Generator, prompt: object) -> list[list[int]]:
@@ -49,8 +51,9 @@ class CompletionsController(Controller):
         check_model(req.model, generator.model_name)
         check_supported(req)
         stops = stop_strings(req)
-        if req.echo:
-            raise InvalidRequest("`echo` is not supported yet", param="echo")
+        copies = _copies(req)
+        if req.echo and req.logprobs is not None:
+            raise InvalidRequest("`echo` together with `logprobs` (the prompt's logprobs) is not supported", param="echo")
         limits = generator.client.limits()
         prompts = await generator.run_in_pool(_prompt_ids, generator, req.prompt)
         rid = request_id(request.headers.get("x-request-id"))
@@ -58,13 +61,49 @@ class CompletionsController(Controller):
         news = [
             new_request(req, ids, budget, "max_tokens", limits, f"{rid}-p{p}" if len(prompts) > 1 else rid, generator.vocab_size, choice)
             for p, ids in enumerate(prompts)
-            for choice in range(req.n)
+            for choice in range(copies)
         ]
-        return await respond(request, generator, req, news, stops, "cmpl", _chunks, _body)
+        if copies > req.n:  # ranking by cumulative logprob needs the chosen tokens' logprobs
+            for new in news:
+                if new.sampling.logprobs is None:
+                    new.sampling.logprobs = 0
+        echoes = await generator.run_in_pool(_echo_texts, generator, req.prompt, prompts) if req.echo else None
+        return await respond(request, generator, req, news, stops, "cmpl", partial(_chunks, echoes=echoes), partial(_body, echoes=echoes))
 
 
-def _body(generator: Generator, completion_id: str, results: list[TextDelta], req: CompletionRequest) -> dict:
+def _copies(req: CompletionRequest) -> int:
+    """Generations per prompt: ``best_of`` when given (the best ``n`` are returned), else ``n``."""
+    if req.best_of is None:
+        return req.n
+    if not req.n <= req.best_of <= MAX_BEST_OF:
+        raise InvalidRequest(f"`best_of` must be between `n` ({req.n}) and {MAX_BEST_OF}; got {req.best_of}", param="best_of")
+    if req.stream and req.best_of > req.n:
+        raise InvalidRequest("`best_of` larger than `n` cannot be streamed (the best are known only at the end)", param="best_of")
+    return req.best_of
+
+
+def _echo_texts(generator: Generator, prompt: object, prompts: list[list[int]]) -> list[str]:
+    """Each prompt as the client gave it: its own string, or its token ids decoded."""
+    single = isinstance(prompt, str) or all(isinstance(t, int) for t in prompt)  # type: ignore[union-attr]
+    given = [prompt] if single else list(prompt)  # type: ignore[call-overload]
+    return [p if isinstance(p, str) else generator.tokenizer.decode(ids) for p, ids in zip(given, prompts)]
+
+
+def _best(results: list[TextDelta], copies: int, n: int) -> list[TextDelta]:
+    """Of each prompt's ``copies`` generations, the ``n`` with the highest cumulative logprob."""
+    if copies == n:
+        return results
+    best = []
+    for start in range(0, len(results), copies):
+        group = results[start : start + copies]
+        best.extend(sorted(group, key=lambda d: -sum(lp.logprob for _, lp in d.logprobs))[:n])
+    return best
+
+
+def _body(generator: Generator, completion_id: str, results: list[TextDelta], req: CompletionRequest, echoes: list[str] | None = None) -> dict:
     with_logprobs = req.logprobs_count() is not None
+    copies = _copies(req)
+    chosen = _best(results, copies, req.n)
     return {
         "id": completion_id,
         "object": "text_completion",
@@ -73,23 +112,25 @@ def _body(generator: Generator, completion_id: str, results: list[TextDelta], re
         "choices": [
             {
                 "index": index,
-                "text": result.text,
+                "text": (echoes[index // req.n] if echoes else "") + result.text,
                 "logprobs": completion_logprobs(generator.token_texts, result.logprobs) if with_logprobs else None,
                 "finish_reason": result.finish_reason,
             }
-            for index, result in enumerate(results)
+            for index, result in enumerate(chosen)
         ],
-        "usage": usage(results, req.n),
+        "usage": usage(results, copies),  # every generation was computed, so every one counts
     }
 
 
 async def _chunks(
     generator: Generator, deltas: AsyncIterator[tuple[int, TextDelta]], completion_id: str, include_usage: bool,
-    choices: int, req: CompletionRequest,
+    choices: int, req: CompletionRequest, echoes: list[str] | None = None,
 ) -> AsyncIterator[dict]:
     make = Chunks(generator, completion_id, "text_completion", include_usage)
     with_logprobs = req.logprobs_count() is not None
     offsets = [0] * choices  # where each choice's next text starts, for text_offset
+    for index in range(choices if echoes else 0):
+        yield make({"index": index, "text": echoes[index // req.n], "logprobs": None, "finish_reason": None})  # type: ignore[index]
     async for index, delta in deltas:
         make.last[index] = delta
         if delta.text or delta.finish_reason is not None or (with_logprobs and delta.logprobs):

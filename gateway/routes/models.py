@@ -14,8 +14,8 @@ STARTED = time.time()
 
 def model_card(generator: Generator) -> dict:
     card = {"id": generator.model_name, "object": "model", "created": int(STARTED), "owned_by": "llmpool"}
-    if generator.client.workers:
-        card["max_model_len"] = generator.client.limits()[0]
+    if (max_model_len := generator.max_model_len()) is not None:
+        card["max_model_len"] = max_model_len
     return card
 
 

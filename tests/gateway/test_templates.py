@@ -49,3 +49,11 @@ def test_raise_exception_becomes_a_400():
     template = ChatTemplate("{{ raise_exception('roles must alternate') }}", {})
     with pytest.raises(InvalidRequest, match="roles must alternate"):
         template.render([{"role": "user", "content": "x"}])
+
+
+def test_extra_variables_reach_the_template_but_cannot_replace_its_own():
+    template = ChatTemplate("{{ messages | length }}{% if shout %}!{% endif %}{{ bos_token }}", {"bos_token": "<s>"})
+    assert template.render([], variables={"shout": True}) == "0!<s>"
+    for name in ("messages", "bos_token", "add_generation_prompt"):
+        with pytest.raises(InvalidRequest, match=name):
+            template.render([], variables={name: "x"})

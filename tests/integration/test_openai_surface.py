@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 
+import openai
+import pytest
 
-from tests.conftest import MODEL
+
+from tests.conftest import MODEL, start_serve
 
 
 def ask(text: str) -> list[dict]:
@@ -64,3 +67,73 @@ def test_legacy_completion_logprobs_line_up_with_the_text(client):
         model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=3, stream=True) if c.choices[0].logprobs]
     assert [t for part in streamed for t in part.tokens] == lp.tokens
     assert [o for part in streamed for o in part.text_offset] == lp.text_offset
+
+
+def test_echo_puts_the_prompt_before_the_completion(client, tokenizer):
+    plain = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == "The sky is" + plain.choices[0].text
+    ids = tokenizer.encode("Grass is", add_special_tokens=False)
+    by_ids = client.completions.create(model=MODEL, prompt=[ids, "The sky is"], max_tokens=6, temperature=0, echo=True)
+    assert by_ids.choices[0].text.startswith("Grass is") and by_ids.choices[1].text == echoed.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, echo=True, stream=True))
+    assert streamed == echoed.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="The sky is", max_tokens=2, echo=True, logprobs=1)
+    assert info.value.body["param"] == "echo"
+
+
+def test_best_of_returns_the_most_likely_of_its_candidates(client, server):
+    prompt = "Write a word:"
+    best = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.2, best_of=4, n=2, seed=11, logprobs=0)
+    assert len(best.choices) == 2 and [c.index for c in best.choices] == [0, 1]
+    totals = [sum(c.logprobs.token_logprobs) for c in best.choices]
+    assert totals[0] >= totals[1]
+    # the same four candidates (same seed), one at a time: the returned two are the top two of them
+    candidates = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.2, n=4, seed=11, logprobs=0)
+    ranked = sorted(candidates.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert best.usage.completion_tokens == candidates.usage.completion_tokens  # all four were computed
+    hidden = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, best_of=2)
+    assert hidden.choices[0].logprobs is None and len(hidden.choices) == 1
+    for body in ({"best_of": 1, "n": 2}, {"best_of": 3, "stream": True}, {"best_of": 17}):
+        response = server.post("/v1/completions", json={"model": MODEL, "prompt": prompt, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "best_of", body
+
+
+def test_tokenize_and_detokenize(server, tokenizer):
+    text = "Hello, world! ☃"
+    body = server.post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    assert body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 8192 and len(body["token_strs"]) == body["count"]
+    assert server.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]}).json() == {"prompt": text}
+    chat = server.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(chat["tokens"]) == rendered
+    for path, payload, param in (("/tokenize", {"prompt": "a", "messages": []}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                                 ("/detokenize", {"tokens": "abc"}, "tokens")):
+        response = server.post(path, json=payload)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, payload
+    assert server.post("/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404
+
+
+def test_chat_template_kwargs_reach_the_template(server, client):
+    """A request's own template (allowed with --allow-request-chat-template) reads a kwarg: the
+    prompt grows by the tokens the kwarg switches on."""
+    templating = start_serve("templating", 1, "--allow-request-chat-template")
+    try:
+        sdk = openai.OpenAI(base_url=templating.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %} LOUDLY PLEASE{% endif %}"
+        counts = []
+        for kwargs in ({}, {"shout": True}):
+            reply = sdk.chat.completions.create(model=MODEL, messages=ask("Say hi"), max_tokens=2,
+                                                extra_body={"chat_template": template, "chat_template_kwargs": kwargs})
+            counts.append(reply.usage.prompt_tokens)
+        assert counts[1] == counts[0] + 7, counts  # " LOUDLY PLEASE" is seven tokens
+    finally:
+        templating.stop()
+    refused = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "chat_template_kwargs": {"messages": []}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+    assert client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=2,
+                                          extra_body={"chat_template_kwargs": {"unused": 1}}).choices[0].message.content is not None
