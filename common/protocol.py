@@ -59,6 +59,21 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
 
 
+class GuideKind:
+    """The grammars a worker can constrain sampling to."""
+
+    JSON_SCHEMA = "json_schema"  # spec: a JSON Schema document (as JSON text)
+    JSON_OBJECT = "json_object"  # any JSON object; spec unused
+
+
+@dataclass(slots=True)
+class Guide:
+    """Guided decoding: every sampled token must keep the output inside this grammar."""
+
+    kind: str
+    spec: str = ""
+
+
 @dataclass(slots=True)
 class NewRequest:
     """A request as the worker needs it: token ids in, budget and stop rules."""
@@ -69,6 +84,10 @@ class NewRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    guide: Guide | None = None
+    # A request resumed after its worker died: the last ``resumed_tokens`` prompt tokens were
+    # generated (they count for penalties, min_tokens and the grammar's state).
+    resumed_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -138,6 +157,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    bad_request: bool = False  # the error is the request's own fault (e.g. a grammar that does not compile)
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
 
 

@@ -13,7 +13,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 
 from common.config import parse_size
-from common.model_source import resolve_model
+from common.model_source import load_tokenizer, resolve_model
 from gateway.admission import Admission
 from gateway.auth import api_key_guard, parse_keys
 from gateway.config import GatewayConfig
@@ -27,7 +27,6 @@ from gateway.routes.models import ModelsController
 from gateway.routes.tokenize import TokenizeController
 from gateway.routes.ui import UI_ROUTES
 from gateway.templates import ChatTemplate, read_template_source
-from gateway.tokenizer import load_tokenizer
 from gateway.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)

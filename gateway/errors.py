@@ -57,6 +57,13 @@ class GenerationFailed(GatewayError):
     error_type = "server_error"
 
 
+class BadGeneration(GenerationFailed):
+    """A worker refused the request for a fault of the request itself (a grammar that does not compile)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
 class ClientGone(GatewayError):
     status_code = 499  # nginx's "client closed request": nobody reads it, but logs and metrics do
     error_type = "client_closed_request"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from common.protocol import Heartbeat, NewRequest, Ready, RequestOutput, SamplingParams
+from common.protocol import Heartbeat, NewRequest, Ready, RequestOutput
 from gateway.errors import GenerationFailed
 
 
@@ -82,14 +82,13 @@ class RequestStream:
         original = self.request
         sampling = original.sampling
         if sampling.seed is not None:  # a fresh generator there: derive its seed from the resume point
-            sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k, (sampling.seed + len(self.generated)) % 2**63)
-        return NewRequest(
-            request_id=original.request_id,
+            sampling = replace(sampling, seed=(sampling.seed + len(self.generated)) % 2**63)
+        return replace(
+            original,
             prompt_token_ids=original.prompt_token_ids + self.generated,
             max_new_tokens=original.max_new_tokens - len(self.generated),
             sampling=sampling,
-            stop_token_ids=original.stop_token_ids,
-            ignore_eos=original.ignore_eos,
+            resumed_tokens=len(self.generated),
         )
 
 

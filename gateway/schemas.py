@@ -50,8 +50,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    response_format: dict | None = None  # text, json_object or json_schema (guided decoding)
     # Not done yet: declared so that asking for them is refused (400) instead of silently ignored.
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
 

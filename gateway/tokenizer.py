@@ -1,28 +1,8 @@
-"""Text <-> token ids for the gateway: loading (with the GGUF conversion cache) and incremental decoding."""
+"""Token ids -> text for the gateway, incrementally (loading lives in common.model_source)."""
 
 from __future__ import annotations
 
-import logging
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from common.model_source import ModelSource, save_to_cache
-
-log = logging.getLogger(__name__)
-
-
-def load_tokenizer(source: ModelSource, cache_root: str) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; a GGUF tokenizer is converted once (about 3 s) and cached."""
-    cached = source.cache_dir(cache_root, "tokenizer")
-    if cached is not None and (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cached)
-    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    if cached is not None:
-        try:
-            save_to_cache(cached, tokenizer.save_pretrained)
-        except OSError as exc:
-            log.warning("could not cache the tokenizer in %s: %s", cached, exc)
-    return tokenizer
+from transformers import PreTrainedTokenizerBase
 
 
 class IncrementalDetokenizer:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 import uuid
 
-from common.protocol import NewRequest, SamplingParams
+import orjson
+
+from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
 from gateway.errors import InvalidRequest
 from gateway.schemas import SamplingFields
 
@@ -71,12 +73,26 @@ def check_supported(req: SamplingFields) -> None:
     not_yet = {
         "tools": bool(req.tools),
         "tool_choice": req.tool_choice not in (None, "none"),
-        "response_format": req.response_format is not None and req.response_format.get("type") != "text",
         "suffix": getattr(req, "suffix", None) is not None,  # insertion needs a fill-in-the-middle model
     }
     for field, asked in not_yet.items():
         if asked:
             raise InvalidRequest(f"`{field}` is not supported by this server yet", param=field)
+
+
+def response_guide(response_format: dict | None) -> Guide | None:
+    """``response_format`` as the grammar the worker enforces (None: free text)."""
+    if response_format is None or response_format.get("type") == "text":
+        return None
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return Guide(GuideKind.JSON_OBJECT)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise InvalidRequest("`response_format.json_schema.schema` must be a JSON Schema object", param="response_format")
+        return Guide(GuideKind.JSON_SCHEMA, orjson.dumps(spec["schema"]).decode())
+    raise InvalidRequest(f"`response_format.type` must be text, json_object or json_schema; got {kind!r}", param="response_format")
 
 
 def stop_strings(req: SamplingFields) -> list[str]:
@@ -126,7 +142,7 @@ def request_id(header: str | None) -> str:
 
 def new_request(
     req: SamplingFields, prompt_ids: list[int], requested_tokens: int | None, param: str, limits: tuple[int, int],
-    rid: str, vocab_size: int, choice: int = 0,
+    rid: str, vocab_size: int, choice: int = 0, guide: Guide | None = None,
 ) -> NewRequest:
     """Assemble the wire request once the prompt is tokenized; ``choice`` numbers the ``n`` copies
     (each its own request id, and with a seed, its own seed derived from it)."""
@@ -145,4 +161,5 @@ def new_request(
         sampling=sampling,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
+        guide=guide if guide is not None else response_guide(req.response_format),
     )

@@ -35,7 +35,7 @@ from common.protocol import (
     StepOutputs,
     WorkerError,
 )
-from gateway.errors import GenerationFailed, NoWorkerAvailable
+from gateway.errors import BadGeneration, GenerationFailed, NoWorkerAvailable
 from gateway.pool import PrefixAffinity, RequestStream, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -281,7 +281,8 @@ class WorkerClient:
             if stream is None:
                 continue  # aborted by us already
             if output.finish_reason == FinishReason.ERROR:
-                self._end(stream, GenerationFailed(output.error or "the worker failed this request"))
+                failure = BadGeneration if output.bad_request else GenerationFailed
+                self._end(stream, failure(output.error or "the worker failed this request"))
                 continue
             stream.generated.extend(output.new_token_ids)
             if stream.cached_tokens is None and output.new_token_ids:

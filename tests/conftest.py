@@ -132,6 +132,6 @@ def client(server: Server):  # noqa: ANN201 - an openai.OpenAI
 def tokenizer():  # noqa: ANN201 - a transformers tokenizer
     from common.config import CACHE_DIR
     from common.model_source import resolve_model
-    from gateway.tokenizer import load_tokenizer
+    from common.model_source import load_tokenizer
 
     return load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())

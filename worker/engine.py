@@ -10,6 +10,7 @@ from common.model_source import ModelSource
 from common.protocol import FinishReason, Heartbeat, NewRequest, RequestOutput, StepOutputs, TokenLogprobs
 from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
+from worker.guided import GrammarError
 from worker.model_runner import ModelRunner
 from worker.request import Request, RequestStatus
 from worker.scheduler import Scheduler
@@ -41,8 +42,12 @@ class Engine:
         if error is not None:
             self._rejected.append(RequestOutput(new.request_id, [], FinishReason.ERROR, request.num_prompt_tokens, error=error))
             return
+        try:
+            self.runner.add_request(request)
+        except GrammarError as exc:
+            self._rejected.append(RequestOutput(new.request_id, [], FinishReason.ERROR, request.num_prompt_tokens, error=str(exc), bad_request=True))
+            return
         self._requests[request.request_id] = request
-        self.runner.add_request(request)
         self.scheduler.add(request)
         log.info("request %s queued: %d prompt tokens, up to %d new", request.request_id, request.num_prompt_tokens,
                  request.max_new_tokens, extra={"request_id": request.request_id})

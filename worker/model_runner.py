@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from common.config import parse_size
-from common.model_source import ModelSource
+from common.model_source import ModelSource, load_tokenizer
 from common.protocol import TokenLogprobs
 from worker.attention import ATTENTION_NAME, AttentionMetadata, DecodeGroup, PrefillSpan
 from worker.config import WorkerConfig
+from worker.guided import GuidedDecoding
 from worker.llama import LlamaForward, supports
 from worker.loader import load_model
 from worker.request import Request
@@ -79,7 +80,8 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.kv_caches = self._allocate_kv_cache(model_config, config.kv_cache_memory)
         self.num_blocks = self.kv_caches[0][0].shape[0]
-        self.sampler = Sampler(self.device)
+        self.guided = GuidedDecoding(lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(self.device, self.guided)
 
     def _pick_impl(self, choice: str) -> LlamaForward | None:
         if choice not in ("auto", "native", "transformers"):
@@ -120,6 +122,9 @@ class ModelRunner:
         return parse_size(budget)
 
     def add_request(self, request: Request) -> None:
+        """Per-request sampling state; raises GrammarError for a guided request whose grammar is invalid."""
+        if request.guide is not None:
+            self.guided.add(request)
         self.sampler.add_request(request.request_id, request.sampling.seed)
 
     def remove_request(self, request: Request) -> None:

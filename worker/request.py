@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from common.protocol import FinishReason, NewRequest, SamplingParams
+from common.protocol import FinishReason, Guide, NewRequest, SamplingParams
 
 
 class RequestStatus(IntEnum):
@@ -52,6 +52,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
     error: str | None = None
+    guide: Guide | None = None
+    output_start: int | None = None  # where generated tokens begin, when before num_prompt_tokens (resumed)
 
     @classmethod
     def from_wire(cls, new: NewRequest, eos_token_ids: frozenset[int]) -> Request:
@@ -63,7 +65,14 @@ class Request:
             max_new_tokens=new.max_new_tokens,
             sampling=new.sampling,
             stop_token_ids=stop,
+            guide=new.guide,
+            output_start=len(new.prompt_token_ids) - min(new.resumed_tokens, len(new.prompt_token_ids)),
         )
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token this generation produced, including those made before a resume."""
+        return self.token_ids[self.num_prompt_tokens if self.output_start is None else self.output_start :]
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from common.protocol import SamplingParams, TokenLogprobs
+from worker.guided import GuidedDecoding
 from worker.request import Request
 
 Sampled = tuple[list[int], list[TokenLogprobs | None]]  # one token per row, and its logprobs if asked for
@@ -20,8 +21,9 @@ Sampled = tuple[list[int], list[TokenLogprobs | None]]  # one token per row, and
 class Sampler:
     """Batched greedy / temperature / top-k / top-p sampling with per-request seeds."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, guided: GuidedDecoding | None = None) -> None:
         self.device = device
+        self.guided = guided
         self._generators: dict[str, torch.Generator] = {}
 
     def add_request(self, request_id: str, seed: int | None) -> None:
@@ -32,16 +34,23 @@ class Sampler:
 
     def remove_request(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.guided is not None:
+            self.guided.remove(request_id)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         """``logits`` is ``[batch, vocab]``, one row per request; returns one token id per row."""
         chosen = self._choose(logits, requests)
-        return chosen.tolist(), _logprobs(logits, chosen, requests)
+        tokens = chosen.tolist()
+        if self.guided is not None:
+            self.guided.accept(requests, tokens)
+        return tokens, _logprobs(logits, chosen, requests)
 
     def _choose(self, raw_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         request_ids = [r.request_id for r in requests]
         params = [r.sampling for r in requests]
         logits = _adjust(raw_logits.float(), requests)
+        if self.guided is not None:
+            logits = self.guided.mask(logits, requests)
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
             return greedy
@@ -91,8 +100,7 @@ def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         wants = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias or p.min_tokens
         if wants and not copied:  # never change the caller's tensor
             logits, copied = logits.clone(), True
-        p = request.sampling
-        output = request.token_ids[request.num_prompt_tokens :]
+        output = request.generated_token_ids
         if output and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab)[:vocab].float()
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()

@@ -3,9 +3,13 @@ chat_template_kwargs. (Sampling parameters and errors are in test_api.py.)"""
 
 from __future__ import annotations
 
+import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
 import openai
+import pydantic
 import pytest
 
 
@@ -137,3 +141,66 @@ def test_chat_template_kwargs_reach_the_template(server, client):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
     assert client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=2,
                                           extra_body={"chat_template_kwargs": {"unused": 1}}).choices[0].message.content is not None
+
+
+CITY = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30},
+                   "population_millions": {"type": "integer", "minimum": 0, "maximum": 100}},
+    "required": ["name", "country", "population_millions"],
+    "additionalProperties": False,
+}
+
+
+def test_json_object_output_always_parses(client):
+    for seed in range(3):
+        reply = client.chat.completions.create(model=MODEL, messages=ask("Return a JSON object with keys name and age for a person."), max_tokens=120,
+                                               temperature=0.8, seed=seed, response_format={"type": "json_object"})
+        assert reply.choices[0].finish_reason == "stop"
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_json_schema_output_validates_stream_and_not(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    whole = client.chat.completions.create(model=MODEL, messages=ask("Tell me about Paris."), max_tokens=100, temperature=0, response_format=fmt)
+    jsonschema.validate(json.loads(whole.choices[0].message.content), CITY)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=ask("Tell me about Rome."), max_tokens=100, temperature=0.7, seed=1, response_format=fmt, stream=True) if c.choices)
+    jsonschema.validate(json.loads(streamed), CITY)
+
+
+def test_sdk_parse_with_a_pydantic_model(client):
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=30)
+        country: str = pydantic.Field(max_length=30)
+
+    parsed = client.chat.completions.parse(model=MODEL, messages=ask("Name a city in Japan."), max_tokens=60, temperature=0, response_format=City)
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+
+
+def test_guided_requests_run_beside_free_ones(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}  # bounded: always finishes
+
+    def one(i: int) -> str:
+        kwargs = {"response_format": fmt} if i % 2 else {}
+        return client.chat.completions.create(model=MODEL, messages=ask(f"Tell me about city number {i}."), max_tokens=120,
+                                              temperature=0.5, seed=i, **kwargs).choices[0].message.content
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(one, range(6)))
+    for i, text in enumerate(answers):
+        if i % 2:
+            jsonschema.validate(json.loads(text), CITY)
+        else:
+            assert text and not text.startswith("{")
+
+
+def test_bad_response_formats_are_400s(server):
+    for fmt, where in (({"type": "xml"}, "response_format"), ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format"),
+                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}, None)):
+        response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "response_format": fmt})
+        assert response.status_code == 400, fmt
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == where
+    assert server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "max_tokens": 2}).status_code == 200

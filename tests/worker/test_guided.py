@@ -1,0 +1,96 @@
+"""Guided decoding in the engine with the real model and tokenizer: the output follows the grammar,
+guided and free requests share a step, a free row's logits are untouched, and a resumed request's
+grammar picks up where the dead worker left it."""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from common.config import CACHE_DIR
+from common.model_source import load_tokenizer, resolve_model
+from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
+from worker.config import WorkerConfig
+from worker.engine import Engine
+from tests.worker.test_engine import PROMPTS
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # noqa: ANN201
+    return load_tokenizer(resolve_model("SmolLM2-135M-Instruct"), CACHE_DIR.env_default())
+
+
+def drain(engine: Engine) -> tuple[dict[str, list[int]], dict[str, str], list[int]]:
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    batch_sizes = []
+    while engine.has_work():
+        step = engine.step()
+        batch_sizes.append(step.batch_size)
+        for out in step.outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.error:
+                errors[out.request_id] = out.error
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    return tokens, errors, batch_sizes
+
+
+def test_guided_and_free_requests_share_steps_and_the_free_one_is_unchanged(engine, tokenizer):
+    engine.add_request(NewRequest("free-alone", PROMPTS[0], 24, SamplingParams(temperature=0)))
+    alone, _, _ = drain(engine)
+    engine.add_request(NewRequest("free", PROMPTS[0], 24, SamplingParams(temperature=0)))
+    engine.add_request(NewRequest("json", PROMPTS[1], 60, SamplingParams(temperature=0), guide=Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA))))
+    engine.add_request(NewRequest("obj", PROMPTS[2], 60, SamplingParams(temperature=0.9, seed=3), guide=Guide(GuideKind.JSON_OBJECT)))
+    tokens, errors, sizes = drain(engine)
+    assert not errors and max(sizes) == 3
+    assert tokens["free"] == alone["free-alone"]
+    document = json.loads(tokenizer.decode(tokens["json"], skip_special_tokens=True))
+    jsonschema.validate(document, SCHEMA)
+    assert isinstance(json.loads(tokenizer.decode(tokens["obj"], skip_special_tokens=True)), dict)
+    assert tokens["json"][-1] in engine.runner.eos_token_ids  # a finished grammar ends the request
+
+
+def test_mask_touches_only_guided_rows(engine):
+    from worker.request import Request
+
+    guided = Request.from_wire(NewRequest("g", [1, 2], 5, guide=Guide(GuideKind.JSON_OBJECT)), engine.runner.eos_token_ids)
+    free = Request.from_wire(NewRequest("f", [1, 2], 5), engine.runner.eos_token_ids)
+    engine.runner.guided.add(guided)
+    try:
+        logits = torch.randn(2, engine.runner.vocab_size)
+        masked = engine.runner.guided.mask(logits, [free, guided])
+        assert torch.equal(masked[0], logits[0])
+        allowed = torch.isfinite(masked[1])
+        assert 0 < allowed.sum() < 200  # a JSON object starts with "{" (and a few tokens that begin with it)
+    finally:
+        engine.runner.guided.remove("g")
+
+
+def test_a_resumed_request_continues_its_grammar(engine, tokenizer):
+    engine.add_request(NewRequest("whole", PROMPTS[1], 60, SamplingParams(temperature=0), guide=Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA))))
+    whole = drain(engine)[0]["whole"]
+    cut = 5  # a worker died after five tokens: the new one gets them as prompt, marked as generated
+    engine.add_request(NewRequest("rest", PROMPTS[1] + whole[:cut], 60 - cut, SamplingParams(temperature=0),
+                                  guide=Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA)), resumed_tokens=cut))
+    assert whole[:cut] + drain(engine)[0]["rest"] == whole
+
+
+def test_an_invalid_grammar_is_an_error_for_that_request_only(engine):
+    engine.add_request(NewRequest("bad", PROMPTS[0], 8, guide=Guide(GuideKind.JSON_SCHEMA, '{"type": "no-such-type"}')))
+    engine.add_request(NewRequest("good", PROMPTS[0], 8, SamplingParams(temperature=0)))
+    tokens, errors, _ = drain(engine)
+    assert "bad" in errors and "grammar" in errors["bad"]
+    assert len(tokens["good"]) == 8

@@ -1,0 +1,113 @@
+"""Guided decoding: a grammar per request, applied as a token mask inside the batched step.
+
+Each guided request owns an llguidance matcher. Before sampling, the matchers of the guided rows
+fill one bitmask (a bit per vocabulary entry); allowed tokens keep their logits, the rest become
+-inf, so guided and free requests share the batch and free rows are never touched. After sampling,
+each matcher consumes its row's token. Once the grammar is complete the mask allows only the
+end-of-sequence tokens, so the request stops the ordinary way.
+
+llguidance was chosen over xgrammar by measurement on this machine (default model's tokenizer, a
+3-field JSON schema; scripts in the commit message): both compute a mask in well under 0.1 ms
+(llguidance median 0.009 ms, xgrammar 0.003 ms) against a 15-60 ms step, so footprint decided:
+llguidance is one 7.6 MB wheel with no dependencies; xgrammar needs apache-tvm-ffi and, on Linux,
+triton (a 286 MB wheel).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+
+from common.protocol import Guide, GuideKind
+from worker.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile; the request ends with this message."""
+
+
+class GuidedDecoding:
+    """The matchers of the guided requests; built lazily (the tokenizer is needed only then)."""
+
+    def __init__(self, load_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._lltokenizer: Any = None
+        self._matchers: dict[str, Any] = {}
+
+    def _tokenizer(self) -> Any:
+        if self._lltokenizer is None:
+            import llguidance.hf
+
+            self._lltokenizer = llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+        return self._lltokenizer
+
+    def add(self, request: Request) -> None:
+        """Compile the request's grammar and replay tokens it generated before a resume; raise
+        GrammarError when the grammar is invalid."""
+        import llguidance
+
+        assert request.guide is not None
+        matcher = llguidance.LLMatcher(self._tokenizer(), _grammar(request.guide), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
+        generated = request.generated_token_ids
+        if generated and not matcher.consume_tokens(generated):
+            raise GrammarError(f"the tokens generated before the resume do not fit the grammar: {matcher.get_error()}")
+        self._matchers[request.request_id] = matcher
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def mask(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Logits with every token the grammar forbids at -inf, for the guided rows only."""
+        rows = [(i, m) for i, r in enumerate(requests) if (m := self._matchers.get(r.request_id)) is not None and not m.is_error()]
+        if not rows:
+            return logits
+        import llguidance.torch as llt
+
+        bitmask = llt.allocate_token_bitmask(len(rows), self.vocab_size)
+        for j, (_, matcher) in enumerate(rows):
+            llt.fill_next_token_bitmask(matcher, bitmask, j)
+        index = torch.tensor([i for i, _ in rows], device=logits.device)
+        allowed = _unpack(bitmask, logits.shape[-1]).to(logits.device)
+        guided = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        return logits.index_copy(0, index, guided)
+
+    def accept(self, requests: list[Request], tokens: list[int]) -> None:
+        """Advance each guided request's matcher by its sampled token."""
+        for request, token in zip(requests, tokens):
+            matcher = self._matchers.get(request.request_id)
+            if matcher is not None and not matcher.consume_token(token):
+                log.warning("request %s: token %d rejected by its grammar: %s", request.request_id, token, matcher.get_error(),
+                            extra={"request_id": request.request_id})
+
+
+def _grammar(guide: Guide) -> str:
+    import llguidance
+
+    # JSON in the usual compact-but-readable style; free whitespace lets small models loop on newlines
+    style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    try:
+        if guide.kind == GuideKind.JSON_OBJECT:
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=style)  # type: ignore[arg-type]
+        if guide.kind == GuideKind.JSON_SCHEMA:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.loads(guide.spec), defaults=style)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"the {guide.kind} grammar is invalid: {exc}") from None
+    raise GrammarError(f"unknown grammar kind {guide.kind!r}")
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[rows, words]`` int32 bitmask -> ``[rows, vocab]`` booleans (True: allowed)."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1
+    return bits.flatten(1)[:, :vocab].bool()
