@@ -27,6 +27,7 @@ from gateway.routes.models import ModelsController
 from gateway.routes.tokenize import TokenizeController
 from gateway.routes.ui import UI_ROUTES
 from gateway.templates import ChatTemplate, read_template_source
+from gateway.tools import PARSERS
 from gateway.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ def provide_generator(state: State) -> Generator:
 
 def create_app(config: GatewayConfig) -> Litestar:
     source = resolve_model(config.model, config.served_model_name)
+    if config.tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}; got {config.tool_call_parser!r}")
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

@@ -25,6 +25,7 @@ GATEWAY_FLAGS = [
     Flag("curve-server-secret-key", None, "CURVE: the gateway's secret key file (from `llmpool keys`); encrypts worker traffic"),
     Flag("curve-authorized-keys", None, "CURVE: folder of worker public key files allowed to connect"),
     Flag("max-retries", 2, "Times a request is moved to another worker after its worker died, before it fails", int),
+    Flag("tool-call-parser", "hermes", "How tool calls are read from the model's own output (tool_choice auto): hermes, i.e. <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>"),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
 ]
 
@@ -52,6 +53,7 @@ class GatewayConfig(SharedConfig):
     max_waiting_requests: int = 256
     request_timeout: float = 600.0
     tokenizer_threads: int = 2
+    tool_call_parser: str = "hermes"
 
 
 ALL_GATEWAY_FLAGS = [*SHARED_FLAGS, *GATEWAY_FLAGS]

@@ -21,6 +21,8 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
 class StreamOptions(msgspec.Struct):
@@ -51,9 +53,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     response_format: dict | None = None  # text, json_object or json_schema (guided decoding)
-    # Not done yet: declared so that asking for them is refused (400) instead of silently ignored.
-    tools: list | None = None
-    tool_choice: Union[str, dict, None] = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -61,6 +60,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     chat_template: str | None = None  # refused unless --allow-request-chat-template
     chat_template_kwargs: dict | None = None  # more variables for the template (e.g. enable_thinking)
+    tools: list | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 

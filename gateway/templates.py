@@ -59,6 +59,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self.template = env.from_string(source)
+        self.source = source
         self.special_tokens = special_tokens
 
     def with_source(self, source: str) -> ChatTemplate:

@@ -70,14 +70,8 @@ def check_supported(req: SamplingFields) -> None:
     """Refuse, clearly, what is out of range or not done here rather than silently ignoring it."""
     if not 1 <= req.n <= MAX_N:
         raise InvalidRequest(f"`n` must be between 1 and {MAX_N}; got {req.n}", param="n")
-    not_yet = {
-        "tools": bool(req.tools),
-        "tool_choice": req.tool_choice not in (None, "none"),
-        "suffix": getattr(req, "suffix", None) is not None,  # insertion needs a fill-in-the-middle model
-    }
-    for field, asked in not_yet.items():
-        if asked:
-            raise InvalidRequest(f"`{field}` is not supported by this server yet", param=field)
+    if getattr(req, "suffix", None) is not None:  # insertion needs a fill-in-the-middle model and its prompt format
+        raise InvalidRequest("`suffix` is not supported by this server", param="suffix")
 
 
 def response_guide(response_format: dict | None) -> Guide | None:

@@ -330,12 +330,6 @@ def test_completions_take_lists_of_prompts_and_token_ids(client, tokenizer):
         client.completions.create(model=MODEL, prompt=[[1, 2], "mixed", 3], max_tokens=2)
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required")])
-def test_fields_not_supported_yet_are_refused_not_ignored(server, field, value):
-    response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), field: value})
-    assert response.status_code == 400 and response.json()["error"]["param"] == field
-
-
 def test_legacy_completion_fields_not_supported_are_refused(server):
     for field, value in (("suffix", "end"),):
         response = server.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", field: value})

@@ -1,0 +1,236 @@
+"""Tool calling: tools into the prompt, ``tool_choice`` into a grammar, model output into ``tool_calls``.
+
+- ``none``: the tools stay out of the prompt and the answer is plain text.
+- ``auto``: the model decides; its text is parsed for the Hermes format that Qwen, Hermes and many
+  fine-tunes use, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the only parser so far,
+  chosen with ``--tool-call-parser``).
+- ``required`` / a named function: guided decoding makes a call certain. A named function's output is
+  its arguments object (the grammar is the function's parameter schema); ``required`` produces a JSON
+  array of ``{"name", "arguments"}`` (one item unless ``parallel_tool_calls``).
+
+A template that knows about tools (it uses the ``tools`` variable) gets them as they are; for one that
+does not (SmolLM2's), the tools go into the system message in the Hermes wording, and earlier
+assistant tool calls are written back as ``<tool_call>`` text, so the conversation reads the same way.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from common.protocol import Guide, GuideKind
+from gateway.errors import InvalidRequest
+from gateway.stop import StopChecker
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+PARSERS = ("hermes",)
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_dict(self, index: int | None = None) -> dict:
+        call: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            call["index"] = index
+        return call
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    """What a request's ``tools`` and ``tool_choice`` mean for this generation."""
+
+    tools: list[dict]  # the function definitions, for the template
+    mode: str  # none, auto, required or named
+    name: str | None = None  # the named function
+    parallel: bool = True
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.mode != "none" and bool(self.tools)
+
+    def guide(self) -> Guide | None:
+        """The grammar that makes a call certain (``required`` and named only)."""
+        if self.mode == "named":
+            return Guide(GuideKind.JSON_SCHEMA, orjson.dumps(self._parameters(self.name)).decode())
+        if self.mode == "required":
+            items = [
+                {"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": self._parameters(t["name"])},
+                 "required": ["name", "arguments"], "additionalProperties": False}
+                for t in self.tools
+            ]
+            schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return Guide(GuideKind.JSON_SCHEMA, orjson.dumps(schema).decode())
+        return None
+
+    def _parameters(self, name: str | None) -> dict:
+        return next(t.get("parameters") or _EMPTY_PARAMETERS for t in self.tools if t["name"] == name)
+
+    def parser(self) -> ToolOutputParser | None:
+        return None if self.mode == "none" or not self.tools else ToolOutputParser(self)
+
+
+def tool_plan(tools: list | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None) -> ToolPlan:
+    """Check ``tools`` and ``tool_choice`` (400s name the field) and decide the mode."""
+    functions = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise InvalidRequest(f"`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{...}}}}", param=f"tools[{i}]")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise InvalidRequest(f"`tools[{i}].function.name` must be a non-empty string", param=f"tools[{i}].function.name")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise InvalidRequest(f"`tools[{i}].function.parameters` must be a JSON Schema object", param=f"tools[{i}].function.parameters")
+        functions.append(function)
+    choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
+    parallel = parallel_tool_calls is not False
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in {f["name"] for f in functions}:
+            raise InvalidRequest(f"`tool_choice` names a function that is not in `tools`: {name!r}", param="tool_choice")
+        return ToolPlan(functions, "named", name, parallel)
+    if choice not in ("none", "auto", "required"):
+        raise InvalidRequest(f"`tool_choice` must be none, auto, required or a named function; got {choice!r}", param="tool_choice")
+    if choice != "none" and not functions:
+        raise InvalidRequest(f"`tool_choice` {choice!r} needs `tools`", param="tool_choice")
+    return ToolPlan(functions, choice, None, parallel)
+
+
+def template_variables(plan: ToolPlan, template_source: str) -> dict[str, Any]:
+    """Template variables for the tools, when the template renders them itself."""
+    if plan.in_prompt and "tools" in template_source:
+        return {"tools": [{"type": "function", "function": t} for t in plan.tools]}
+    return {}
+
+
+def prepare_messages(messages: list[dict[str, Any]], plan: ToolPlan, template_source: str) -> list[dict[str, Any]]:
+    """For a template that knows nothing of tools: describe them in the system message, and write
+    earlier tool calls back in the Hermes format."""
+    if "tools" in template_source or not plan.in_prompt and not any(m.get("tool_calls") for m in messages):
+        return messages
+    result = []
+    for message in messages:
+        if message.get("tool_calls") and "tool_calls" not in template_source:
+            calls = "\n".join(_hermes_call(c) for c in message["tool_calls"])
+            message = {**message, "content": ((message.get("content") or "") + "\n" + calls).strip()}
+        result.append(message)
+    if plan.in_prompt:
+        if result and result[0]["role"] in ("system", "developer"):
+            result[0] = {**result[0], "content": result[0]["content"] + "\n\n" + _tool_instructions(plan.tools)}
+        else:
+            result.insert(0, {"role": "system", "content": _tool_instructions(plan.tools)})
+    return result
+
+
+def _hermes_call(call: dict) -> str:
+    function = call.get("function") or {}
+    arguments = function.get("arguments") or "{}"
+    try:
+        parsed = orjson.loads(arguments) if isinstance(arguments, str) else arguments
+    except orjson.JSONDecodeError:
+        parsed = arguments
+    return f"{TOOL_CALL_OPEN}\n{orjson.dumps({'name': function.get('name'), 'arguments': parsed}).decode()}\n{TOOL_CALL_CLOSE}"
+
+
+def _tool_instructions(tools: list[dict]) -> str:
+    listed = "\n".join(orjson.dumps({"type": "function", "function": t}).decode() for t in tools)
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+        f'{TOOL_CALL_OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{TOOL_CALL_CLOSE}'
+    )
+
+
+class ToolOutputParser:
+    """Turns one choice's text into content and tool calls, incrementally.
+
+    ``push`` returns the content that is certain to be plain text (a possible start of
+    ``<tool_call>`` is held back, as stop strings are) and the tool-call deltas ready to send;
+    ``finish`` returns the rest. A named function streams its arguments as they come; ``required``
+    and ``auto`` calls are sent whole once complete (still OpenAI's delta format).
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.calls: list[ToolCall] = []
+        self._text: list[str] = []  # everything generated
+        self._opener = StopChecker([TOOL_CALL_OPEN])
+        self._in_calls = False
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        self._text.append(text)
+        if self.plan.mode == "named":
+            if not self.calls:
+                self.calls.append(ToolCall(self.plan.name or "", ""))
+                first = self.calls[0].as_dict(0)
+                first["function"]["arguments"] = text
+                return "", [first]
+            return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+        if self.plan.mode == "required" or self._in_calls:
+            return "", []
+        content, opened = self._opener.push(text)
+        self._in_calls = opened
+        return content, []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """At the end of the generation: the remaining content and the tool calls not yet sent."""
+        text = "".join(self._text)
+        if self.plan.mode == "named":
+            if not self.calls:  # nothing was generated at all
+                self.calls.append(ToolCall(self.plan.name or "", text))
+                return "", [self.calls[0].as_dict(0)]
+            self.calls[0].arguments = text
+            return "", []
+        if self.plan.mode == "required":
+            self.calls = _json_calls(text)
+            return ("" if self.calls else text), [c.as_dict(i) for i, c in enumerate(self.calls)]
+        if not self._in_calls:
+            return self._opener.flush(), []
+        self.calls = _hermes_calls(text)
+        if not self.calls:  # not a well-formed call after all: it was text
+            return text[text.index(TOOL_CALL_OPEN):], []
+        return "", [c.as_dict(i) for i, c in enumerate(self.calls)]
+
+    def content(self) -> str | None:
+        """The whole choice's plain-text content (None when it is only tool calls)."""
+        text = "".join(self._text)
+        if self.plan.mode in ("named", "required") and self.calls:
+            return None
+        if self.calls:
+            text = text[: text.index(TOOL_CALL_OPEN)].strip()
+        return text or (None if self.calls else text)
+
+
+def _json_calls(text: str) -> list[ToolCall]:
+    try:
+        items = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return []
+    if not isinstance(items, list):
+        return []
+    return [ToolCall(i["name"], orjson.dumps(i.get("arguments", {})).decode()) for i in items if isinstance(i, dict) and "name" in i]
+
+
+def _hermes_calls(text: str) -> list[ToolCall]:
+    calls = []
+    for block in text.split(TOOL_CALL_OPEN)[1:]:
+        body = block.split(TOOL_CALL_CLOSE)[0].strip()
+        try:
+            call = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments", call.get("parameters", {}))
+            calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()))
+    return calls

@@ -1,0 +1,76 @@
+"""Tool plans, prompts and the output parser, without a model."""
+
+import json
+
+import pytest
+
+from common.protocol import GuideKind
+from gateway.errors import InvalidRequest
+from gateway.tools import prepare_messages, tool_plan
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def run(parser, pieces):
+    content, calls = "", []
+    for piece in pieces:
+        text, more = parser.push(piece)
+        content, calls = content + text, calls + more
+    text, more = parser.finish()
+    return content + text, calls + more
+
+
+def test_auto_parses_hermes_calls_and_holds_back_a_possible_opener():
+    parser = tool_plan([WEATHER], "auto", None).parser()
+    pieces = ["Let me check.", " <tool", "_call>\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"]
+    content, calls = run(parser, pieces)
+    assert content == "Let me check. "
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert parser.content() == "Let me check."
+
+
+def test_auto_text_that_only_looks_like_a_call_stays_text():
+    parser = tool_plan([WEATHER], "auto", None).parser()
+    assert run(parser, ["a <tool", "box> b"]) == ("a <toolbox> b", [])
+    parser = tool_plan([WEATHER], "auto", None).parser()
+    assert run(parser, ["x <tool_call>not json"]) == ("x <tool_call>not json", [])
+
+
+def test_named_streams_arguments_and_required_parses_the_array():
+    named = tool_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert named.guide().kind == GuideKind.JSON_SCHEMA and json.loads(named.guide().spec)["required"] == ["city"]
+    content, deltas = run(named.parser(), ['{"city": ', '"Oslo"}'])
+    assert content == "" and deltas[0]["function"] == {"name": "get_weather", "arguments": '{"city": '}
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Oslo"}'
+    required = tool_plan([WEATHER, TIME], "required", False)
+    assert json.loads(required.guide().spec)["maxItems"] == 1
+    content, calls = run(required.parser(), ['[{"name": "get_time", "arguments": {}}]'])
+    assert content == "" and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("tools, choice, param", [
+    ([{"type": "function"}], "auto", "tools[0]"),
+    ([{"type": "function", "function": {"name": ""}}], "auto", "tools[0].function.name"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    (None, "required", "tool_choice"),
+    ([WEATHER], "sometimes", "tool_choice"),
+])
+def test_bad_tools_are_400s_naming_the_field(tools, choice, param):
+    with pytest.raises(InvalidRequest) as info:
+        tool_plan(tools, choice, None)
+    assert info.value.param == param
+
+
+def test_tools_go_into_the_system_message_of_a_template_without_tools():
+    plan = tool_plan([WEATHER], "auto", None)
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    messages = prepare_messages(history, plan, "{{ messages }}")
+    assert messages[0]["role"] == "system" and "<tools>" in messages[0]["content"] and "get_weather" in messages[0]["content"]
+    assert messages[2]["content"] == '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+    assert prepare_messages(history, plan, "{% for t in tools %}{% endfor %}") == history  # the template does it itself
+    assert tool_plan([WEATHER], "none", None).parser() is None
