@@ -4,6 +4,8 @@ WORKDIR /app
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 # torch first and pinned; pass --build-arg TORCH_SPEC=... for another build (e.g. a CUDA one for GPU workers).
 ARG TORCH_SPEC=torch==2.13.0
+# g++: torch.compile (inductor) builds the worker's decode-attention kernel at start (--compile).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
 COPY common ./common

@@ -5,9 +5,11 @@ first, then prompt chunks) with per-token positions, and registers ``paged_atten
 model's attention implementation. Each layer then writes its new keys/values into the paged cache
 (``slot_mapping``), gathers each sequence's context through its block table, and hands the maths to
 transformers' SDPA function, so a lone sequence gets exactly the numbers ``generate`` gets. Groups
-of several decode rows use two batched matmuls and a float32 softmax instead: on the CPU that is 2x
-faster than SDPA for one query token per row, and 5x faster than the ``enable_gqa`` path
-transformers takes when no mask is needed.
+of several decode rows use ``decode_rows_attention``: it reads keys and values straight out of the
+paged cache through the block tables. Eagerly that indexing copies the context first (about half of
+attention's time at 64 streams); compiled with inductor (``--compile``, the default on the CPU) the
+gather, both products and the softmax fuse into one loop nest that never copies the context: 5x
+less time per layer at 64 rows (7.2 -> 1.5 ms at a 300-token context, 17.2 -> 3.3 ms at 800).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ class DecodeGroup:
     start: int  # first row of the group within the decode rows
     num_rows: int
     block_tables: torch.Tensor  # [num_rows, max_blocks]
+    lengths: torch.Tensor  # [num_rows]: context length of each row, this step's token included
     max_len: int
-    mask: torch.Tensor | None  # [num_rows, 1, 1, max_len]; None when all lengths are equal
 
 
 @dataclass(slots=True)
@@ -61,20 +63,43 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tor
     return blocks.view(batch, -1, *cache.shape[2:])[:, :length].transpose(1, 2)
 
 
-def _decode_rows_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+def decode_rows_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor,
+    max_len: int, scaling: float,
 ) -> torch.Tensor:
-    """Attention for one query token per row: ``query`` ``[rows, heads, head_dim]``, key/value
-    ``[rows, kv_heads, length, head_dim]``. Heads sharing a KV head sit next to each other
-    (head h reads KV head h // groups), so a view folds them into one matrix per KV head."""
+    """Attention for one query token per row, over each row's paged context.
+
+    ``query`` is ``[rows, heads, head_dim]``; the caches are ``[num_blocks, block_size, kv_heads,
+    head_dim]``; row r attends to its first ``lengths[r]`` positions. Heads sharing a KV head sit
+    next to each other (head h reads KV head h // groups). Products are written as multiply-and-sum
+    so that inductor fuses them with the cache indexing; maths in float32.
+    """
     rows, heads, head_dim = query.shape
-    kv_heads = key.shape[1]
-    packed = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.matmul(packed, key.transpose(-1, -2)).float() * scaling  # [rows, kv_heads, groups, length]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = scores.softmax(dim=-1).to(value.dtype)
-    return torch.matmul(weights, value).reshape(rows, heads, head_dim)
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    positions = torch.arange(max_len, device=query.device)
+    blocks = block_tables[:, positions // block_size]  # [rows, max_len]
+    offsets = positions % block_size
+    keys = k_cache[blocks, offsets].permute(0, 2, 1, 3).unsqueeze(2).float()  # [rows, kv_heads, 1, max_len, head_dim]
+    values = v_cache[blocks, offsets].permute(0, 2, 1, 3).unsqueeze(2).float()
+    packed = query.reshape(rows, kv_heads, heads // kv_heads, 1, head_dim).float()
+    scores = (packed * keys).sum(-1) * scaling  # [rows, kv_heads, groups, max_len]
+    scores = scores.masked_fill(~(positions < lengths.unsqueeze(1))[:, None, None, :], float("-inf"))
+    weights = scores.softmax(dim=-1).unsqueeze(-1)
+    return (weights * values).sum(3).to(query.dtype).reshape(rows, heads, head_dim)
+
+
+_decode_kernel = decode_rows_attention
+
+
+def compile_decode_attention() -> None:
+    """Use the inductor-compiled decode attention from now on (the model runner warms it up)."""
+    global _decode_kernel
+    _decode_kernel = torch.compile(decode_rows_attention, dynamic=True)
+
+
+def reset_decode_attention() -> None:
+    global _decode_kernel
+    _decode_kernel = decode_rows_attention
 
 
 def paged_attention(
@@ -100,13 +125,14 @@ def paged_attention(
     for group in meta.decode_groups:
         rows = slice(group.start, group.start + group.num_rows)
         q = query[0, :, rows].transpose(0, 1)  # [rows, heads, head_dim]
-        k = _gather(k_cache, group.block_tables, group.max_len)
-        v = _gather(v_cache, group.block_tables, group.max_len)
         if group.num_rows == 1:  # exactly what generate computes for a lone sequence
-            out, _ = sdpa_attention_forward(module, q.unsqueeze(2), k, v, group.mask, scaling=scaling)
+            k = _gather(k_cache, group.block_tables, group.max_len)
+            v = _gather(v_cache, group.block_tables, group.max_len)
+            out, _ = sdpa_attention_forward(module, q.unsqueeze(2), k, v, None, scaling=scaling)
             outputs.append(out.reshape(1, heads, head_dim))
         else:
-            outputs.append(_decode_rows_attention(q, k, v, group.mask, scaling or head_dim**-0.5))
+            scale = scaling or head_dim**-0.5
+            outputs.append(_decode_kernel(q.contiguous(), k_cache, v_cache, group.block_tables, group.lengths, group.max_len, scale))
     for span in meta.prefills:
         end = span.start + span.num_tokens
         q = query[:, :, span.start : end]

@@ -11,6 +11,7 @@ Both give bit-identical numbers to ``generate`` for a lone sequence.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,9 @@ import torch
 from common.config import parse_size
 from common.model_source import ModelSource, load_tokenizer
 from common.protocol import TokenLogprobs
+from worker import attention
 from worker.attention import ATTENTION_NAME, AttentionMetadata, DecodeGroup, PrefillSpan
+from worker.block_manager import blocks_for
 from worker.config import WorkerConfig
 from worker.guided import GuidedDecoding
 from worker.llama import LlamaForward, supports
@@ -80,6 +83,7 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.kv_caches = self._allocate_kv_cache(model_config, config.kv_cache_memory)
         self.num_blocks = self.kv_caches[0][0].shape[0]
+        self._maybe_compile(config.compile)
         self.guided = GuidedDecoding(lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(self.device, self.guided)
 
@@ -109,6 +113,30 @@ class ModelRunner:
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(layers)
         ]
+
+    def _maybe_compile(self, choice: str) -> None:
+        """Compile the decode attention and warm it up now, so no request waits for the compiler
+        (about 10 s cold, a few seconds once inductor's on-disk cache has it); fall back to eager
+        when compiling fails (no C++ compiler, say)."""
+        if choice not in ("auto", "on", "off"):
+            raise ValueError(f"--compile must be auto, on or off; got {choice!r}")
+        if choice == "off" or (choice == "auto" and self.device.type != "cpu"):
+            return
+        started = time.perf_counter()
+        try:
+            attention.compile_decode_attention()
+            k_cache, v_cache = self.kv_caches[0]
+            heads = self.model.config.get_text_config().num_attention_heads
+            for rows, length in ((2, 5), (3, 17)):  # two shapes: inductor then settles on dynamic ones
+                query = torch.zeros(rows, heads, k_cache.shape[-1], dtype=self.dtype, device=self.device)
+                tables = torch.zeros(rows, blocks_for(length, self.block_size), dtype=torch.long, device=self.device)
+                lengths = torch.full((rows,), length, dtype=torch.long, device=self.device)
+                attention._decode_kernel(query, k_cache, v_cache, tables, lengths, length, 1.0)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eagerly
+            attention.reset_decode_attention()
+            log.warning("torch.compile of the decode attention failed; running it eagerly: %s", exc)
+            return
+        log.info("decode attention compiled with inductor in %.1f s", time.perf_counter() - started)
 
     def _kv_budget_bytes(self, budget: str) -> int:
         on_gpu = self.device.type == "cuda"
@@ -210,12 +238,7 @@ class ModelRunner:
         lengths = [r.num_computed_tokens + 1 for r in rows]
         max_blocks = max(len(r.block_ids) for r in rows)
         tables = self._tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in rows])
-        max_len = max(lengths)
-        mask = None
-        if min(lengths) != max_len:
-            keep = torch.arange(max_len, device=self.device) < self._tensor(lengths).unsqueeze(1)
-            mask = keep[:, None, None, :]
-        return DecodeGroup(start, len(rows), tables, max_len, mask)
+        return DecodeGroup(start, len(rows), tables, self._tensor(lengths), max(lengths))
 
     def _prefill_span(self, request: Request, first: int, n: int) -> PrefillSpan:
         computed = request.num_computed_tokens
