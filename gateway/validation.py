@@ -7,6 +7,7 @@ import uuid
 
 import orjson
 
+from common.grammar import GrammarError, check_guide
 from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
 from gateway.errors import InvalidRequest
 from gateway.schemas import SamplingFields
@@ -74,6 +75,16 @@ def check_supported(req: SamplingFields) -> None:
         raise InvalidRequest("`suffix` is not supported by this server", param="suffix")
 
 
+def checked_guide(guide: Guide | None, param: str) -> Guide | None:
+    """The guide, once its grammar is known to compile (a 400 naming ``param`` if not)."""
+    if guide is not None:
+        try:
+            check_guide(guide)
+        except GrammarError as exc:
+            raise InvalidRequest(str(exc), param=param) from None
+    return guide
+
+
 def response_guide(response_format: dict | None) -> Guide | None:
     """``response_format`` as the grammar the worker enforces (None: free text)."""
     if response_format is None or response_format.get("type") == "text":
@@ -85,7 +96,7 @@ def response_guide(response_format: dict | None) -> Guide | None:
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise InvalidRequest("`response_format.json_schema.schema` must be a JSON Schema object", param="response_format")
-        return Guide(GuideKind.JSON_SCHEMA, orjson.dumps(spec["schema"]).decode())
+        return checked_guide(Guide(GuideKind.JSON_SCHEMA, orjson.dumps(spec["schema"]).decode()), "response_format")
     raise InvalidRequest(f"`response_format.type` must be text, json_object or json_schema; got {kind!r}", param="response_format")
 
 

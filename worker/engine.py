@@ -6,11 +6,11 @@ import logging
 import time
 from collections import deque
 
+from common.grammar import GrammarError
 from common.model_source import ModelSource
 from common.protocol import FinishReason, Heartbeat, NewRequest, RequestOutput, StepOutputs, TokenLogprobs
 from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
-from worker.guided import GrammarError
 from worker.model_runner import ModelRunner
 from worker.request import Request, RequestStatus
 from worker.scheduler import Scheduler

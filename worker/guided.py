@@ -15,20 +15,15 @@ triton (a 286 MB wheel).
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 import torch
 
-from common.protocol import Guide, GuideKind
+from common.grammar import GrammarError, grammar_text
 from worker.request import Request
 
 log = logging.getLogger(__name__)
-
-
-class GrammarError(ValueError):
-    """A grammar that does not compile; the request ends with this message."""
 
 
 class GuidedDecoding:
@@ -54,7 +49,7 @@ class GuidedDecoding:
         import llguidance
 
         assert request.guide is not None
-        matcher = llguidance.LLMatcher(self._tokenizer(), _grammar(request.guide), log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(request.guide), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
         generated = request.generated_token_ids
@@ -87,21 +82,6 @@ class GuidedDecoding:
             if matcher is not None and not matcher.consume_token(token):
                 log.warning("request %s: token %d rejected by its grammar: %s", request.request_id, token, matcher.get_error(),
                             extra={"request_id": request.request_id})
-
-
-def _grammar(guide: Guide) -> str:
-    import llguidance
-
-    # JSON in the usual compact-but-readable style; free whitespace lets small models loop on newlines
-    style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    try:
-        if guide.kind == GuideKind.JSON_OBJECT:
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=style)  # type: ignore[arg-type]
-        if guide.kind == GuideKind.JSON_SCHEMA:
-            return llguidance.LLMatcher.grammar_from_json_schema(json.loads(guide.spec), defaults=style)  # type: ignore[arg-type]
-    except (ValueError, TypeError) as exc:
-        raise GrammarError(f"the {guide.kind} grammar is invalid: {exc}") from None
-    raise GrammarError(f"unknown grammar kind {guide.kind!r}")
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

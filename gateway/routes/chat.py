@@ -14,7 +14,7 @@ from gateway.logprobs import chat_logprobs
 from gateway.routes.common import Chunks, check_model, respond, usage
 from gateway.schemas import ChatCompletionRequest, ChatMessage, decode_body
 from gateway.tools import ToolPlan, prepare_messages, template_variables, tool_plan
-from gateway.validation import check_supported, new_request, request_id, stop_strings
+from gateway.validation import check_supported, checked_guide, new_request, request_id, stop_strings
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -66,7 +66,7 @@ class ChatController(Controller):
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         rid = request_id(request.headers.get("x-request-id"))
-        guide = plan.guide()
+        guide = checked_guide(plan.guide(), "tools")
         news = [new_request(req, prompt_ids, requested, param, limits, rid, generator.vocab_size, choice, guide) for choice in range(req.n)]
         return await respond(request, generator, req, news, stops, "chatcmpl", partial(_chunks, plan=plan), partial(_body, plan=plan))
 

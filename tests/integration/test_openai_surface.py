@@ -197,10 +197,13 @@ def test_guided_requests_run_beside_free_ones(client):
 
 
 def test_bad_response_formats_are_400s(server):
-    for fmt, where in (({"type": "xml"}, "response_format"), ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format"),
-                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}, None)):
-        response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "response_format": fmt})
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    for fmt, stream in (({"type": "xml"}, False), ({"type": "json_schema", "json_schema": {"name": "x"}}, False), (bad_schema, False), (bad_schema, True)):
+        response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "response_format": fmt, "stream": stream})
         assert response.status_code == 400, fmt
         error = response.json()["error"]
-        assert error["type"] == "invalid_request_error" and error["param"] == where
+        assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}
+    response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "tools": [tool], "tool_choice": "required"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
     assert server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "max_tokens": 2}).status_code == 200
