@@ -9,6 +9,7 @@ import random
 import signal
 from collections.abc import Iterator
 
+import jsonschema
 import openai
 import pytest
 import zmq
@@ -40,11 +41,21 @@ def pool() -> Iterator[tuple[Server, dict]]:
         server.stop()
 
 
-def stream_text(client: openai.OpenAI, on_chunk=None) -> tuple[str, int]:  # noqa: ANN001
+WALK = {  # bounded, so the guided answer always finishes
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 60},
+                   "steps": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 3, "maxItems": 3}},
+    "required": ["title", "steps"], "additionalProperties": False,
+}
+GUIDED = {"response_format": {"type": "json_schema", "json_schema": {"name": "walk", "schema": WALK}}, "max_tokens": 200}
+FREE = {"max_tokens": 48, "extra_body": {"ignore_eos": True}}
+
+
+def stream_text(client: openai.OpenAI, on_chunk=None, kind: dict = FREE) -> tuple[str, int]:  # noqa: ANN001
     text, count, usage = [], 0, None
     for chunk in client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Describe a walk through an old forest."}],
-        max_tokens=48, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        temperature=0, stream=True, stream_options={"include_usage": True}, **kind,
     ):
         usage = chunk.usage or usage
         if chunk.choices and chunk.choices[0].delta.content:
@@ -55,10 +66,13 @@ def stream_text(client: openai.OpenAI, on_chunk=None) -> tuple[str, int]:  # noq
     return "".join(text), usage.completion_tokens
 
 
-def test_sigkilled_worker_mid_stream_the_stream_resumes_on_the_other_worker(pool):
+@pytest.mark.parametrize("kind", [FREE, GUIDED], ids=["free", "guided-json"])
+def test_sigkilled_worker_mid_stream_the_stream_resumes_on_the_other_worker(pool, kind):
+    """The resumed stream reads exactly like the uninterrupted one; a guided one's grammar picks up
+    where the dead worker left it (the new worker replays the tokens already generated)."""
     server, workers = pool
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-    reference, reference_tokens = stream_text(client)
+    reference, reference_tokens = stream_text(client, kind=kind)
     killed: list[str] = []
 
     def kill_serving_worker(count: int) -> None:
@@ -67,10 +81,14 @@ def test_sigkilled_worker_mid_stream_the_stream_resumes_on_the_other_worker(pool
             workers[busy].send_signal(signal.SIGKILL)
             killed.append(busy)
 
-    resumed, resumed_tokens = stream_text(client, kill_serving_worker)
+    resumed, resumed_tokens = stream_text(client, kill_serving_worker, kind)
     assert killed, "a worker should have been killed mid-stream"
     assert resumed == reference, "the resumed stream must read exactly like the uninterrupted one"
-    assert resumed_tokens == reference_tokens == 48
+    assert resumed_tokens == reference_tokens
+    if kind is FREE:
+        assert resumed_tokens == 48
+    else:
+        jsonschema.validate(json.loads(resumed), WALK)
     snapshot = server.get("/workers").json()
     assert snapshot["resumed"] == 1 and [w["name"] for w in snapshot["workers"]] != killed
     report(test="sigkill", served=2, disconnected=0, faults=1, lost=0)
