@@ -57,6 +57,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo + logprobs)
 
 
 class GuideKind:
@@ -159,6 +160,7 @@ class RequestOutput:
     error: str | None = None
     bad_request: bool = False  # the error is the request's own fault (e.g. a grammar that does not compile)
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token: prompt tokens 1..n-1
 
 
 @dataclass(slots=True)

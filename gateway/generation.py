@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from common.protocol import FinishReason, NewRequest, RequestOutput
+from common.protocol import FinishReason, NewRequest, RequestOutput, TokenLogprobs
 from gateway.admission import Admission, Slot
 from gateway.errors import GenerationFailed, RequestTimeout
 from gateway.logprobs import TokenLogprob, TokenTexts
@@ -39,6 +39,7 @@ class TextDelta:
     completion_tokens: int
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of this delta's tokens, when asked for
+    prompt_logprobs: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)  # echo: every prompt token's
 
 
 class Generator:
@@ -129,7 +130,11 @@ class Generator:
                         finish = FinishReason.STOP
                     clock.outcome = finish
                 logprobs = self._visible_logprobs(item, skip_special_tokens)
-                yield TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs)
+                delta = TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs)
+                if item.prompt_logprobs is not None:
+                    ids = request.prompt_token_ids
+                    delta.prompt_logprobs = [(ids[0], None), *zip(ids[1:], item.prompt_logprobs)]
+                yield delta
                 if finish is not None:
                     return
         finally:
@@ -153,12 +158,16 @@ class Generator:
         """Run to the end and return all the text at once."""
         parts: list[str] = []
         logprobs: list[TokenLogprob] = []
+        prompt_logprobs: list[tuple[int, TokenLogprobs | None]] = []
         last = TextDelta("", None, len(request.prompt_token_ids), 0)
         async for delta in self.stream(request, slot, stops, skip_special_tokens):
             parts.append(delta.text)
             logprobs.extend(delta.logprobs)
+            prompt_logprobs.extend(delta.prompt_logprobs)
             last = delta
-        return TextDelta("".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens, logprobs)
+        return TextDelta(
+            "".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens, logprobs, prompt_logprobs
+        )
 
 
 class _Clock:
@@ -214,6 +223,8 @@ def _merge_ready(item: RequestOutput | GenerationFailed, queue: asyncio.Queue) -
         following.new_token_ids = item.new_token_ids + following.new_token_ids
         if item.logprobs and following.logprobs:
             following.logprobs = item.logprobs + following.logprobs
+        if item.prompt_logprobs is not None:
+            following.prompt_logprobs = item.prompt_logprobs
         item = following
     return item
 

@@ -77,16 +77,17 @@ def chat_logprobs(texts: TokenTexts, tokens: list[TokenLogprob]) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(texts: TokenTexts, tokens: list[TokenLogprob], offset: int = 0) -> dict:
-    """``choices[].logprobs`` of a legacy completion; ``offset`` is where this text starts."""
+def completion_logprobs(texts: TokenTexts, tokens: list[tuple[int, TokenLogprobs | None]], offset: int = 0) -> dict:
+    """``choices[].logprobs`` of a legacy completion; ``offset`` is where this text starts. A token
+    without logprobs (an echoed prompt's first token) gets ``null``, as in OpenAI's answers."""
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, lp in tokens:
         text = texts.text(token_id)
         result["tokens"].append(text)
-        result["token_logprobs"].append(lp.logprob)
-        top: dict[str, float] = {}
-        for t, v in zip(lp.top_ids, lp.top_logprobs):
-            top.setdefault(texts.text(t), v)
+        result["token_logprobs"].append(None if lp is None else lp.logprob)
+        top: dict[str, float] | None = None if lp is None else {}
+        for t, v in zip(lp.top_ids, lp.top_logprobs) if lp is not None else ():
+            top.setdefault(texts.text(t), v)  # type: ignore[union-attr]
         result["top_logprobs"].append(top)
         result["text_offset"].append(offset)
         offset += len(text)

@@ -83,6 +83,8 @@ class RequestStream:
         sampling = original.sampling
         if sampling.seed is not None:  # a fresh generator there: derive its seed from the resume point
             sampling = replace(sampling, seed=(sampling.seed + len(self.generated)) % 2**63)
+        if self.generated:  # the prompt's logprobs came with the first token already
+            sampling = replace(sampling, prompt_logprobs=None)
         return replace(
             original,
             prompt_token_ids=original.prompt_token_ids + self.generated,

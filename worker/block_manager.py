@@ -61,9 +61,10 @@ class BlockManager:
     def match_prefix(self, request: Request) -> int:
         """Share the cached blocks of a new request's leading full blocks; returns tokens reused.
 
-        At least one token is always left to compute, so the step still produces logits.
+        At least one token is always left to compute, so the step still produces logits. A request
+        that wants its prompt's logprobs needs logits at every prompt position, so it reuses nothing.
         """
-        if not self.enable_prefix_caching or request.block_ids:
+        if not self.enable_prefix_caching or request.block_ids or request.sampling.prompt_logprobs is not None:
             return 0
         size = self.block_size
         parent: int | None = None

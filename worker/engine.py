@@ -102,6 +102,9 @@ class Engine:
         return StepOutputs(outputs, batch_size=len(batch), num_tokens=batch.total_tokens)
 
     def _output(self, request: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        prompt = None
+        if new_token_ids and request.sampling.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt, request.prompt_logprobs_sent = request.prompt_logprobs, True  # complete once a token is sampled
         return RequestOutput(
             request.request_id,
             new_token_ids,
@@ -111,6 +114,7 @@ class Engine:
             request.num_cached_tokens,
             error=request.error,
             logprobs=None if logprobs is None else [logprobs],
+            prompt_logprobs=prompt,
         )
 
     def _finish_output(self, request: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:

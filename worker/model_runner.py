@@ -27,7 +27,7 @@ from worker.guided import GuidedDecoding
 from worker.llama import LlamaForward, supports
 from worker.loader import load_model
 from worker.request import Request
-from worker.sampler import Sampler
+from worker.sampler import Sampler, prompt_logprobs
 from worker.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,9 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [1, num_tokens]
     positions: torch.Tensor  # [1, num_tokens]
-    logits_indices: torch.Tensor  # rows whose last token is sampled
+    logits_indices: torch.Tensor  # rows whose last token is sampled, then rows for prompt logprobs
     sampled_requests: list[Request]
+    prompt_spans: list[tuple[Request, int, int]]  # (request, first prompt position, count) needing prompt logprobs
     metadata: AttentionMetadata
 
 
@@ -173,11 +174,19 @@ class ModelRunner:
                 use_cache=False,
                 paged_metadata=inputs.metadata,
             ).logits[0]
+        self._record_prompt_logprobs(logits[len(inputs.sampled_requests) :], inputs.prompt_spans)
         if not inputs.sampled_requests:
             return {}, {}
-        tokens, logprobs = self.sampler(logits, inputs.sampled_requests)
+        tokens, logprobs = self.sampler(logits[: len(inputs.sampled_requests)], inputs.sampled_requests)
         ids = [r.request_id for r in inputs.sampled_requests]
         return dict(zip(ids, tokens)), {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> None:
+        row = 0
+        for request, first, count in spans:
+            targets = request.token_ids[first + 1 : first + 1 + count]
+            request.prompt_logprobs.extend(prompt_logprobs(logits[row : row + count], targets, request.sampling.prompt_logprobs or 0))
+            row += count
 
     def _prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Flatten the batch: single-token rows first (batched attention), then prompt chunks."""
@@ -189,6 +198,8 @@ class ModelRunner:
         slots: list[int] = []
         logits_indices: list[int] = []
         sampled: list[Request] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[Request, int, int]] = []
         prefills: list[PrefillSpan] = []
         bs = self.block_size
         for request, n in rows:
@@ -200,6 +211,11 @@ class ModelRunner:
             if start + n == request.num_tokens:
                 logits_indices.append(first + n - 1)
                 sampled.append(request)
+            if request.sampling.prompt_logprobs is not None:  # positions whose next prompt token needs a logprob
+                low, high = max(start, len(request.prompt_logprobs)), min(start + n, request.num_prompt_tokens - 1)
+                if low < high:
+                    prompt_rows.extend(range(first + low - start, first + high - start))
+                    prompt_spans.append((request, low, high - low))
             if n > 1:
                 prefills.append(self._prefill_span(request, first, n))
         decode_rows = [request for request, _ in rows[:num_decode]]
@@ -213,8 +229,9 @@ class ModelRunner:
         return StepInputs(
             input_ids=self._tensor(input_ids).unsqueeze(0),
             positions=self._tensor(positions).unsqueeze(0),
-            logits_indices=self._tensor(logits_indices),
+            logits_indices=self._tensor(logits_indices + prompt_rows),
             sampled_requests=sampled,
+            prompt_spans=prompt_spans,
             metadata=metadata,
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from common.protocol import FinishReason, Guide, NewRequest, SamplingParams
+from common.protocol import FinishReason, Guide, NewRequest, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(IntEnum):
@@ -53,6 +53,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
     error: str | None = None
     guide: Guide | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1.., as computed
+    prompt_logprobs_sent: bool = False
     output_start: int | None = None  # where generated tokens begin, when before num_prompt_tokens (resumed)
 
     @classmethod

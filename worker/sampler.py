@@ -94,6 +94,17 @@ def _logprobs(raw_logits: torch.Tensor, chosen: torch.Tensor, requests: list[Req
     return result
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Logprobs of known next tokens (``targets[i]`` follows the position of ``logits[i]``) and the
+    ``k`` most likely at each position: the prompt's own logprobs, from the raw distribution."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    picked = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    if k == 0:
+        return [TokenLogprobs(value) for value in picked]
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    return [TokenLogprobs(value, ids, values) for value, ids, values in zip(picked, top_ids.tolist(), top_values.tolist())]
+
+
 def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Penalties, logit bias and min_tokens, in place, for the rows that ask for them (most don't)."""
     vocab = logits.shape[-1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import partial
 
 from litestar import Controller, Request, Response, post
@@ -52,23 +53,33 @@ class CompletionsController(Controller):
         check_supported(req)
         stops = stop_strings(req)
         copies = _copies(req)
-        if req.echo and req.logprobs is not None:
-            raise InvalidRequest("`echo` together with `logprobs` (the prompt's logprobs) is not supported", param="echo")
         limits = generator.client.limits()
         prompts = await generator.run_in_pool(_prompt_ids, generator, req.prompt)
         rid = request_id(request.headers.get("x-request-id"))
         budget = req.max_tokens if req.max_tokens is not None else 16
+        if _prompt_only(req):  # score the prompt, generate nothing: the one token the worker makes is dropped
+            budget = 1
         news = [
             new_request(req, ids, budget, "max_tokens", limits, f"{rid}-p{p}" if len(prompts) > 1 else rid, generator.vocab_size, choice)
             for p, ids in enumerate(prompts)
             for choice in range(copies)
         ]
-        if copies > req.n:  # ranking by cumulative logprob needs the chosen tokens' logprobs
-            for new in news:
-                if new.sampling.logprobs is None:
-                    new.sampling.logprobs = 0
+        for new in news:
+            if copies > req.n and new.sampling.logprobs is None:  # ranking by cumulative logprob needs them
+                new.sampling.logprobs = 0
+            if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
+                new.sampling.prompt_logprobs = req.logprobs
         echoes = await generator.run_in_pool(_echo_texts, generator, req.prompt, prompts) if req.echo else None
         return await respond(request, generator, req, news, stops, "cmpl", partial(_chunks, echoes=echoes), partial(_body, echoes=echoes))
+
+
+def _prompt_only(req: CompletionRequest) -> bool:
+    """``max_tokens: 0`` with ``echo``: the prompt's logprobs alone (how lm-eval scores log-likelihoods)."""
+    if req.max_tokens != 0:
+        return False
+    if not req.echo or req.stream:
+        raise InvalidRequest("`max_tokens` 0 is only allowed with `echo` (and without streaming)", param="max_tokens")
+    return True
 
 
 def _copies(req: CompletionRequest) -> int:
@@ -104,6 +115,8 @@ def _body(generator: Generator, completion_id: str, results: list[TextDelta], re
     with_logprobs = req.logprobs_count() is not None
     copies = _copies(req)
     chosen = _best(results, copies, req.n)
+    if _prompt_only(req):
+        results = chosen = [replace(r, text="", logprobs=[], completion_tokens=0, finish_reason="length") for r in chosen]
     return {
         "id": completion_id,
         "object": "text_completion",
@@ -113,7 +126,7 @@ def _body(generator: Generator, completion_id: str, results: list[TextDelta], re
             {
                 "index": index,
                 "text": (echoes[index // req.n] if echoes else "") + result.text,
-                "logprobs": completion_logprobs(generator.token_texts, result.logprobs) if with_logprobs else None,
+                "logprobs": completion_logprobs(generator.token_texts, result.prompt_logprobs + result.logprobs) if with_logprobs else None,
                 "finish_reason": result.finish_reason,
             }
             for index, result in enumerate(chosen)
@@ -129,10 +142,20 @@ async def _chunks(
     make = Chunks(generator, completion_id, "text_completion", include_usage)
     with_logprobs = req.logprobs_count() is not None
     offsets = [0] * choices  # where each choice's next text starts, for text_offset
-    for index in range(choices if echoes else 0):
-        yield make({"index": index, "text": echoes[index // req.n], "logprobs": None, "finish_reason": None})  # type: ignore[index]
+
+    def echo(index: int, prompt_logprobs: list) -> dict:
+        text = echoes[index // req.n]  # type: ignore[index]
+        logprobs = completion_logprobs(generator.token_texts, prompt_logprobs) if with_logprobs else None
+        offsets[index] = len(text)
+        return make({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
+
+    # The echo goes first; with logprobs it waits for them (they come with the first token).
+    for index in range(choices if echoes and not with_logprobs else 0):
+        yield echo(index, [])
     async for index, delta in deltas:
         make.last[index] = delta
+        if echoes and with_logprobs and delta.prompt_logprobs:
+            yield echo(index, delta.prompt_logprobs)
         if delta.text or delta.finish_reason is not None or (with_logprobs and delta.logprobs):
             logprobs = completion_logprobs(generator.token_texts, delta.logprobs, offsets[index]) if with_logprobs else None
             offsets[index] += len(delta.text)

@@ -83,9 +83,33 @@ def test_echo_puts_the_prompt_before_the_completion(client, tokenizer):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, echo=True, stream=True))
     assert streamed == echoed.choices[0].text
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="The sky is", max_tokens=2, echo=True, logprobs=1)
-    assert info.value.body["param"] == "echo"
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(client, tokenizer, server):
+    """lm-eval's log-likelihood requests: echo, logprobs and max_tokens 0 give each prompt token's logprob."""
+    prompt = "The capital of France is Paris"
+    ids = tokenizer.encode(prompt)
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert choice.text == prompt and scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    # " Paris" after "The capital of France is" is likely; " Rome" is not
+    other = client.completions.create(model=MODEL, prompt="The capital of France is Rome", max_tokens=0, echo=True, logprobs=0)
+    assert lp.token_logprobs[-1] > other.choices[0].logprobs.token_logprobs[-1]
+    # with generation, streamed: the echo chunk carries the prompt's logprobs, then the new tokens follow
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1,
+                                                                temperature=0, stream=True)]
+    assert chunks[0].text == prompt and chunks[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=0.15)
+    generated = [t for c in chunks[1:] if c.logprobs for t in c.logprobs.tokens]
+    assert len(generated) == 3 and "".join(c.text for c in chunks) == prompt + "".join(generated)
+    assert chunks[1].logprobs.text_offset[0] == len(prompt)
+    for body in ({"max_tokens": 0}, {"max_tokens": 0, "echo": True, "stream": True}):
+        response = server.post("/v1/completions", json={"model": MODEL, "prompt": prompt, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
 
 
 def test_best_of_returns_the_most_likely_of_its_candidates(client, server):

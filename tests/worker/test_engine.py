@@ -77,3 +77,25 @@ def test_a_prefix_cache_hit_gives_the_same_answer_as_a_cold_run():
     warm = [t for o in outputs for t in o.new_token_ids]
     assert warm == cold
     assert outputs[0].num_cached_tokens == 48 and engine.blocks.hit_tokens == 48
+
+
+@pytest.mark.parametrize("budget", [512, 7], ids=["whole-prompt", "chunked-prefill"])
+def test_prompt_logprobs_match_a_full_forward(budget):
+    """echo + logprobs: every prompt token after the first gets its logprob (and the top k), the
+    same whether the prompt is computed at once or in chunks, and a warm prefix cache is bypassed."""
+    source = resolve_model("SmolLM2-135M-Instruct")
+    engine = Engine(source, WorkerConfig(dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=budget))
+    prompt = PROMPTS[1]
+    engine.add_request(NewRequest("warm", prompt, 2, SamplingParams(temperature=0)))  # fills the prefix cache
+    engine.add_request(NewRequest("p", prompt, 2, SamplingParams(temperature=0, prompt_logprobs=2)))
+    sent = []
+    while engine.has_work():
+        sent += [o.prompt_logprobs for o in engine.step().outputs if o.request_id == "p" and o.prompt_logprobs is not None]
+    (entries,) = sent  # once, with the first token
+    model = load_model(source, torch.float32, CACHE_DIR.env_default()).eval()
+    with torch.inference_mode():
+        reference = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert len(entries) == len(prompt) - 1
+    for position, entry in enumerate(entries):
+        assert abs(entry.logprob - reference[position, prompt[position + 1]].item()) < 1e-3
+        assert entry.top_ids == reference[position].topk(2).indices.tolist()
