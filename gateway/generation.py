@@ -104,6 +104,7 @@ class Generator:
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         stream = self.client.submit(request)
         clock = _Clock(self.metrics, request.request_id)
+        sent = covered = 0  # characters of text sent, and of the tokens whose logprobs were sent
         try:
             while True:
                 try:
@@ -130,6 +131,9 @@ class Generator:
                         finish = FinishReason.STOP
                     clock.outcome = finish
                 logprobs = self._visible_logprobs(item, skip_special_tokens)
+                if logprobs:  # entries past a stop string go with the cut text
+                    logprobs, covered = self._within(logprobs, covered, sent + len(text) if stopped else None)
+                sent += len(text)
                 delta = TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs)
                 if item.prompt_logprobs is not None:
                     ids = request.prompt_token_ids
@@ -141,6 +145,17 @@ class Generator:
             clock.done()
             if not stream.finished:
                 self.client.abort(request.request_id)
+
+    def _within(self, logprobs: list[TokenLogprob], covered: int, limit: int | None) -> tuple[list[TokenLogprob], int]:
+        """The entries whose tokens start before ``limit`` characters (all when None), and the
+        characters covered after them."""
+        kept = []
+        for token_id, lp in logprobs:
+            if limit is not None and covered >= limit:
+                break
+            kept.append((token_id, lp))
+            covered += len(self.token_texts.text(token_id))
+        return kept, covered
 
     def _visible_logprobs(self, item: RequestOutput, skip_special_tokens: bool) -> list[TokenLogprob]:
         """Logprobs of the tokens that make text: a skipped special token (the end-of-sequence one)

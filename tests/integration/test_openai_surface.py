@@ -231,3 +231,10 @@ def test_bad_response_formats_are_400s(server):
     response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "tools": [tool], "tool_choice": "required"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
     assert server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "max_tokens": 2}).status_code == 200
+
+
+def test_logprobs_stop_where_a_stop_string_cuts_the_text(client):
+    choice = client.chat.completions.create(model=MODEL, messages=ask("Name three colours."), max_tokens=20, temperature=0,
+                                            stop=[" "], logprobs=True).choices[0]  # the first word, then a token starting with " "
+    assert choice.finish_reason == "stop" and choice.message.content and " " not in choice.message.content
+    assert b"".join(bytes(t.bytes) for t in choice.logprobs.content).decode() == choice.message.content
