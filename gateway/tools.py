@@ -197,7 +197,7 @@ class ToolOutputParser:
             return ("" if self.calls else text), [c.as_dict(i) for i, c in enumerate(self.calls)]
         if not self._in_calls:
             return self._opener.flush(), []
-        self.calls = _hermes_calls(text)
+        self.calls = _hermes_calls(text)[: None if self.plan.parallel else 1]
         if not self.calls:  # not a well-formed call after all: it was text
             return text[text.index(TOOL_CALL_OPEN):], []
         return "", [c.as_dict(i) for i, c in enumerate(self.calls)]

@@ -74,3 +74,9 @@ def test_tools_go_into_the_system_message_of_a_template_without_tools():
     assert messages[2]["content"] == '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
     assert prepare_messages(history, plan, "{% for t in tools %}{% endfor %}") == history  # the template does it itself
     assert tool_plan([WEATHER], "none", None).parser() is None
+
+
+def test_auto_keeps_one_call_unless_parallel_calls_are_allowed():
+    two = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    assert len(run(tool_plan([WEATHER, TIME], "auto", None).parser(), [two])[1]) == 2
+    assert len(run(tool_plan([WEATHER, TIME], "auto", False).parser(), [two])[1]) == 1
