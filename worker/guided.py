@@ -62,6 +62,8 @@ class GuidedDecoding:
 
     def mask(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Logits with every token the grammar forbids at -inf, for the guided rows only."""
+        if not self._matchers:
+            return logits
         rows = [(i, m) for i, r in enumerate(requests) if (m := self._matchers.get(r.request_id)) is not None and not m.is_error()]
         if not rows:
             return logits
@@ -77,6 +79,8 @@ class GuidedDecoding:
 
     def accept(self, requests: list[Request], tokens: list[int]) -> None:
         """Advance each guided request's matcher by its sampled token."""
+        if not self._matchers:
+            return
         for request, token in zip(requests, tokens):
             matcher = self._matchers.get(request.request_id)
             if matcher is not None and not matcher.consume_token(token):

@@ -110,6 +110,8 @@ def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     vocab = logits.shape[-1]
     for row, request in enumerate(requests):
         p = request.sampling
+        if not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias or p.min_tokens):
+            continue  # the common case: nothing to do, not even a copy of the generated tokens
         output = request.generated_token_ids
         if output and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab)[:vocab].float()
