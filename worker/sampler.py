@@ -135,7 +135,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     if not (use_k or use_p):
         return logits
     vocab = logits.shape[-1]
-    ascending, order = logits.sort(dim=-1)
+    # A stable descending sort, flipped: among tied logits the lowest id ends up last, i.e. kept by
+    # a tiny top_p, which is the token argmax (greedy) picks; bf16 logits tie at the top often.
+    descending, order = logits.sort(dim=-1, descending=True, stable=True)
+    ascending, order = descending.flip(-1), order.flip(-1)
     if use_k:
         k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
         kth_largest = ascending.gather(1, (vocab - k).unsqueeze(1))

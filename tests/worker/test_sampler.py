@@ -37,6 +37,15 @@ def test_top_k_1_and_tiny_top_p_are_greedy_even_when_hot():
         assert sampler(x, reqs(list("abcd"), params)) == x.argmax(-1).tolist()
 
 
+def test_tiny_top_p_breaks_a_tie_at_the_top_as_argmax_does():
+    # bf16 logits often tie at the top; the nucleus must keep the token greedy would pick (the lowest id).
+    x = torch.zeros(1, 300, dtype=torch.bfloat16)
+    x[0, [41, 7, 250, 123]] = 3.0
+    sampler = TokensOnly(torch.device("cpu"))
+    picks = {sampler(x, reqs(["a"], [SamplingParams(temperature=1.0, top_p=1e-6)]))[0] for _ in range(20)}
+    assert picks == {x[0].float().argmax().item()} == {7}
+
+
 def test_rows_mix_greedy_and_sampled():
     x = logits(rows=2)
     sampler = TokensOnly(torch.device("cpu"))
