@@ -94,13 +94,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             pass
 
     watcher = asyncio.ensure_future(hang_up())
+    gone = False
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
-    if task.cancelled():
+            gone = True
+            task.cancel()  # only a request: wait until it took effect, and retrieve its outcome
+            await asyncio.gather(task, return_exceptions=True)
+    if gone:
         raise ClientGone("the client closed the connection; the request was aborted")
     return task.result()
 
