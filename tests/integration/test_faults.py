@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import socket
 from collections.abc import Iterator
 
 import jsonschema
@@ -251,3 +252,29 @@ def decode_chunked(body: bytes) -> bytes:
             break
         out, body = out + rest[:size], rest[size + 2:]
     return out
+
+
+def _metric(server: Server, line_start: str) -> float:
+    lines = [line for line in server.get("/metrics").text.splitlines() if line.startswith(line_start)]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
+def test_a_client_hanging_up_on_a_plain_request_is_a_499_not_a_500(server):
+    """The generation is aborted and counted as the client's leaving: no InvalidStateError, no
+    unretrieved exception in the log, no 500 in the metrics."""
+    path = '/v1/chat/completions",status='
+    log = ARTIFACTS / "serve-session.log"
+    log_start = log.stat().st_size
+    before = {s: _metric(server, f'llmpool_http_requests_total{{path="{path}"{s}"}}') for s in ("499", "500")}
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400,
+                       "ignore_eos": True}).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(head.encode() + body)
+        wait_until(lambda: any(w["inflight"] for w in server.workers()), 10, "the generation to start")
+    key = f'llmpool_http_requests_total{{path="{path}"499"}}'
+    wait_until(lambda: _metric(server, key) == before["499"] + 1, 10, "the hang-up to be counted as a 499")
+    wait_until(lambda: not any(w["inflight"] for w in server.workers()), 10, "the generation to be aborted")
+    assert _metric(server, f'llmpool_http_requests_total{{path="{path}"500"}}') == before["500"]
+    logged = log.read_bytes()[log_start:].decode(errors="replace")
+    assert "InvalidStateError" not in logged and "never retrieved" not in logged
