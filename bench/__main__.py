@@ -1,14 +1,23 @@
-"""``python -m bench``: output tokens/s, TTFT, inter-token and end-to-end latency of the streaming
-chat API at several concurrency levels; ``--baseline`` adds transformers' ``generate`` (one request
-at a time, same prompts, same run) and prints the ratios. Results go to ``--out`` as JSON.
+"""``python -m bench``: the streaming chat API under a workload at several concurrency levels,
+reported with ``vllm bench serve``'s metrics (request, output and total token throughput; TTFT,
+TPOT, ITL and E2EL mean, median and p99).
 
-``--gateway-overhead`` measures the gateway alone: the real gateway with a worker that has no
-model (bench/fake_worker.py), so tokens/s is what the HTTP side can carry and the single-stream
-inter-token latency is what the gateway adds per token.
+Workloads (bench/workloads.py): ``chat`` (short chat prompts, 128 tokens out), ``random`` (unique
+prompts of ``--input-len`` tokens, ``--output-len`` out: vLLM's default shape) and ``long-context``
+(one stream at a ``--input-len`` context). Every request sets ``ignore_eos``, so every server
+generates exactly ``--output-len`` tokens.
+
+``--peer [LABEL=]URL`` (repeatable) runs the same prompts against another OpenAI-compatible server
+in the same run, level by level right after ours, and prints the ratios; ``--start-llama-server
+PATH`` starts llama.cpp's llama-server on the same GGUF as that peer (bench/build_llama_server.sh
+builds it). ``--baseline`` adds transformers' ``generate`` (one request at a time). Results go to
+``--out``. ``--gateway-overhead`` measures the gateway alone, with a worker that has no model
+(bench/fake_worker.py): tokens/s is what the HTTP side can carry.
 
 Examples:
-    python -m bench                                   # start `llmpool serve`, levels 1 8 32 64
-    python -m bench --concurrency 1,16 --baseline
+    python -m bench                                   # chat, levels 1 8 32 64
+    python -m bench --workload random --input-len 1024 --output-len 128 --start-llama-server .llama.cpp/build/bin/llama-server
+    python -m bench --workload long-context --input-len 4096 --peer llama.cpp=http://127.0.0.1:8081
     python -m bench --url http://127.0.0.1:8000       # an already running server
     python -m bench --gateway-overhead                # levels 1 and 256 against a model-less worker
 """
@@ -20,11 +29,7 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -34,106 +39,267 @@ try:
 except ImportError:  # the plain event loop works too, with a slower client
     uvloop = None
 
+from bench import servers, workloads
 from bench.load import run_level
 from bench.plot import plot
-from bench.prompts import PROMPTS
+from bench.report import ratios, table
 from bench.stats import summarize
 
-COLUMNS = ["concurrency", "requests", "errors", "tokens_per_s", "per_stream_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "e2e_p50_s"]
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(workers: int, extra: list[str], fake_worker: bool, fake_step_ms: float = 0.0) -> tuple[list[subprocess.Popen], str]:
-    """`llmpool serve`, or (fake_worker) the gateway plus the model-less worker."""
-    port, zmq_port = _free_port(), _free_port()
-    zmq = f"tcp://127.0.0.1:{zmq_port}"
-    if fake_worker:
-        commands = [[sys.executable, "-m", "gateway", "--port", str(port), "--zmq-bind", zmq, *extra],
-                    [sys.executable, "-m", "bench.fake_worker", "--gateway-address", zmq, "--step-ms", str(fake_step_ms)]]
-    else:
-        commands = [[sys.executable, "-m", "launcher", "serve", "--workers", str(workers), "--port", str(port), "--zmq-bind", zmq, *extra]]
-    processes = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in commands]
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if len(httpx.get(url + "/workers", timeout=2).json()["workers"]) == (1 if fake_worker else workers):
-                return processes, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    for process in processes:
-        process.kill()
-    raise SystemExit("the server did not become ready")
-
-
-def print_table(title: str, rows: list[dict]) -> None:
-    print(f"\n{title}")
-    print("  ".join(f"{c:>12}" for c in COLUMNS))
-    for row in rows:
-        print("  ".join(f"{row[c]!s:>12}" for c in COLUMNS))
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--workload", choices=workloads.WORKLOADS, default="chat")
+    add(
+        "--input-len",
+        type=int,
+        help="random / long-context: prompt tokens, chat template included (1024 / 4096)",
+    )
+    add(
+        "--output-len",
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="tokens generated per request",
+    )
+    add(
+        "--concurrency",
+        help="comma-separated levels (chat 1,8,32,64; random 1,8,32; long-context 1; gateway 1,256)",
+    )
+    add(
+        "--num-prompts",
+        type=int,
+        help="requests per level (default max(4, 2 x concurrency))",
+    )
+    add("--seed", type=int, default=0, help="random prompts' seed")
+    add("--url", help="benchmark this running server instead of starting one")
+    add("--label", default="llmpool", help="our server's name in the table")
+    add(
+        "--peer",
+        action="append",
+        default=[],
+        help="[LABEL=]URL of another OpenAI-compatible server (repeatable)",
+    )
+    add(
+        "--start-llama-server",
+        metavar="PATH",
+        help="start this llama-server binary on the model's GGUF as a peer",
+    )
+    add(
+        "--llama-server-arg",
+        action="append",
+        default=[],
+        help="extra flag for llama-server (repeatable)",
+    )
+    add("--peer-threads", type=int, default=2, help="llama-server's -t")
+    add("--model", default="SmolLM2-135M-Instruct")
+    add(
+        "--gateway-overhead",
+        action="store_true",
+        help="the gateway alone, with a worker that has no model",
+    )
+    add(
+        "--fake-step-ms",
+        type=float,
+        default=0.0,
+        help="with --gateway-overhead: the model-less worker's step time",
+    )
+    add("--workers", type=int, default=1, help="workers of the server this starts")
+    add(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra flag for `llmpool serve` (repeatable)",
+    )
+    add(
+        "--baseline",
+        action="store_true",
+        help="also run transformers' generate, one request at a time",
+    )
+    add(
+        "--out",
+        default="bench-results",
+        help="folder for results-MODE.json and bench-MODE.png",
+    )
+    return parser.parse_args()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="benchmark this running server instead of starting one")
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,8,32,64; 1,256 with --gateway-overhead)")
-    parser.add_argument("--gateway-overhead", action="store_true", help="the gateway alone, with a worker that has no model")
-    parser.add_argument("--fake-step-ms", type=float, default=0.0, help="with --gateway-overhead: the model-less worker's step time")
-    parser.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--workers", type=int, default=1, help="workers of the server this starts")
-    parser.add_argument("--server-arg", action="append", default=[], help="extra flag for `llmpool serve` (repeatable)")
-    parser.add_argument("--baseline", action="store_true", help="also run transformers' generate, one request at a time")
-    parser.add_argument("--out", default="bench-results", help="folder for results.json")
-    args = parser.parse_args()
-    levels = [int(c) for c in (args.concurrency or ("1,256" if args.gateway_overhead else "1,8,32,64")).split(",")]
+    args = parse_args()
+    mode = "gateway-overhead" if args.gateway_overhead else args.workload
+    levels = (
+        [int(c) for c in args.concurrency.split(",")]
+        if args.concurrency
+        else list(workloads.DEFAULT_LEVELS[mode])
+    )
+    tokenizer = None
+    if args.workload != "chat":
+        from common.config import CACHE_DIR
+        from common.model_source import load_tokenizer, resolve_model
 
-    results: dict = {"mode": "gateway-overhead" if args.gateway_overhead else "model", "fake_step_ms": args.fake_step_ms, "model": args.model, "max_tokens": args.max_tokens, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+        tokenizer = load_tokenizer(resolve_model(args.model), CACHE_DIR.env_default())
+    work = workloads.build(
+        args.workload,
+        levels,
+        args.num_prompts,
+        args.output_len,
+        args.input_len,
+        tokenizer,
+        args.seed,
+    )
+    out = Path(args.out)
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform()}
+    results: dict = {
+        "mode": mode,
+        "workload": args.workload,
+        "input_len": work.input_len,
+    }
+    results |= {
+        "output_len": work.output_len,
+        "fake_step_ms": args.fake_step_ms,
+        "model": args.model,
+    }
+    results["machine"] = machine
     if args.baseline:
         from bench.baseline import run_baseline
 
-        timings, wall = run_baseline(args.model, PROMPTS, max(4, args.rounds * 2), args.max_tokens)
+        prompts = work.levels[levels[0]][
+            : workloads.requests_per_level(1, args.num_prompts)
+        ]
+        timings, wall = run_baseline(args.model, prompts, len(prompts), work.output_len)
         results["baseline"] = summarize(1, timings, wall)
-        print_table("baseline: transformers generate, one request at a time", [results["baseline"]])
+        print(table({"transformers generate": [results["baseline"]]}, {}), flush=True)
 
     processes: list[subprocess.Popen] = []
-    url = args.url
-    if url is None:
-        processes, url = start_server(args.workers, [a for extra in args.server_arg for a in extra.split()], args.gateway_overhead, args.fake_step_ms)
+    peers = [servers.parse_peer(p) for p in args.peer]
     try:
-        run = uvloop.run if uvloop is not None else asyncio.run
-        run(run_level(url, args.model, PROMPTS, 2, 2, 8))  # warm-up
-        rows = []
-        for level in levels:
-            timings, wall = run(run_level(url, args.model, PROMPTS, level, level * args.rounds, args.max_tokens))
-            rows.append(summarize(level, timings, wall))
-            print(f"concurrency {level}: {rows[-1]['tokens_per_s']} tokens/s", flush=True)
-        results["levels"] = rows
-        results["workers"] = httpx.get(url + "/workers", timeout=5).json()["workers"]
+        url = args.url.rstrip("/") if args.url else None
+        if url is None:
+            extra = [a for flags in args.server_arg for a in flags.split()]
+            processes, url = servers.start_llmpool(
+                args.workers, extra, args.gateway_overhead, args.fake_step_ms
+            )
+        measured = [servers.Server(args.label, url), *peers]
+        if args.start_llama_server:
+            process, peer_url = start_llama_server(args, work, max(levels), out)
+            processes.append(process)
+            measured.append(servers.Server("llama.cpp", peer_url))
+        results["servers"] = run_all(measured, args.model, work, levels)
     finally:
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            process.wait(timeout=30)
-    title = "gateway alone (model-less worker)" if args.gateway_overhead else "llmpool"
-    print_table(f"{title} via HTTP streaming ({args.max_tokens} tokens per request)", rows)
-    if args.baseline:
-        base = results["baseline"]["tokens_per_s"]
-        results["ratios_vs_baseline"] = {r["concurrency"]: round(r["tokens_per_s"] / base, 2) for r in rows}
-        print("\ntokens/s vs baseline: " + ", ".join(f"{c}: {x}x" for c, x in results["ratios_vs_baseline"].items()))
-    out = Path(args.out)
+        servers.stop(processes)
+    report(results, args.baseline, out)
+
+
+def start_llama_server(
+    args: argparse.Namespace, work: workloads.Workload, slots: int, out: Path
+) -> tuple[subprocess.Popen, str]:
+    """llama-server on the model's own GGUF, with room for every stream's prompt and output."""
+    from common.model_source import resolve_model
+
+    source = resolve_model(args.model)
+    if source.gguf_file is None:
+        raise SystemExit("--start-llama-server needs a GGUF model")
+    context = slots * ((work.input_len or 256) + work.output_len)
+    gguf = Path(source.path) / source.gguf_file
+    command = servers.llama_server_command(
+        args.start_llama_server,
+        gguf,
+        servers.free_port(),
+        slots,
+        context,
+        args.peer_threads,
+        args.llama_server_arg,
+    )
+    print("starting " + " ".join(command), flush=True)
+    return servers.start_llama_server(command, out / "llama-server.log")
+
+
+def run_all(
+    measured: list[servers.Server],
+    model: str,
+    work: workloads.Workload,
+    levels: list[int],
+) -> dict[str, dict]:
+    """Every level on every server, ours first then each peer, so they see the same machine state."""
+    run = uvloop.run if uvloop is not None else asyncio.run
+    found: dict[str, dict] = {}
+    for server in measured:
+        run(run_level(server.url, model, work.warmup, 2, 2, 8))
+        found[server.label] = {"url": server.url, "levels": []} | servers.describe(
+            server.url
+        )
+    for level in levels:
+        prompts = work.levels[level]
+        for server in measured:
+            timings, wall = run(
+                run_level(
+                    server.url, model, prompts, level, len(prompts), work.output_len
+                )
+            )
+            row = summarize(level, timings, wall)
+            found[server.label]["levels"].append(row)
+            print(
+                f"concurrency {level}, {server.label}: {row['output_throughput']} output tok/s, "
+                f"TPOT median {row['median_tpot_ms']} ms, TTFT median {row['median_ttft_ms']} ms, "
+                f"{row['errors']} errors {row['first_error'] or ''}",
+                flush=True,
+            )
+            per_request = row["total_input_tokens"] / max(1, row["completed"])
+            if (
+                work.input_len
+                and row["completed"]
+                and abs(per_request - work.input_len) > 0.01 * work.input_len
+            ):
+                print(
+                    f"  note: {server.label} counted {per_request:.0f} prompt tokens per request, not {work.input_len}"
+                )
+    try:
+        workers = httpx.get(measured[0].url + "/workers", timeout=5).json()["workers"]
+        found[measured[0].label]["workers"] = workers
+    except (httpx.HTTPError, ValueError, KeyError):
+        pass
+    return found
+
+
+def report(results: dict, baseline: bool, out: Path) -> None:
+    """Print the table (with ratios to each peer and to the baseline); write the JSON and the plot."""
+    measured = results["servers"]
+    ours, *peers = measured
+    results["ratios"] = {
+        label: ratios(measured[ours]["levels"], measured[label]["levels"])
+        for label in peers
+    }
+    shape = f"{results['input_len']} tokens in, " if results["input_len"] else ""
+    print(
+        f"\n{results['mode']}: {shape}{results['output_len']} tokens out per request, streamed chat completions\n"
+    )
+    print(
+        table(
+            {label: server["levels"] for label, server in measured.items()},
+            results["ratios"],
+        )
+    )
+    if baseline:
+        base = results["baseline"]["output_throughput"]
+        results["ratios_vs_baseline"] = {
+            r["concurrency"]: round(r["output_throughput"] / base, 2)
+            for r in measured[ours]["levels"]
+        }
+        print(
+            "\noutput tok/s vs baseline: "
+            + ", ".join(f"{c}: {x}x" for c, x in results["ratios_vs_baseline"].items())
+        )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out / 'results.json'}")
-    if plot(results, out / "bench.png"):
-        print(f"wrote {out / 'bench.png'}")
+    path = out / f"results-{results['mode']}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {path}")
+    picture = out / f"bench-{results['mode']}.png"
+    if plot(results, picture):
+        print(f"wrote {picture}")
 
 
 if __name__ == "__main__":

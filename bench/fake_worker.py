@@ -28,14 +28,24 @@ class FakeEngine:
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
-        self.running: dict[str, list[int]] = {}  # id -> [prompt tokens, tokens left, produced]
+        self.running: dict[
+            str, list[int]
+        ] = {}  # id -> [prompt tokens, tokens left, produced]
         self.steps = 0
 
     def add_request(self, new: NewRequest) -> None:
-        self.running[new.request_id] = [len(new.prompt_token_ids), new.max_new_tokens, 0]
+        self.running[new.request_id] = [
+            len(new.prompt_token_ids),
+            new.max_new_tokens,
+            0,
+        ]
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        return [RequestOutput(i, [], "abort") for i in request_ids if self.running.pop(i, None)]
+        return [
+            RequestOutput(i, [], "abort")
+            for i in request_ids
+            if self.running.pop(i, None)
+        ]
 
     def has_work(self) -> bool:
         return bool(self.running)
@@ -49,7 +59,15 @@ class FakeEngine:
             state[1] -= 1
             state[2] += 1
             done = state[1] == 0
-            outputs.append(RequestOutput(request_id, [WORDS[state[2] % len(WORDS)]], "length" if done else None, state[0], state[2]))
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    [WORDS[state[2] % len(WORDS)]],
+                    "length" if done else None,
+                    state[0],
+                    state[2],
+                )
+            )
             if done:
                 del self.running[request_id]
         return StepOutputs(outputs, batch_size=len(outputs), num_tokens=len(outputs))
@@ -64,13 +82,26 @@ class FakeEngine:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.fake_worker", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fake_worker", description=__doc__
+    )
     parser.add_argument("--gateway-address", default="tcp://127.0.0.1:5555")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="the name to register under")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="the name to register under"
+    )
     parser.add_argument("--step-ms", type=float, default=0.0)
     args = parser.parse_args()
     setup_logging("fake-worker")
-    proc = WorkerProc(FakeEngine(args.step_ms / 1000), args.gateway_address, "fake-worker", args.model, "none", "none", 1.0, 5)
+    proc = WorkerProc(
+        FakeEngine(args.step_ms / 1000),
+        args.gateway_address,
+        "fake-worker",
+        args.model,
+        "none",
+        "none",
+        1.0,
+        5,
+    )
     proc.install_signal_handlers()
     proc.run()
 

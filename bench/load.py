@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -16,7 +17,8 @@ class RequestTiming:
     first_token: float | None = None
     chunk_times: list[float] = field(default_factory=list)
     end: float = 0.0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # from the usage chunk, else the content chunks
+    prompt_tokens: int = 0  # from the usage chunk (0 when the server sends none)
     error: str | None = None
 
     @property
@@ -30,9 +32,13 @@ class RequestTiming:
         if len(times) < 2 or self.completion_tokens < 2:
             return []
         per_token = (times[-1] - times[0]) / (self.completion_tokens - 1)
-        gaps = [b - a for a, b in zip(times, times[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
         # A chunk holding several tokens (a character split over tokens) counts as several equal gaps.
-        return gaps if len(gaps) == self.completion_tokens - 1 else [per_token] * (self.completion_tokens - 1)
+        return (
+            gaps
+            if len(gaps) == self.completion_tokens - 1
+            else [per_token] * (self.completion_tokens - 1)
+        )
 
 
 async def _read_chunked(reader: asyncio.StreamReader):
@@ -57,7 +63,8 @@ async def one_request(host: str, port: int, body: bytes) -> RequestTiming:
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body)
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+            % (host.encode(), len(body), body)
         )
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
@@ -69,14 +76,25 @@ async def one_request(host: str, port: int, body: bytes) -> RequestTiming:
             pending += data
             *events, pending = pending.split(b"\n\n")
             for event in events:
-                if b'"delta":{"content":"' in event:
+                if (
+                    b'"delta":{"content":"' in event
+                    and b'"delta":{"content":""' not in event
+                ):
                     now = time.perf_counter()
                     timing.first_token = timing.first_token or now
                     timing.chunk_times.append(now)
                 elif event.startswith(b'data: {"error"'):
                     timing.error = orjson.loads(event[6:])["error"]["message"]
                 elif b'"usage":{' in event:
-                    timing.completion_tokens = orjson.loads(event[6:])["usage"]["completion_tokens"]
+                    usage = orjson.loads(event[6:])["usage"]
+                    timing.completion_tokens, timing.prompt_tokens = (
+                        usage["completion_tokens"],
+                        usage["prompt_tokens"],
+                    )
+        if (
+            not timing.completion_tokens
+        ):  # a server that reports no usage: one token per chunk
+            timing.completion_tokens = len(timing.chunk_times)
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -87,18 +105,27 @@ async def one_request(host: str, port: int, body: bytes) -> RequestTiming:
 
 
 def request_body(model: str, prompt: str, max_tokens: int) -> bytes:
-    return orjson.dumps({
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,  # fixed output length: every server generates the same amount
-        "temperature": 0.8,
-    })
+    return orjson.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,  # fixed output length: every server generates the same amount
+            "temperature": 0.8,
+        }
+    )
 
 
-async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int) -> tuple[list[RequestTiming], float]:
+async def run_level(
+    base_url: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+) -> tuple[list[RequestTiming], float]:
     """``requests`` requests, at most ``concurrency`` at a time; returns timings and wall time."""
     url = urlsplit(base_url)
     bodies = [request_body(model, p, max_tokens) for p in prompts]
@@ -110,7 +137,9 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
     async def client_loop() -> None:
         while not queue.empty():
             i = queue.get_nowait()
-            timings.append(await one_request(url.hostname, url.port or 80, bodies[i % len(bodies)]))
+            timings.append(
+                await one_request(url.hostname, url.port or 80, bodies[i % len(bodies)])
+            )
 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))

@@ -1,4 +1,5 @@
-"""Throughput and latency against concurrency, as a PNG (needs matplotlib: pip install -e '.[bench]')."""
+"""Throughput and latency against concurrency for every server in a run, as a PNG (needs
+matplotlib: pip install -e '.[bench]')."""
 
 from __future__ import annotations
 
@@ -14,23 +15,61 @@ def plot(results: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = results["levels"]
-    levels = [r["concurrency"] for r in rows]
+    # Levels where nothing completed have no figures to draw.
+    servers = {
+        label: [r for r in server["levels"] if r["completed"]]
+        for label, server in results["servers"].items()
+    }
+    levels = sorted({r["concurrency"] for rows in servers.values() for r in rows})
+    if not levels:
+        return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    left.plot(levels, [r["tokens_per_s"] for r in rows], "o-", label="llmpool (HTTP, streaming)")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for color, (label, rows) in zip(colors, servers.items()):
+        x = [r["concurrency"] for r in rows]
+        left.plot(
+            x, [r["output_throughput"] for r in rows], "o-", color=color, label=label
+        )
+        right.plot(
+            x,
+            [r["median_ttft_ms"] for r in rows],
+            "o--",
+            color=color,
+            label=f"{label} TTFT median",
+        )
+        right.plot(
+            x,
+            [r["median_tpot_ms"] for r in rows],
+            "s-",
+            color=color,
+            label=f"{label} TPOT median",
+        )
+        right.plot(
+            x,
+            [r["p99_itl_ms"] for r in rows],
+            "^:",
+            color=color,
+            label=f"{label} ITL p99",
+        )
     if "baseline" in results:
-        left.axhline(results["baseline"]["tokens_per_s"], color="grey", linestyle="--", label="transformers generate, 1 at a time")
-    left.set(xscale="log", xlabel="concurrent streams", ylabel="output tokens/s", title="Throughput")
-    left.set_xticks(levels, [str(c) for c in levels])
-    left.legend()
-    right.plot(levels, [r["ttft_p50_s"] * 1000 for r in rows], "o-", label="TTFT p50")
-    right.plot(levels, [r["ttft_p99_s"] * 1000 for r in rows], "o--", label="TTFT p99")
-    right.plot(levels, [r["itl_p50_ms"] for r in rows], "s-", label="inter-token p50")
-    right.plot(levels, [r["itl_p99_ms"] for r in rows], "s--", label="inter-token p99")
-    right.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms", title="Latency")
-    right.set_xticks(levels, [str(c) for c in levels])
-    right.legend()
-    fig.suptitle(f"{results['model']}, {results['max_tokens']} tokens per request, {results['machine']['cpus']} CPUs")
+        left.axhline(
+            results["baseline"]["output_throughput"],
+            color="grey",
+            linestyle="--",
+            label="transformers generate, 1 at a time",
+        )
+    for axis, ylabel, title in (
+        (left, "output tokens/s", "Throughput"),
+        (right, "ms", "Latency"),
+    ):
+        axis.set(xscale="log", xlabel="concurrent streams", ylabel=ylabel, title=title)
+        axis.set_xticks(levels, [str(c) for c in levels])
+        axis.legend(fontsize="small")
+    right.set_yscale("log")
+    shape = f"{results['input_len']} in / " if results.get("input_len") else ""
+    fig.suptitle(
+        f"{results['model']}, workload {results['workload']}: {shape}{results['output_len']} tokens out per request, {results['machine']['cpus']} CPUs"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

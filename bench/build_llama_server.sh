@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server, the peer `python -m bench --peer` compares against, from the
+# llama.cpp copy vendored in PyPI's llama-cpp-python sdist (only package registries are reachable
+# here, and a pinned sdist is a pinned llama.cpp). Nothing is committed: the sdist, the sources and
+# the binary stay under .llama.cpp/ (git-ignored).
+#
+#   bench/build_llama_server.sh            # -> .llama.cpp/build/bin/llama-server
+#   JOBS=4 bench/build_llama_server.sh     # more compile jobs (default 2, niced: the cores are shared)
+set -euo pipefail
+
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+DIR="${LLAMA_DIR:-$ROOT/.llama.cpp}"
+JOBS="${JOBS:-2}"
+PIP="${PIP:-$ROOT/.venv/bin/pip}"
+[ -x "$PIP" ] || PIP="python3 -m pip"
+
+command -v cmake >/dev/null || { echo "cmake is missing: apt-get install -y cmake" >&2; exit 1; }
+mkdir -p "$DIR"
+SDIST="$DIR/llama_cpp_python-$VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+  $PIP download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DIR"
+fi
+SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
+[ -d "$SRC" ] || tar -xzf "$SDIST" -C "$DIR"
+
+cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON \
+  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+nice -n 10 cmake --build "$DIR/build" --target llama-server -j "$JOBS"
+echo "built $DIR/build/bin/llama-server"
