@@ -13,7 +13,7 @@ from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.request import Request, RequestStatus
-from worker.scheduler import Scheduler
+from worker.scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +36,49 @@ class Engine:
         self._recent_tokens: deque[tuple[float, int]] = deque()
 
     def add_request(self, new: NewRequest) -> None:
-        """Queue a request; one that can never fit is answered with an error at the next step."""
+        """Queue a request; one that can never fit, or names tokens the model does not have, is
+        answered with an error at the next step (never let into a batch it would break)."""
         request = Request.from_wire(new, self.runner.eos_token_ids)
         error = self._check(request)
         if error is not None:
-            self._rejected.append(RequestOutput(new.request_id, [], FinishReason.ERROR, request.num_prompt_tokens, error=error))
+            self.reject(new.request_id, error, request.num_prompt_tokens)
+            return
+        invalid = self._invalid_ids(new)
+        if invalid is not None:
+            self.reject(new.request_id, invalid, request.num_prompt_tokens, bad_request=True)
             return
         try:
             self.runner.add_request(request)
         except GrammarError as exc:
-            self._rejected.append(RequestOutput(new.request_id, [], FinishReason.ERROR, request.num_prompt_tokens, error=str(exc), bad_request=True))
+            self.reject(new.request_id, str(exc), request.num_prompt_tokens, bad_request=True)
+            return
+        except Exception as exc:  # noqa: BLE001 - e.g. a seed the generator refuses: this request's fault
+            self.runner.remove_request(request)
+            self.reject(new.request_id, f"the worker could not take the request: {type(exc).__name__}: {exc}", request.num_prompt_tokens, bad_request=True)
             return
         self._requests[request.request_id] = request
         self.scheduler.add(request)
         log.info("request %s queued: %d prompt tokens, up to %d new", request.request_id, request.num_prompt_tokens,
                  request.max_new_tokens, extra={"request_id": request.request_id})
+
+    def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False) -> None:
+        """Answer a request that will not run with an error (sent with the next step's outputs)."""
+        log.warning("request %s refused: %s", request_id, error, extra={"request_id": request_id})
+        self._rejected.append(RequestOutput(request_id, [], FinishReason.ERROR, num_prompt_tokens, error=error, bad_request=bad_request))
+
+    def _invalid_ids(self, new: NewRequest) -> str | None:
+        """Token ids must index the vocabulary, in every field that carries them: one out of range
+        (999999, 2**63) would fail the step of the whole batch, not just this request."""
+        vocab = self.runner.vocab_size
+        fields = {"prompt": new.prompt_token_ids, "stop_token_ids": new.stop_token_ids, "logit_bias": new.sampling.logit_bias}
+        for name, ids in fields.items():
+            if any(not 0 <= t < vocab for t in ids):
+                return f"{name} names a token outside the vocabulary (0 to {vocab - 1})"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(new.sampling, name)
+            if k is not None and not 0 <= k <= vocab:
+                return f"{name} must be between 0 and the vocabulary size ({vocab})"
+        return None
 
     def _check(self, request: Request) -> str | None:
         if request.request_id in self._requests:
@@ -59,8 +87,6 @@ class Engine:
             return "the prompt is empty"
         if request.max_new_tokens < 1:
             return "max_new_tokens must be at least 1"
-        if any(not 0 <= t < self.runner.vocab_size for t in request.sampling.logit_bias):
-            return f"logit_bias names a token outside the vocabulary (0 to {self.runner.vocab_size - 1})"
         total = request.max_total_tokens
         if total > self.max_model_len:
             return f"prompt ({request.num_prompt_tokens}) + max tokens ({request.max_new_tokens}) exceeds the context length ({self.max_model_len})"
@@ -89,7 +115,11 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutputs(outputs)
-        sampled, logprobs = self.runner.execute(batch)
+        size, num_tokens = len(batch), batch.total_tokens
+        try:
+            sampled, logprobs = self.runner.execute(batch)
+        except Exception as exc:  # noqa: BLE001 - one request's bad state must not fail the others
+            sampled, logprobs, batch = self._isolate(batch, exc, outputs)
         finished = set(self.scheduler.update(batch, sampled))
         for request in batch.requests:
             token = sampled.get(request.request_id)
@@ -98,8 +128,51 @@ class Engine:
                 outputs.append(self._finish_output(request, [token], lp))
             elif token is not None:
                 outputs.append(self._output(request, [token], lp))
-        self._count_step(len(batch), len(sampled))
-        return StepOutputs(outputs, batch_size=len(batch), num_tokens=batch.total_tokens)
+        self._count_step(size, len(sampled))
+        return StepOutputs(outputs, batch_size=size, num_tokens=num_tokens)
+
+    def _isolate(self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]) -> tuple[dict[str, int], dict[str, TokenLogprobs], ScheduledBatch]:
+        """A step failed: find the rows that make it fail, end only those, and keep the rest's results.
+
+        The batch runs again in halves, a failing half in halves again, until a failing part is a
+        single row: that request is the culprit. Every other row's token comes from a part that ran
+        cleanly. Rerunning is safe for the cache: a step writes only the slots of the tokens it
+        computes, beyond each request's computed (and prefix-cached) blocks, so a part that runs
+        again rewrites the same slots, and a culprit's blocks are freed with it. If every row fails
+        alone, the fault is the step's, not a request's: re-raise (the caller then fails them all).
+        """
+        log.warning("step of %d requests failed (%s: %s); rerunning it in parts to find the request at fault", len(batch), type(exc).__name__, exc)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        culprits: dict[str, Exception] = {}
+        parts = _halves(batch) if len(batch) > 1 else []
+        if not parts:
+            culprits[batch.requests[0].request_id] = exc
+        while parts:
+            part = parts.pop()
+            try:
+                part_sampled, part_logprobs = self.runner.execute(part)
+            except Exception as part_exc:  # noqa: BLE001 - narrowing down to the failing row
+                if len(part) == 1:
+                    culprits[part.requests[0].request_id] = part_exc
+                else:
+                    parts.extend(_halves(part))
+                continue
+            sampled.update(part_sampled)
+            logprobs.update(part_logprobs)
+        if len(culprits) == len(batch):
+            raise exc
+        for request in self.scheduler.finish(set(culprits), RequestStatus.FINISHED_ERROR):
+            failure = culprits[request.request_id]
+            request.error = f"step failed: {type(failure).__name__}: {failure}"
+            log.error("request %s failed its step alone (%s); ended it, %d others go on", request.request_id, request.error,
+                      len(batch) - len(culprits), extra={"request_id": request.request_id})
+            outputs.append(self._finish_output(request, []))
+        survivors = ScheduledBatch()
+        for request, num_tokens in zip(batch.requests, batch.num_new_tokens):
+            if request.request_id not in culprits:
+                survivors.add(request, num_tokens)
+        return sampled, logprobs, survivors
 
     def _output(self, request: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:
         prompt = None
@@ -149,3 +222,15 @@ class Engine:
             prefix_hit_tokens=self.blocks.hit_tokens,
             prefix_queried_tokens=self.blocks.queried_tokens,
         )
+
+
+def _halves(batch: ScheduledBatch) -> list[ScheduledBatch]:
+    """Split a batch into two (the first half last, so it runs first off a stack)."""
+    middle = len(batch) // 2
+    halves = []
+    for rows in (range(middle, len(batch)), range(middle)):
+        half = ScheduledBatch()
+        for i in rows:
+            half.add(batch.requests[i], batch.num_new_tokens[i])
+        halves.append(half)
+    return halves

@@ -10,6 +10,7 @@ import signal
 import socket
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -278,3 +279,44 @@ def test_a_client_hanging_up_on_a_plain_request_is_a_499_not_a_500(server):
     assert _metric(server, f'llmpool_http_requests_total{{path="{path}"500"}}') == before["500"]
     logged = log.read_bytes()[log_start:].decode(errors="replace")
     assert "InvalidStateError" not in logged and "never retrieved" not in logged
+
+
+def test_a_request_naming_tokens_the_model_lacks_fails_alone_among_16_streams(pool):
+    """The issue's request (min_tokens with stop_token_ids [999999] or [2**63]), chat and legacy, sent
+    while 16 greedy streams run on two float32 workers: each bad one gets a 400 of its own, and every
+    stream ends normally with the same text as without them."""
+    server, _ = pool
+    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    async def stream(i: int) -> tuple[str, str]:
+        parts, finish = [], None
+        async for chunk in await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Name a colour and a number, {i}."}], temperature=0,
+            max_tokens=24, stream=True, extra_body={"ignore_eos": True},
+        ):
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(parts), finish
+
+    async def bad(path: str, ids: list[int]) -> tuple[int, dict]:
+        body = {"model": MODEL, "max_tokens": 8, "min_tokens": 2, "stop_token_ids": ids}
+        body |= {"messages": [{"role": "user", "content": "hi"}]} if path == "chat/completions" else {"prompt": "hi"}
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            response = await http.post(f"/v1/{path}", json=body)
+        return response.status_code, response.json()
+
+    async def run(with_bad: bool) -> tuple[list, list]:
+        streams = [asyncio.create_task(stream(i)) for i in range(16)]
+        refused = []
+        if with_bad:
+            await asyncio.sleep(0.5)  # the streams are running
+            refused = await asyncio.gather(*(bad(p, ids) for p in ("chat/completions", "completions") for ids in ([999999], [2**63])))
+        return await asyncio.gather(*streams), refused
+
+    reference, _ = asyncio.run(run(False))
+    texts, refused = asyncio.run(run(True))
+    assert all(finish == "length" and text for text, finish in reference)
+    assert texts == reference
+    for status, body in refused:
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+    report(test="bad-token-ids", served=16, disconnected=0, faults=len(refused), lost=0)

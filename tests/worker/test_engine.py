@@ -99,3 +99,73 @@ def test_prompt_logprobs_match_a_full_forward(budget):
     for position, entry in enumerate(entries):
         assert abs(entry.logprob - reference[position, prompt[position + 1]].item()) < 1e-3
         assert entry.top_ids == reference[position].topk(2).indices.tolist()
+
+
+@pytest.fixture(scope="module")
+def engine32() -> Engine:
+    return Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
+
+
+def drain(engine: Engine) -> dict[str, list]:
+    """Every output of every request, by request id, until the engine is idle."""
+    out: dict[str, list] = {}
+    while engine.has_work():
+        for o in engine.step().outputs:
+            out.setdefault(o.request_id, []).append(o)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
+    return out
+
+
+def tokens(outputs: list) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def test_a_row_that_fails_inside_a_batch_of_16_ends_alone_and_the_others_read_the_same(engine32):
+    """The issue's case: min_tokens with a stop token id the model does not have raises inside the
+    sampler. Here the bad id gets in after admission (admission refuses it, see below), mid-decode,
+    so the step really fails: only that request ends, with the error; the other 15 finish with the
+    very tokens they produce without it (float32), and no KV block leaks."""
+    news = [NewRequest(f"r{i}", PROMPTS[i % 3] + [28 + i], 12, SamplingParams(temperature=0, min_tokens=12)) for i in range(16)]
+    reference = {rid: tokens(outs) for rid, outs in _run(engine32, [n for n in news if n.request_id != "r5"]).items()}
+    for new in news:
+        engine32.add_request(new)
+    first = engine32.step()
+    assert first.batch_size == 16 and not any(o.error for o in first.outputs)
+    bad = engine32._requests["r5"]
+    bad.stop_token_ids = bad.stop_token_ids | {999999}
+    out = drain(engine32)
+    out = {rid: [*(o for o in first.outputs if o.request_id == rid), *outs] for rid, outs in out.items()}
+    (failed,) = out["r5"][-1:]
+    assert failed.finish_reason == "error" and "IndexError" in failed.error
+    assert {rid: tokens(outs) for rid, outs in out.items() if rid != "r5"} == reference
+    assert all(outs[-1].finish_reason == "length" for rid, outs in out.items() if rid != "r5")
+
+
+def _run(engine: Engine, news: list[NewRequest]) -> dict[str, list]:
+    for new in news:
+        engine.add_request(new)
+    return drain(engine)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"prompt_token_ids": [1, 999999]},
+        {"prompt_token_ids": [1, -1]},
+        {"stop_token_ids": [999999], "sampling": SamplingParams(temperature=0, min_tokens=2)},
+        {"stop_token_ids": [2**63], "sampling": SamplingParams(temperature=0, min_tokens=2)},
+        {"sampling": SamplingParams(temperature=0, logit_bias={999999: 1.0})},
+        {"sampling": SamplingParams(temperature=0, logprobs=10**6)},
+    ],
+    ids=["prompt", "negative-prompt", "stop-token-ids", "stop-token-ids-2**63", "logit-bias", "top-logprobs"],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_at_admission(engine32, bad):
+    """Refused with an error of the request's own (a 400 at the gateway), before any step; a good
+    request admitted alongside runs normally."""
+    fields = {"prompt_token_ids": PROMPTS[0], "sampling": SamplingParams(temperature=0), **bad}
+    engine32.add_request(NewRequest(request_id="bad", max_new_tokens=4, **fields))
+    engine32.add_request(NewRequest("good", PROMPTS[1], 4, SamplingParams(temperature=0)))
+    out = drain(engine32)
+    (refused,) = out["bad"]
+    assert refused.finish_reason == "error" and refused.bad_request and "vocabulary" in refused.error
+    assert len(tokens(out["good"])) == 4 and out["good"][-1].finish_reason == "length"
