@@ -229,3 +229,29 @@ def decode(frames: list[bytes] | list[memoryview]) -> Message:
         return decoder.decode(frames[1])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"bad {MsgType(header[1]).name} payload: {exc}") from None
+
+
+def salvage_requests(frames: list[bytes] | list[memoryview]) -> tuple[list[NewRequest], list[tuple[str, str]]] | None:
+    """An AddRequests that did not decode as a whole (say one prompt held ``true``), read request by
+    request: the requests that decode, and (request id, why) for those that don't, so each can be
+    answered instead of the whole message vanishing. None when the frames are not an AddRequests of
+    this protocol version at all; a request without a readable id cannot be answered and is left out."""
+    if len(frames) != 2 or bytes(frames[0]) != bytes((PROTOCOL_VERSION, MsgType.ADD_REQUESTS)):
+        return None
+    try:
+        payload = msgspec.msgpack.decode(frames[1])
+    except msgspec.DecodeError:
+        return None
+    items = payload.get("requests") if isinstance(payload, dict) else None
+    if not isinstance(items, list):
+        return None
+    good: list[NewRequest] = []
+    bad: list[tuple[str, str]] = []
+    for item in items:
+        try:
+            good.append(msgspec.convert(item, NewRequest))
+        except msgspec.ValidationError as exc:
+            request_id = item.get("request_id") if isinstance(item, dict) else None
+            if isinstance(request_id, str):
+                bad.append((request_id, f"the worker could not read the request: {exc}"))
+    return good, bad

@@ -76,6 +76,7 @@ class RequestStream:
         self.retries = 0
         self.cached_tokens: int | None = None
         self.cost = 0  # what it adds to its worker's outstanding tokens
+        self.heartbeats_at_assign = 0  # its worker's heartbeat count when it was sent there
 
     def resumed_request(self) -> NewRequest:
         """The request as a new worker must run it: the prompt grows by what was already generated."""

@@ -121,7 +121,13 @@ class WorkerClient:
     def ready_workers(self) -> list[WorkerInfo]:
         """Workers taking requests and making progress on the ones they hold (for /ready)."""
         now = time.monotonic()
-        return [w for w in self._available() if not w.inflight or now - w.last_progress < self.hung_timeout / 2]
+        return [w for w in self._available() if not self._stalled(w, now, self.hung_timeout / 2)]
+
+    def _stalled(self, worker: WorkerInfo, now: float, limit: float) -> bool:
+        """Holding requests by its own account (its latest heartbeat) and producing nothing for
+        ``limit`` s. Requests it never accepted don't count: they are not its to work on."""
+        holds = worker.inflight and (worker.load.running or worker.load.waiting)
+        return bool(holds) and now - worker.last_progress > limit
 
     def _available(self) -> list[WorkerInfo]:
         """Workers that take new requests (registered and not draining)."""
@@ -152,6 +158,7 @@ class WorkerClient:
             worker.last_progress = time.monotonic()  # the progress clock starts with the work
         worker.inflight.add(request.request_id)
         worker.requests_assigned += 1
+        stream.heartbeats_at_assign = worker.heartbeats
         worker.pending.append(request)
         stream.worker = worker.identity
         if not self._flush_scheduled:
@@ -250,6 +257,8 @@ class WorkerClient:
         elif isinstance(msg, Heartbeat):
             worker.load = msg
             worker.heartbeats += 1
+            if worker.inflight and not (msg.running or msg.waiting):
+                self._end_unaccepted(worker)
         elif isinstance(msg, Goodbye):
             self._purge(worker, f"worker {worker.ready.worker_name} left: {msg.reason}")
         elif isinstance(msg, WorkerError):
@@ -294,6 +303,17 @@ class WorkerClient:
             stream.queue.put_nowait(output)
             if output.finish_reason is not None:
                 self._end(stream, None)
+
+    def _end_unaccepted(self, worker: WorkerInfo) -> None:
+        """The worker says it holds nothing, yet requests sent to it ``liveness`` heartbeats ago
+        are open: it never accepted them (a message it could not read). Messages from one worker
+        arrive in order, so their outputs would have come before this heartbeat. They end with an
+        error of their own; the worker is not at fault, so it is neither hung nor dead."""
+        for request_id in list(worker.inflight):
+            stream = self.streams.get(request_id)
+            if stream is not None and worker.heartbeats - stream.heartbeats_at_assign > self.liveness:
+                log.error("worker %s never accepted request %s", worker.ready.worker_name, request_id, extra={"request_id": request_id})
+                self._end(stream, GenerationFailed(f"worker {worker.ready.worker_name} never accepted the request"))
 
     def _end(self, stream: RequestStream, error: GenerationFailed | None) -> None:
         """Close a stream (with an error to deliver, or after its final output)."""
@@ -342,7 +362,7 @@ class WorkerClient:
             for worker in list(self.workers.values()):
                 if now > worker.expiry:
                     self._purge(worker, f"worker {worker.ready.worker_name} missed {self.liveness} heartbeats")
-                elif worker.inflight and now - worker.last_progress > self.hung_timeout:
+                elif self._stalled(worker, now, self.hung_timeout):
                     # Alive (heartbeats arrive) but its engine produces nothing: a hung step.
                     self._purge(worker, f"worker {worker.ready.worker_name} made no progress for {self.hung_timeout:g} s")
                 else:

@@ -159,8 +159,9 @@ class WorkerProc:
             try:
                 msg = protocol.decode(frames)
             except protocol.ProtocolError as exc:
-                log.warning("dropped a malformed message: %s", exc)
-                continue
+                msg = self._salvage(frames, exc)
+                if msg is None:
+                    continue
             got = True
             if isinstance(msg, AddRequests):
                 for new in msg.requests:
@@ -169,6 +170,20 @@ class WorkerProc:
                 self._send(sock, StepOutputs(self.engine.abort(msg.request_ids)))
             elif not isinstance(msg, Heartbeat):
                 log.warning("unexpected %s from the gateway", type(msg).__name__)
+
+    def _salvage(self, frames: list[bytes], exc: protocol.ProtocolError) -> AddRequests | None:
+        """A message that did not decode: if it is an AddRequests, keep the requests that do decode
+        and answer the others with an error (the gateway would otherwise wait on them until its
+        timeout); anything else is dropped."""
+        salvaged = protocol.salvage_requests(frames)
+        if salvaged is None:
+            log.warning("dropped a malformed message: %s", exc)
+            return None
+        good, bad = salvaged
+        log.warning("an AddRequests did not decode (%s): %d of its requests run, %d are refused", exc, len(good), len(bad))
+        for request_id, why in bad:
+            self.engine.reject(request_id, why, bad_request=True)
+        return AddRequests(good)
 
     def _send(self, sock: zmq.Socket, msg: protocol.Message) -> None:
         """Never block the step loop on a slow or absent gateway: drop and log instead."""

@@ -46,3 +46,21 @@ def test_malformed_frames_are_rejected(frames, reason):
 def test_payload_is_msgpack_not_pickle():
     payload = protocol.encode(Abort(["x"]))[1]
     assert msgspec.msgpack.decode(payload) == {"request_ids": ["x"]}
+
+
+def test_an_add_requests_with_one_unreadable_request_is_salvaged_request_by_request():
+    """A prompt of booleans fails the whole message; read alone, the good requests run and the bad
+    one is named, so the worker can answer it."""
+    good = NewRequest("good", [1, 2], 4, SamplingParams(logit_bias={5: 1.0}, seed=3), [7])
+    frames = protocol.encode(AddRequests([good, NewRequest("bad", [1], 4), NewRequest("worse", [1], 4)]))
+    payload = msgspec.msgpack.decode(frames[1])
+    payload["requests"][1]["prompt_token_ids"] = [True, False]
+    payload["requests"][2] = {"request_id": 42}  # no readable id: cannot be answered
+    frames = [frames[0], msgspec.msgpack.encode(payload)]
+    with pytest.raises(ProtocolError, match="Expected `int`, got `bool`"):
+        protocol.decode(frames)
+    salvaged, refused = protocol.salvage_requests(frames)
+    assert salvaged == [good]
+    assert [rid for rid, _ in refused] == ["bad"] and "Expected `int`, got `bool`" in refused[0][1]
+    assert protocol.salvage_requests(protocol.encode(Abort(["x"]))) is None
+    assert protocol.salvage_requests([frames[0], b"\xc1"]) is None

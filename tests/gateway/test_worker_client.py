@@ -215,6 +215,39 @@ def test_a_worker_that_heartbeats_but_makes_no_progress_counts_as_hung():
     asyncio.run(main())
 
 
+def test_a_request_the_worker_never_accepted_fails_alone_and_the_worker_is_not_hung():
+    """The worker heartbeats that it holds nothing while the gateway counts a request on it (a
+    message the worker could not read): the request ends with an error after ``liveness`` heartbeats,
+    the worker stays registered and ready, though hung_timeout passed meanwhile."""
+    async def main():
+        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", "m", heartbeat_interval=0.1, heartbeat_liveness=5, hung_timeout=0.3)
+        await client.start()
+        worker = FakeWorker(client.bind_address)
+        try:
+            await worker.send(READY)
+            await eventually(lambda: client.workers)
+            stream = client.submit(request(0))
+            await worker.receive(AddRequests)  # and loses it
+            loop = asyncio.get_running_loop()
+            started, ready_throughout = loop.time(), True
+            while stream.queue.empty() and loop.time() < started + 5:
+                await worker.send(Heartbeat())  # running 0, waiting 0
+                await asyncio.sleep(0.1)
+                ready_throughout &= bool(client.ready_workers())
+            error = stream.queue.get_nowait()
+            assert isinstance(error, GenerationFailed) and "never accepted" in error.message
+            assert loop.time() - started > 0.5 and ready_throughout
+            assert client.workers and client.snapshot()["workers"][0]["inflight"] == 0
+            for _ in range(5):  # past hung_timeout again: still there
+                await worker.send(Heartbeat())
+                await asyncio.sleep(0.1)
+            assert client.workers and not client.departed
+        finally:
+            worker.close()
+            await client.stop()
+    asyncio.run(main())
+
+
 def test_prefix_affinity_sends_a_shared_prefix_to_the_same_worker_unless_it_is_much_busier():
     from gateway.pool import PrefixAffinity, WorkerInfo
 

@@ -320,3 +320,16 @@ def test_a_request_naming_tokens_the_model_lacks_fails_alone_among_16_streams(po
     for status, body in refused:
         assert status == 400 and body["error"]["type"] == "invalid_request_error", body
     report(test="bad-token-ids", served=16, disconnected=0, faults=len(refused), lost=0)
+
+
+def test_a_prompt_of_booleans_is_answered_at_once_and_no_worker_is_blamed(server):
+    """``[true, false]`` as token ids used to vanish on the worker (the whole message failed to
+    decode): the client waited 180 s for a 500 while idle workers were declared hung. Now the
+    worker answers that request with an error of its own."""
+    departed = len(server.get("/workers").json()["departed"])
+    response = httpx.post(server.base_url + "/v1/completions", timeout=20,
+                          json={"model": MODEL, "prompt": [True, False], "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    assert response.elapsed.total_seconds() < 10 and response.json()["error"]["type"] == "invalid_request_error"
+    assert server.get("/ready").status_code == 200 and len(server.workers()) == 2
+    assert len(server.get("/workers").json()["departed"]) == departed

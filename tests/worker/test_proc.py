@@ -4,6 +4,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import msgspec
 import zmq
 
 from common import protocol
@@ -21,21 +22,26 @@ class StubEngine:
 
     def __init__(self) -> None:
         self.pending: list[NewRequest] = []
+        self.rejected: list[RequestOutput] = []
         self.failed_all = 0
 
     def add_request(self, new: NewRequest) -> None:
         self.pending.append(new)
+
+    def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False) -> None:
+        self.rejected.append(RequestOutput(request_id, [], "error", num_prompt_tokens, error=error, bad_request=bad_request))
 
     def abort(self, ids: list[str]) -> list[RequestOutput]:
         self.pending = [r for r in self.pending if r.request_id not in ids]
         return [RequestOutput(i, [], "abort") for i in ids]
 
     def has_work(self) -> bool:
-        return bool(self.pending)
+        return bool(self.pending or self.rejected)
 
     def step(self) -> StepOutputs:
-        done, self.pending = self.pending, []
-        return StepOutputs([RequestOutput(r.request_id, [42], "length", len(r.prompt_token_ids), 1) for r in done], batch_size=len(done))
+        (done, self.pending), (rejected, self.rejected) = (self.pending, []), (self.rejected, [])
+        outputs = [RequestOutput(r.request_id, [42], "length", len(r.prompt_token_ids), 1) for r in done]
+        return StepOutputs(rejected + outputs, batch_size=len(done))
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         self.failed_all += 1
@@ -112,6 +118,28 @@ def test_worker_reconnects_and_registers_again_when_the_gateway_goes_silent():
         second, again = gateway.receive(Ready, timeout=5)
         assert second != first and again.worker_name == "w-test"
         assert engine.failed_all >= 1
+    finally:
+        proc.stopping = True
+        thread.join(5)
+        gateway.close()
+
+
+def test_a_request_the_worker_cannot_decode_is_answered_with_an_error_not_dropped():
+    """An AddRequests holding a prompt of booleans: its good request runs, the bad one gets an error
+    of its own (the gateway waited 180 s on it before)."""
+    gateway = FakeGateway()
+    engine = StubEngine()
+    proc, thread = start_worker(gateway.address, engine)
+    try:
+        identity, _ = gateway.receive(Ready)
+        frames = protocol.encode(AddRequests([NewRequest("good", [1, 2], 5), NewRequest("bad", [1], 5)]))
+        payload = msgspec.msgpack.decode(frames[1])
+        payload["requests"][1]["prompt_token_ids"] = [True, False]
+        gateway.sock.send_multipart([identity, frames[0], msgspec.msgpack.encode(payload)])
+        _, step = gateway.receive(StepOutputs)
+        outputs = {o.request_id: o for o in step.outputs}
+        assert outputs["good"].new_token_ids == [42]
+        assert outputs["bad"].finish_reason == "error" and outputs["bad"].bad_request and "bool" in outputs["bad"].error
     finally:
         proc.stopping = True
         thread.join(5)
