@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -218,6 +219,18 @@ def start_llama_server(
     return servers.start_llama_server(command, out / "llama-server.log")
 
 
+def warm_up(server: servers.Server, model: str, prompts: list[str], run) -> None:
+    """Short requests until a round has no error: a server's first steps can be slow enough
+    (compiling, on a busy machine) for its gateway to drop the worker for a moment."""
+    for _ in range(10):
+        timings, _ = run(run_level(server.url, model, prompts, 2, 2, 8))
+        error = next((t.error for t in timings if t.error), None)
+        if error is None:
+            return
+        time.sleep(2)
+    raise SystemExit(f"{server.label} keeps failing its warm-up: {error}")
+
+
 def run_all(
     measured: list[servers.Server],
     model: str,
@@ -228,7 +241,7 @@ def run_all(
     run = uvloop.run if uvloop is not None else asyncio.run
     found: dict[str, dict] = {}
     for server in measured:
-        run(run_level(server.url, model, work.warmup, 2, 2, 8))
+        warm_up(server, model, work.warmup, run)
         found[server.label] = {"url": server.url, "levels": []} | servers.describe(
             server.url
         )
