@@ -65,6 +65,9 @@ class WorkerClient:
         self.add_messages_sent = 0
         self.dropped_frames = 0
         self.departed: deque[dict] = deque(maxlen=16)  # recently dropped workers, for operators
+        # Requests whose worker died when no other was there: they wait a liveness period for one
+        # to (re)register (workers reconnect after a gateway pause or restart) before failing.
+        self._orphans: dict[str, tuple[RequestStream, str, float]] = {}
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
@@ -277,6 +280,8 @@ class WorkerClient:
         self.workers[identity] = WorkerInfo(identity, ready, time.monotonic() + self.interval * self.liveness)
         for worker in old:  # after adding the new one, so its requests can resume right there
             self._purge(worker, f"worker {ready.worker_name} registered again (restarted or reconnected)")
+        for stream, reason, _ in list(self._orphans.values()):
+            self._resume(stream, reason)
         log.info("worker %s registered (%s, %s, %d KV tokens)", ready.worker_name, ready.device, ready.dtype, ready.kv_capacity_tokens)
 
     def _on_step(self, worker: WorkerInfo, step: StepOutputs) -> None:
@@ -338,9 +343,12 @@ class WorkerClient:
 
     def _resume(self, stream: RequestStream, reason: str) -> None:
         """Move a request whose worker died to another one, or end it if it can't be moved."""
-        if not self._available():
-            self._end(stream, GenerationFailed(f"{reason}; no other worker can take the request over"))
+        if stream.finished:
             return
+        if not self._available():
+            self._orphans.setdefault(stream.request_id, (stream, reason, time.monotonic()))
+            return
+        self._orphans.pop(stream.request_id, None)
         if stream.retries >= self.max_retries:
             self._end(stream, GenerationFailed(f"{reason}; the request was moved {stream.retries} times already"))
             return
@@ -356,9 +364,13 @@ class WorkerClient:
         self._assign(stream, request)
 
     async def _heartbeat_loop(self) -> None:
+        last_tick = time.monotonic()
         while True:
             await asyncio.sleep(self.interval)
             now = time.monotonic()
+            self._forgive(now - last_tick - self.interval)
+            last_tick = now
+            self._end_orphans(now)
             for worker in list(self.workers.values()):
                 if now > worker.expiry:
                     self._purge(worker, f"worker {worker.ready.worker_name} missed {self.liveness} heartbeats")
@@ -367,3 +379,23 @@ class WorkerClient:
                     self._purge(worker, f"worker {worker.ready.worker_name} made no progress for {self.hung_timeout:g} s")
                 else:
                     self._send(worker, Heartbeat())
+
+    def _end_orphans(self, now: float) -> None:
+        """Requests that waited a liveness period for a worker and got none end with their error."""
+        for stream, reason, since in list(self._orphans.values()):
+            if stream.finished or now - since > self.interval * self.liveness:
+                del self._orphans[stream.request_id]
+                self._end(stream, GenerationFailed(f"{reason}; no other worker can take the request over"))
+
+    def _forgive(self, late: float) -> None:
+        """Liveness counts the time since a worker's last message was *read*. A tick that comes
+        ``late`` (this process was stopped, or its loop blocked) means nothing was read meanwhile:
+        the workers' messages wait in the socket, so that time is nobody's silence. Move their
+        deadlines by it; the receive loop reads the backlog before the next tick judges."""
+        if late <= 0:
+            return
+        if late > self.interval:
+            log.warning("the gateway did not run for %.1f s; not counting that against its workers", late)
+        for worker in self.workers.values():
+            worker.expiry += late
+            worker.last_progress += late

@@ -333,3 +333,47 @@ def test_a_prompt_of_booleans_is_answered_at_once_and_no_worker_is_blamed(server
     assert response.elapsed.total_seconds() < 10 and response.json()["error"]["type"] == "invalid_request_error"
     assert server.get("/ready").status_code == 200 and len(server.workers()) == 2
     assert len(server.get("/workers").json()["departed"]) == departed
+
+
+def test_a_gateway_paused_for_8_s_blames_no_worker_and_every_stream_completes(pool):
+    """SIGSTOP on the gateway for 8 s, four times its workers' liveness (0.5 s x 4): the workers'
+    messages wait unread in its socket, so when it runs again that time is not their silence. Every
+    stream ends normally with the text it has without the pause (float32; a worker that gave up on
+    the silent gateway and re-registered has its requests resumed exactly)."""
+    server, _ = pool
+    gateway = server.processes[0]
+    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    async def stream(i: int) -> tuple[str, str, int]:
+        parts, finish, usage = [], None, None
+        async for chunk in await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Describe the number {i}."}], temperature=0, max_tokens=64,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        ):
+            usage = chunk.usage or usage
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        return "".join(parts), finish, usage.completion_tokens
+
+    async def run(pause: bool) -> list:
+        streams = [asyncio.create_task(stream(i)) for i in range(16)]
+        if pause:
+            await asyncio.sleep(1.0)
+            assert not any(s.done() for s in streams), "the streams should still be running"
+            gateway.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(8)
+            finally:
+                gateway.send_signal(signal.SIGCONT)
+        return await asyncio.gather(*streams, return_exceptions=True)
+
+    reference = asyncio.run(run(False))
+    assert all(finish == "length" and tokens == 64 for _, finish, tokens in reference)
+    log = ARTIFACTS / "faults-gateway.log"
+    log_start = log.stat().st_size
+    paused = asyncio.run(run(True))
+    assert paused == reference
+    logged = log.read_bytes()[log_start:].decode(errors="replace")
+    assert "did not run for" in logged and "missed 4 heartbeats" not in logged
+    report(test="gateway-sigstop", served=16, disconnected=0, faults=1, lost=0)
