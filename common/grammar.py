@@ -36,3 +36,35 @@ def check_guide(guide: Guide) -> None:
     error = llguidance.LLMatcher.validate_grammar(grammar_text(guide))
     if error:
         raise GrammarError(f"the {guide.kind} grammar is invalid: {error}")
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed_objects(schema: object) -> object:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists its
+    ``properties`` and does not say otherwise, as OpenAI's strict mode and xgrammar read function
+    parameters. JSON Schema's own default
+    (anything more is allowed) lets a small model add invented fields until ``max_tokens`` cuts
+    the object off; closed, it has nothing to write after the known fields but ``}``."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    for key in ("items", "not", "if", "then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_objects(out["additionalProperties"])
+    # An object that lists its properties is closed; a bare {"type": "object"} stays free-form.
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out

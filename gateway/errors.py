@@ -1,12 +1,14 @@
-"""One error hierarchy, one body shape: OpenAI's ``{"error": {"message", "type", "param", "code"}}``."""
+"""One error hierarchy, two body shapes: OpenAI's ``{"error": {"message", "type", "param", "code"}}``
+everywhere, and Anthropic's ``{"type": "error", "error": {"type", "message"}}`` under /v1/messages."""
 
 from __future__ import annotations
 
 import logging
+import re
 
 import orjson
 from litestar import Request, Response
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, ValidationException
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,9 @@ class GatewayError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status_code, "api_error"), "message": self.message}}
 
 
 class InvalidRequest(GatewayError):
@@ -74,35 +79,72 @@ class RequestTimeout(GatewayError):
     error_type = "timeout"
 
 
-def error_response(error: GatewayError) -> Response:
+# Anthropic's error types by status (its overloaded_error is a 529; ours stays a 503).
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+    504: "timeout_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def speaks_anthropic(request: Request) -> bool:
+    """Errors under /v1/messages take Anthropic's shape, whatever raised them (a guard, routing, a body)."""
+    return request.url.path.startswith(ANTHROPIC_PATH)
+
+
+def error_response(error: GatewayError, anthropic: bool = False) -> Response:
     headers = {"Retry-After": "1"} if isinstance(error, (Overloaded, NoWorkerAvailable)) else None
-    return Response(
-        content=orjson.dumps(error.body()), status_code=error.status_code, media_type="application/json", headers=headers
-    )
+    body = error.anthropic_body() if anthropic else error.body()
+    return Response(content=orjson.dumps(body), status_code=error.status_code, media_type="application/json", headers=headers)
 
 
-def handle_gateway_error(_: Request, exc: GatewayError) -> Response:
-    return error_response(exc)
+def handle_gateway_error(request: Request, exc: GatewayError) -> Response:
+    return error_response(exc, speaks_anthropic(request))
 
 
-def handle_http_exception(_: Request, exc: HTTPException) -> Response:
-    """Litestar's own errors (unknown route, wrong method, body too large) in OpenAI's shape."""
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def _body_error(exc: ValidationException) -> InvalidRequest:
+    """A body that does not fit its schema: a 400 naming the field (Litestar names the body
+    itself, ``data``, when a required field is missing)."""
+    problem = exc.extra[0] if isinstance(exc.extra, list) and exc.extra and isinstance(exc.extra[0], dict) else {}
+    message, key = str(problem.get("message", exc.detail)), problem.get("key")
+    if key == "data" or key is None:
+        found = _MISSING.search(message)
+        key = found.group(1) if found else None
+    return InvalidRequest(f"invalid request body: {message}" + (f" at `{key}`" if key else ""), param=key)
+
+
+def handle_http_exception(request: Request, exc: HTTPException) -> Response:
+    """Litestar's own errors (a body that does not decode, unknown route, wrong method, body too
+    large) in the API's shape."""
+    if isinstance(exc, ValidationException) and exc.extra:
+        return error_response(_body_error(exc), speaks_anthropic(request))
     status = exc.status_code
     if status == 422:  # OpenAI reports validation problems as 400
         status = 400
     error_type = "invalid_request_error" if status < 500 else "server_error"
-    error = GatewayError(str(exc.detail), code=None)
+    error = GatewayError(str(exc.detail))
     error.status_code, error.error_type = status, error_type
-    return error_response(error)
+    return error_response(error, speaks_anthropic(request))
 
 
-def handle_unexpected(_: Request, exc: Exception) -> Response:
+def handle_bad_encoding(request: Request, exc: UnicodeDecodeError) -> Response:
+    """msgspec raises this for invalid UTF-8 inside a JSON string."""
+    error = InvalidRequest(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}")
+    return error_response(error, speaks_anthropic(request))
+
+
+def handle_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error")
-    return error_response(GenerationFailed(f"internal error: {type(exc).__name__}"))
+    return error_response(GenerationFailed(f"internal error: {type(exc).__name__}"), speaks_anthropic(request))
 
 
 EXCEPTION_HANDLERS = {
     GatewayError: handle_gateway_error,
     HTTPException: handle_http_exception,
+    UnicodeDecodeError: handle_bad_encoding,
     Exception: handle_unexpected,
 }

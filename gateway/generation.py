@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from common.protocol import FinishReason, NewRequest, RequestOutput, TokenLogprobs
 from gateway.admission import Admission, Slot
@@ -24,7 +24,6 @@ from gateway.stop import StopChecker
 from gateway.templates import ChatTemplate
 from gateway.tokenizer import IncrementalDetokenizer
 from gateway.worker_client import WorkerClient
-
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +39,7 @@ class TextDelta:
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of this delta's tokens, when asked for
     prompt_logprobs: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)  # echo: every prompt token's
+    stop_sequence: str | None = None  # the stop string that ended the text, when one did
 
 
 class Generator:
@@ -100,7 +100,7 @@ class Generator:
             slot.release()
 
     async def _stream(self, request: NewRequest, stop: StopChecker, skip_special_tokens: bool) -> AsyncIterator[TextDelta]:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         stream = self.client.submit(request)
         clock = _Clock(self.metrics, request.request_id)
@@ -135,6 +135,7 @@ class Generator:
                     logprobs, covered = self._within(logprobs, covered, sent + len(text) if stopped else None)
                 sent += len(text)
                 delta = TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs)
+                delta.stop_sequence = stop.matched if stopped else None
                 if item.prompt_logprobs is not None:
                     ids = request.prompt_token_ids
                     delta.prompt_logprobs = [(ids[0], None), *zip(ids[1:], item.prompt_logprobs)]
@@ -166,23 +167,6 @@ class Generator:
         if not skip_special_tokens:
             return list(pairs)
         return [(t, lp) for t, lp in pairs if not self.token_texts.is_special(t)]
-
-    async def complete(
-        self, request: NewRequest, slot: Slot, stops: list[str] | None = None, skip_special_tokens: bool = True
-    ) -> TextDelta:
-        """Run to the end and return all the text at once."""
-        parts: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        prompt_logprobs: list[tuple[int, TokenLogprobs | None]] = []
-        last = TextDelta("", None, len(request.prompt_token_ids), 0)
-        async for delta in self.stream(request, slot, stops, skip_special_tokens):
-            parts.append(delta.text)
-            logprobs.extend(delta.logprobs)
-            prompt_logprobs.extend(delta.prompt_logprobs)
-            last = delta
-        return TextDelta(
-            "".join(parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens, logprobs, prompt_logprobs
-        )
 
 
 class _Clock:

@@ -1,9 +1,7 @@
-"""OpenAI request bodies as msgspec Structs: decoding checks the types, unknown fields are ignored."""
+"""OpenAI chat and completions bodies, requests and responses, as msgspec Structs: decoding checks the
+types, unknown fields are ignored, and Litestar's OpenAPI document describes each one."""
 
 from __future__ import annotations
-
-import re
-from typing import TypeVar, Union
 
 import msgspec
 
@@ -19,7 +17,7 @@ class TextPart(msgspec.Struct):
 
 class ChatMessage(msgspec.Struct):
     role: str
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: which call it answers
@@ -29,22 +27,15 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by chat and legacy completions (each adds ``logprobs_count()``)."""
+class SamplingOptions(msgspec.Struct, kw_only=True):
+    """Sampling fields any dialect may carry (vLLM's extras included); the core reads only these."""
 
-    model: str
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    n: int = 1
-    stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -52,6 +43,18 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+
+
+class SamplingFields(SamplingOptions, kw_only=True):
+    """Fields shared by chat and legacy completions (each adds ``logprobs_count()``)."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    user: str | None = None
     response_format: dict | None = None  # text, json_object or json_schema (guided decoding)
 
 
@@ -61,7 +64,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template: str | None = None  # refused unless --allow-request-chat-template
     chat_template_kwargs: dict | None = None  # more variables for the template (e.g. enable_thinking)
     tools: list | None = None
-    tool_choice: Union[str, dict, None] = None
+    tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -78,7 +81,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: Union[str, list]  # checked in the route: a string, strings, token ids or lists of them
+    prompt: str | list  # checked in the route: a string, strings, token ids or lists of them
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -88,6 +91,107 @@ class CompletionRequest(SamplingFields, kw_only=True):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"`logprobs` must be between 0 and {MAX_LOGPROBS}; got {self.logprobs}", param="logprobs")
         return self.logprobs
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    content: str | None
+    role: str = "assistant"
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: dict | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed call: the first has ``id``, ``type`` and the name."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | None = None
+    type: str | None = None
+
+
+class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: dict | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None | msgspec.UnsetType = msgspec.UNSET  # null on every chunk when asked for, then the totals
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: dict | None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A legacy completion, whole or one streamed chunk (the same object name for both, as OpenAI)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -105,22 +209,3 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[int]
-
-
-T = TypeVar("T")
-_FIELD = re.compile(r"at `\$\.([^`]+)`|missing required field `([^`]+)`")
-
-
-def decode_body(body: bytes, schema: type[T]) -> T:
-    """Parse a JSON body into ``schema``; every problem becomes a 400 that names the field."""
-    try:
-        return msgspec.json.decode(body, type=schema)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        found = _FIELD.search(text)
-        param = (found.group(1) or found.group(2)) if found else None
-        raise InvalidRequest(f"invalid request body: {text}", param=param) from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-    except UnicodeDecodeError as exc:  # msgspec raises this for invalid UTF-8 inside strings
-        raise InvalidRequest(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None

@@ -8,16 +8,18 @@ class StopChecker:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None  # the stop string that ended the text, once one did
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add new text; return (text that is safe to send now, whether a stop string was hit)."""
         if not self.stops:
             return text, False
         buffer = self.pending + text
-        hits = [i for i in (buffer.find(stop) for stop in self.stops) if i >= 0]
+        hits = [(i, stop) for stop in self.stops if (i := buffer.find(stop)) >= 0]
         if hits:
             self.pending = ""
-            return buffer[: min(hits)], True
+            cut, self.matched = min(hits, key=lambda hit: hit[0])
+            return buffer[:cut], True
         keep = self._partial_tail(buffer)
         self.pending = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep], False

@@ -1,11 +1,14 @@
-"""Server-sent events exactly as OpenAI frames them: ``data: <json>\\n\\n`` blocks, then ``data: [DONE]``."""
+"""Server-sent events: OpenAI's chat and completions frame ``data: <json>\\n\\n`` blocks and end with
+``data: [DONE]``; the Responses and Messages APIs name each event (``event: <type>``) after the
+payload's ``type`` and send no [DONE]."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
-import orjson
+import msgspec
 
 from gateway.errors import GatewayError
 
@@ -13,19 +16,28 @@ log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
+_encoder = msgspec.json.Encoder()
 
 
-def sse(payload: dict) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+def sse(payload: Any, event: str | None = None) -> bytes:
+    """One event; ``payload`` is a dict or a msgspec Struct."""
+    data = b"data: " + _encoder.encode(payload) + b"\n\n"
+    return b"event: " + event.encode() + b"\n" + data if event else data
 
 
-async def sse_events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    """Frame chunks as events; an error after the stream started becomes a last ``error`` event."""
+def event_type(payload: Any) -> str:
+    return payload["type"] if isinstance(payload, dict) else payload.type
+
+
+async def sse_events(chunks: AsyncIterator[Any], named: bool = False) -> AsyncIterator[bytes]:
+    """Frame chunks as events (``named``: with their type as the event name, and no [DONE]); an
+    error after the stream started becomes a last ``error`` event, unless the dialect made its own."""
     try:
         async for chunk in chunks:
-            yield sse(chunk)
+            yield sse(chunk, event_type(chunk) if named else None)
     except GatewayError as exc:
         log.warning("stream ended with an error: %s", exc.message)
-        yield sse(exc.body())
+        yield sse(exc.body(), "error" if named else None)
         return
-    yield DONE
+    if not named:
+        yield DONE

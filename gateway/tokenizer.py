@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
+from collections.abc import Callable
+
 from transformers import PreTrainedTokenizerBase
 
 
@@ -11,11 +14,15 @@ class IncrementalDetokenizer:
     Byte-level tokenizers may split one character over several tokens; decoding such a prefix gives
     U+FFFD. We decode a small window (``prefix_offset``..end), subtract the text the window already
     produced (``prefix_offset``..``read_offset``), and hold everything back while it ends in U+FFFD.
-    The concatenated deltas equal ``tokenizer.decode(all_ids)``.
+    The concatenated deltas equal ``tokenizer.decode(all_ids)``, except that a character left
+    unfinished at the end (``max_tokens`` cut it) is dropped rather than sent as U+FFFD.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True, token_bytes: Callable[[int], bytes] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        self.token_bytes = token_bytes  # a token's exact bytes, to tell a cut character from a real U+FFFD
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.prefix_offset = 0
@@ -36,8 +43,21 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """At the end: whatever is still held back (an incomplete character stays U+FFFD)."""
+        """At the end: whatever is still held back, less a character the generation left unfinished."""
+        held = self.token_ids[self.read_offset :]
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.token_ids)
-        return full_text[len(prefix_text) :]
+        text = full_text[len(prefix_text) :]
+        if text.endswith("\ufffd") and self._ends_unfinished(held):
+            text = text[:-1]
+        return text
+
+    def _ends_unfinished(self, token_ids: list[int]) -> bool:
+        """Whether these tokens' bytes end inside a UTF-8 character (without the bytes, assume so:
+        the text was held back because it ended in U+FFFD)."""
+        if self.token_bytes is None:
+            return True
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder.decode(b"".join(self.token_bytes(t) for t in token_ids), final=False)
+        return bool(decoder.getstate()[0])

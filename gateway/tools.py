@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from common.grammar import closed_objects
 from common.protocol import Guide, GuideKind
 from gateway.errors import InvalidRequest
 from gateway.stop import StopChecker
@@ -37,11 +38,20 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI sends it
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
-    def as_dict(self, index: int | None = None) -> dict:
-        call: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            call["index"] = index
-        return call
+    def delta(self, index: int) -> CallDelta:
+        """The whole call as its first (and only) delta."""
+        return CallDelta(index, self.arguments, self.id, self.name)
+
+
+@dataclass(slots=True)
+class CallDelta:
+    """A piece of one tool call: the first piece of a call carries its id and name, every piece
+    some of its arguments' JSON text. Each dialect frames these its own way."""
+
+    index: int  # which call of the choice
+    arguments: str
+    id: str | None = None
+    name: str | None = None
 
 
 @dataclass(slots=True)
@@ -74,7 +84,9 @@ class ToolPlan:
         return None
 
     def _parameters(self, name: str | None) -> dict:
-        return next(t.get("parameters") or _EMPTY_PARAMETERS for t in self.tools if t["name"] == name)
+        """The function's parameter schema as OpenAI's strict mode reads it: no properties beyond
+        the schema's unless it allows them (else small models invent fields and never close the object)."""
+        return closed_objects(next(t.get("parameters") or _EMPTY_PARAMETERS for t in self.tools if t["name"] == name))
 
     def parser(self) -> ToolOutputParser | None:
         return None if self.mode == "none" or not self.tools else ToolOutputParser(self)
@@ -168,39 +180,37 @@ class ToolOutputParser:
         self._opener = StopChecker([TOOL_CALL_OPEN])
         self._in_calls = False
 
-    def push(self, text: str) -> tuple[str, list[dict]]:
+    def push(self, text: str) -> tuple[str, list[CallDelta]]:
         self._text.append(text)
         if self.plan.mode == "named":
             if not self.calls:
                 self.calls.append(ToolCall(self.plan.name or "", ""))
-                first = self.calls[0].as_dict(0)
-                first["function"]["arguments"] = text
-                return "", [first]
-            return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+                return "", [CallDelta(0, text, self.calls[0].id, self.calls[0].name)]
+            return "", [CallDelta(0, text)] if text else []
         if self.plan.mode == "required" or self._in_calls:
             return "", []
         content, opened = self._opener.push(text)
         self._in_calls = opened
         return content, []
 
-    def finish(self) -> tuple[str, list[dict]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         """At the end of the generation: the remaining content and the tool calls not yet sent."""
         text = "".join(self._text)
         if self.plan.mode == "named":
             if not self.calls:  # nothing was generated at all
                 self.calls.append(ToolCall(self.plan.name or "", text))
-                return "", [self.calls[0].as_dict(0)]
+                return "", [self.calls[0].delta(0)]
             self.calls[0].arguments = text
             return "", []
         if self.plan.mode == "required":
             self.calls = _json_calls(text)
-            return ("" if self.calls else text), [c.as_dict(i) for i, c in enumerate(self.calls)]
+            return ("" if self.calls else text), [c.delta(i) for i, c in enumerate(self.calls)]
         if not self._in_calls:
             return self._opener.flush(), []
         self.calls = _hermes_calls(text)[: None if self.plan.parallel else 1]
         if not self.calls:  # not a well-formed call after all: it was text
             return text[text.index(TOOL_CALL_OPEN):], []
-        return "", [c.as_dict(i) for i, c in enumerate(self.calls)]
+        return "", [c.delta(i) for i, c in enumerate(self.calls)]
 
     def content(self) -> str | None:
         """The whole choice's plain-text content (None when it is only tool calls)."""

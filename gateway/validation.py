@@ -7,10 +7,10 @@ import uuid
 
 import orjson
 
-from common.grammar import GrammarError, check_guide
+from common.grammar import GrammarError, check_guide, closed_objects
 from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
 from gateway.errors import InvalidRequest
-from gateway.schemas import SamplingFields
+from gateway.schemas import SamplingFields, SamplingOptions
 
 MAX_SEED = 2**63 - 1
 
@@ -20,7 +20,7 @@ def _check_range(value: float | None, name: str, low: float, high: float) -> Non
         raise InvalidRequest(f"`{name}` must be between {low} and {high}; got {value}", param=name)
 
 
-def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float]:
+def _logit_bias(req: SamplingOptions, vocab_size: int) -> dict[int, float]:
     bias = {}
     for key, value in (req.logit_bias or {}).items():
         if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
@@ -31,7 +31,7 @@ def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float]:
     return bias
 
 
-def sampling_params(req: SamplingFields, vocab_size: int) -> SamplingParams:
+def sampling_params(req: SamplingOptions, vocab_size: int, logprobs: int | None = None) -> SamplingParams:
     """Sampling settings with OpenAI's defaults (temperature 1, top_p 1) and ranges."""
     _check_range(req.temperature, "temperature", 0.0, 2.0)
     _check_range(req.top_p, "top_p", 0.0, 1.0)
@@ -59,7 +59,7 @@ def sampling_params(req: SamplingFields, vocab_size: int) -> SamplingParams:
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req, vocab_size),
         min_tokens=req.min_tokens,
-        logprobs=req.logprobs_count(),  # type: ignore[attr-defined]
+        logprobs=logprobs,
     )
 
 
@@ -86,27 +86,41 @@ def checked_guide(guide: Guide | None, param: str) -> Guide | None:
 
 
 def response_guide(response_format: dict | None) -> Guide | None:
-    """``response_format`` as the grammar the worker enforces (None: free text)."""
-    if response_format is None or response_format.get("type") == "text":
+    """Chat's ``response_format``, whose json_schema nests the schema under ``json_schema``."""
+    if response_format is not None and response_format.get("type") == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidRequest("`response_format.json_schema.schema` must be a JSON Schema object", param="response_format")
+        response_format = {**spec, "type": "json_schema"}
+    return format_guide(response_format, "response_format")
+
+
+def format_guide(fmt: dict | None, param: str) -> Guide | None:
+    """An output format (``{"type": "text" | "json_object" | "json_schema", "schema", "strict"}``)
+    as the grammar the worker enforces (None: free text). ``strict`` closes the objects that list
+    their properties, as OpenAI's strict mode requires of a schema."""
+    if fmt is None or fmt.get("type") == "text":
         return None
-    kind = response_format.get("type")
+    kind = fmt.get("type")
     if kind == "json_object":
         return Guide(GuideKind.JSON_OBJECT)
     if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise InvalidRequest("`response_format.json_schema.schema` must be a JSON Schema object", param="response_format")
-        return checked_guide(Guide(GuideKind.JSON_SCHEMA, orjson.dumps(spec["schema"]).decode()), "response_format")
-    raise InvalidRequest(f"`response_format.type` must be text, json_object or json_schema; got {kind!r}", param="response_format")
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"`{param}` json_schema needs a `schema` that is a JSON Schema object", param=param)
+        if fmt.get("strict"):
+            schema = closed_objects(schema)
+        return checked_guide(Guide(GuideKind.JSON_SCHEMA, orjson.dumps(schema).decode()), param)
+    raise InvalidRequest(f"`{param}.type` must be text, json_object or json_schema; got {kind!r}", param=param)
 
 
-def stop_strings(req: SamplingFields) -> list[str]:
+def stop_strings(stop: str | list[str] | None, param: str = "stop") -> list[str]:
     """``stop`` as a list: a string or up to MAX_STOPS non-empty strings."""
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOPS:
-        raise InvalidRequest(f"`stop` may hold at most {MAX_STOPS} strings; got {len(stops)}", param="stop")
+        raise InvalidRequest(f"`{param}` may hold at most {MAX_STOPS} strings; got {len(stops)}", param=param)
     if any(not s for s in stops):
-        raise InvalidRequest("`stop` strings must not be empty", param="stop")
+        raise InvalidRequest(f"`{param}` strings must not be empty", param=param)
     return stops
 
 
@@ -146,17 +160,17 @@ def request_id(header: str | None) -> str:
 
 
 def new_request(
-    req: SamplingFields, prompt_ids: list[int], requested_tokens: int | None, param: str, limits: tuple[int, int],
-    rid: str, vocab_size: int, choice: int = 0, guide: Guide | None = None,
+    options: SamplingOptions, prompt_ids: list[int], requested_tokens: int | None, param: str, limits: tuple[int, int],
+    rid: str, vocab_size: int, choice: int = 0, guide: Guide | None = None, logprobs: int | None = None,
 ) -> NewRequest:
     """Assemble the wire request once the prompt is tokenized; ``choice`` numbers the ``n`` copies
     (each its own request id, and with a seed, its own seed derived from it)."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
     budget = max_new_tokens(requested_tokens, param, len(prompt_ids), *limits)
-    if req.min_tokens > budget:
-        raise InvalidRequest(f"`min_tokens` ({req.min_tokens}) is more than the token budget ({budget})", param="min_tokens")
-    sampling = sampling_params(req, vocab_size)
+    if options.min_tokens > budget:
+        raise InvalidRequest(f"`min_tokens` ({options.min_tokens}) is more than the token budget ({budget})", param="min_tokens")
+    sampling = sampling_params(options, vocab_size, logprobs)
     if choice and sampling.seed is not None:
         sampling.seed = (sampling.seed + choice) % 2**63
     return NewRequest(
@@ -164,7 +178,7 @@ def new_request(
         prompt_token_ids=prompt_ids,
         max_new_tokens=budget,
         sampling=sampling,
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-        guide=guide if guide is not None else response_guide(req.response_format),
+        stop_token_ids=list(options.stop_token_ids or []),
+        ignore_eos=options.ignore_eos,
+        guide=guide,
     )

@@ -1,20 +1,49 @@
-"""POST /v1/chat/completions, streamed (SSE) or not."""
+"""POST /v1/chat/completions, streamed (SSE) or not: OpenAI's chat dialect over the generation core."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
+import msgspec
 from litestar import Controller, Request, Response, post
 
+from gateway import core
+from gateway.core import (
+    LENGTH,
+    TOOL_CALLS,
+    Finish,
+    GenerationRequest,
+    Text,
+    ToolCallDelta,
+)
 from gateway.errors import InvalidRequest
-from gateway.generation import Generator, TextDelta, now_s
+from gateway.generation import Generator, now_s
 from gateway.logprobs import chat_logprobs
-from gateway.routes.common import Chunks, check_model, respond, usage
-from gateway.schemas import ChatCompletionRequest, ChatMessage, decode_body
-from gateway.tools import ToolPlan, prepare_messages, template_variables, tool_plan
-from gateway.validation import check_supported, checked_guide, new_request, request_id, stop_strings
+from gateway.routes.common import (
+    check_model,
+    documented,
+    event_stream,
+    json_response,
+    openai_usage,
+)
+from gateway.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessage,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCallChunk,
+    ToolCallOut,
+)
+from gateway.tools import CallDelta, ToolPlan, tool_plan
+from gateway.validation import check_supported, request_id, response_guide, stop_strings
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -43,94 +72,88 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
+def finish_reason(finish: Finish, plan: ToolPlan) -> str:
+    """OpenAI's names: a call the request named ends with ``stop`` (as OpenAI's own API does);
+    ``required`` and ``auto`` calls end with ``tool_calls``."""
+    if finish.reason == TOOL_CALLS:
+        return "stop" if plan.mode == "named" else "tool_calls"
+    return "length" if finish.reason == LENGTH else "stop"
+
+
 class ChatController(Controller):
     path = "/v1/chat/completions"
 
-    @post("/", status_code=200)
-    async def create(self, request: Request, generator: Generator) -> Response:
-        req = decode_body(await request.body(), ChatCompletionRequest)
+    @post("/", status_code=200, responses=documented(ChatCompletion, "the completion (with `stream`: chat.completion.chunk events)"))
+    async def create(self, request: Request, data: ChatCompletionRequest, generator: Generator) -> Response:
+        req = data
         check_model(req.model, generator.model_name)
         check_supported(req)
-        stops = stop_strings(req)
+        stops = stop_strings(req.stop)
         if req.chat_template is not None and not request.app.state.allow_request_chat_template:
             raise InvalidRequest(
                 "`chat_template` in a request is refused on this server (templates come from the server side; "
                 "start it with --allow-request-chat-template to allow them)", param="chat_template",
             )
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-        template_source = req.chat_template or generator.template.source
-        messages = prepare_messages(message_dicts(req.messages), plan, template_source)
-        variables = {**(req.chat_template_kwargs or {}), **template_variables(plan, template_source)}
-        limits = generator.client.limits()
-        prompt_ids = await generator.run_in_pool(generator.chat_prompt_ids, messages, req.chat_template, variables)
+        logprobs = req.logprobs_count()
+        guide = response_guide(req.response_format)
+        prompt = await core.chat_prompt(generator, message_dicts(req.messages), plan, req.chat_template, req.chat_template_kwargs)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        rid = request_id(request.headers.get("x-request-id"))
-        guide = checked_guide(plan.guide(), "tools")
-        news = [new_request(req, prompt_ids, requested, param, limits, rid, generator.vocab_size, choice, guide) for choice in range(req.n)]
-        return await respond(request, generator, req, news, stops, "chatcmpl", partial(_chunks, plan=plan), partial(_body, plan=plan))
+        generation = await core.start(generator, GenerationRequest(
+            [prompt], req, requested, request_id(request.headers.get("x-request-id")), param, stops, guide, plan, req.n, logprobs,
+        ))
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return event_stream(_chunks(generator, generation, completion_id, req, plan), generation.request_id)
+        choices = await generation.collect(request)
+        return json_response(_body(generator, completion_id, choices, req, plan), generation.request_id)
 
 
-def _message(result: TextDelta, plan: ToolPlan) -> tuple[dict, str | None]:
-    """The assistant message of one choice and its finish reason (``tool_calls`` when it calls)."""
-    parser = plan.parser()
-    if parser is None:
-        return {"role": "assistant", "content": result.text}, result.finish_reason
-    parser.push(result.text)
-    parser.finish()
-    message: dict[str, Any] = {"role": "assistant", "content": parser.content()}
-    if parser.calls:
-        message["tool_calls"] = [call.as_dict() for call in parser.calls]
-    return message, "tool_calls" if parser.calls and result.finish_reason == "stop" else result.finish_reason
+def _body(generator: Generator, completion_id: str, choices: list[core.Choice], req: ChatCompletionRequest, plan: ToolPlan) -> ChatCompletion:
+    with_logprobs = req.logprobs_count() is not None
+    out = []
+    for choice in choices:
+        message = AssistantMessage(content=choice.content)
+        if choice.tool_calls:
+            message.tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in choice.tool_calls]
+        out.append(ChatChoice(
+            index=choice.index, message=message, finish_reason=finish_reason(choice.finish, plan),  # type: ignore[arg-type]
+            logprobs=chat_logprobs(generator.token_texts, choice.logprobs) if with_logprobs else None,
+        ))
+    usage = core.total_usage([c.finish for c in choices], req.n)  # type: ignore[misc]
+    return ChatCompletion(id=completion_id, created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage))
 
 
-def _body(generator: Generator, completion_id: str, results: list[TextDelta], req: ChatCompletionRequest, plan: ToolPlan) -> dict:
-    logprobs = req.logprobs_count() is not None
-    choices = []
-    for index, result in enumerate(results):
-        message, finish_reason = _message(result, plan)
-        choices.append({
-            "index": index,
-            "message": message,
-            "logprobs": chat_logprobs(generator.token_texts, result.logprobs) if logprobs else None,
-            "finish_reason": finish_reason,
-        })
-    return {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": now_s(),
-        "model": generator.model_name,
-        "choices": choices,
-        "usage": usage(results, req.n),
-    }
+def _tool_chunk(call: CallDelta) -> ToolCallChunk:
+    if call.id is None:
+        return ToolCallChunk(index=call.index, function=FunctionCallDelta(arguments=call.arguments))
+    return ToolCallChunk(index=call.index, id=call.id, type="function", function=FunctionCallDelta(name=call.name, arguments=call.arguments))
 
 
 async def _chunks(
-    generator: Generator, deltas: AsyncIterator[tuple[int, TextDelta]], completion_id: str, include_usage: bool,
-    choices: int, req: ChatCompletionRequest, plan: ToolPlan,
-) -> AsyncIterator[dict]:
-    make = Chunks(generator, completion_id, "chat.completion.chunk", include_usage)
+    generator: Generator, generation: core.Generation, completion_id: str, req: ChatCompletionRequest, plan: ToolPlan,
+) -> AsyncIterator[ChatCompletionChunk]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with_logprobs = req.logprobs_count() is not None
-    parsers = [plan.parser() for _ in range(choices)]
+    created = now_s()
 
-    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-        return make({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+    def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=completion_id, created=created, model=generator.model_name, choices=choices,
+                                   usage=None if include_usage else msgspec.UNSET)
 
-    for index in range(choices):
-        yield chunk(index, {"role": "assistant", "content": ""})
-    async for index, delta in deltas:
-        make.last[index] = delta
-        parser = parsers[index]
-        content, calls = (delta.text, []) if parser is None else parser.push(delta.text)
-        if delta.finish_reason is not None and parser is not None:
-            rest, more = parser.finish()
-            content, calls = content + rest, calls + more
-        if content or (with_logprobs and delta.logprobs):
-            yield chunk(index, {"content": content}, None, chat_logprobs(generator.token_texts, delta.logprobs) if with_logprobs else None)
-        if calls:
-            yield chunk(index, {"tool_calls": calls})
-        if delta.finish_reason is not None:
-            called = parser is not None and parser.calls and delta.finish_reason == "stop"
-            yield chunk(index, {}, "tool_calls" if called else delta.finish_reason)
-    if (final := make.usage_chunk(choices, req.n)) is not None:
-        yield final
+    for index in range(generation.choices):
+        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    finishes: dict[int, Finish] = {}
+    async for event in generation.events():
+        if isinstance(event, Text):
+            logprobs = chat_logprobs(generator.token_texts, event.logprobs) if with_logprobs else None
+            yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text), logprobs=logprobs)])
+        elif isinstance(event, ToolCallDelta):
+            yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(tool_calls=[_tool_chunk(event.call)]))])
+        elif isinstance(event, Finish):
+            finishes[event.index] = event
+            yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(), finish_reason=finish_reason(event, plan))])
+    if include_usage and len(finishes) == generation.choices:
+        usage = core.total_usage([finishes[i] for i in range(generation.choices)], req.n)
+        yield ChatCompletionChunk(id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage))

@@ -1,20 +1,28 @@
-"""POST /v1/completions (legacy text completions): a prompt string or token ids, streamed or not."""
+"""POST /v1/completions (legacy text completions): a prompt string or token ids, streamed or not;
+OpenAI's completions dialect over the generation core."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
-from functools import partial
 
+import msgspec
 from litestar import Controller, Request, Response, post
 
+from gateway import core
+from gateway.core import LENGTH, Finish, GenerationRequest, PromptLogprobs, Text, Usage
 from gateway.errors import InvalidRequest
-from gateway.generation import Generator, TextDelta, now_s
+from gateway.generation import Generator, now_s
 from gateway.logprobs import completion_logprobs
-from gateway.routes.common import Chunks, check_model, respond, usage
-from gateway.schemas import CompletionRequest, decode_body
-from gateway.validation import check_supported, new_request, request_id, stop_strings
-
+from gateway.routes.common import (
+    check_model,
+    documented,
+    event_stream,
+    json_response,
+    openai_usage,
+)
+from gateway.schemas import Completion, CompletionChoice, CompletionRequest
+from gateway.validation import check_supported, request_id, response_guide, stop_strings
 
 MAX_PROMPTS = 64
 MAX_BEST_OF = 16
@@ -46,31 +54,31 @@ def _prompt_ids(generator: Generator, prompt: object) -> list[list[int]]:
 class CompletionsController(Controller):
     path = "/v1/completions"
 
-    @post("/", status_code=200)
-    async def create(self, request: Request, generator: Generator) -> Response:
-        req = decode_body(await request.body(), CompletionRequest)
+    @post("/", status_code=200, responses=documented(Completion, "the completion (with `stream`: text_completion chunks)"))
+    async def create(self, request: Request, data: CompletionRequest, generator: Generator) -> Response:
+        req = data
         check_model(req.model, generator.model_name)
         check_supported(req)
-        stops = stop_strings(req)
+        stops = stop_strings(req.stop)
         copies = _copies(req)
-        limits = generator.client.limits()
+        logprobs = req.logprobs_count()
+        guide = response_guide(req.response_format)
         prompts = await generator.run_in_pool(_prompt_ids, generator, req.prompt)
-        rid = request_id(request.headers.get("x-request-id"))
         budget = req.max_tokens if req.max_tokens is not None else 16
         if _prompt_only(req):  # score the prompt, generate nothing: the one token the worker makes is dropped
             budget = 1
-        news = [
-            new_request(req, ids, budget, "max_tokens", limits, f"{rid}-p{p}" if len(prompts) > 1 else rid, generator.vocab_size, choice)
-            for p, ids in enumerate(prompts)
-            for choice in range(copies)
-        ]
-        for new in news:
-            if copies > req.n and new.sampling.logprobs is None:  # ranking by cumulative logprob needs them
-                new.sampling.logprobs = 0
-            if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
-                new.sampling.prompt_logprobs = req.logprobs
+        generation = await core.start(generator, GenerationRequest(
+            prompts=prompts, sampling=req, max_tokens=budget, request_id=request_id(request.headers.get("x-request-id")),
+            stops=stops, guide=guide, n=copies,
+            logprobs=0 if copies > req.n and logprobs is None else logprobs,  # ranking by cumulative logprob needs them
+            prompt_logprobs=req.logprobs if req.echo else None,  # the echoed prompt comes with its logprobs
+        ))
         echoes = await generator.run_in_pool(_echo_texts, generator, req.prompt, prompts) if req.echo else None
-        return await respond(request, generator, req, news, stops, "cmpl", partial(_chunks, echoes=echoes), partial(_body, echoes=echoes))
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return event_stream(_chunks(generator, generation, completion_id, req, echoes), generation.request_id)
+        choices = await generation.collect(request)
+        return json_response(_body(generator, completion_id, choices, req, echoes), generation.request_id)
 
 
 def _prompt_only(req: CompletionRequest) -> bool:
@@ -100,65 +108,75 @@ def _echo_texts(generator: Generator, prompt: object, prompts: list[list[int]]) 
     return [p if isinstance(p, str) else generator.tokenizer.decode(ids) for p, ids in zip(given, prompts)]
 
 
-def _best(results: list[TextDelta], copies: int, n: int) -> list[TextDelta]:
+def _best(choices: list[core.Choice], copies: int, n: int) -> list[core.Choice]:
     """Of each prompt's ``copies`` generations, the ``n`` with the highest cumulative logprob."""
     if copies == n:
-        return results
+        return choices
     best = []
-    for start in range(0, len(results), copies):
-        group = results[start : start + copies]
-        best.extend(sorted(group, key=lambda d: -sum(lp.logprob for _, lp in d.logprobs))[:n])
+    for start in range(0, len(choices), copies):
+        group = choices[start : start + copies]
+        best.extend(sorted(group, key=lambda c: -sum(lp.logprob for _, lp in c.logprobs))[:n])
     return best
 
 
-def _body(generator: Generator, completion_id: str, results: list[TextDelta], req: CompletionRequest, echoes: list[str] | None = None) -> dict:
+def _finish_reason(finish: Finish) -> str:
+    return "length" if finish.reason == LENGTH else "stop"
+
+
+def _body(generator: Generator, completion_id: str, choices: list[core.Choice], req: CompletionRequest, echoes: list[str] | None) -> Completion:
     with_logprobs = req.logprobs_count() is not None
     copies = _copies(req)
-    chosen = _best(results, copies, req.n)
-    if _prompt_only(req):
-        results = chosen = [replace(r, text="", logprobs=[], completion_tokens=0, finish_reason="length") for r in chosen]
-    return {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": now_s(),
-        "model": generator.model_name,
-        "choices": [
-            {
-                "index": index,
-                "text": (echoes[index // req.n] if echoes else "") + result.text,
-                "logprobs": completion_logprobs(generator.token_texts, result.prompt_logprobs + result.logprobs) if with_logprobs else None,
-                "finish_reason": result.finish_reason,
-            }
-            for index, result in enumerate(chosen)
-        ],
-        "usage": usage(results, copies),  # every generation was computed, so every one counts
-    }
+    finishes: list[Finish] = [c.finish for c in choices]  # type: ignore[misc]
+    chosen = _best(choices, copies, req.n)
+    if _prompt_only(req):  # the one generated token is not part of the answer
+        chosen = [core.Choice(c.index, prompt_logprobs=c.prompt_logprobs, finish=Finish(c.index, LENGTH, Usage())) for c in chosen]
+        finishes = [Finish(f.index, LENGTH, Usage(f.usage.prompt_tokens, 0, f.usage.cached_tokens)) for f in finishes]
+    out = [
+        CompletionChoice(
+            index=index,
+            text=(echoes[index // req.n] if echoes else "") + choice.text,
+            logprobs=completion_logprobs(generator.token_texts, choice.prompt_logprobs + choice.logprobs) if with_logprobs else None,
+            finish_reason=_finish_reason(choice.finish),  # type: ignore[arg-type]
+        )
+        for index, choice in enumerate(chosen)
+    ]
+    usage = core.total_usage(finishes, copies)  # every generation was computed, so every one counts
+    return Completion(id=completion_id, created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage))
 
 
 async def _chunks(
-    generator: Generator, deltas: AsyncIterator[tuple[int, TextDelta]], completion_id: str, include_usage: bool,
-    choices: int, req: CompletionRequest, echoes: list[str] | None = None,
-) -> AsyncIterator[dict]:
-    make = Chunks(generator, completion_id, "text_completion", include_usage)
+    generator: Generator, generation: core.Generation, completion_id: str, req: CompletionRequest, echoes: list[str] | None,
+) -> AsyncIterator[Completion]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with_logprobs = req.logprobs_count() is not None
-    offsets = [0] * choices  # where each choice's next text starts, for text_offset
+    created = now_s()
+    offsets = [0] * generation.choices  # where each choice's next text starts, for text_offset
 
-    def echo(index: int, prompt_logprobs: list) -> dict:
+    def chunk(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> Completion:
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+        return Completion(id=completion_id, created=created, model=generator.model_name, choices=[choice],
+                          usage=None if include_usage else msgspec.UNSET)
+
+    def echo(index: int, prompt_logprobs: list) -> Completion:
         text = echoes[index // req.n]  # type: ignore[index]
-        logprobs = completion_logprobs(generator.token_texts, prompt_logprobs) if with_logprobs else None
         offsets[index] = len(text)
-        return make({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
+        return chunk(index, text, completion_logprobs(generator.token_texts, prompt_logprobs) if with_logprobs else None)
 
     # The echo goes first; with logprobs it waits for them (they come with the first token).
-    for index in range(choices if echoes and not with_logprobs else 0):
+    for index in range(generation.choices if echoes and not with_logprobs else 0):
         yield echo(index, [])
-    async for index, delta in deltas:
-        make.last[index] = delta
-        if echoes and with_logprobs and delta.prompt_logprobs:
-            yield echo(index, delta.prompt_logprobs)
-        if delta.text or delta.finish_reason is not None or (with_logprobs and delta.logprobs):
-            logprobs = completion_logprobs(generator.token_texts, delta.logprobs, offsets[index]) if with_logprobs else None
-            offsets[index] += len(delta.text)
-            yield make({"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason})
-    if (final := make.usage_chunk(choices, req.n)) is not None:
-        yield final
+    finishes: dict[int, Finish] = {}
+    async for event in generation.events():
+        if isinstance(event, PromptLogprobs):
+            if echoes and with_logprobs:
+                yield echo(event.index, event.logprobs)
+        elif isinstance(event, Text):
+            logprobs = completion_logprobs(generator.token_texts, event.logprobs, offsets[event.index]) if with_logprobs else None
+            offsets[event.index] += len(event.text)
+            yield chunk(event.index, event.text, logprobs)
+        elif isinstance(event, Finish):
+            finishes[event.index] = event
+            yield chunk(event.index, "", None, _finish_reason(event))
+    if include_usage and len(finishes) == generation.choices:
+        usage = core.total_usage([finishes[i] for i in range(generation.choices)], req.n)
+        yield Completion(id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage))

@@ -3,13 +3,13 @@ exactly what prompt a chat request becomes."""
 
 from __future__ import annotations
 
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Response, post
 
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator
 from gateway.routes.chat import message_dicts
 from gateway.routes.common import check_model, json_response
-from gateway.schemas import DetokenizeRequest, TokenizeRequest, decode_body
+from gateway.schemas import DetokenizeRequest, TokenizeRequest
 
 
 def _tokenize(generator: Generator, req: TokenizeRequest) -> list[int]:
@@ -27,8 +27,8 @@ class TokenizeController(Controller):
     path = "/"
 
     @post("/tokenize", status_code=200)
-    async def tokenize(self, request: Request, generator: Generator) -> Response:
-        req = decode_body(await request.body(), TokenizeRequest)
+    async def tokenize(self, data: TokenizeRequest, generator: Generator) -> Response:
+        req = data
         if req.model is not None:
             check_model(req.model, generator.model_name)
         ids = await generator.run_in_pool(_tokenize, generator, req)
@@ -38,8 +38,8 @@ class TokenizeController(Controller):
         return json_response(body)
 
     @post("/detokenize", status_code=200)
-    async def detokenize(self, request: Request, generator: Generator) -> Response:
-        req = decode_body(await request.body(), DetokenizeRequest)
+    async def detokenize(self, data: DetokenizeRequest, generator: Generator) -> Response:
+        req = data
         if req.model is not None:
             check_model(req.model, generator.model_name)
         if not all(0 <= t < generator.vocab_size for t in req.tokens):

@@ -37,8 +37,19 @@ def test_special_tokens_are_skipped(tokenizer):
     assert detokenizer.push(ids) + detokenizer.flush() == "Hi"
 
 
-def test_an_unfinished_character_at_the_end_is_flushed_as_replacement(tokenizer):
-    ids = tokenizer.encode("😀", add_special_tokens=False)
-    detokenizer = IncrementalDetokenizer(tokenizer)
-    assert detokenizer.push(ids[:1]) == ""
-    assert detokenizer.flush() == tokenizer.decode(ids[:1])
+def test_an_unfinished_character_at_the_end_is_dropped_not_sent_as_replacement(tokenizer):
+    from gateway.logprobs import TokenTexts
+
+    ids = tokenizer.encode("ok 😀", add_special_tokens=False)
+    assert tokenizer.decode(ids[:-1]).endswith("\ufffd"), "the emoji's last byte should be a token of its own"
+    for token_bytes in (None, TokenTexts(tokenizer).bytes):
+        detokenizer = IncrementalDetokenizer(tokenizer, token_bytes=token_bytes)
+        assert detokenizer.push(ids[:-1]) + detokenizer.flush() == "ok "
+
+
+def test_a_real_replacement_character_at_the_end_is_kept(tokenizer):
+    from gateway.logprobs import TokenTexts
+
+    ids = tokenizer.encode("a \ufffd", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, token_bytes=TokenTexts(tokenizer).bytes)
+    assert detokenizer.push(ids) + detokenizer.flush() == "a \ufffd"

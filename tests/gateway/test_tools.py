@@ -27,8 +27,8 @@ def test_auto_parses_hermes_calls_and_holds_back_a_possible_opener():
     pieces = ["Let me check.", " <tool", "_call>\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"]
     content, calls = run(parser, pieces)
     assert content == "Let me check. "
-    assert [c["function"]["name"] for c in calls] == ["get_weather"] and calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert [c.name for c in calls] == ["get_weather"] and calls[0].index == 0 and calls[0].id.startswith("call_")
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
     assert parser.content() == "Let me check."
 
 
@@ -43,12 +43,13 @@ def test_named_streams_arguments_and_required_parses_the_array():
     named = tool_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, None)
     assert named.guide().kind == GuideKind.JSON_SCHEMA and json.loads(named.guide().spec)["required"] == ["city"]
     content, deltas = run(named.parser(), ['{"city": ', '"Oslo"}'])
-    assert content == "" and deltas[0]["function"] == {"name": "get_weather", "arguments": '{"city": '}
-    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Oslo"}'
+    assert content == "" and (deltas[0].name, deltas[0].arguments) == ("get_weather", '{"city": ')
+    assert deltas[0].id.startswith("call_") and all(d.id is None for d in deltas[1:])
+    assert "".join(d.arguments for d in deltas) == '{"city": "Oslo"}'
     required = tool_plan([WEATHER, TIME], "required", False)
     assert json.loads(required.guide().spec)["maxItems"] == 1
     content, calls = run(required.parser(), ['[{"name": "get_time", "arguments": {}}]'])
-    assert content == "" and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
+    assert content == "" and (calls[0].name, calls[0].arguments) == ("get_time", "{}")
 
 
 @pytest.mark.parametrize("tools, choice, param", [
@@ -80,3 +81,23 @@ def test_auto_keeps_one_call_unless_parallel_calls_are_allowed():
     two = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
     assert len(run(tool_plan([WEATHER, TIME], "auto", None).parser(), [two])[1]) == 2
     assert len(run(tool_plan([WEATHER, TIME], "auto", False).parser(), [two])[1]) == 1
+
+
+def test_function_parameters_are_closed_as_strict_mode_reads_them():
+    """No properties beyond the schema's unless it allows them, down every nesting (a free-form
+    object and an explicit additionalProperties stay as they are)."""
+    nested = {"type": "object", "properties": {
+        "city": {"type": "string"},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "extra": {"type": "object"},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True},
+    }}
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested}}
+    spec = json.loads(tool_plan([tool], {"type": "function", "function": {"name": "f"}}, None).guide().spec)
+    assert spec["additionalProperties"] is False
+    props = spec["properties"]
+    assert props["where"]["additionalProperties"] is False and props["tags"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["extra"] and props["open"]["additionalProperties"] is True
+    required = json.loads(tool_plan([tool], "required", None).guide().spec)
+    assert required["items"]["anyOf"][0]["properties"]["arguments"]["additionalProperties"] is False

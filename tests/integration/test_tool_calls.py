@@ -47,16 +47,36 @@ def test_a_named_tool_choice_always_calls_it_with_valid_arguments(client):
     reply = client.chat.completions.create(model=MODEL, messages=ask("Weather in Oslo?"), tools=[WEATHER, TIME], tool_choice=choice,
                                            temperature=0.8, seed=4, max_tokens=60)
     answer = reply.choices[0]
-    assert answer.finish_reason == "tool_calls" and answer.message.content is None
+    assert answer.finish_reason == "stop" and answer.message.content is None  # OpenAI's: a named call ends with "stop"
     (call,) = answer.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS)
 
     content, calls, finishes = assemble(client.chat.completions.create(
         model=MODEL, messages=ask("Weather in Lima?"), tools=[WEATHER], tool_choice=choice, temperature=0, max_tokens=60, stream=True))
-    assert content == "" and finishes == ["tool_calls"] and list(calls) == [0]
+    assert content == "" and finishes == ["stop"] and list(calls) == [0]
     assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMETERS)
+
+
+def test_forced_arguments_stop_at_the_schema_and_close_the_object(client):
+    """Parameters without additionalProperties are read as strict mode reads them: before, the
+    model added invented fields ({"city": "Paris", "weather": "Temp: 22, ...) until max_tokens cut
+    the object off invalid."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": name, "parameters": city}} for name in ("get_weather", "get_time")]
+    for name in ("get_weather", "get_time"):
+        for stream in (False, True):
+            kwargs = dict(model=MODEL, messages=ask("What is the weather like in Paris?"), tools=tools,
+                          tool_choice={"type": "function", "function": {"name": name}}, max_tokens=32, temperature=0)
+            if stream:
+                _, calls, finishes = assemble(client.chat.completions.create(stream=True, **kwargs))
+                arguments, finish = calls[0]["arguments"], finishes[0]
+            else:
+                answer = client.chat.completions.create(**kwargs).choices[0]
+                arguments, finish = answer.message.tool_calls[0].function.arguments, answer.finish_reason
+            assert finish == "stop", (name, arguments)
+            assert list(json.loads(arguments)) == ["city"], arguments
 
 
 def test_required_calls_one_of_the_tools(client):
