@@ -71,11 +71,12 @@ async def one_request(host: str, port: int, body: bytes) -> RequestTiming:
         if status != 200 or b"chunked" not in head.lower():
             timing.error = f"HTTP {status}: {(await reader.read(300))!r}"
             return timing
-        pending = b""
+        pending = last = b""
         async for data in _read_chunked(reader):
             pending += data
             *events, pending = pending.split(b"\n\n")
             for event in events:
+                last = event if event != b"data: [DONE]" else last
                 if (
                     b'"delta":{"content":"' in event
                     and b'"delta":{"content":""' not in event
@@ -91,16 +92,20 @@ async def one_request(host: str, port: int, body: bytes) -> RequestTiming:
                         usage["completion_tokens"],
                         usage["prompt_tokens"],
                     )
-        if (
-            not timing.completion_tokens
-        ):  # a server that reports no usage: one token per chunk
+        if not timing.completion_tokens:  # no usage reported: one token per chunk
             timing.completion_tokens = len(timing.chunk_times)
+        if (
+            not timing.chunk_times and timing.error is None
+        ):  # an error in a shape not known here
+            timing.error = (
+                f"no content streamed; last event {(last or pending)[:300]!r}"
+            )
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
     finally:
+        timing.end = time.perf_counter()  # on the early return of an HTTP error too
         if writer is not None:
             writer.close()
-    timing.end = time.perf_counter()
     return timing
 
 

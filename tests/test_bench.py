@@ -163,6 +163,17 @@ def test_client_counts_chunks_when_the_server_reports_no_usage():
     assert [(t.completion_tokens, t.prompt_tokens) for t in timings] == [(2, 0)] * 3
 
 
+def test_a_stream_without_content_is_an_error():
+    timings, _ = _run_against(
+        [{"error": {"code": 500, "message": "boom"}}]
+    )  # OpenAI's shape
+    assert [t.error for t in timings] == ["boom"] * 3
+    timings, _ = _run_against([{"detail": "bust"}])  # any other
+    assert all(
+        t.error.startswith("no content streamed") and "bust" in t.error for t in timings
+    )
+
+
 def test_random_prompts_have_exact_token_counts_and_are_unique(tokenizer):
     work = workloads.build("random", [1, 2], None, 16, 300, tokenizer, seed=1)
     prompts = [p for level in (1, 2) for p in work.levels[level]]
