@@ -84,5 +84,6 @@ def create_app(config: GatewayConfig) -> Litestar:
         middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "generator", None), "metrics", None))],
         lifespan=[lifespan],
         logging_config=None,  # common.logs configures logging, the same way in every process
+        openapi_config=None,  # no /schema pages: they answered without the API key, listed every route, loaded a CDN's scripts
     )
     return app
