@@ -66,6 +66,10 @@ def test_api_key_closes_everything_but_health(keyed_server):
     client = openai.OpenAI(base_url=url + "/v1", api_key="key-one", max_retries=0)
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert reply.choices[0].message.content
+    # No OpenAPI pages: they listed every route without a key, and the swagger one loaded a CDN's scripts.
+    for path in ("/schema", "/schema/swagger", "/schema/openapi.json", "/schema/elements"):
+        for headers in ({}, {"Authorization": "Bearer key-one"}):
+            assert httpx.get(url + path, headers=headers).status_code in (401, 404), path
 
 
 def test_past_the_concurrency_limit_and_queue_requests_get_429_at_once():
