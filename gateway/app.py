@@ -20,10 +20,12 @@ from gateway.config import GatewayConfig
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.generation import Generator
 from gateway.metrics import Metrics, http_metrics_middleware
+from gateway.response_store import ResponseStore
 from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
 from gateway.routes.health import health, metrics, ready, workers
 from gateway.routes.models import ModelsController
+from gateway.routes.responses import ResponsesController
 from gateway.routes.tokenize import TokenizeController
 from gateway.routes.ui import UI_ROUTES
 from gateway.templates import ChatTemplate, read_template_source
@@ -57,6 +59,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         await client.start()
         admission = Admission(config.max_concurrent_requests, config.max_waiting_requests)
         app.state.allow_request_chat_template = config.allow_request_chat_template
+        app.state.response_store = ResponseStore()
         app.state.generator = Generator(
             client, tokenizer, template, source.name, config.tokenizer_threads, Metrics(client, admission), admission,
             config.request_timeout,
@@ -71,7 +74,7 @@ def create_app(config: GatewayConfig) -> Litestar:
     keys = parse_keys(config.api_key)
     api = Router(
         path="/",
-        route_handlers=[ChatController, CompletionsController, ModelsController, TokenizeController, ready, workers, metrics],
+        route_handlers=[ChatController, CompletionsController, ResponsesController, ModelsController, TokenizeController, ready, workers, metrics],
         guards=[api_key_guard(keys)] if keys else [],
     )
     origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]
