@@ -161,6 +161,7 @@ class RequestOutput:
     bad_request: bool = False  # the error is the request's own fault (e.g. a grammar that does not compile)
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token: prompt tokens 1..n-1
+    seq: int = 0  # this output's number among its request's outputs (0, 1, ...): a gap means one was lost
 
 
 @dataclass(slots=True)

@@ -77,6 +77,8 @@ class RequestStream:
         self.cached_tokens: int | None = None
         self.cost = 0  # what it adds to its worker's outstanding tokens
         self.heartbeats_at_assign = 0  # its worker's heartbeat count when it was sent there
+        self.wire_id = request.request_id  # the id of its current attempt on the wire (a resume gets a new one)
+        self.next_seq = 0  # the sequence number its next output must carry
 
     def resumed_request(self) -> NewRequest:
         """The request as a new worker must run it: the prompt grows by what was already generated."""

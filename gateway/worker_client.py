@@ -68,6 +68,7 @@ class WorkerClient:
         # Requests whose worker died when no other was there: they wait a liveness period for one
         # to (re)register (workers reconnect after a gateway pause or restart) before failing.
         self._orphans: dict[str, tuple[RequestStream, str, float]] = {}
+        self._attempts: dict[str, RequestStream] = {}  # resumed requests by their current wire id
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
@@ -159,9 +160,10 @@ class WorkerClient:
         worker.outstanding_tokens += stream.cost
         if not worker.inflight:
             worker.last_progress = time.monotonic()  # the progress clock starts with the work
-        worker.inflight.add(request.request_id)
+        worker.inflight.add(stream.request_id)
         worker.requests_assigned += 1
         stream.heartbeats_at_assign = worker.heartbeats
+        stream.next_seq = 0
         worker.pending.append(request)
         stream.worker = worker.identity
         if not self._flush_scheduled:
@@ -180,10 +182,10 @@ class WorkerClient:
         if request_id in worker.inflight:
             worker.inflight.discard(request_id)
             worker.outstanding_tokens -= stream.cost
-        if any(r.request_id == request_id for r in worker.pending):  # not sent yet: just drop it
-            worker.pending = [r for r in worker.pending if r.request_id != request_id]
+        if any(r.request_id == stream.wire_id for r in worker.pending):  # not sent yet: just drop it
+            worker.pending = [r for r in worker.pending if r.request_id != stream.wire_id]
             return
-        self._send(worker, Abort([request_id]))
+        self._send(worker, Abort([stream.wire_id]))
 
     def snapshot(self) -> dict:
         return {
@@ -261,13 +263,14 @@ class WorkerClient:
             worker.load = msg
             worker.heartbeats += 1
             if worker.inflight and not (msg.running or msg.waiting):
-                self._end_unaccepted(worker)
+                self._recover_unheld(worker)
         elif isinstance(msg, Goodbye):
             self._purge(worker, f"worker {worker.ready.worker_name} left: {msg.reason}")
         elif isinstance(msg, WorkerError):
             log.error("worker %s: %s", worker.ready.worker_name, msg.message)
-            if msg.request_id in self.streams:
-                self._end(self.streams[msg.request_id], GenerationFailed(msg.message))
+            stream = self._stream_of(msg.request_id)
+            if stream is not None:
+                self._end(stream, GenerationFailed(msg.message))
 
     def _register(self, identity: bytes, ready: Ready) -> None:
         if ready.protocol_version != protocol.PROTOCOL_VERSION or ready.model != self.model:
@@ -291,9 +294,13 @@ class WorkerClient:
             worker.batched_steps += step.batch_size > 1
             worker.peak_batch_size = max(worker.peak_batch_size, step.batch_size)
         for output in step.outputs:
-            stream = self.streams.get(output.request_id)
+            stream = self._stream_of(output.request_id)
             if stream is None:
-                continue  # aborted by us already
+                continue  # aborted by us already, or from an attempt that was moved on
+            if output.seq != stream.next_seq:
+                self._lost_output(worker, stream, output.seq)
+                continue
+            stream.next_seq += 1
             if output.finish_reason == FinishReason.ERROR:
                 failure = BadGeneration if output.bad_request else GenerationFailed
                 self._end(stream, failure(output.error or "the worker failed this request"))
@@ -309,27 +316,51 @@ class WorkerClient:
             if output.finish_reason is not None:
                 self._end(stream, None)
 
-    def _end_unaccepted(self, worker: WorkerInfo) -> None:
+    def _stream_of(self, wire_id: str | None) -> RequestStream | None:
+        """The open stream whose current attempt has this wire id (None for a stale attempt's)."""
+        stream = self.streams.get(wire_id) if wire_id is not None else None
+        stream = stream or self._attempts.get(wire_id or "")
+        return stream if stream is not None and stream.wire_id == wire_id else None
+
+    def _lost_output(self, worker: WorkerInfo, stream: RequestStream, seq: int) -> None:
+        """An output of this request never arrived (seq jumped): the tokens delivered so far are
+        exact, so it resumes from them as after a dead worker, under a new wire id (the worker is
+        told to stop the old attempt; whatever else it sends for it is ignored)."""
+        reason = f"worker {worker.ready.worker_name} lost output {stream.next_seq} of the request (got {seq})"
+        log.warning("%s; resuming it", reason, extra={"request_id": stream.request_id})
+        self._send(worker, Abort([stream.wire_id]))
+        self._unassign(worker, stream)
+        self._resume(stream, reason)
+
+    def _recover_unheld(self, worker: WorkerInfo) -> None:
         """The worker says it holds nothing, yet requests sent to it ``liveness`` heartbeats ago
-        are open: it never accepted them (a message it could not read). Messages from one worker
-        arrive in order, so their outputs would have come before this heartbeat. They end with an
-        error of their own; the worker is not at fault, so it is neither hung nor dead."""
+        are open: it never accepted them (a message lost or unreadable), or their last output was
+        lost. Messages from one worker arrive in order, so their outputs would have come before
+        this heartbeat. Each resumes from what was delivered (``max_retries`` times at most), the
+        worker is not at fault: it counts as neither hung nor dead."""
         for request_id in list(worker.inflight):
             stream = self.streams.get(request_id)
             if stream is not None and worker.heartbeats - stream.heartbeats_at_assign > self.liveness:
-                log.error("worker %s never accepted request %s", worker.ready.worker_name, request_id, extra={"request_id": request_id})
-                self._end(stream, GenerationFailed(f"worker {worker.ready.worker_name} never accepted the request"))
+                reason = f"worker {worker.ready.worker_name} does not hold the request (never accepted, or its last output was lost)"
+                log.warning("%s; resuming it", reason, extra={"request_id": request_id})
+                self._unassign(worker, stream)
+                self._resume(stream, reason)
 
     def _end(self, stream: RequestStream, error: GenerationFailed | None) -> None:
         """Close a stream (with an error to deliver, or after its final output)."""
         self.streams.pop(stream.request_id, None)
+        self._attempts.pop(stream.wire_id, None)
         worker = self.workers.get(stream.worker)
-        if worker is not None and stream.request_id in worker.inflight:
-            worker.inflight.discard(stream.request_id)
-            worker.outstanding_tokens -= stream.cost
+        if worker is not None:
+            self._unassign(worker, stream)
         if error is not None and not stream.finished:
             stream.queue.put_nowait(error)
         stream.finished = True
+
+    def _unassign(self, worker: WorkerInfo, stream: RequestStream) -> None:
+        if stream.request_id in worker.inflight:
+            worker.inflight.discard(stream.request_id)
+            worker.outstanding_tokens -= stream.cost
 
     def _purge(self, worker: WorkerInfo, reason: str) -> None:
         if self.workers.pop(worker.identity, None) is None:
@@ -360,6 +391,10 @@ class WorkerClient:
             return
         stream.retries += 1
         stream.offset = len(stream.generated)
+        self._attempts.pop(stream.wire_id, None)
+        stream.wire_id = f"{stream.request_id}.{stream.retries}"  # a late output of the old attempt can't pass for the new one's
+        self._attempts[stream.wire_id] = stream
+        request.request_id = stream.wire_id
         self.resumed += 1
         self._assign(stream, request)
 

@@ -178,6 +178,7 @@ class Engine:
         prompt = None
         if new_token_ids and request.sampling.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             prompt, request.prompt_logprobs_sent = request.prompt_logprobs, True  # complete once a token is sampled
+        request.outputs_sent += 1
         return RequestOutput(
             request.request_id,
             new_token_ids,
@@ -188,6 +189,7 @@ class Engine:
             error=request.error,
             logprobs=None if logprobs is None else [logprobs],
             prompt_logprobs=prompt,
+            seq=request.outputs_sent - 1,
         )
 
     def _finish_output(self, request: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:

@@ -19,6 +19,7 @@ import signal
 import socket
 import time
 import uuid
+from collections import deque
 
 import zmq
 import zmq.auth
@@ -59,6 +60,7 @@ class WorkerProc:
         self.drain_timeout = drain_timeout
         self.draining_since: float | None = None
         self._announced_drain = False
+        self._unsent: deque[list[bytes]] = deque()  # messages the socket could not take yet, in order
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -104,6 +106,7 @@ class WorkerProc:
             server_public, _ = zmq.auth.load_certificate(self.curve_keys[1])
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = own_public, own_secret, server_public
         sock.connect(self.address)
+        self._unsent.clear()  # meant for the old connection; the gateway resumes those requests itself
         self._send(sock, self.ready)
         log.info("registered with gateway at %s as %s", self.address, self.name)
         return sock
@@ -117,8 +120,11 @@ class WorkerProc:
         next_heartbeat = 0.0
         self._announced_drain = False
         while not self.stopping:
+            self._flush(sock)
             now = time.monotonic()
             wait_s = 0.0 if self.engine.has_work() else max(0.0, min(next_heartbeat - now, self.interval))
+            if self._unsent:
+                wait_s = min(wait_s, 0.01)
             if poller.poll(int(wait_s * 1000)):
                 if self._drain(sock):
                     last_heard, heard = time.monotonic(), True
@@ -186,11 +192,24 @@ class WorkerProc:
         return AddRequests(good)
 
     def _send(self, sock: zmq.Socket, msg: protocol.Message) -> None:
-        """Never block the step loop on a slow or absent gateway: drop and log instead."""
-        try:
-            sock.send_multipart(protocol.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("gateway not accepting messages; dropped a %s", type(msg).__name__)
+        """Never block the step loop on a slow gateway, and never lose a message either (a lost
+        output is a gap in a stream): what the socket can't take now waits for the next try."""
+        if not self._unsent:
+            try:
+                sock.send_multipart(protocol.encode(msg), zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                log.warning("gateway not accepting messages; holding them until it does")
+        self._unsent.append(protocol.encode(msg))
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        """Send what was held back, oldest first, as far as the socket takes it."""
+        while self._unsent:
+            try:
+                sock.send_multipart(self._unsent[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._unsent.popleft()
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

@@ -56,6 +56,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1.., as computed
     prompt_logprobs_sent: bool = False
     output_start: int | None = None  # where generated tokens begin, when before num_prompt_tokens (resumed)
+    outputs_sent: int = 0  # the next output's sequence number
 
     @classmethod
     def from_wire(cls, new: NewRequest, eos_token_ids: frozenset[int]) -> Request:

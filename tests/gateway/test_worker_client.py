@@ -156,9 +156,9 @@ def test_a_worker_registering_again_replaces_its_old_entry_and_takes_its_request
         try:
             await restarted.send(READY)  # same worker_name, new identity: the same worker, restarted
             resent = await restarted.receive(AddRequests)
-            assert [r.request_id for r in resent.requests] == ["r0"]
+            assert [r.request_id for r in resent.requests] == ["r0.1"]  # each attempt has its own wire id
             assert [w.identity for w in client.workers.values()] == [b"fake-restarted"]
-            await restarted.send(StepOutputs([RequestOutput("r0", [9], "length", 3, 1)]))
+            await restarted.send(StepOutputs([RequestOutput("r0.1", [9], "length", 3, 1)]))
             assert (await asyncio.wait_for(stream.queue.get(), 5)).new_token_ids == [9]
         finally:
             restarted.close()
@@ -176,12 +176,12 @@ def test_a_dead_workers_requests_resume_on_another_worker_where_they_left_off():
             await other.send(Ready("other", "m", 1024, 4096, 16, 8, "cpu", "float32"))
             await eventually(lambda: len(client.workers) == 2)
             await worker.send(StepOutputs([RequestOutput("r0", [7], None, 3, 1)]))
-            await worker.send(StepOutputs([RequestOutput("r0", [8], None, 3, 2)]))
+            await worker.send(StepOutputs([RequestOutput("r0", [8], None, 3, 2, seq=1)]))
             await worker.send(Goodbye("crashing"))
             moved = (await other.receive(AddRequests)).requests[0]
             assert moved.prompt_token_ids == [1, 2, 3, 7, 8] and moved.max_new_tokens == 3
             assert moved.sampling.temperature == 0.7 and moved.sampling.seed == 13
-            await other.send(StepOutputs([RequestOutput("r0", [9], "length", 5, 1)]))
+            await other.send(StepOutputs([RequestOutput("r0.1", [9], "length", 5, 1)]))
             outputs = [await asyncio.wait_for(stream.queue.get(), 5) for _ in range(3)]
             assert [o.new_token_ids for o in outputs] == [[7], [8], [9]]
             assert (outputs[-1].num_prompt_tokens, outputs[-1].num_output_tokens) == (3, 3)
@@ -217,8 +217,9 @@ def test_a_worker_that_heartbeats_but_makes_no_progress_counts_as_hung():
 
 def test_a_request_the_worker_never_accepted_fails_alone_and_the_worker_is_not_hung():
     """The worker heartbeats that it holds nothing while the gateway counts a request on it (a
-    message the worker could not read): the request ends with an error after ``liveness`` heartbeats,
-    the worker stays registered and ready, though hung_timeout passed meanwhile."""
+    message lost or unreadable): after ``liveness`` heartbeats the request is sent again (the
+    resume path, max_retries times) and then ends with an error; the worker stays registered and
+    ready, though hung_timeout passed many times meanwhile."""
     async def main():
         client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", "m", heartbeat_interval=0.1, heartbeat_liveness=5, hung_timeout=0.3)
         await client.start()
@@ -227,7 +228,7 @@ def test_a_request_the_worker_never_accepted_fails_alone_and_the_worker_is_not_h
             await worker.send(READY)
             await eventually(lambda: client.workers)
             stream = client.submit(request(0))
-            await worker.receive(AddRequests)  # and loses it
+            await worker.receive(AddRequests)  # and loses it, and the two resends
             loop = asyncio.get_running_loop()
             started, ready_throughout = loop.time(), True
             while stream.queue.empty() and loop.time() < started + 5:
@@ -235,7 +236,8 @@ def test_a_request_the_worker_never_accepted_fails_alone_and_the_worker_is_not_h
                 await asyncio.sleep(0.1)
                 ready_throughout &= bool(client.ready_workers())
             error = stream.queue.get_nowait()
-            assert isinstance(error, GenerationFailed) and "never accepted" in error.message
+            assert isinstance(error, GenerationFailed) and "does not hold the request" in error.message
+            assert "moved 2 times" in error.message and client.resumed == 2
             assert loop.time() - started > 0.5 and ready_throughout
             assert client.workers and client.snapshot()["workers"][0]["inflight"] == 0
             for _ in range(5):  # past hung_timeout again: still there
@@ -263,3 +265,28 @@ def test_prefix_affinity_sends_a_shared_prefix_to_the_same_worker_unless_it_is_m
     assert affinity.choose(list(range(1000, 1100)), [a, b], least_loaded=a) is a  # an unseen prefix
     assert affinity.choose([1, 2, 3], [a, b], least_loaded=b) is b  # too short to bother
     assert affinity.hits == 1
+
+
+def test_a_lost_output_is_noticed_and_the_request_resumes_from_what_was_delivered():
+    """The worker skips the output carrying token 8 (seq 1): the gateway sees seq 2 arrive where
+    1 was due, stops the old attempt, and sends the request again as prompt + the tokens delivered
+    (under a new wire id, so the old attempt's late outputs can't mix in). The client reads 7 8 9
+    with no hole, and usage counts what it got."""
+    async def scenario(client, worker):
+        await worker.send(READY)
+        await eventually(lambda: client.workers)
+        stream = client.submit(NewRequest("r0", [1, 2, 3], 3, SamplingParams(temperature=0)))
+        await worker.receive(AddRequests)
+        await worker.send(StepOutputs([RequestOutput("r0", [7], None, 3, 1, seq=0)]))
+        await worker.send(StepOutputs([RequestOutput("r0", [9], None, 3, 3, seq=2)]))  # seq 1 ([8]) lost
+        assert (await worker.receive(Abort)).request_ids == ["r0"]
+        again = (await worker.receive(AddRequests)).requests[0]
+        assert (again.request_id, again.prompt_token_ids, again.max_new_tokens) == ("r0.1", [1, 2, 3, 7], 2)
+        await worker.send(StepOutputs([RequestOutput("r0", [], "abort", 3, 3, seq=3)]))  # the old attempt's: ignored
+        await worker.send(StepOutputs([RequestOutput("r0.1", [8], None, 4, 1, seq=0)]))
+        await worker.send(StepOutputs([RequestOutput("r0.1", [9], "length", 4, 2, seq=1)]))
+        outputs = [await asyncio.wait_for(stream.queue.get(), 5) for _ in range(3)]
+        assert [o.new_token_ids for o in outputs] == [[7], [8], [9]]
+        assert outputs[-1].finish_reason == "length" and outputs[-1].num_output_tokens == 3
+        assert stream.finished and client.resumed == 1 and client.workers
+    run(scenario)

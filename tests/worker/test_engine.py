@@ -138,6 +138,7 @@ def test_a_row_that_fails_inside_a_batch_of_16_ends_alone_and_the_others_read_th
     (failed,) = out["r5"][-1:]
     assert failed.finish_reason == "error" and "IndexError" in failed.error
     assert {rid: tokens(outs) for rid, outs in out.items() if rid != "r5"} == reference
+    assert all([o.seq for o in outs] == list(range(len(outs))) for outs in out.values()), "outputs numbered without a gap"
     assert all(outs[-1].finish_reason == "length" for rid, outs in out.items() if rid != "r5")
 
 

@@ -144,3 +144,29 @@ def test_a_request_the_worker_cannot_decode_is_answered_with_an_error_not_droppe
         proc.stopping = True
         thread.join(5)
         gateway.close()
+
+
+def test_messages_the_socket_cannot_take_wait_in_order_instead_of_being_dropped():
+    """A gateway that does not read fills the DEALER's queue (zmq.Again): the outputs wait and go,
+    in order, once it reads again; before, each was dropped and its stream had a silent hole."""
+
+    class FullSocket:
+        def __init__(self) -> None:
+            self.accepting = False
+            self.sent: list[list[bytes]] = []
+
+        def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+            if not self.accepting:
+                raise zmq.Again()
+            self.sent.append(frames)
+
+    proc = WorkerProc(StubEngine(), "tcp://127.0.0.1:1", "w-test", "m", "cpu", "float32", heartbeat_interval=0.1, heartbeat_liveness=3)
+    sock = FullSocket()
+    steps = [StepOutputs([RequestOutput("a", [i], seq=i)]) for i in range(3)]
+    for step in steps[:2]:
+        proc._send(sock, step)
+    sock.accepting = True
+    proc._send(sock, steps[2])  # behind the held ones, never ahead of them
+    assert not sock.sent
+    proc._flush(sock)
+    assert [protocol.decode(frames) for frames in sock.sent] == steps
