@@ -66,6 +66,7 @@ class FakeEngine:
                     "length" if done else None,
                     state[0],
                     state[2],
+                    seq=state[2] - 1,  # one output per step: the gateway checks they arrive without a gap
                 )
             )
             if done:
