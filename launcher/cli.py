@@ -126,16 +126,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_keys(folder: str, workers: int) -> None:
     """gateway.key / gateway.key_secret and worker-N pairs; put the workers' public files in the
-    gateway's --curve-authorized-keys folder (done here: FOLDER/authorized)."""
+    gateway's --curve-authorized-keys folder (done here: FOLDER/authorized). Secret files are
+    created owner-only (0600: never readable by others, not even for a moment); public ones 0644."""
     import shutil
 
     import zmq.auth
 
-    os.makedirs(os.path.join(folder, "authorized"), exist_ok=True)
-    zmq.auth.create_certificates(folder, "gateway")
-    for i in range(workers):
-        public, _ = zmq.auth.create_certificates(folder, f"worker-{i}")
-        shutil.copy(public, os.path.join(folder, "authorized"))
+    previous = os.umask(0o077)
+    try:
+        os.makedirs(os.path.join(folder, "authorized"), exist_ok=True)
+        publics = [zmq.auth.create_certificates(folder, "gateway")[0]]
+        for i in range(workers):
+            public, _ = zmq.auth.create_certificates(folder, f"worker-{i}")
+            publics.append(public)
+            publics.append(shutil.copy(public, os.path.join(folder, "authorized")))
+    finally:
+        os.umask(previous)
+    for path in publics:
+        os.chmod(path, 0o644)
     print(f"gateway: --curve-server-secret-key {folder}/gateway.key_secret --curve-authorized-keys {folder}/authorized")
     print(f"worker N: --curve-client-secret-key {folder}/worker-N.key_secret --curve-server-public-key {folder}/gateway.key")
 

@@ -193,3 +193,15 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
         assert reply.choices[0].message.content
     finally:
         server.stop()
+
+
+def test_llmpool_keys_writes_secret_keys_owner_only(tmp_path):
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "launcher", "keys", str(keys), "--workers", "2"], cwd=REPO, check=True, capture_output=True)
+    secrets = sorted(p.name for p in keys.glob("*.key_secret"))
+    assert secrets == ["gateway.key_secret", "worker-0.key_secret", "worker-1.key_secret"]
+    for path in keys.glob("*.key_secret"):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    for path in [*keys.glob("*.key"), *(keys / "authorized").glob("*.key")]:
+        assert path.stat().st_mode & 0o777 == 0o644, path
+    assert sorted(p.name for p in (keys / "authorized").iterdir()) == ["worker-0.key", "worker-1.key"]
