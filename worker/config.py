@@ -23,7 +23,7 @@ WORKER_FLAGS = [
     Flag("curve-client-secret-key", None, "CURVE: this worker's secret key file (from `llmpool keys`)"),
     Flag("curve-server-public-key", None, "CURVE: the gateway's public key file"),
     Flag("threads", 0, "CPU threads for torch; 0 leaves torch's default", int),
-    Flag("compile", "auto", "Compile the batched decode attention with torch.compile (inductor; needs a C++ compiler): on, off, or auto (on for the CPU, where it measured 5x faster; off on CUDA, not measured yet)"),
+    Flag("quantization", "auto", "Weights of the small-batch decode kernel: int8 (weight-only, a scale per output row), none (the model's dtype), or auto (int8 on the CPU unless --dtype float32)"),
 ]
 
 
@@ -43,7 +43,7 @@ class WorkerConfig(SharedConfig):
     prefix_caching: bool = True
     max_model_len: int = 0
     model_impl: str = "auto"
-    compile: str = "auto"
+    quantization: str = "auto"
     threads: int = 0
     drain_timeout: float = 30.0
     curve_client_secret_key: str | None = None

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention import AttentionMetadata, paged_attention
+from worker.quantization import quantize_int8
 
 SUPPORTED = {"llama", "qwen2"}
 
@@ -80,10 +81,66 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class LlamaForward:
-    """Holds fused weights taken from a loaded transformers model; ``__call__`` runs one step."""
+@dataclass(slots=True)
+class DecodeWeights:
+    """The weights ``torch.ops.llmpool.llama_decode`` reads, per layer in lists: plain contiguous
+    matrices (int8 with a float32 scale per output row, or the model's dtype with no scales), float32
+    norms and biases."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    input_norms: list[torch.Tensor]
+    qkv: list[torch.Tensor]
+    qkv_scale: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor]
+    o_proj: list[torch.Tensor]
+    o_scale: list[torch.Tensor]
+    post_norms: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    gate_up_scale: list[torch.Tensor]
+    down: list[torch.Tensor]
+    down_scale: list[torch.Tensor]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    lm_head_scale: torch.Tensor | None
+
+
+def _decode_weights(model: torch.nn.Module, quantization: str) -> DecodeWeights:
+    """Fused (and, with ``int8``, quantized) copies of the weights for the small-batch decode kernel."""
+
+    def matrix(*parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight = torch.cat([p.detach() for p in parts]) if len(parts) > 1 else parts[0].detach()
+        if quantization == "int8":
+            return quantize_int8(weight)
+        return weight.contiguous(), None
+
+    w = DecodeWeights(*([] for _ in range(11)), final_norm=model.model.norm.weight.detach().float(), lm_head=None, lm_head_scale=None)
+    for block in model.model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        for target, scales, parts in (
+            (w.qkv, w.qkv_scale, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)),
+            (w.o_proj, w.o_scale, (attn.o_proj.weight,)),
+            (w.gate_up, w.gate_up_scale, (mlp.gate_proj.weight, mlp.up_proj.weight)),
+            (w.down, w.down_scale, (mlp.down_proj.weight,)),
+        ):
+            weight, scale = matrix(*parts)
+            target.append(weight)
+            if scale is not None:
+                scales.append(scale)
+        if attn.q_proj.bias is not None:
+            w.qkv_bias.append(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().float())
+        w.input_norms.append(block.input_layernorm.weight.detach().float())
+        w.post_norms.append(block.post_attention_layernorm.weight.detach().float())
+    w.lm_head, w.lm_head_scale = matrix(model.lm_head.weight)
+    return w
+
+
+class LlamaForward:
+    """Holds fused weights taken from a loaded transformers model; ``__call__`` runs one step.
+
+    With ``fast_decode`` it also keeps the weights the C++ decode kernel reads (``decode``): a whole
+    small-batch decode step in one call, int8 weights with ``quantization="int8"``.
+    """
+
+    def __init__(self, model: torch.nn.Module, fast_decode: bool = False, quantization: str = "none") -> None:
         config = model.config
         decoder = model.model
         self.eps = config.rms_norm_eps
@@ -94,6 +151,7 @@ class LlamaForward:
         self.final_norm = decoder.norm.weight
         self.lm_head = _Linear(model.lm_head.weight)
         self.rotary = decoder.rotary_emb
+        self.decode_weights = _decode_weights(model, quantization) if fast_decode else None
         self.layers = [self._fuse(i, block) for i, block in enumerate(decoder.layers)]
         decoder.layers = torch.nn.ModuleList()  # the fused copies replace them; free the originals
 
@@ -139,3 +197,18 @@ class LlamaForward:
             hidden = hidden + layer.down(F.silu(gate) * up)
         hidden = _rms_norm(hidden[0, logits_indices], self.final_norm, self.eps)
         return self.lm_head(hidden)
+
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               slots: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+        """One decode step of ``[rows]`` single tokens through the C++ kernel; float32 logits ``[rows, vocab]``."""
+        w = self.decode_weights
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(hidden.new_empty(0, dtype=torch.float32), positions.unsqueeze(0))
+        normed = torch.ops.llmpool.llama_decode(
+            hidden, cos[0], sin[0], w.input_norms, w.qkv, w.qkv_scale, w.qkv_bias, w.o_proj, w.o_scale, w.post_norms,
+            w.gate_up, w.gate_up_scale, w.down, w.down_scale, w.final_norm, [k for k, _ in kv_caches],
+            [v for _, v in kv_caches], slots, block_tables, lengths, max_len, self.heads, self.kv_heads, self.eps,
+            self.head_dim**-0.5,
+        )
+        return torch.ops.llmpool.linear(normed, w.lm_head, w.lm_head_scale, None)

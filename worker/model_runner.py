@@ -11,7 +11,6 @@ Both give bit-identical numbers to ``generate`` for a lone sequence.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -19,13 +18,13 @@ import torch
 from common.config import parse_size
 from common.model_source import ModelSource, load_tokenizer
 from common.protocol import TokenLogprobs
-from worker import attention
+from worker import kernels
 from worker.attention import ATTENTION_NAME, AttentionMetadata, DecodeGroup, PrefillSpan
-from worker.block_manager import blocks_for
 from worker.config import WorkerConfig
 from worker.guided import GuidedDecoding
 from worker.llama import LlamaForward, supports
 from worker.loader import load_model
+from worker.quantization import CHOICES as QUANTIZATION_CHOICES
 from worker.request import Request
 from worker.sampler import Sampler, prompt_logprobs
 from worker.scheduler import ScheduledBatch
@@ -33,6 +32,7 @@ from worker.scheduler import ScheduledBatch
 log = logging.getLogger(__name__)
 
 MIN_GROUP = 8  # fewest decode rows worth a separate attention call
+FAST_DECODE_MAX_ROWS = 4  # beyond this oneDNN's bf16 matmuls beat the C++ matrix-vector kernel
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CPU_DEFAULT_KV_BYTES = 2**30
 
@@ -76,6 +76,7 @@ class ModelRunner:
         model = load_model(source, self.dtype, config.cache_dir)
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model.to(self.device).eval()
+        self.quantization = self._pick_quantization(config.quantization)
         self.native = self._pick_impl(config.model_impl)
         model_config = model.config.get_text_config()
         limit = model_config.max_position_embeddings
@@ -84,7 +85,6 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.kv_caches = self._allocate_kv_cache(model_config, config.kv_cache_memory)
         self.num_blocks = self.kv_caches[0][0].shape[0]
-        self._maybe_compile(config.compile)
         self.guided = GuidedDecoding(lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(self.device, self.guided)
 
@@ -96,7 +96,24 @@ class ModelRunner:
             raise ValueError(f"--model-impl native does not support model type {self.model.config.model_type!r}")
         use_native = native_ok and choice != "transformers"
         log.info("model implementation: %s", "native (worker/llama.py)" if use_native else "transformers classes")
-        return LlamaForward(self.model) if use_native else None
+        if not use_native:
+            return None
+        return LlamaForward(self.model, fast_decode=self.fast_decode, quantization=self.quantization)
+
+    def _pick_quantization(self, choice: str) -> str:
+        """Decide the small-batch decode path: the C++ kernel (``fast_decode``) runs on the CPU in
+        bf16/fp16, or in any dtype once weights are quantized; float32 without quantization keeps
+        the exact torch path (token-identical to ``generate``)."""
+        if choice not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {choice!r}")
+        usable = self.device.type == "cpu" and kernels.load()
+        if choice == "auto":
+            choice = "int8" if usable and self.dtype != torch.float32 else "none"
+        if choice != "none" and not usable:
+            raise ValueError(f"--quantization {choice} needs the C++ CPU kernels: {kernels.unavailable_reason() or 'not on the CPU'}")
+        self.fast_decode = usable and (choice != "none" or self.dtype != torch.float32)
+        log.info("small-batch decode: %s, weights %s", "C++ kernel" if self.fast_decode else "torch", choice)
+        return choice
 
     def _allocate_kv_cache(self, model_config: object, budget: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer a K and a V tensor of ``[num_blocks, block_size, kv_heads, head_dim]``."""
@@ -114,30 +131,6 @@ class ModelRunner:
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(layers)
         ]
-
-    def _maybe_compile(self, choice: str) -> None:
-        """Compile the decode attention and warm it up now, so no request waits for the compiler
-        (about 10 s cold, a few seconds once inductor's on-disk cache has it); fall back to eager
-        when compiling fails (no C++ compiler, say)."""
-        if choice not in ("auto", "on", "off"):
-            raise ValueError(f"--compile must be auto, on or off; got {choice!r}")
-        if choice == "off" or (choice == "auto" and self.device.type != "cpu"):
-            return
-        started = time.perf_counter()
-        try:
-            attention.compile_decode_attention()
-            k_cache, v_cache = self.kv_caches[0]
-            heads = self.model.config.get_text_config().num_attention_heads
-            for rows, length in ((2, 5), (3, 17)):  # two shapes: inductor then settles on dynamic ones
-                query = torch.zeros(rows, heads, k_cache.shape[-1], dtype=self.dtype, device=self.device)
-                tables = torch.zeros(rows, blocks_for(length, self.block_size), dtype=torch.long, device=self.device)
-                lengths = torch.full((rows,), length, dtype=torch.long, device=self.device)
-                attention._decode_kernel(query, k_cache, v_cache, tables, lengths, length, 1.0)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eagerly
-            attention.reset_decode_attention()
-            log.warning("torch.compile of the decode attention failed; running it eagerly: %s", exc)
-            return
-        log.info("decode attention compiled with inductor in %.1f s", time.perf_counter() - started)
 
     def _kv_budget_bytes(self, budget: str) -> int:
         on_gpu = self.device.type == "cuda"
@@ -163,6 +156,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """Run the batch through the model; return a sampled token for each request whose prompt is
         done, and the logprobs of those that asked for them."""
+        if self._fits_fast_decode(batch):
+            return self._execute_fast_decode(batch)
         inputs = self._prepare(batch)
         if self.native is not None:
             logits = self.native(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
@@ -179,6 +174,34 @@ class ModelRunner:
             return {}, {}
         tokens, logprobs = self.sampler(logits[: len(inputs.sampled_requests)], inputs.sampled_requests)
         ids = [r.request_id for r in inputs.sampled_requests]
+        return dict(zip(ids, tokens)), {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}
+
+    def _fits_fast_decode(self, batch: ScheduledBatch) -> bool:
+        return (
+            self.fast_decode
+            and self.native is not None
+            and len(batch.requests) <= FAST_DECODE_MAX_ROWS
+            and all(n == 1 for n in batch.num_new_tokens)
+            and all(r.num_computed_tokens + 1 == r.num_tokens for r in batch.requests)
+        )
+
+    def _execute_fast_decode(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """A few single-token rows: one C++ call for the whole model (worker/kernels)."""
+        requests = batch.requests
+        bs = self.block_size
+        positions = [r.num_computed_tokens for r in requests]
+        group = self._decode_group(requests, 0)
+        logits = self.native.decode(
+            self._tensor([r.token_ids[p] for r, p in zip(requests, positions)]),
+            self._tensor(positions),
+            self.kv_caches,
+            self._tensor([r.block_ids[p // bs] * bs + p % bs for r, p in zip(requests, positions)]),
+            group.block_tables,
+            group.lengths,
+            group.max_len,
+        )
+        tokens, logprobs = self.sampler(logits, requests)
+        ids = [r.request_id for r in requests]
         return dict(zip(ids, tokens)), {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> None:

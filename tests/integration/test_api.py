@@ -118,24 +118,40 @@ GREEDY_PROMPTS = [
 ]
 
 
-def test_greedy_output_is_token_identical_to_transformers_generate(client, tokenizer):
-    """Same weights (loaded independently from the GGUF file), same dtype (bfloat16), same prompts."""
+def test_greedy_output_passes_the_closeness_test_against_transformers_generate(client, tokenizer):
+    """Same weights (loaded independently from the GGUF file), bf16 ``generate`` as the reference.
+
+    The server runs its fast paths (the C++ decode kernel with int8 weights by default), so the rule
+    is vLLM's closeness test instead of identity: greedy texts agree token for token until they
+    diverge, and where they do, each side's token is among the other's top-5 logprobs.
+    """
     from transformers import AutoModelForCausalLM
 
+    from bench.accuracy import Generation, check_close
     from common.model_source import resolve_model
+    from gateway.logprobs import TokenTexts
 
+    texts = TokenTexts(tokenizer)
     source = resolve_model(MODEL)
     reference = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.bfloat16).eval()
+    agreed = []
     for prompt in GREEDY_PROMPTS:
         ids = tokenizer.apply_chat_template(ask(prompt), add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
         with torch.inference_mode():
-            out = reference.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
-        expected = tokenizer.decode(out, skip_special_tokens=True)
-        response = client.chat.completions.create(model=MODEL, messages=ask(prompt), max_tokens=40, temperature=0)
-        assert response.choices[0].message.content == expected, prompt
+            result = reference.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        out = result.sequences[0, len(ids):].tolist()
+        top = [step[0].float().topk(5).indices.tolist() for step in result.logits]
+        expected = Generation([texts.bytes(t) for t in out], [], [[texts.bytes(t) for t in row] for row in top])
+        response = client.chat.completions.create(model=MODEL, messages=ask(prompt), max_tokens=40, temperature=0, logprobs=True, top_logprobs=5)
+        entries = response.choices[0].logprobs.content
+        got = Generation([bytes(e.bytes) for e in entries], [], [[bytes(t.bytes) for t in e.top_logprobs] for e in entries])
+        close, where = check_close(expected, got)
+        assert close, f"{prompt!r}: diverged at token {where} outside each other's top 5: {expected.tokens[where]!r} vs {got.tokens[where]!r}"
+        agreed.append(where)
         assert response.usage.prompt_tokens == len(ids)
-        assert response.usage.completion_tokens == len(out)
+    # A broken kernel can pass the top-5 rule at one position by luck, not for long stretches.
+    assert sum(agreed) / len(agreed) >= 8, f"greedy texts agree for too few tokens: {agreed}"
 
 
 @pytest.mark.parametrize(

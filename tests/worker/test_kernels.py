@@ -1,0 +1,116 @@
+"""The C++ kernels (worker/kernels) against plain torch arithmetic, and the fused decode step against
+the torch forward of the same model."""
+
+import pytest
+import torch
+
+from worker import kernels
+from worker.quantization import quantize_int8
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"C++ kernels did not build: {kernels.unavailable_reason()}")
+
+
+def reference_attention(q, k_cache, v_cache, tables, lengths, scale):
+    """Gather each row's context and attend in float32, KV heads repeated for their query heads."""
+    rows, heads, _ = q.shape
+    kv_heads = k_cache.shape[2]
+    out = []
+    for r in range(rows):
+        n = int(lengths[r])
+        k = k_cache[tables[r]].flatten(0, 1)[:n].float().repeat_interleave(heads // kv_heads, 1)
+        v = v_cache[tables[r]].flatten(0, 1)[:n].float().repeat_interleave(heads // kv_heads, 1)
+        weights = (torch.einsum("hd,thd->ht", q[r].float(), k) * scale).softmax(-1)
+        out.append(torch.einsum("ht,thd->hd", weights, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, heads, kv_heads, head_dim, lengths", [
+    (1, 9, 3, 64, [1]),
+    (1, 9, 3, 64, [4099]),  # long context: split across threads, a partial last block
+    (3, 8, 8, 32, [17, 5, 300]),  # no GQA, rows of different lengths
+    (20, 16, 2, 128, [33] * 10 + [130] * 10),
+])
+def test_paged_decode_attention_matches_gathered_attention(dtype, rows, heads, kv_heads, head_dim, lengths):
+    torch.manual_seed(0)
+    block_size, num_blocks = 16, 700
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    max_blocks = max(-(-n // block_size) for n in lengths)
+    tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in range(rows)])
+    lengths_t = torch.tensor(lengths)
+    q = torch.randn(rows, heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    got = torch.ops.llmpool.paged_decode_attention(q, k_cache, v_cache, tables, lengths_t, max(lengths), scale)
+    want = reference_attention(q, k_cache, v_cache, tables, lengths_t, scale)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("weights", ["int8", "bfloat16", "float32"])
+def test_linear_matches_torch(rows, weights):
+    torch.manual_seed(rows)
+    w = torch.randn(200, 72) * 0.1  # 72: a tail past the last full 16-wide vector
+    x = torch.randn(rows, 72).bfloat16()
+    bias = torch.randn(200)
+    if weights == "int8":
+        q, scale = quantize_int8(w)
+        got = torch.ops.llmpool.linear(x, q, scale, bias)
+        want = x.float() @ (q.float() * scale[:, None]).T + bias
+    else:
+        wt = w.to(getattr(torch, weights))
+        got = torch.ops.llmpool.linear(x, wt, None, bias)
+        want = x.float() @ wt.float().T + bias
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_quantization_error_is_bounded_by_half_a_step():
+    w = torch.randn(64, 256)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeypatch):
+    """In float32 with the model's own weights (no quantization) the one-call decode step gives the
+    torch path's greedy tokens: same norms, rotary, cache writes and attention, only the summation
+    order differs. (Float32 normally keeps the torch path; the test switches the kernel on.)"""
+    from common.model_source import resolve_model
+    from common.protocol import NewRequest, SamplingParams
+    from worker import model_runner
+    from worker.config import WorkerConfig
+    from worker.engine import Engine
+
+    prompts = [[1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
+               [1, 4093, 198, 31530, 253, 1403, 21881, 563, 260, 5304, 30, 2, 198, 1, 520, 9531, 198]]
+
+    def force_kernel(runner: model_runner.ModelRunner, choice: str) -> str:
+        runner.fast_decode = True
+        return "none"
+
+    def run(fast_rows: int) -> tuple[dict[str, list[int]], int]:
+        monkeypatch.setattr(model_runner, "FAST_DECODE_MAX_ROWS", fast_rows)
+        engine = Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
+        calls = 0
+        decode = engine.runner.native.decode
+
+        def counted(*args: object) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            return decode(*args)
+
+        engine.runner.native.decode = counted
+        for i, ids in enumerate(prompts):
+            engine.add_request(NewRequest(f"r{i}", ids, 24, SamplingParams(temperature=0)))
+        out: dict[str, list[int]] = {}
+        while engine.has_work():
+            for o in engine.step().outputs:
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out, calls
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_pick_quantization", force_kernel)
+    fused, fused_calls = run(fast_rows=4)
+    plain, plain_calls = run(fast_rows=0)
+    assert fused_calls >= 20 and plain_calls == 0
+    assert fused == plain

@@ -1,0 +1,508 @@
+// CPU kernels for the worker's decode path, registered as torch.ops.llmpool.*.
+//
+// Why they exist (worker/kernels/__init__.py has the measurements):
+// - paged_decode_attention: one query token per row attends to its context straight out of the
+//   paged KV cache (no copy), each KV head read once for all the query heads that share it (GQA),
+//   online softmax, and the context split across threads when there are few rows (flash-decoding).
+// - linear: a matrix-vector product for a handful of rows, with int8 (per-output-row scale) or
+//   bf16/fp16/fp32 weights; at batch 1 it reads each weight once at close to memory speed.
+// - llama_decode: a whole decode step of a Llama-family model for a few rows in one call: norms,
+//   projections, rotary embedding, cache writes, attention and MLP of every layer, with no Python
+//   and no per-op dispatch in between (that dispatch was ~3 ms of a 13 ms step).
+//
+// Vectors of 16 floats (AVX-512 where the compiler targets it, plain loops that compilers
+// auto-vectorize elsewhere); all maths in float32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using at::Tensor;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------------------------------------
+// 16-float vectors
+// ---------------------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+struct V16 {
+  __m512 v;
+  static V16 zero() { return {_mm512_setzero_ps()}; }
+  static V16 splat(float x) { return {_mm512_set1_ps(x)}; }
+};
+inline V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V16 mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline float hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 load16(const c10::BFloat16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
+inline V16 load16(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+inline V16 load16(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline V16 add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 sub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline float hmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
+// e^x for 16 floats: 2^(x log2 e) split into an integer power (scalef) and a degree-6 polynomial
+// of the fraction (relative error ~1e-7); anything below -100 gives 0.
+inline V16 exp16(V16 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return {_mm512_scalef_ps(p, n)};
+}
+// out[i] = sum of the lanes of r[i], for 16 vectors at once (a transpose-and-add tree).
+inline V16 reduce16(const V16* r) {
+  __m512 u[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512 a = r[4 * q].v, b = r[4 * q + 1].v, c = r[4 * q + 2].v, d = r[4 * q + 3].v;
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    u[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  }
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)))};
+}
+#else
+struct V16 {
+  float v[16];
+  static V16 zero() { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = 0.f; return r; }
+  static V16 splat(float x) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = x; return r; }
+};
+inline V16 fma(V16 a, V16 b, V16 c) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
+inline V16 mul(V16 a, V16 b) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
+inline float hsum(V16 a) { float s = 0.f; for (int i = 0; i < 16; ++i) s += a.v[i]; return s; }
+template <typename T>
+inline V16 load16(const T* p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(p[i]); return r; }
+inline void store16(float* p, V16 a) { for (int i = 0; i < 16; ++i) p[i] = a.v[i]; }
+inline V16 add(V16 a, V16 b) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
+inline V16 sub(V16 a, V16 b) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] - b.v[i]; return r; }
+inline float hmax(V16 a) { float m = a.v[0]; for (int i = 1; i < 16; ++i) m = std::max(m, a.v[i]); return m; }
+inline V16 exp16(V16 x) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::exp(x.v[i]); return r; }
+inline V16 reduce16(const V16* r) { V16 o; for (int i = 0; i < 16; ++i) o.v[i] = hsum(r[i]); return o; }
+#endif
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+// ---------------------------------------------------------------------------------------------
+// Small-batch linear: out[r, n] = scale[n] * sum_k x[r, k] * w[n, k] (+ bias[n]); x is float32.
+// A tile of NR output rows by R input rows keeps NR*R independent accumulator chains in flight.
+// ---------------------------------------------------------------------------------------------
+template <typename W, int R, int NR>
+void linear_tile(const float* x, int64_t rows_stride, const W* w, int64_t K, int64_t n0, float* out, int64_t out_stride,
+                 const float* scale, const float* bias) {
+  V16 acc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = V16::zero();
+  const int64_t K16 = K - K % 16;
+  for (int64_t k = 0; k < K16; k += 16) {
+    V16 xs[R];
+    for (int r = 0; r < R; ++r) xs[r] = load16(x + r * rows_stride + k);
+    for (int j = 0; j < NR; ++j) {
+      V16 wv = load16(w + (n0 + j) * K + k);
+      for (int r = 0; r < R; ++r) acc[r][j] = fma(wv, xs[r], acc[r][j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t n = n0 + j;
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[r][j]);
+      for (int64_t k = K16; k < K; ++k) s += x[r * rows_stride + k] * to_float(w[n * K + k]);
+      if (scale) s *= scale[n];
+      if (bias) s += bias[n];
+      out[r * out_stride + n] = s;
+    }
+  }
+}
+
+template <typename W, int R>
+void linear_rows(const float* x, int64_t K, const W* w, int64_t n_begin, int64_t n_end, float* out, int64_t N,
+                 const float* scale, const float* bias) {
+  constexpr int NR = R == 1 ? 8 : 4;
+  int64_t n = n_begin;
+  for (; n + NR <= n_end; n += NR) linear_tile<W, R, NR>(x, K, w, K, n, out, N, scale, bias);
+  for (; n < n_end; ++n) linear_tile<W, R, 1>(x, K, w, K, n, out, N, scale, bias);
+}
+
+// Rows of x in groups of up to 4, sharing each weight tile while it is in L1.
+template <typename W>
+void linear_range(const float* x, int64_t rows, int64_t K, const W* w, int64_t n_begin, int64_t n_end, float* out,
+                  int64_t N, const float* scale, const float* bias) {
+  // Walk the output in L1-sized column panels so every row group reuses the panel's weights.
+  const int64_t panel = std::max<int64_t>(8, (16 * 1024) / (K * (int64_t)sizeof(W)) / 8 * 8);
+  for (int64_t p0 = n_begin; p0 < n_end; p0 += panel) {
+    const int64_t p1 = std::min(n_end, p0 + panel);
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) linear_rows<W, 4>(x + r * K, K, w, p0, p1, out + r * N, N, scale, bias);
+    switch (rows - r) {
+      case 3: linear_rows<W, 3>(x + r * K, K, w, p0, p1, out + r * N, N, scale, bias); break;
+      case 2: linear_rows<W, 2>(x + r * K, K, w, p0, p1, out + r * N, N, scale, bias); break;
+      case 1: linear_rows<W, 1>(x + r * K, K, w, p0, p1, out + r * N, N, scale, bias); break;
+      default: break;
+    }
+  }
+}
+
+// A projection's weights as the fused step sees them.
+struct Weight {
+  const void* data;
+  at::ScalarType type;
+  int64_t N, K;
+  const float* scale;  // per output row (int8 weights), else nullptr
+  const float* bias;   // nullptr when none
+};
+
+Weight as_weight(const Tensor& w, const c10::optional<Tensor>& scale, const c10::optional<Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous matrix");
+  Weight out{w.data_ptr(), w.scalar_type(), w.size(0), w.size(1), nullptr, nullptr};
+  if (w.scalar_type() == at::kChar) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == w.size(0),
+                "int8 weights need a float32 scale per output row");
+    out.scale = scale->data_ptr<float>();
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == w.size(0), "bias must be float32 [N]");
+    out.bias = bias->data_ptr<float>();
+  }
+  return out;
+}
+
+// out [rows, N] = x [rows, K] @ w.T, split over output columns across threads.
+void run_linear(const float* x, int64_t rows, const Weight& w, float* out) {
+  const int64_t grain = std::max<int64_t>(16, w.N / (4 * at::get_num_threads()));
+  at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
+    switch (w.type) {
+      case at::kChar: linear_range(x, rows, w.K, static_cast<const int8_t*>(w.data), n0, n1, out, w.N, w.scale, w.bias); break;
+      case at::kBFloat16: linear_range(x, rows, w.K, static_cast<const c10::BFloat16*>(w.data), n0, n1, out, w.N, w.scale, w.bias); break;
+      case at::kHalf: linear_range(x, rows, w.K, static_cast<const c10::Half*>(w.data), n0, n1, out, w.N, w.scale, w.bias); break;
+      case at::kFloat: linear_range(x, rows, w.K, static_cast<const float*>(w.data), n0, n1, out, w.N, w.scale, w.bias); break;
+      default: TORCH_CHECK(false, "unsupported weight dtype");
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged decode attention (flash-decoding over context splits).
+// ---------------------------------------------------------------------------------------------
+struct AttnShape {
+  int64_t rows, heads, kv_heads, head_dim, block_size, max_blocks, splits;
+  float scale;
+};
+
+constexpr int MAX_GROUP = 16;   // query heads per KV head
+constexpr int MAX_HEAD_DIM = 256;
+
+// One (row, kv head, context split): partial max, sum and unnormalised output for each query head
+// of the group. `part` holds [group][head_dim + 2] floats: acc..., max, sum.
+template <typename C>
+void attend_split(const float* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t begin, int64_t end,
+                  int64_t kvh, const AttnShape& s, float* part) {
+  const int64_t G = s.heads / s.kv_heads, D = s.head_dim, BS = s.block_size;
+  const int64_t D16 = D / 16;
+  V16 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
+  V16 qv[MAX_GROUP][MAX_HEAD_DIM / 16];
+  float m[MAX_GROUP], l[MAX_GROUP];
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = NEG_INF;
+    l[g] = 0.f;
+    for (int64_t d = 0; d < D16; ++d) {
+      acc[g][d] = V16::zero();
+      qv[g][d] = mul(load16(q + g * D + d * 16), V16::splat(s.scale));
+    }
+  }
+  alignas(64) float probs[MAX_GROUP][16];
+  V16 keys[16][MAX_HEAD_DIM / 16];
+  V16 dots[16];
+  const C* v_rows[16];
+  for (int64_t t0 = begin; t0 < end; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, end - t0);
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t pos = t0 + std::min(i, n - 1);  // pad a short tile with its last position, masked below
+      const int64_t slot = table[pos / BS] * BS + pos % BS;
+      const C* k_row = k_cache + (slot * s.kv_heads + kvh) * D;
+      v_rows[i] = v_cache + (slot * s.kv_heads + kvh) * D;
+      for (int64_t d = 0; d < D16; ++d) keys[i][d] = load16(k_row + d * 16);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t i = 0; i < 16; ++i) {
+        V16 dot = mul(qv[g][0], keys[i][0]);
+        for (int64_t d = 1; d < D16; ++d) dot = fma(qv[g][d], keys[i][d], dot);
+        dots[i] = dot;
+      }
+      alignas(64) float scores[16];
+      store16(scores, reduce16(dots));
+      for (int64_t i = n; i < 16; ++i) scores[i] = NEG_INF;
+      const V16 sv = load16(scores);
+      const float new_m = std::max(m[g], hmax(sv));
+      const float correction = std::exp(m[g] - new_m);  // 0 on the first tile (m = -inf)
+      const V16 p = exp16(sub(sv, V16::splat(new_m)));
+      store16(probs[g], p);
+      l[g] = l[g] * correction + hsum(p);
+      m[g] = new_m;
+      if (correction != 1.f)
+        for (int64_t d = 0; d < D16; ++d) acc[g][d] = mul(acc[g][d], V16::splat(correction));
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t d = 0; d < D16; ++d) {
+        const V16 vd = load16(v_rows[i] + d * 16);
+        for (int64_t g = 0; g < G; ++g) acc[g][d] = fma(V16::splat(probs[g][i]), vd, acc[g][d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* out = part + g * (D + 2);
+    for (int64_t d = 0; d < D16; ++d) store16(out + d * 16, acc[g][d]);
+    out[D] = m[g];
+    out[D + 1] = l[g];
+  }
+}
+
+int64_t pick_splits(int64_t rows, int64_t kv_heads, int64_t max_len, int64_t block_size) {
+  const int64_t items = rows * kv_heads;
+  const int64_t wanted = (8 * at::get_num_threads() + items - 1) / items;
+  const int64_t most = std::max<int64_t>(1, max_len / (4 * block_size));  // at least 4 blocks a split
+  return std::max<int64_t>(1, std::min(wanted, most));
+}
+
+// q [rows, heads, D] float32 -> out [rows, heads, D] float32.
+template <typename C>
+void decode_attention(const float* q, const C* k_cache, const C* v_cache, const int64_t* tables, const int64_t* lengths,
+                      const AttnShape& s, float* out) {
+  const int64_t G = s.heads / s.kv_heads, D = s.head_dim;
+  const int64_t part_size = G * (D + 2);
+  std::vector<float> parts(s.rows * s.kv_heads * s.splits * part_size);
+  at::parallel_for(0, s.rows * s.kv_heads * s.splits, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t split = item % s.splits, kvh = (item / s.splits) % s.kv_heads, row = item / (s.splits * s.kv_heads);
+      const int64_t len = lengths[row];
+      const int64_t chunk = ((len + s.splits - 1) / s.splits + s.block_size - 1) / s.block_size * s.block_size;
+      const int64_t begin = std::min(len, split * chunk), end = std::min(len, begin + chunk);
+      attend_split(q + (row * s.heads + kvh * G) * D, k_cache, v_cache, tables + row * s.max_blocks, begin, end, kvh, s,
+                   parts.data() + item * part_size);
+    }
+  });
+  for (int64_t row = 0; row < s.rows; ++row) {
+    for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
+      const float* base = parts.data() + (row * s.kv_heads + kvh) * s.splits * part_size;
+      for (int64_t g = 0; g < G; ++g) {
+        float M = NEG_INF;
+        for (int64_t sp = 0; sp < s.splits; ++sp) M = std::max(M, base[sp * part_size + g * (D + 2) + D]);
+        float* o = out + (row * s.heads + kvh * G + g) * D;
+        std::fill(o, o + D, 0.f);
+        float L = 0.f;
+        for (int64_t sp = 0; sp < s.splits; ++sp) {
+          const float* p = base + sp * part_size + g * (D + 2);
+          if (p[D + 1] == 0.f) continue;
+          const float w = std::exp(p[D] - M);
+          L += p[D + 1] * w;
+          for (int64_t d = 0; d < D; ++d) o[d] += p[d] * w;
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  }
+}
+
+template <typename F>
+void dispatch_cache(at::ScalarType type, F&& f) {
+  switch (type) {
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    case at::kFloat: f(float{}); break;
+    default: TORCH_CHECK(false, "unsupported KV cache dtype");
+  }
+}
+
+AttnShape attn_shape(const Tensor& k_cache, const Tensor& tables, int64_t rows, int64_t heads, int64_t max_len, double scale) {
+  AttnShape s{rows, heads, k_cache.size(2), k_cache.size(3), k_cache.size(1), tables.size(1), 1, static_cast<float>(scale)};
+  TORCH_CHECK(heads % s.kv_heads == 0 && heads / s.kv_heads <= MAX_GROUP, "unsupported head grouping");
+  TORCH_CHECK(s.head_dim % 16 == 0 && s.head_dim <= MAX_HEAD_DIM, "head_dim must be a multiple of 16, at most 256");
+  s.splits = pick_splits(rows, s.kv_heads, max_len, s.block_size);
+  return s;
+}
+
+void check_tables(const Tensor& tables, const Tensor& lengths, int64_t rows) {
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == rows, "block tables: int64 [rows, max_blocks]");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.numel() == rows, "lengths: int64 [rows]");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registered ops
+// ---------------------------------------------------------------------------------------------
+Tensor paged_decode_attention(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
+                              const Tensor& lengths, int64_t max_len, double scale) {
+  const int64_t rows = query.size(0), heads = query.size(1);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(), "caches");
+  check_tables(block_tables, lengths, rows);
+  const AttnShape s = attn_shape(k_cache, block_tables, rows, heads, max_len, scale);
+  TORCH_CHECK(query.size(2) == s.head_dim, "query head_dim");
+  Tensor q = query.to(at::kFloat).contiguous();
+  Tensor out = at::empty({rows, heads, s.head_dim}, q.options());
+  dispatch_cache(k_cache.scalar_type(), [&](auto tag) {
+    using C = decltype(tag);
+    decode_attention(q.data_ptr<float>(), static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
+                     block_tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), s, out.data_ptr<float>());
+  });
+  return out.to(query.scalar_type());
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& scale, const c10::optional<Tensor>& bias) {
+  Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+  const Weight w = as_weight(weight, scale, bias);
+  TORCH_CHECK(xf.size(1) == w.K, "linear: input features do not match the weight");
+  Tensor out = at::empty({xf.size(0), w.N}, xf.options());
+  run_linear(xf.data_ptr<float>(), xf.size(0), w, out.data_ptr<float>());
+  auto shape = x.sizes().vec();
+  shape.back() = w.N;
+  return out.view(shape);
+}
+
+void rms_norm_rows(const float* x, const float* weight, float* out, int64_t rows, int64_t H, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * H;
+    double ss = 0.0;
+    for (int64_t i = 0; i < H; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = 1.f / std::sqrt(static_cast<float>(ss / H) + eps);
+    for (int64_t i = 0; i < H; ++i) out[r * H + i] = xr[i] * inv * weight[i];
+  }
+}
+
+// rotate_half rotary embedding of `n_heads` heads of one row, in place.
+void rotary(float* x, int64_t n_heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < n_heads; ++h) {
+    float* v = x + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * cos[i] - b * sin[i];
+      v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+  }
+}
+
+// A whole decode step of a Llama-family model for `rows` single-token rows. Per layer the lists hold
+// the fused weights as worker/llama.py builds them: input norm, QKV (+ scale, + bias), output
+// projection, post-attention norm, gate/up, down. `hidden` [rows, H] (embeddings) -> final-normed
+// hidden [rows, H] float32; the layers' new keys and values land in the caches at `slots`.
+Tensor llama_decode(const Tensor& hidden, const Tensor& cos, const Tensor& sin, at::TensorList input_norms,
+                    at::TensorList qkv, at::TensorList qkv_scale, at::TensorList qkv_bias, at::TensorList o_proj,
+                    at::TensorList o_scale, at::TensorList post_norms, at::TensorList gate_up, at::TensorList gate_up_scale,
+                    at::TensorList down, at::TensorList down_scale, const Tensor& final_norm, at::TensorList k_caches,
+                    at::TensorList v_caches, const Tensor& slots, const Tensor& block_tables, const Tensor& lengths,
+                    int64_t max_len, int64_t heads, int64_t kv_heads, double eps, double scale) {
+  const int64_t rows = hidden.size(0), H = hidden.size(1), layers = static_cast<int64_t>(qkv.size());
+  const int64_t D = k_caches[0].size(3);
+  const int64_t q_size = heads * D, kv_size = kv_heads * D;
+  check_tables(block_tables, lengths, rows);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "slots: int64 [rows]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.size(0) == rows && cos.size(1) == D, "cos: float32 [rows, head_dim]");
+  const AttnShape s = attn_shape(k_caches[0], block_tables, rows, heads, max_len, scale);
+  auto opt = hidden.options().dtype(at::kFloat);
+  Tensor h = hidden.to(at::kFloat).contiguous().clone();
+  Tensor x = at::empty({rows, H}, opt);
+  Tensor qkv_out = at::empty({rows, q_size + 2 * kv_size}, opt);
+  Tensor q = at::empty({rows, q_size}, opt);
+  Tensor attn = at::empty({rows, q_size}, opt);
+  const int64_t inter2 = gate_up[0].size(0), inter = inter2 / 2;
+  Tensor gu = at::empty({rows, inter2}, opt);
+  Tensor act = at::empty({rows, inter}, opt);
+  Tensor delta = at::empty({rows, H}, opt);
+  float *hp = h.data_ptr<float>(), *xp = x.data_ptr<float>(), *qkvp = qkv_out.data_ptr<float>(), *qp = q.data_ptr<float>();
+  float *ap = attn.data_ptr<float>(), *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>(), *dp = delta.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  auto opt_at = [](at::TensorList list, int64_t i) -> c10::optional<Tensor> {
+    return list.empty() ? c10::optional<Tensor>() : c10::optional<Tensor>(list[i]);
+  };
+  const float feps = static_cast<float>(eps);
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    rms_norm_rows(hp, input_norms[layer].data_ptr<float>(), xp, rows, H, feps);
+    run_linear(xp, rows, as_weight(qkv[layer], opt_at(qkv_scale, layer), opt_at(qkv_bias, layer)), qkvp);
+    const Tensor& kc = k_caches[layer];
+    const Tensor& vc = v_caches[layer];
+    dispatch_cache(kc.scalar_type(), [&](auto tag) {
+      using C = decltype(tag);
+      C* kcache = static_cast<C*>(kc.data_ptr());
+      C* vcache = static_cast<C*>(vc.data_ptr());
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = qkvp + r * (q_size + 2 * kv_size);
+        rotary(row, heads, D, cp + r * D, sp + r * D);
+        rotary(row + q_size, kv_heads, D, cp + r * D, sp + r * D);
+        std::memcpy(qp + r * q_size, row, q_size * sizeof(float));
+        C* kdst = kcache + slot[r] * kv_size;
+        C* vdst = vcache + slot[r] * kv_size;
+        for (int64_t i = 0; i < kv_size; ++i) {
+          kdst[i] = from_float<C>(row[q_size + i]);
+          vdst[i] = from_float<C>(row[q_size + kv_size + i]);
+        }
+      }
+      decode_attention(qp, static_cast<const C*>(kcache), static_cast<const C*>(vcache), block_tables.data_ptr<int64_t>(),
+                       lengths.data_ptr<int64_t>(), s, ap);
+    });
+    run_linear(ap, rows, as_weight(o_proj[layer], opt_at(o_scale, layer), {}), dp);
+    for (int64_t i = 0; i < rows * H; ++i) hp[i] += dp[i];
+    rms_norm_rows(hp, post_norms[layer].data_ptr<float>(), xp, rows, H, feps);
+    run_linear(xp, rows, as_weight(gate_up[layer], opt_at(gate_up_scale, layer), {}), gup);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* g = gup + r * inter2;
+      const float* u = g + inter;
+      float* a = actp + r * inter;
+      for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+    run_linear(actp, rows, as_weight(down[layer], opt_at(down_scale, layer), {}), dp);
+    for (int64_t i = 0; i < rows * H; ++i) hp[i] += dp[i];
+  }
+  rms_norm_rows(hp, final_norm.data_ptr<float>(), xp, rows, H, feps);
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmpool, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, int max_len, float scale) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def(
+      "llama_decode(Tensor hidden, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] qkv, Tensor[] qkv_scale, "
+      "Tensor[] qkv_bias, Tensor[] o_proj, Tensor[] o_scale, Tensor[] post_norms, Tensor[] gate_up, Tensor[] gate_up_scale, "
+      "Tensor[] down, Tensor[] down_scale, Tensor final_norm, Tensor[] k_caches, Tensor[] v_caches, Tensor slots, "
+      "Tensor block_tables, Tensor lengths, int max_len, int heads, int kv_heads, float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmpool, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("linear", &linear);
+  m.impl("llama_decode", &llama_decode);
+}
