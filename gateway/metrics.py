@@ -84,8 +84,9 @@ class PoolCollector(Collector):
             info.add_metric([w["name"], w["device"], w["dtype"], w["model"]], 1)
             up.add_metric([w["name"]], 1)
         live = {w["name"] for w in workers}
-        for gone in {d["name"] for d in snapshot["departed"]} - live:
-            up.add_metric([gone], 0)
+        gone = {d["name"] for d in snapshot["departed"]} - live  # recently dropped and not back
+        for name in gone:
+            up.add_metric([name], 0)
         yield info
         yield up
         states = GaugeMetricFamily("llmpool_workers", "Workers by state", labels=["state"])
@@ -94,8 +95,12 @@ class PoolCollector(Collector):
         states.add_metric(["draining"], draining)
         states.add_metric(["busy"], busy)
         states.add_metric(["ready"], len(workers) - busy - draining)
-        states.add_metric(["dead"], len(snapshot["departed"]))
+        states.add_metric(["dead"], len(gone))  # now, not how often: a worker that rejoined is not dead
         yield states
+        yield CounterMetricFamily(
+            "llmpool_worker_departures", "Worker registrations dropped (left, died, unreachable, or replaced when it re-registered)",
+            value=snapshot["departures"],
+        )
         yield GaugeMetricFamily("llmpool_queue_length", "Requests waiting on all workers", value=sum(w["waiting"] for w in workers))
         yield GaugeMetricFamily("llmpool_running_batch_size", "Sequences running on all workers", value=sum(w["running"] for w in workers))
         yield GaugeMetricFamily("llmpool_inflight_requests", "Requests the gateway is waiting on", value=snapshot["inflight"])

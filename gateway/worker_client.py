@@ -65,6 +65,7 @@ class WorkerClient:
         self.add_messages_sent = 0
         self.dropped_frames = 0
         self.departed: deque[dict] = deque(maxlen=16)  # recently dropped workers, for operators
+        self.departures = 0  # registrations dropped since start (left, died, unreachable, replaced)
         # Requests whose worker died when no other was there: they wait a liveness period for one
         # to (re)register (workers reconnect after a gateway pause or restart) before failing.
         self._orphans: dict[str, tuple[RequestStream, str, float]] = {}
@@ -196,6 +197,7 @@ class WorkerClient:
             "affinity_hits": self.affinity.hits if self.affinity else 0,
             "dropped_frames": self.dropped_frames,
             "departed": list(self.departed),
+            "departures": self.departures,
         }
 
     # ---- socket side -------------------------------------------------------------------------
@@ -366,6 +368,7 @@ class WorkerClient:
         if self.workers.pop(worker.identity, None) is None:
             return
         self.departed.append({"name": worker.ready.worker_name, "reason": reason, "at": time.time()})
+        self.departures += 1
         log.warning("%s; resuming its %d in-flight requests elsewhere", reason, len(worker.inflight))
         for request_id in list(worker.inflight):
             stream = self.streams.get(request_id)
