@@ -24,6 +24,7 @@ from gateway.response_store import ResponseStore
 from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
 from gateway.routes.health import health, metrics, ready, workers
+from gateway.routes.messages import MessagesController
 from gateway.routes.models import ModelsController
 from gateway.routes.responses import ResponsesController
 from gateway.routes.tokenize import TokenizeController
@@ -74,14 +75,14 @@ def create_app(config: GatewayConfig) -> Litestar:
     keys = parse_keys(config.api_key)
     api = Router(
         path="/",
-        route_handlers=[ChatController, CompletionsController, ResponsesController, ModelsController, TokenizeController, ready, workers, metrics],
+        route_handlers=[ChatController, CompletionsController, ResponsesController, MessagesController, ModelsController, TokenizeController, ready, workers, metrics],
         guards=[api_key_guard(keys)] if keys else [],
     )
     origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]
     app = Litestar(
         route_handlers=[api, health, *(UI_ROUTES if config.ui else [])],
         request_max_body_size=parse_size(config.max_body_size),
-        cors_config=CORSConfig(allow_origins=origins, allow_headers=["Authorization", "Content-Type"]) if origins else None,
+        cors_config=CORSConfig(allow_origins=origins, allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "anthropic-beta"]) if origins else None,
         dependencies={"generator": Provide(provide_generator, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "generator", None), "metrics", None))],

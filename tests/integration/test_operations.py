@@ -72,6 +72,21 @@ def test_api_key_closes_everything_but_health(keyed_server):
             assert httpx.get(url + path, headers=headers).status_code in (401, 404), path
 
 
+def test_api_key_also_comes_as_x_api_key_for_anthropic_clients(keyed_server):
+    import anthropic
+
+    url = keyed_server.base_url
+    assert httpx.get(url + "/v1/models", headers={"x-api-key": "key-two"}).status_code == 200
+    refused = httpx.post(url + "/v1/messages", headers={"x-api-key": "wrong"}, json={})
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=url, api_key="nope", max_retries=0).messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    reply = anthropic.Anthropic(base_url=url, api_key="key-one", max_retries=0).messages.create(
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert reply.content[0].text
+
+
 def test_past_the_concurrency_limit_and_queue_requests_get_429_at_once():
     server = start_serve("serve-backpressure", 1, "--max-concurrent-requests", "1", "--max-waiting-requests", "1")
     try:

@@ -1,0 +1,208 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the generation core.
+
+``system`` and the messages (text, ``tool_use`` and ``tool_result`` blocks) become chat messages,
+rendered by the chat template as chat completions are; tools with ``input_schema`` become function
+tools, ``tool_choice`` auto / any / tool / none maps onto auto / required / named / none. Errors
+under /v1/messages take Anthropic's shape (``gateway.errors``); the ``anthropic-version`` and
+``anthropic-beta`` headers and a ``?beta=true`` query are tolerated, and ``x-api-key`` is accepted
+as the key. ``thinking`` is accepted and ignored (nothing thinks here, so no thinking blocks);
+images, documents and Anthropic's server tools are 400s naming the field.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from litestar import Controller, Request, Response, post
+
+from gateway import core
+from gateway.core import (
+    LENGTH,
+    STOP_SEQUENCE,
+    TOOL_CALLS,
+    Finish,
+    GenerationRequest,
+    Text,
+    ToolCallDelta,
+    Usage,
+)
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.generation import Generator
+from gateway.routes.common import check_model, documented, event_stream, json_response
+from gateway.schemas_anthropic import (
+    AnthropicMessage,
+    AnthropicUsage,
+    ContentBlock,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesRequest,
+    SystemBlock,
+    TextBlock,
+    ToolUseBlock,
+)
+from gateway.tools import ToolPlan, tool_plan
+from gateway.validation import request_id, stop_strings
+
+STOP_REASONS = {core.END: "end_turn", STOP_SEQUENCE: "stop_sequence", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
+_SKIPPED = ("thinking", "redacted_thinking")
+
+
+def _text(blocks: str | list[ContentBlock] | None, param: str) -> str:
+    """Text blocks' text (a tool result's content, a system prompt); anything else is a 400."""
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    for j, block in enumerate(blocks):
+        if block.type != "text" or block.text is None:
+            raise InvalidRequest(f"`{param}[{j}]` is a {block.type} block; only text is supported here", param=f"{param}[{j}]")
+    return "".join(block.text for block in blocks)  # type: ignore[misc]
+
+
+def chat_messages(system: str | list[SystemBlock] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+    """The conversation as chat messages: tool results become tool messages, tool uses an
+    assistant's tool calls."""
+    if not messages:
+        raise InvalidRequest("`messages` must hold at least one message", param="messages")
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": system if isinstance(system, str) else "\n".join(b.text for b in system)})
+    for i, message in enumerate(messages):
+        if message.role not in ("user", "assistant"):
+            raise InvalidRequest(f"`messages[{i}].role` must be user or assistant; got {message.role!r}", param=f"messages[{i}].role")
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        text, calls = "", []
+        for j, block in enumerate(message.content):
+            param = f"messages[{i}].content[{j}]"
+            if block.type == "text":
+                text += block.text or ""
+            elif block.type == "tool_use" and message.role == "assistant":
+                arguments = orjson.dumps(block.input or {}).decode()
+                calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+            elif block.type == "tool_result" and message.role == "user":
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content, f"{param}.content")})
+            elif block.type not in _SKIPPED:
+                raise InvalidRequest(f"`{param}`: {block.type} blocks are not supported in a {message.role} message on this server",
+                                     param=param)
+        if text or calls or message.role == "assistant":
+            out.append({"role": message.role, "content": text, **({"tool_calls": calls} if calls else {})})
+    return out
+
+
+def _tools(req: CountTokensRequest) -> ToolPlan:
+    functions = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.type not in (None, "custom"):
+            raise InvalidRequest(f"`tools[{i}].type` {tool.type!r} is a server tool, which this server does not run", param=f"tools[{i}].type")
+        function = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description:
+            function["description"] = tool.description
+        functions.append({"type": "function", "function": function})
+    choice, parallel = req.tool_choice, None
+    mode: str | dict | None = None
+    if choice is not None:
+        parallel = False if choice.disable_parallel_tool_use else None
+        modes: dict[str, str | dict] = {"auto": "auto", "any": "required", "none": "none", "tool": {"type": "function", "function": {"name": choice.name}}}
+        if choice.type not in modes:
+            raise InvalidRequest(f"`tool_choice.type` must be auto, any, tool or none; got {choice.type!r}", param="tool_choice.type")
+        mode = modes[choice.type]
+    return tool_plan(functions, mode, parallel)
+
+
+async def _prompt(generator: Generator, req: CountTokensRequest) -> tuple[list[int], ToolPlan]:
+    check_model(req.model, generator.model_name)
+    plan = _tools(req)
+    return await core.chat_prompt(generator, chat_messages(req.system, req.messages), plan), plan
+
+
+def _usage(usage: Usage) -> AnthropicUsage:
+    """Anthropic counts prompt-cache reads apart: ``input_tokens`` are the others."""
+    return AnthropicUsage(input_tokens=usage.prompt_tokens - usage.cached_tokens, output_tokens=usage.completion_tokens,
+                          cache_read_input_tokens=usage.cached_tokens)
+
+
+def _input(arguments: str) -> dict:
+    """A call's arguments as the ``input`` object (arguments cut short by max_tokens: empty)."""
+    try:
+        value = orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _tool_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+class MessagesController(Controller):
+    path = "/v1/messages"
+
+    @post("/", status_code=200, responses=documented(MessageResponse, "the message (with `stream`: Anthropic's events)"))
+    async def create(self, request: Request, data: MessagesRequest, generator: Generator) -> Response:
+        req = data
+        prompt, plan = await _prompt(generator, req)
+        generation = await core.start(generator, GenerationRequest(
+            prompts=[prompt], sampling=req, max_tokens=req.max_tokens, request_id=request_id(request.headers.get("x-request-id")),
+            stops=stop_strings(req.stop_sequences, "stop_sequences"), tools=plan,
+        ))
+        message_id = f"msg_{uuid.uuid4().hex}"
+        if req.stream:
+            return event_stream(_events(generator, generation, message_id, len(prompt)), generation.request_id, named=True)
+        (choice,) = await generation.collect(request)
+        content: list[TextBlock | ToolUseBlock] = [TextBlock(text=choice.content)] if choice.content else []
+        content += [ToolUseBlock(id=_tool_id(c.id), name=c.name, input=_input(c.arguments)) for c in choice.tool_calls]
+        finish: Finish = choice.finish  # type: ignore[assignment]
+        body = MessageResponse(id=message_id, model=generator.model_name, content=content, stop_reason=STOP_REASONS[finish.reason],
+                               stop_sequence=finish.stop_sequence, usage=_usage(finish.usage))
+        return json_response(body, generation.request_id)
+
+    @post("/count_tokens", status_code=200, responses=documented(CountTokensResponse, "the prompt's length in tokens"))
+    async def count_tokens(self, data: CountTokensRequest, generator: Generator) -> Response:
+        prompt, _ = await _prompt(generator, data)
+        return json_response(CountTokensResponse(len(prompt)))
+
+
+async def _events(generator: Generator, generation: core.Generation, message_id: str, prompt_tokens: int) -> AsyncIterator[dict]:
+    """Anthropic's stream: message_start, ping, per block content_block_start / _delta / _stop,
+    then message_delta (stop reason, final usage) and message_stop; an error is an ``error`` event."""
+    start = {"id": message_id, "type": "message", "role": "assistant", "model": generator.model_name, "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": AnthropicUsage(input_tokens=prompt_tokens, output_tokens=0)}
+    yield {"type": "message_start", "message": start}
+    yield {"type": "ping"}
+    blocks = -1  # index of the open block
+    kind = None  # its type
+    finish: Finish | None = None
+    try:
+        async for event in generation.events():
+            if isinstance(event, Text) and event.text:
+                if kind != "text":
+                    if kind is not None:
+                        yield {"type": "content_block_stop", "index": blocks}
+                    blocks, kind = blocks + 1, "text"
+                    yield {"type": "content_block_start", "index": blocks, "content_block": {"type": "text", "text": ""}}
+                yield {"type": "content_block_delta", "index": blocks, "delta": {"type": "text_delta", "text": event.text}}
+            elif isinstance(event, ToolCallDelta):
+                call = event.call
+                if call.id is not None:
+                    if kind is not None:
+                        yield {"type": "content_block_stop", "index": blocks}
+                    blocks, kind = blocks + 1, "tool_use"
+                    block = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
+                    yield {"type": "content_block_start", "index": blocks, "content_block": block}
+                if call.arguments:
+                    yield {"type": "content_block_delta", "index": blocks, "delta": {"type": "input_json_delta", "partial_json": call.arguments}}
+            elif isinstance(event, Finish):
+                finish = event
+    except GatewayError as exc:
+        yield exc.anthropic_body()
+        return
+    if kind is not None:
+        yield {"type": "content_block_stop", "index": blocks}
+    assert finish is not None
+    delta = {"stop_reason": STOP_REASONS[finish.reason], "stop_sequence": finish.stop_sequence}
+    yield {"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}
+    yield {"type": "message_stop"}
