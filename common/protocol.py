@@ -204,6 +204,18 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.items()}
 
 
+# Socket-monitor events that tell how a connection's handshake ended (CURVE refusals included):
+# libzmq's ZMQ_EVENT_HANDSHAKE_* values (common/ does not import zmq; the sockets live elsewhere).
+HANDSHAKE_SUCCEEDED = 0x1000
+HANDSHAKE_EVENTS = {
+    HANDSHAKE_SUCCEEDED: "succeeded",
+    0x4000: "refused: the CURVE key is not authorized",  # ZMQ_EVENT_HANDSHAKE_FAILED_AUTH
+    0x2000: "failed: protocol error (CURVE keys on one side only, or the wrong server key?)",  # ..._FAILED_PROTOCOL
+    0x0800: "failed",  # ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL (connection closed mid-handshake, say)
+}
+HANDSHAKE_EVENT_MASK = sum(HANDSHAKE_EVENTS)
+
+
 class ProtocolError(ValueError):
     """A frame that is not a valid message of this protocol version; receivers log and drop it."""
 

@@ -21,6 +21,8 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 import zmq.auth.asyncio
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 from common import protocol
 from common.protocol import (
@@ -85,6 +87,8 @@ class WorkerClient:
         sock.bind(self.bind_address)
         self._socket = sock
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._heartbeat_loop())]
+        if self.curve_secret_key:
+            self._tasks.append(asyncio.create_task(self._watch_handshakes(sock.get_monitor_socket(protocol.HANDSHAKE_EVENT_MASK))))
         log.info("waiting for workers on %s", self.bind_address)
 
     def _enable_curve(self, sock: zmq.Socket) -> None:
@@ -95,7 +99,7 @@ class WorkerClient:
         public, secret = zmq.auth.load_certificate(self.curve_secret_key)
         if secret is None:
             raise ValueError(f"{self.curve_secret_key} holds no secret key")
-        self._authenticator = zmq.auth.asyncio.AsyncioAuthenticator(self._context)
+        self._authenticator = _Authenticator(self._context)
         self._authenticator.start()
         self._authenticator.configure_curve(domain="*", location=self.curve_authorized_keys)
         sock.curve_server = True
@@ -418,6 +422,17 @@ class WorkerClient:
                 else:
                     self._send(worker, Heartbeat())
 
+    async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
+        """With CURVE on, log every refused handshake (a worker without keys, or with a key not in
+        the authorized folder); zmq would otherwise refuse them without a word."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event != protocol.HANDSHAKE_SUCCEEDED:
+                    log.warning("a worker's handshake on %s %s", self.bind_address, protocol.HANDSHAKE_EVENTS.get(event, str(event)))
+        finally:
+            monitor.close(linger=0)
+
     def _end_orphans(self, now: float) -> None:
         """Requests that waited a liveness period for a worker and got none end with their error."""
         for stream, reason, since in list(self._orphans.values()):
@@ -437,3 +452,13 @@ class WorkerClient:
         for worker in self.workers.values():
             worker.expiry += late
             worker.last_progress += late
+
+
+class _Authenticator(zmq.auth.asyncio.AsyncioAuthenticator):
+    """ZAP for CURVE that names the keys it refuses (pyzmq logs refusals at debug level only)."""
+
+    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
+        allowed, reason = await super()._authenticate_curve(domain, client_key)
+        if not allowed:
+            log.warning("refused a worker's CURVE key %s: %s", z85.encode(client_key).decode(), reason.decode(errors="replace"))
+        return allowed, reason

@@ -23,6 +23,7 @@ from collections import deque
 
 import zmq
 import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol
 from common.protocol import Abort, AddRequests, Goodbye, Heartbeat, Ready, StepOutputs
@@ -85,7 +86,7 @@ class WorkerProc:
             finally:
                 if self.stopping:
                     self._send(sock, Goodbye("shutting down"))
-                sock.close(linger=500 if self.stopping else 0)
+                self._close(sock, linger=500 if self.stopping else 0)
             dropped = self.engine.fail_all("worker lost its gateway")
             if dropped:
                 log.warning("gateway silent: dropped %d requests", len(dropped))
@@ -105,16 +106,37 @@ class WorkerProc:
             own_public, own_secret = zmq.auth.load_certificate(self.curve_keys[0])
             server_public, _ = zmq.auth.load_certificate(self.curve_keys[1])
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = own_public, own_secret, server_public
+        self._monitor = sock.get_monitor_socket(protocol.HANDSHAKE_EVENT_MASK)
+        self._handshakes_seen: set[int] = set()
         sock.connect(self.address)
         self._unsent.clear()  # meant for the old connection; the gateway resumes those requests itself
         self._send(sock, self.ready)
-        log.info("registered with gateway at %s as %s", self.address, self.name)
+        log.info("connecting to the gateway at %s as %s", self.address, self.name)
         return sock
+
+    def _read_monitor(self) -> None:
+        """Say how the handshake went, once per outcome and connection (zmq retries every 100 ms)."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event in self._handshakes_seen:
+                continue
+            self._handshakes_seen.add(event)
+            outcome = protocol.HANDSHAKE_EVENTS.get(event, str(event))
+            if event == protocol.HANDSHAKE_SUCCEEDED:
+                log.debug("handshake with the gateway at %s %s", self.address, outcome)
+            else:
+                log.error("handshake with the gateway at %s %s", self.address, outcome)
+
+    def _close(self, sock: zmq.Socket, linger: int) -> None:
+        sock.disable_monitor()
+        self._monitor.close(linger=0)
+        sock.close(linger=linger)
 
     def _serve(self, sock: zmq.Socket) -> bool:
         """The step loop. Returns whether the gateway ever answered (to reset the backoff)."""
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         last_heard = time.monotonic()
         heard = False
         next_heartbeat = 0.0
@@ -126,7 +148,10 @@ class WorkerProc:
             if self._unsent:
                 wait_s = min(wait_s, 0.01)
             if poller.poll(int(wait_s * 1000)):
+                self._read_monitor()
                 if self._drain(sock):
+                    if not heard:  # the gateway only talks to workers it registered
+                        log.info("registered with the gateway at %s as %s", self.address, self.name)
                     last_heard, heard = time.monotonic(), True
             if self.engine.has_work():
                 self._send(sock, self._step())

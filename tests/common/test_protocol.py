@@ -64,3 +64,13 @@ def test_an_add_requests_with_one_unreadable_request_is_salvaged_request_by_requ
     assert [rid for rid, _ in refused] == ["bad"] and "Expected `int`, got `bool`" in refused[0][1]
     assert protocol.salvage_requests(protocol.encode(Abort(["x"]))) is None
     assert protocol.salvage_requests([frames[0], b"\xc1"]) is None
+
+
+def test_handshake_event_numbers_are_libzmqs():
+    import zmq
+
+    assert protocol.HANDSHAKE_SUCCEEDED == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    assert set(protocol.HANDSHAKE_EVENTS) == {
+        zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    }
+    assert "not authorized" in protocol.HANDSHAKE_EVENTS[zmq.EVENT_HANDSHAKE_FAILED_AUTH]

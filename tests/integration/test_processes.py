@@ -16,7 +16,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import MODEL, REPO, Server, free_port, spawn, start_serve, wait_until
+from tests.conftest import ARTIFACTS, MODEL, REPO, Server, free_port, spawn, start_serve, wait_until
 
 FAST_HEARTBEAT = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 
@@ -183,11 +183,23 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
                                        "--curve-client-secret-key", str(keys / "worker-0.key_secret"),
                                        "--curve-server-public-key", str(keys / "gateway.key")], "curve-trusted", FAST_HEARTBEAT))
         server.wait_for_workers(1)
+        logs = {name: ARTIFACTS / f"{name}.log" for name in ("curve-gateway", "curve-nokeys", "curve-stranger")}
+        starts = {name: path.stat().st_size if path.exists() else 0 for name, path in logs.items()}
+
+        def logged(name: str) -> str:
+            return logs[name].read_bytes()[starts[name]:].decode(errors="replace") if logs[name].exists() else ""
+
         server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "no-keys"], "curve-nokeys", FAST_HEARTBEAT))
         server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "unknown-key",
                                        "--curve-client-secret-key", str(strangers / "worker-0.key_secret"),
                                        "--curve-server-public-key", str(keys / "gateway.key")], "curve-stranger", FAST_HEARTBEAT))
-        time.sleep(8)  # both have long loaded their model and tried to register
+        # Both reach the handshake and are refused, and both sides say so (not merely still loading).
+        wait_until(lambda: "handshake with the gateway" in logged("curve-nokeys") and "refused" in logged("curve-stranger"),
+                   120, "the rogue workers to be refused")
+        stranger_key = (strangers / "worker-0.key").read_text().split('public-key = "')[1].split('"')[0]
+        wait_until(lambda: f"refused a worker's CURVE key {stranger_key}" in logged("curve-gateway")
+                   and "protocol error" in logged("curve-gateway"), 10, "the gateway to log both refusals")
+        assert "registered" not in logged("curve-nokeys") and "registered" not in logged("curve-stranger")
         assert [w["name"] for w in server.workers()] == ["trusted"]
         reply = sdk(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         assert reply.choices[0].message.content
