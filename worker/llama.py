@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention import AttentionMetadata, paged_attention
-from worker.quantization import quantize_int8
+from worker.quantization import quantize_int8, quantize_q4
 
 SUPPORTED = {"llama", "qwen2"}
 
@@ -84,8 +84,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 @dataclass(slots=True)
 class DecodeWeights:
     """The weights ``torch.ops.llmpool.llama_decode`` reads, per layer in lists: plain contiguous
-    matrices (int8 with a float32 scale per output row, or the model's dtype with no scales), float32
-    norms and biases."""
+    matrices (int8 with a float32 scale per output row, q4 with float16 group scales and minimums,
+    or the model's dtype with no scales), float32 norms and biases."""
 
     input_norms: list[torch.Tensor]
     qkv: list[torch.Tensor]
@@ -110,6 +110,8 @@ def _decode_weights(model: torch.nn.Module, quantization: str) -> DecodeWeights:
         weight = torch.cat([p.detach() for p in parts]) if len(parts) > 1 else parts[0].detach()
         if quantization == "int8":
             return quantize_int8(weight)
+        if quantization == "q4":
+            return quantize_q4(weight)
         return weight.contiguous(), None
 
     w = DecodeWeights(*([] for _ in range(11)), final_norm=model.model.norm.weight.detach().float(), lm_head=None, lm_head_scale=None)
@@ -129,7 +131,10 @@ def _decode_weights(model: torch.nn.Module, quantization: str) -> DecodeWeights:
             w.qkv_bias.append(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().float())
         w.input_norms.append(block.input_layernorm.weight.detach().float())
         w.post_norms.append(block.post_attention_layernorm.weight.detach().float())
-    w.lm_head, w.lm_head_scale = matrix(model.lm_head.weight)
+    # The head (tied to the embeddings in small models) is int8 under q4 too: GGUF files keep it at
+    # 8 bits (Q8_0 in the default model), and 4 bits there cost the most accuracy per byte saved.
+    head = model.lm_head.weight.detach()
+    w.lm_head, w.lm_head_scale = quantize_int8(head) if quantization != "none" else (head.contiguous(), None)
     return w
 
 

@@ -1,15 +1,19 @@
 """Weight-only quantization for the small-batch decode kernel (``--quantization``).
 
-int8 with one float32 scale per output row (symmetric, round to nearest): half the bytes of bf16,
-which is what a batch-1 decode step is bound by; the kernel multiplies in float32 and applies the
-scale once per output. Accuracy on the default model is in README's "Quantization" section.
+A batch-1 decode step is bound by the bytes of weights it reads, so fewer bytes per weight is speed:
+- int8: one float32 scale per output row (symmetric, round to nearest); half of bf16's bytes.
+- q4: 4 bits with a float16 scale and minimum per group of 32 inputs (GGUF's Q4_1 layout, 5 bits a
+  weight); a model shipped as Q4_1, like the default one, loses nothing to it, since its de-quantized
+  weights land back on the same grid.
+The kernel multiplies in float32. Accuracy on the default model is in README's "Quantization" section.
 """
 
 from __future__ import annotations
 
 import torch
 
-CHOICES = ("auto", "none", "int8")
+CHOICES = ("auto", "none", "int8", "q4")
+Q4_GROUP = 32
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,3 +22,29 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     q = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
+
+
+def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> (uint8 ``[N, K / 2]``, float16 ``[N, K / 32, 2]`` scale and minimum per group).
+
+    Byte j of a group holds q[j] in its low nibble and q[j + 16] in its high one; w ~ d * q + m.
+    """
+    n, k = weight.shape
+    if k % Q4_GROUP:
+        raise ValueError(f"q4 needs input features in groups of {Q4_GROUP}; this weight has {k}")
+    groups = weight.detach().float().view(n, k // Q4_GROUP, Q4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    d = ((high - low) / 15).half()
+    m = low.half()
+    step = d.float().unsqueeze(-1)
+    q = torch.where(step > 0, (groups - m.float().unsqueeze(-1)) / step.clamp(min=1e-30), 0.0).round_().clamp_(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return packed.reshape(n, k // 2).contiguous(), torch.stack([d, m], dim=-1).contiguous()
+
+
+def dequantize_q4(packed: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[N, K]`` weights a q4 pair stands for (tests and accuracy checks)."""
+    n = packed.shape[0]
+    nibbles = packed.view(n, -1, Q4_GROUP // 2)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+    return (q * dm[..., 0:1].float() + dm[..., 1:2].float()).reshape(n, -1)

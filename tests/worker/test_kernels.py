@@ -114,3 +114,31 @@ def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeyp
     plain, plain_calls = run(fast_rows=0)
     assert fused_calls >= 20 and plain_calls == 0
     assert fused == plain
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_q4_linear_matches_its_dequantized_weights(rows):
+    from worker.quantization import dequantize_q4, quantize_q4
+
+    torch.manual_seed(rows)
+    w = torch.randn(72, 96) * 0.1
+    packed, dm = quantize_q4(w)
+    assert packed.shape == (72, 48) and packed.dtype == torch.uint8 and dm.shape == (72, 3, 2)
+    dense = dequantize_q4(packed, dm)
+    step = dm[..., 0].float().repeat_interleave(32, dim=1)
+    assert ((dense - w).abs() <= step / 2 + 1e-3).all()  # within half a step (plus float16 rounding)
+    x = torch.randn(rows, 96).bfloat16()
+    torch.testing.assert_close(torch.ops.llmpool.linear(x, packed, dm, None), x.float() @ dense.T, atol=1e-4, rtol=1e-4)
+
+
+def test_q4_reproduces_a_q4_1_grid_exactly():
+    """Weights already on a 4-bit grid per group of 32 (a Q4_1 GGUF, de-quantized) come back unchanged."""
+    from worker.quantization import dequantize_q4, quantize_q4
+
+    torch.manual_seed(0)
+    d = (torch.rand(16, 4, 1) * 0.01 + 0.001).half().float()
+    m = (torch.randn(16, 4, 1) * 0.05).half().float()
+    q = torch.randint(0, 16, (16, 4, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15  # Q4_1 spans each group's min and max
+    w = (q * d + m).view(16, 128)
+    torch.testing.assert_close(dequantize_q4(*quantize_q4(w)), w, atol=1e-6, rtol=0)

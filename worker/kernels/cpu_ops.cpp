@@ -175,19 +175,105 @@ void linear_range(const float* x, int64_t rows, int64_t K, const W* w, int64_t n
   }
 }
 
+
+// 4-bit weights (``--quantization q4``): per group of 32 inputs a float16 scale d and minimum m,
+// w = d * q + m with q in 0..15; byte j of a group holds q[j] (low nibble) and q[j + 16] (high), the
+// layout of GGUF's Q4_1 blocks. sum_k x_k w_k = sum_groups d * (q . x) + m * sum(x), so each call
+// first sums x over every group (xsum) and the inner loop only unpacks nibbles and multiplies.
+constexpr int64_t Q4_GROUP = 32;
+
+#if defined(__AVX512F__)
+inline void unpack_q4(const uint8_t* p, V16& lo, V16& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  lo = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)))};
+}
+#else
+inline void unpack_q4(const uint8_t* p, V16& lo, V16& hi) {
+  for (int i = 0; i < 16; ++i) {
+    lo.v[i] = static_cast<float>(p[i] & 0x0F);
+    hi.v[i] = static_cast<float>(p[i] >> 4);
+  }
+}
+#endif
+
+template <int R, int NR>
+void q4_tile(const float* x, const float* xsum, int64_t K, const uint8_t* w, const c10::Half* dm, int64_t n0, float* out,
+             int64_t out_stride, const float* bias) {
+  const int64_t groups = K / Q4_GROUP;
+  V16 acc[R][NR];
+  float macc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) {
+      acc[r][j] = V16::zero();
+      macc[r][j] = 0.f;
+    }
+  for (int64_t g = 0; g < groups; ++g) {
+    V16 xl[R], xh[R];
+    for (int r = 0; r < R; ++r) {
+      xl[r] = load16(x + r * K + g * Q4_GROUP);
+      xh[r] = load16(x + r * K + g * Q4_GROUP + 16);
+    }
+    for (int j = 0; j < NR; ++j) {
+      const int64_t n = n0 + j;
+      V16 lo, hi;
+      unpack_q4(w + n * (K / 2) + g * (Q4_GROUP / 2), lo, hi);
+      const float d = static_cast<float>(dm[(n * groups + g) * 2]);
+      const float m = static_cast<float>(dm[(n * groups + g) * 2 + 1]);
+      const V16 dv = V16::splat(d);
+      for (int r = 0; r < R; ++r) {
+        acc[r][j] = fma(dv, fma(hi, xh[r], mul(lo, xl[r])), acc[r][j]);
+        macc[r][j] += m * xsum[r * groups + g];
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) out[r * out_stride + n0 + j] = hsum(acc[r][j]) + macc[r][j] + (bias ? bias[n0 + j] : 0.f);
+}
+
+template <int R>
+void q4_rows(const float* x, const float* xsum, int64_t K, const uint8_t* w, const c10::Half* dm, int64_t n_begin,
+             int64_t n_end, float* out, int64_t N, const float* bias) {
+  constexpr int NR = R == 1 ? 8 : 4;
+  int64_t n = n_begin;
+  for (; n + NR <= n_end; n += NR) q4_tile<R, NR>(x, xsum, K, w, dm, n, out, N, bias);
+  for (; n < n_end; ++n) q4_tile<R, 1>(x, xsum, K, w, dm, n, out, N, bias);
+}
+
+void q4_range(const float* x, const float* xsum, int64_t rows, int64_t K, const uint8_t* w, const c10::Half* dm,
+              int64_t n_begin, int64_t n_end, float* out, int64_t N, const float* bias) {
+  const int64_t groups = K / Q4_GROUP;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) q4_rows<4>(x + r * K, xsum + r * groups, K, w, dm, n_begin, n_end, out + r * N, N, bias);
+  switch (rows - r) {
+    case 3: q4_rows<3>(x + r * K, xsum + r * groups, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
+    case 2: q4_rows<2>(x + r * K, xsum + r * groups, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
+    case 1: q4_rows<1>(x + r * K, xsum + r * groups, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
+    default: break;
+  }
+}
+
 // A projection's weights as the fused step sees them.
 struct Weight {
   const void* data;
   at::ScalarType type;
   int64_t N, K;
-  const float* scale;  // per output row (int8 weights), else nullptr
-  const float* bias;   // nullptr when none
+  const float* scale;     // per output row (int8 weights), else nullptr
+  const c10::Half* dm;    // q4: [N, K / 32, 2] scale and minimum per group, else nullptr
+  const float* bias;      // nullptr when none
 };
 
 Weight as_weight(const Tensor& w, const c10::optional<Tensor>& scale, const c10::optional<Tensor>& bias) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous matrix");
-  Weight out{w.data_ptr(), w.scalar_type(), w.size(0), w.size(1), nullptr, nullptr};
-  if (w.scalar_type() == at::kChar) {
+  Weight out{w.data_ptr(), w.scalar_type(), w.size(0), w.size(1), nullptr, nullptr, nullptr};
+  if (w.scalar_type() == at::kByte) {  // q4: two weights a byte
+    out.K = w.size(1) * 2;
+    TORCH_CHECK(out.K % Q4_GROUP == 0, "q4 weights need inputs in groups of 32");
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kHalf && scale->numel() == out.N * (out.K / Q4_GROUP) * 2,
+                "q4 weights need a float16 [N, K / 32, 2] scale-and-minimum tensor");
+    out.dm = static_cast<const c10::Half*>(scale->data_ptr());
+  } else if (w.scalar_type() == at::kChar) {
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == w.size(0),
                 "int8 weights need a float32 scale per output row");
     out.scale = scale->data_ptr<float>();
@@ -202,8 +288,20 @@ Weight as_weight(const Tensor& w, const c10::optional<Tensor>& scale, const c10:
 // out [rows, N] = x [rows, K] @ w.T, split over output columns across threads.
 void run_linear(const float* x, int64_t rows, const Weight& w, float* out) {
   const int64_t grain = std::max<int64_t>(16, w.N / (4 * at::get_num_threads()));
+  std::vector<float> xsum;
+  if (w.type == at::kByte) {
+    const int64_t groups = w.K / Q4_GROUP;
+    xsum.resize(rows * groups);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        float t = 0.f;
+        for (int64_t k = 0; k < Q4_GROUP; ++k) t += x[r * w.K + g * Q4_GROUP + k];
+        xsum[r * groups + g] = t;
+      }
+  }
   at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
     switch (w.type) {
+      case at::kByte: q4_range(x, xsum.data(), rows, w.K, static_cast<const uint8_t*>(w.data), w.dm, n0, n1, out, w.N, w.bias); break;
       case at::kChar: linear_range(x, rows, w.K, static_cast<const int8_t*>(w.data), n0, n1, out, w.N, w.scale, w.bias); break;
       case at::kBFloat16: linear_range(x, rows, w.K, static_cast<const c10::BFloat16*>(w.data), n0, n1, out, w.N, w.scale, w.bias); break;
       case at::kHalf: linear_range(x, rows, w.K, static_cast<const c10::Half*>(w.data), n0, n1, out, w.N, w.scale, w.bias); break;
