@@ -17,11 +17,18 @@ Q4_GROUP = 32
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K]`` -> (int8 ``[N, K]``, float32 scale ``[N]``) with ``weight ~ int8 * scale[:, None]``."""
+    """``[N, K]`` -> (int8 ``[N, K]``, float32 ``[N, 1 + K / 64]``) with ``weight ~ int8 * scale[:, :1]``.
+
+    Columns after the scale hold each group of 64 inputs' weight sum (when K is a multiple of 64):
+    the VNNI kernel shifts int8 activations to unsigned and subtracts these sums back exactly.
+    """
     w = weight.detach().float()
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     q = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
+    columns = [scale.unsqueeze(1)]
+    if w.shape[1] % 64 == 0:
+        columns.append(q.view(w.shape[0], -1, 64).sum(dim=-1, dtype=torch.int32).float())
+    return q.contiguous(), torch.cat(columns, dim=1).contiguous()
 
 
 def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,7 +57,7 @@ def test_linear_matches_torch(rows, weights):
     if weights == "int8":
         q, scale = quantize_int8(w)
         got = torch.ops.llmpool.linear(x, q, scale, bias)
-        want = x.float() @ (q.float() * scale[:, None]).T + bias
+        want = x.float() @ (q.float() * scale[:, :1]).T + bias
     else:
         wt = w.to(getattr(torch, weights))
         got = torch.ops.llmpool.linear(x, wt, None, bias)
@@ -69,7 +69,24 @@ def test_int8_quantization_error_is_bounded_by_half_a_step():
     w = torch.randn(64, 256)
     q, scale = quantize_int8(w)
     assert q.dtype == torch.int8 and q.abs().max() <= 127
-    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    assert ((q.float() * scale[:, :1] - w).abs() <= scale[:, :1] / 2 + 1e-6).all()
+    assert torch.equal(scale[:, 1:], q.view(64, 4, 64).sum(-1).float())  # weight sums per group of 64
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_int8_with_int8_activations_stays_within_activation_rounding(rows):
+    """K a multiple of 64: the VNNI path quantizes activations per group of 64; the result is the
+    int8-weight product up to that rounding (half a step of max|x|/127 per input)."""
+    torch.manual_seed(rows)
+    w = torch.randn(96, 192) * 0.1
+    x = torch.randn(rows, 192)
+    q, scale = quantize_int8(w)
+    dense = q.float() * scale[:, :1]
+    got = torch.ops.llmpool.linear(x, q, scale, None)
+    step = x.view(rows, 3, 64).abs().amax(-1, keepdim=True) / 127
+    bound = (step.unsqueeze(1) / 2 * dense.view(96, 3, 64).abs().unsqueeze(0)).sum((-1, -2))  # [rows, 96]
+    assert ((got - x @ dense.T).abs() <= bound + 1e-4).all()
+    assert (got - x @ dense.T).abs().max() > 0  # activations really were quantized (the VNNI path ran)
 
 
 def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeypatch):
