@@ -159,3 +159,19 @@ def test_q4_reproduces_a_q4_1_grid_exactly():
     q[..., 0], q[..., 1] = 0, 15  # Q4_1 spans each group's min and max
     w = (q * d + m).view(16, 128)
     torch.testing.assert_close(dequantize_q4(*quantize_q4(w)), w, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 6])
+def test_q4_with_int8_activations_stays_within_activation_rounding(rows):
+    """K a multiple of 64: the VNNI path multiplies nibbles by int8 activations (per group of 64)."""
+    from worker.quantization import dequantize_q4, quantize_q4
+
+    torch.manual_seed(rows)
+    w = torch.randn(40, 192) * 0.1
+    x = torch.randn(rows, 192)
+    dense = dequantize_q4(*quantize_q4(w))
+    got = torch.ops.llmpool.linear(x, *quantize_q4(w), None)
+    step = x.view(rows, 3, 64).abs().amax(-1, keepdim=True) / 127
+    bound = (step.unsqueeze(1) / 2 * dense.view(40, 3, 64).abs().unsqueeze(0)).sum((-1, -2))
+    assert ((got - x @ dense.T).abs() <= bound + 1e-4).all()
+    assert (got - x @ dense.T).abs().max() > 0

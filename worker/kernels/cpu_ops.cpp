@@ -332,6 +332,93 @@ void vnni_range(const uint8_t* xu, const float* xs, int64_t rows, int64_t K, con
     default: break;
   }
 }
+// q4 weights with VNNI: the nibbles of two groups (64 weights, 32 bytes) widen to one vector of
+// unsigned bytes [g0 q0-15 | g1 q0-15 | g0 q16-31 | g1 q16-31]; the activations, quantized to int8
+// per 64 inputs, are laid out in that same order once per call, so vpdpbusd multiplies matching
+// pairs and each 32-bit lane belongs to one group (lanes 0-3 and 8-11 to g0, 4-7 and 12-15 to g1).
+// The minimum term m * sum(x) uses the float activations' group sums, exactly as in q4_tile.
+void quantize_activations_q4(const float* x, int64_t rows, int64_t K, int8_t* xp, float* xs, float* xsum) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < K / VNNI_GROUP; ++c) {
+      const float* src = x + r * K + c * VNNI_GROUP;
+      float amax = 0.f, s0 = 0.f, s1 = 0.f;
+      for (int64_t k = 0; k < VNNI_GROUP; ++k) amax = std::max(amax, std::fabs(src[k]));
+      for (int64_t k = 0; k < 32; ++k) {
+        s0 += src[k];
+        s1 += src[32 + k];
+      }
+      const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+      int8_t* dst = xp + r * K + c * VNNI_GROUP;
+      for (int64_t k = 0; k < 16; ++k) {
+        dst[k] = static_cast<int8_t>(std::nearbyint(src[k] * inv));            // g0 q0-15
+        dst[16 + k] = static_cast<int8_t>(std::nearbyint(src[32 + k] * inv));  // g1 q0-15
+        dst[32 + k] = static_cast<int8_t>(std::nearbyint(src[16 + k] * inv));  // g0 q16-31
+        dst[48 + k] = static_cast<int8_t>(std::nearbyint(src[48 + k] * inv));  // g1 q16-31
+      }
+      xs[r * (K / VNNI_GROUP) + c] = scale;
+      xsum[(r * (K / VNNI_GROUP) + c) * 2] = s0;
+      xsum[(r * (K / VNNI_GROUP) + c) * 2 + 1] = s1;
+    }
+}
+
+template <int R, int NR>
+void q4_vnni_tile(const int8_t* xp, const float* xs, const float* xsum, int64_t K, const uint8_t* w, const c10::Half* dm,
+                  int64_t n0, float* out, int64_t out_stride, const float* bias) {
+  const int64_t chunks = K / VNNI_GROUP;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  V16 acc[R][NR];
+  float macc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) {
+      acc[r][j] = V16::zero();
+      macc[r][j] = 0.f;
+    }
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_si512(xp + r * K + c * VNNI_GROUP);
+    for (int j = 0; j < NR; ++j) {
+      const int64_t n = n0 + j;
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * (K / 2) + c * 32));
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, mask)),
+                                           _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), 1);
+      const c10::Half* g = dm + (n * chunks + c) * 4;  // d0, m0, d1, m1
+      const float d0 = static_cast<float>(g[0]), m0 = static_cast<float>(g[1]);
+      const float d1 = static_cast<float>(g[2]), m1 = static_cast<float>(g[3]);
+      const __m512 dv = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+      for (int r = 0; r < R; ++r) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[r]);
+        const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xs[r * chunks + c]));
+        acc[r][j] = {_mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][j].v)};
+        macc[r][j] += m0 * xsum[(r * chunks + c) * 2] + m1 * xsum[(r * chunks + c) * 2 + 1];
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) out[r * out_stride + n0 + j] = hsum(acc[r][j]) + macc[r][j] + (bias ? bias[n0 + j] : 0.f);
+}
+
+template <int R>
+void q4_vnni_rows(const int8_t* xp, const float* xs, const float* xsum, int64_t K, const uint8_t* w, const c10::Half* dm,
+                  int64_t n_begin, int64_t n_end, float* out, int64_t N, const float* bias) {
+  constexpr int NR = R == 1 ? 8 : 4;
+  int64_t n = n_begin;
+  for (; n + NR <= n_end; n += NR) q4_vnni_tile<R, NR>(xp, xs, xsum, K, w, dm, n, out, N, bias);
+  for (; n < n_end; ++n) q4_vnni_tile<R, 1>(xp, xs, xsum, K, w, dm, n, out, N, bias);
+}
+
+void q4_vnni_range(const int8_t* xp, const float* xs, const float* xsum, int64_t rows, int64_t K, const uint8_t* w,
+                   const c10::Half* dm, int64_t n_begin, int64_t n_end, float* out, int64_t N, const float* bias) {
+  const int64_t chunks = K / VNNI_GROUP;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    q4_vnni_rows<4>(xp + r * K, xs + r * chunks, xsum + r * chunks * 2, K, w, dm, n_begin, n_end, out + r * N, N, bias);
+  switch (rows - r) {
+    case 3: q4_vnni_rows<3>(xp + r * K, xs + r * chunks, xsum + r * chunks * 2, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
+    case 2: q4_vnni_rows<2>(xp + r * K, xs + r * chunks, xsum + r * chunks * 2, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
+    case 1: q4_vnni_rows<1>(xp + r * K, xs + r * chunks, xsum + r * chunks * 2, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
+    default: break;
+  }
+}
 #endif
 
 // A projection's weights as the fused step sees them.
@@ -370,17 +457,6 @@ Weight as_weight(const Tensor& w, const c10::optional<Tensor>& scale, const c10:
 // out [rows, N] = x [rows, K] @ w.T, split over output columns across threads.
 void run_linear(const float* x, int64_t rows, const Weight& w, float* out) {
   const int64_t grain = std::max<int64_t>(16, w.N / (4 * at::get_num_threads()));
-  std::vector<float> xsum;
-  if (w.type == at::kByte) {
-    const int64_t groups = w.K / Q4_GROUP;
-    xsum.resize(rows * groups);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        float t = 0.f;
-        for (int64_t k = 0; k < Q4_GROUP; ++k) t += x[r * w.K + g * Q4_GROUP + k];
-        xsum[r * groups + g] = t;
-      }
-  }
 #if defined(__AVX512VNNI__)
   if (w.type == at::kChar && w.K % VNNI_GROUP == 0 && w.scale_stride == 1 + w.K / VNNI_GROUP) {
     std::vector<uint8_t> xu(rows * w.K);
@@ -392,6 +468,28 @@ void run_linear(const float* x, int64_t rows, const Weight& w, float* out) {
     return;
   }
 #endif
+#if defined(__AVX512VNNI__)
+  if (w.type == at::kByte && w.K % VNNI_GROUP == 0) {
+    std::vector<int8_t> xp(rows * w.K);
+    std::vector<float> xs(rows * (w.K / VNNI_GROUP)), sums(rows * (w.K / VNNI_GROUP) * 2);
+    quantize_activations_q4(x, rows, w.K, xp.data(), xs.data(), sums.data());
+    at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
+      q4_vnni_range(xp.data(), xs.data(), sums.data(), rows, w.K, static_cast<const uint8_t*>(w.data), w.dm, n0, n1, out, w.N, w.bias);
+    });
+    return;
+  }
+#endif
+  std::vector<float> xsum;
+  if (w.type == at::kByte) {
+    const int64_t groups = w.K / Q4_GROUP;
+    xsum.resize(rows * groups);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        float t = 0.f;
+        for (int64_t k = 0; k < Q4_GROUP; ++k) t += x[r * w.K + g * Q4_GROUP + k];
+        xsum[r * groups + g] = t;
+      }
+  }
   at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
     switch (w.type) {
       case at::kByte: q4_range(x, xsum.data(), rows, w.K, static_cast<const uint8_t*>(w.data), w.dm, n0, n1, out, w.N, w.bias); break;
