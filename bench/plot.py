@@ -13,13 +13,11 @@ def plot(results: dict, path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullFormatter
     except ImportError:
         return False
     # Levels where nothing completed have no figures to draw.
-    servers = {
-        label: [r for r in server["levels"] if r["completed"]]
-        for label, server in results["servers"].items()
-    }
+    servers = {label: [r for r in server["levels"] if r["completed"]] for label, server in results["servers"].items()}
     levels = sorted({r["concurrency"] for rows in servers.values() for r in rows})
     if not levels:
         return False
@@ -27,9 +25,7 @@ def plot(results: dict, path: Path) -> bool:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for color, (label, rows) in zip(colors, servers.items()):
         x = [r["concurrency"] for r in rows]
-        left.plot(
-            x, [r["output_throughput"] for r in rows], "o-", color=color, label=label
-        )
+        left.plot(x, [r["output_throughput"] for r in rows], "o-", color=color, label=label)
         right.plot(
             x,
             [r["median_ttft_ms"] for r in rows],
@@ -64,6 +60,7 @@ def plot(results: dict, path: Path) -> bool:
     ):
         axis.set(xscale="log", xlabel="concurrent streams", ylabel=ylabel, title=title)
         axis.set_xticks(levels, [str(c) for c in levels])
+        axis.xaxis.set_minor_formatter(NullFormatter())  # only the levels run are labelled
         axis.legend(fontsize="small")
     right.set_yscale("log")
     shape = f"{results['input_len']} in / " if results.get("input_len") else ""
