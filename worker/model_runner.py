@@ -259,12 +259,14 @@ class ModelRunner:
         )
 
     def _decode_groups(self, rows: list[Request]) -> list[DecodeGroup]:
-        """Split single-token rows (sorted by length) where padding to one length would waste much.
+        """Single-token rows in groups: one for the C++ kernel, which reads each row's own length.
 
-        Padding every row to the longest context made gathers and attention at batch 64 about 40%
-        slower than equal lengths; a new group starts when the next row is more than a quarter
-        longer than the group's first, and groups have at least MIN_GROUP rows.
+        The eager fallback pads every row to its group's longest context (at batch 64, 40% slower
+        than equal lengths), so there a new group starts when the next row (sorted by length) is
+        more than a quarter longer than the group's first, and groups have at least MIN_GROUP rows.
         """
+        if rows and self.device.type == "cpu" and kernels.load():
+            return [self._decode_group(rows, 0)]
         groups = []
         start = 0
         for end in range(1, len(rows) + 1):
