@@ -20,6 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.generation import Generator
 from gateway.metrics import Metrics, http_metrics_middleware
+from gateway.request_body import GatewayRequest
 from gateway.response_store import ResponseStore
 from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
@@ -85,6 +86,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         cors_config=CORSConfig(allow_origins=origins, allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "anthropic-beta"]) if origins else None,
         dependencies={"generator": Provide(provide_generator, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
+        request_class=GatewayRequest,
         middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "generator", None), "metrics", None))],
         lifespan=[lifespan],
         logging_config=None,  # common.logs configures logging, the same way in every process

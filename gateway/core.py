@@ -26,6 +26,7 @@ from gateway.errors import ClientGone, GatewayError, Overloaded
 from gateway.generation import Generator, TextDelta
 from gateway.logprobs import TokenLogprob
 from gateway.schemas import SamplingOptions
+from gateway.templates import Budget
 from gateway.tools import (
     CallDelta,
     ToolCall,
@@ -128,14 +129,36 @@ def total_usage(finishes: list[Finish], n: int = 1) -> Usage:
     )
 
 
+def message_chars(messages: list[dict]) -> int:
+    """The characters a conversation brings (contents and earlier calls' arguments), for the cheap bounds."""
+    chars = 0
+    for message in messages:
+        content = message.get("content")
+        chars += len(content) if isinstance(content, str) else 0
+        for call in message.get("tool_calls") or ():
+            arguments = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
+            chars += len(arguments) if isinstance(arguments, str) else 0
+    return chars
+
+
 async def chat_prompt(
     generator: Generator, messages: list[dict], tools: ToolPlan, template_source: str | None = None, template_kwargs: dict | None = None,
+    request: Request | None = None, add_generation_prompt: bool = True,
 ) -> list[int]:
-    """A conversation (messages as chat templates read them) rendered with its tools and tokenized."""
+    """A conversation (messages as chat templates read them) rendered with its tools and tokenized.
+    Too many characters or messages are refused before any work; a request's own template renders
+    under a budget, and stops when ``request``'s client hangs up."""
+    chars = message_chars(messages)
+    generator.check_prompt_size(chars, len(messages))
     source = template_source or generator.template.source
     messages = prepare_messages(messages, tools, source)
     variables = {**(template_kwargs or {}), **template_variables(tools, source)}
-    return await generator.run_in_pool(generator.chat_prompt_ids, messages, template_source, variables)
+    budget = Budget() if template_source is not None else None
+    work = generator.run_in_pool(generator.chat_prompt_ids, messages, template_source, variables, add_generation_prompt, budget,
+                                 size=chars, budget=budget)
+    if budget is not None and request is not None:
+        return await unless_disconnected(request, work)
+    return await work
 
 
 NO_TOOLS = tool_plan(None, None, None)

@@ -17,15 +17,18 @@ from typing import Any
 
 from common.protocol import FinishReason, NewRequest, RequestOutput, TokenLogprobs
 from gateway.admission import Admission, Slot
-from gateway.errors import GenerationFailed, RequestTimeout
+from gateway.errors import GenerationFailed, InvalidRequest, RequestTimeout
 from gateway.logprobs import TokenLogprob, TokenTexts
 from gateway.metrics import Metrics
 from gateway.stop import StopChecker
-from gateway.templates import ChatTemplate
+from gateway.templates import Budget, ChatTemplate
 from gateway.tokenizer import IncrementalDetokenizer
 from gateway.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
+
+MAX_CHARS_PER_TOKEN = 16  # generous: English averages about 4 characters a token
+SMALL_JOB_CHARS = 32_768  # inputs above this are tokenized in the big-job lane
 
 
 @dataclass(slots=True)
@@ -59,16 +62,18 @@ class Generator:
         self.template = template
         self.model_name = model_name
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+        # Big inputs and requests' own templates take their own lane, so they never hold up small ones.
+        self._big_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-big")
 
     def chat_prompt_ids(
         self, messages: list[dict[str, Any]], template_source: str | None = None, variables: dict[str, Any] | None = None,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = True, budget: Budget | None = None,
     ) -> list[int]:
-        """Render the chat template (the server's, or one the request brought) with any extra
-        ``variables`` (``chat_template_kwargs``, ``tools``) and tokenize; the template already holds
-        the special tokens."""
+        """Render the chat template (the server's, or one the request brought, under ``budget``) with
+        any extra ``variables`` (``chat_template_kwargs``, ``tools``) and tokenize; the template
+        already holds the special tokens."""
         template = self.template if template_source is None else self.template.with_source(template_source)
-        text = template.render(messages, add_generation_prompt, variables)
+        text = template.render(messages, add_generation_prompt, variables, budget)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def text_prompt_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -78,12 +83,37 @@ class Generator:
         """The context length every registered worker takes (None while no worker is registered)."""
         return self.client.limits()[0] if self.client.workers else None
 
-    async def run_in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Tokenizing and template rendering take milliseconds: keep them off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    def check_prompt_size(self, chars: int, count: int = 0, param: str = "messages") -> None:
+        """Cheap bounds before any tokenizing: more characters than the context could hold at
+        MAX_CHARS_PER_TOKEN each, or more messages than it has tokens, is a 400 at once (a 3 MiB
+        message took 4.5 s to tokenize just to be refused). No bound while no worker says the length."""
+        limit = self.max_model_len()
+        if limit is None:
+            return
+        if count > limit:
+            raise InvalidRequest(f"`{param}` holds {count} messages, more than this model's context length of {limit} tokens",
+                                 param=param, code="context_length_exceeded")
+        if chars > limit * MAX_CHARS_PER_TOKEN:
+            raise InvalidRequest(
+                f"the prompt has {chars} characters, far more than this model's context length of {limit} tokens holds",
+                param=param, code="context_length_exceeded",
+            )
+
+    async def run_in_pool(self, fn: Callable[..., Any], *args: Any, size: int = 0, budget: Budget | None = None) -> Any:
+        """Tokenizing and template rendering take milliseconds: keep them off the event loop. Inputs
+        over SMALL_JOB_CHARS characters and requests' own templates (``budget``) go to their own
+        lane; a cancelled caller (its client left) stops a budgeted render."""
+        lane = self._big_pool if size > SMALL_JOB_CHARS or budget is not None else self._pool
+        try:
+            return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)
+        except asyncio.CancelledError:
+            if budget is not None:
+                budget.cancelled.set()
+            raise
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._big_pool.shutdown(wait=False, cancel_futures=True)
 
     async def stream(
         self, request: NewRequest, slot: Slot, stops: list[str] | None = None, skip_special_tokens: bool = True

@@ -202,7 +202,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: yes for a prompt, no for messages (the template has them)
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # as chat's: refused unless --allow-request-chat-template
     chat_template_kwargs: dict | None = None
+    tools: list | None = None  # rendered as chat renders them
+    tool_choice: str | dict | None = None
     return_token_strs: bool = False
 
 

@@ -107,7 +107,10 @@ def tool_plan(tools: list | None, tool_choice: str | dict | None, parallel_tool_
     choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
     parallel = parallel_tool_calls is not False
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function")
+        name = function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise InvalidRequest('`tool_choice` must be {"type": "function", "function": {"name": "..."}}', param="tool_choice")
         if name not in {f["name"] for f in functions}:
             raise InvalidRequest(f"`tool_choice` names a function that is not in `tools`: {name!r}", param="tool_choice")
         return ToolPlan(functions, "named", name, parallel)
@@ -116,6 +119,21 @@ def tool_plan(tools: list | None, tool_choice: str | dict | None, parallel_tool_
     if choice != "none" and not functions:
         raise InvalidRequest(f"`tool_choice` {choice!r} needs `tools`", param="tool_choice")
     return ToolPlan(functions, choice, None, parallel)
+
+
+def check_tool_calls(calls: object, param: str) -> list[dict]:
+    """An assistant message's earlier ``tool_calls``, in OpenAI's shape (templates and the Hermes
+    rewrite read ``function.name`` and ``function.arguments``), or a 400 naming the field."""
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"`{param}` must be a list of tool calls", param=param)
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(f'`{param}[{j}]` must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}',
+                                 param=f"{param}[{j}].function")
+        if not isinstance(function.get("arguments", "{}"), (str, dict)):
+            raise InvalidRequest(f"`{param}[{j}].function.arguments` must be a JSON string", param=f"{param}[{j}].function.arguments")
+    return calls
 
 
 def template_variables(plan: ToolPlan, template_source: str) -> dict[str, Any]:

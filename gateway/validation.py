@@ -20,10 +20,21 @@ def _check_range(value: float | None, name: str, low: float, high: float) -> Non
         raise InvalidRequest(f"`{name}` must be between {low} and {high}; got {value}", param=name)
 
 
+_DECIMAL = re.compile(r"-?[0-9]{1,19}")  # ASCII digits only: str.isdigit() also takes "²", which int() refuses
+
+
+def check_token_ids(ids: object, vocab_size: int, param: str) -> list[int]:
+    """Token ids from a request: integers (not booleans, which JSON decoders read as 0 and 1) in
+    the vocabulary, or a 400 naming ``param``."""
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(f"`{param}` must hold token ids, integers from 0 to {vocab_size - 1}", param=param)
+    return ids
+
+
 def _logit_bias(req: SamplingOptions, vocab_size: int) -> dict[int, float]:
     bias = {}
     for key, value in (req.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+        if not _DECIMAL.fullmatch(key) or not 0 <= int(key) < vocab_size:
             raise InvalidRequest(f"`logit_bias` keys must be token ids from 0 to {vocab_size - 1}; got {key!r}", param="logit_bias")
         if not -100 <= value <= 100:
             raise InvalidRequest(f"`logit_bias` values must be between -100 and 100; got {value}", param="logit_bias")
@@ -178,7 +189,7 @@ def new_request(
         prompt_token_ids=prompt_ids,
         max_new_tokens=budget,
         sampling=sampling,
-        stop_token_ids=list(options.stop_token_ids or []),
+        stop_token_ids=check_token_ids(list(options.stop_token_ids or []), vocab_size, "stop_token_ids"),
         ignore_eos=options.ignore_eos,
         guide=guide,
     )

@@ -42,7 +42,7 @@ from gateway.schemas import (
     ToolCallChunk,
     ToolCallOut,
 )
-from gateway.tools import CallDelta, ToolPlan, tool_plan
+from gateway.tools import CallDelta, ToolPlan, check_tool_calls, tool_plan
 from gateway.validation import check_supported, request_id, response_guide, stop_strings
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -63,13 +63,22 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = "".join(part.text for part in content)  # type: ignore[misc]
         item: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.tool_calls:
-            item["tool_calls"] = message.tool_calls
+            item["tool_calls"] = check_tool_calls(message.tool_calls, f"messages[{i}].tool_calls")
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
         if message.name is not None:
             item["name"] = message.name
         result.append(item)
     return result
+
+
+def check_request_template(request: Request, template: str | None) -> None:
+    """A request's own ``chat_template`` is code: refused unless the server allows it."""
+    if template is not None and not request.app.state.allow_request_chat_template:
+        raise InvalidRequest(
+            "`chat_template` in a request is refused on this server (templates come from the server side; "
+            "start it with --allow-request-chat-template to allow them)", param="chat_template",
+        )
 
 
 def finish_reason(finish: Finish, plan: ToolPlan) -> str:
@@ -89,15 +98,11 @@ class ChatController(Controller):
         check_model(req.model, generator.model_name)
         check_supported(req)
         stops = stop_strings(req.stop)
-        if req.chat_template is not None and not request.app.state.allow_request_chat_template:
-            raise InvalidRequest(
-                "`chat_template` in a request is refused on this server (templates come from the server side; "
-                "start it with --allow-request-chat-template to allow them)", param="chat_template",
-            )
+        check_request_template(request, req.chat_template)
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         logprobs = req.logprobs_count()
         guide = response_guide(req.response_format)
-        prompt = await core.chat_prompt(generator, message_dicts(req.messages), plan, req.chat_template, req.chat_template_kwargs)
+        prompt = await core.chat_prompt(generator, message_dicts(req.messages), plan, req.chat_template, req.chat_template_kwargs, request)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         generation = await core.start(generator, GenerationRequest(

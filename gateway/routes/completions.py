@@ -22,7 +22,7 @@ from gateway.routes.common import (
     openai_usage,
 )
 from gateway.schemas import Completion, CompletionChoice, CompletionRequest
-from gateway.validation import check_supported, request_id, response_guide, stop_strings
+from gateway.validation import check_supported, check_token_ids, request_id, response_guide, stop_strings
 
 MAX_PROMPTS = 64
 MAX_BEST_OF = 16
@@ -32,7 +32,7 @@ def _prompt_ids(generator: Generator, prompt: object) -> list[list[int]]:
     """``prompt`` as token ids, one list per prompt: a string, strings, token ids, or lists of them."""
     if isinstance(prompt, str):
         prompts: list = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):  # bools too: refused below
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         prompts = prompt
@@ -44,11 +44,16 @@ def _prompt_ids(generator: Generator, prompt: object) -> list[list[int]]:
     for p in prompts:
         if isinstance(p, str):
             out.append(generator.text_prompt_ids(p))
-        elif all(isinstance(t, int) and 0 <= t < generator.vocab_size for t in p):
-            out.append(list(p))
         else:
-            raise InvalidRequest(f"`prompt` token ids must be integers from 0 to {generator.vocab_size - 1}", param="prompt")
+            out.append(check_token_ids(list(p), generator.vocab_size, "prompt"))
     return out
+
+
+def _prompt_chars(prompt: object) -> list[int]:
+    """The characters of each prompt string (token ids are counted when the request is built)."""
+    if isinstance(prompt, str):
+        return [len(prompt)]
+    return [len(p) for p in prompt if isinstance(p, str)] if isinstance(prompt, list) else []
 
 
 class CompletionsController(Controller):
@@ -63,7 +68,9 @@ class CompletionsController(Controller):
         copies = _copies(req)
         logprobs = req.logprobs_count()
         guide = response_guide(req.response_format)
-        prompts = await generator.run_in_pool(_prompt_ids, generator, req.prompt)
+        chars = _prompt_chars(req.prompt)
+        generator.check_prompt_size(max(chars, default=0), param="prompt")
+        prompts = await generator.run_in_pool(_prompt_ids, generator, req.prompt, size=sum(chars))
         budget = req.max_tokens if req.max_tokens is not None else 16
         if _prompt_only(req):  # score the prompt, generate nothing: the one token the worker makes is dropped
             budget = 1

@@ -57,3 +57,61 @@ def test_extra_variables_reach_the_template_but_cannot_replace_its_own():
     for name in ("messages", "bos_token", "add_generation_prompt"):
         with pytest.raises(InvalidRequest, match=name):
             template.render([], variables={name: "x"})
+
+
+# A request's own template is untrusted code: each of these ends quickly in a 400 naming it.
+HOSTILE = [
+    "{% include 'x' %}",
+    "{% import 'x' as y %}",
+    "{{ 1/0 }}",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "{{ 2**100000 }}",
+    "{{ 'a' * 300000000 }}",
+    "{{ 'a'.ljust(10**9) }}",
+    "{{ 'a' | center(10**9) }}",
+    "{{ '{:>999999999}'.format(1) }}",
+    "{{ '%999999999d' % 1 }}",
+    "{% set ns = namespace(x='a' * 1000) %}{% for i in range(100) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}",
+    "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",  # output past MAX_OUTPUT_CHARS
+]
+
+
+@pytest.mark.parametrize("source", HOSTILE)
+def test_a_hostile_request_template_is_a_400_naming_chat_template(source):
+    import time
+
+    template = ChatTemplate("{{ messages[0]['content'] }}", {"bos_token": "<s>"}).with_source(source)
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest) as refused:
+        template.render([{"role": "user", "content": "Hi"}])
+    assert refused.value.param == "chat_template"
+    assert time.monotonic() - started < 1.5
+
+
+def test_a_request_template_that_loops_without_output_stops_at_its_deadline():
+    import threading
+    import time
+
+    from gateway.templates import Budget
+
+    source = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    template = ChatTemplate("x", {}).with_source(source)
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match="longer than 0.5 s") as refused:
+        template.render([], budget=Budget(0.5))
+    assert refused.value.param == "chat_template" and time.monotonic() - started < 1.5
+    budget = Budget(60)  # cancelled from another thread (its client left): it stops at once
+    threading.Timer(0.2, budget.cancelled.set).start()
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match="cancelled"):
+        template.render([], budget=budget)
+    assert time.monotonic() - started < 1.5
+
+
+def test_template_variables_may_be_named_like_render_arguments():
+    """``chat_template_kwargs {"self": 1}`` collided with ``render(self, ...)``: a TypeError, a 500."""
+    template = ChatTemplate("{{ messages | length }}{{ shout }}", {"bos_token": "<s>"})
+    assert template.render([{"role": "user", "content": "Hi"}], variables={"self": 1, "shout": "!"}) == "1!"
+    with pytest.raises(InvalidRequest) as refused:
+        template.render([], variables={"messages": []})
+    assert refused.value.param == "chat_template_kwargs"
