@@ -41,11 +41,7 @@ def summarize(concurrency: int, timings: list[RequestTiming], wall_s: float) -> 
     prompt = sum(t.prompt_tokens for t in ok)
     samples = {
         "ttft": [t.ttft for t in ok],
-        "tpot": [
-            (t.end - t.start - t.ttft) / (t.completion_tokens - 1)
-            for t in ok
-            if t.completion_tokens > 1
-        ],
+        "tpot": [(t.end - t.start - t.ttft) / (t.completion_tokens - 1) for t in ok if t.completion_tokens > 1],
         "itl": [gap for t in ok for gap in t.inter_token],
         "e2el": [t.end - t.start for t in ok],
     }
@@ -55,14 +51,12 @@ def summarize(concurrency: int, timings: list[RequestTiming], wall_s: float) -> 
         "completed": len(ok),
         "errors": len(timings) - len(ok),
         "first_error": next((t.error for t in timings if t.error), None),
-        "duration_s": round(wall_s, 3),
+        "duration": round(wall_s, 3),  # seconds, as vLLM names it
         "total_input_tokens": prompt,
         "total_output_tokens": output,
         "request_throughput": round(len(ok) / wall_s, 3) if wall_s else 0.0,
         "output_throughput": round(output / wall_s, 1) if wall_s else 0.0,
-        "total_token_throughput": round((prompt + output) / wall_s, 1)
-        if wall_s
-        else 0.0,
+        "total_token_throughput": round((prompt + output) / wall_s, 1) if wall_s else 0.0,
     }
     for name in LATENCIES:
         row |= _described(name, samples[name])
