@@ -132,11 +132,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     mode = "gateway-overhead" if args.gateway_overhead else args.workload
-    levels = (
-        [int(c) for c in args.concurrency.split(",")]
-        if args.concurrency
-        else list(workloads.DEFAULT_LEVELS[mode])
-    )
+    levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else list(workloads.DEFAULT_LEVELS[mode])
     tokenizer = None
     if args.workload != "chat":
         from common.config import CACHE_DIR
@@ -168,9 +164,7 @@ def main() -> None:
     if args.baseline:
         from bench.baseline import run_baseline
 
-        prompts = work.levels[levels[0]][
-            : workloads.requests_per_level(1, args.num_prompts)
-        ]
+        prompts = work.levels[levels[0]][: workloads.requests_per_level(1, args.num_prompts)]
         timings, wall = run_baseline(args.model, prompts, len(prompts), work.output_len)
         results["baseline"] = summarize(1, timings, wall)
         print(table({"transformers generate": [results["baseline"]]}, {}), flush=True)
@@ -181,9 +175,7 @@ def main() -> None:
         url = args.url.rstrip("/") if args.url else None
         if url is None:
             extra = [a for flags in args.server_arg for a in flags.split()]
-            processes, url = servers.start_llmpool(
-                args.workers, extra, args.gateway_overhead, args.fake_step_ms
-            )
+            processes, url = servers.start_llmpool(args.workers, extra, args.gateway_overhead, args.fake_step_ms)
         measured = [servers.Server(args.label, url), *peers]
         if args.start_llama_server:
             process, peer_url = start_llama_server(args, work, max(levels), out)
@@ -195,9 +187,7 @@ def main() -> None:
     report(results, args.baseline, out)
 
 
-def start_llama_server(
-    args: argparse.Namespace, work: workloads.Workload, slots: int, out: Path
-) -> tuple[subprocess.Popen, str]:
+def start_llama_server(args: argparse.Namespace, work: workloads.Workload, slots: int, out: Path) -> tuple[subprocess.Popen, str]:
     """llama-server on the model's own GGUF, with room for every stream's prompt and output."""
     from common.model_source import resolve_model
 
@@ -242,17 +232,11 @@ def run_all(
     found: dict[str, dict] = {}
     for server in measured:
         warm_up(server, model, work.warmup, run)
-        found[server.label] = {"url": server.url, "levels": []} | servers.describe(
-            server.url
-        )
+        found[server.label] = {"url": server.url, "levels": []} | servers.describe(server.url)
     for level in levels:
         prompts = work.levels[level]
         for server in measured:
-            timings, wall = run(
-                run_level(
-                    server.url, model, prompts, level, len(prompts), work.output_len
-                )
-            )
+            timings, wall = run(run_level(server.url, model, prompts, level, len(prompts), work.output_len))
             row = summarize(level, timings, wall)
             found[server.label]["levels"].append(row)
             print(
@@ -262,14 +246,8 @@ def run_all(
                 flush=True,
             )
             per_request = row["total_input_tokens"] / max(1, row["completed"])
-            if (
-                work.input_len
-                and row["completed"]
-                and abs(per_request - work.input_len) > 0.01 * work.input_len
-            ):
-                print(
-                    f"  note: {server.label} counted {per_request:.0f} prompt tokens per request, not {work.input_len}"
-                )
+            if work.input_len and row["completed"] and abs(per_request - work.input_len) > 0.01 * work.input_len:
+                print(f"  note: {server.label} counted {per_request:.0f} prompt tokens per request, not {work.input_len}")
     try:
         workers = httpx.get(measured[0].url + "/workers", timeout=5).json()["workers"]
         found[measured[0].label]["workers"] = workers
@@ -282,14 +260,9 @@ def report(results: dict, baseline: bool, out: Path) -> None:
     """Print the table (with ratios to each peer and to the baseline); write the JSON and the plot."""
     measured = results["servers"]
     ours, *peers = measured
-    results["ratios"] = {
-        label: ratios(measured[ours]["levels"], measured[label]["levels"])
-        for label in peers
-    }
+    results["ratios"] = {label: ratios(measured[ours]["levels"], measured[label]["levels"]) for label in peers}
     shape = f"{results['input_len']} tokens in, " if results["input_len"] else ""
-    print(
-        f"\n{results['mode']}: {shape}{results['output_len']} tokens out per request, streamed chat completions\n"
-    )
+    print(f"\n{results['mode']}: {shape}{results['output_len']} tokens out per request, streamed chat completions\n")
     print(
         table(
             {label: server["levels"] for label, server in measured.items()},
@@ -298,14 +271,8 @@ def report(results: dict, baseline: bool, out: Path) -> None:
     )
     if baseline:
         base = results["baseline"]["output_throughput"]
-        results["ratios_vs_baseline"] = {
-            r["concurrency"]: round(r["output_throughput"] / base, 2)
-            for r in measured[ours]["levels"]
-        }
-        print(
-            "\noutput tok/s vs baseline: "
-            + ", ".join(f"{c}: {x}x" for c, x in results["ratios_vs_baseline"].items())
-        )
+        results["ratios_vs_baseline"] = {r["concurrency"]: round(r["output_throughput"] / base, 2) for r in measured[ours]["levels"]}
+        print("\noutput tok/s vs baseline: " + ", ".join(f"{c}: {x}x" for c, x in results["ratios_vs_baseline"].items()))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"results-{results['mode']}.json"
     path.write_text(json.dumps(results, indent=2))

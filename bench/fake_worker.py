@@ -28,9 +28,7 @@ class FakeEngine:
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
-        self.running: dict[
-            str, list[int]
-        ] = {}  # id -> [prompt tokens, tokens left, produced]
+        self.running: dict[str, list[int]] = {}  # id -> [prompt tokens, tokens left, produced]
         self.steps = 0
 
     def add_request(self, new: NewRequest) -> None:
@@ -41,11 +39,7 @@ class FakeEngine:
         ]
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        return [
-            RequestOutput(i, [], "abort")
-            for i in request_ids
-            if self.running.pop(i, None)
-        ]
+        return [RequestOutput(i, [], "abort") for i in request_ids if self.running.pop(i, None)]
 
     def has_work(self) -> bool:
         return bool(self.running)
@@ -83,13 +77,9 @@ class FakeEngine:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.fake_worker", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.fake_worker", description=__doc__)
     parser.add_argument("--gateway-address", default="tcp://127.0.0.1:5555")
-    parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help="the name to register under"
-    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the name to register under")
     parser.add_argument("--step-ms", type=float, default=0.0)
     args = parser.parse_args()
     setup_logging("fake-worker")

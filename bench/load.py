@@ -34,11 +34,7 @@ class RequestTiming:
         per_token = (times[-1] - times[0]) / (self.completion_tokens - 1)
         gaps = [b - a for a, b in itertools.pairwise(times)]
         # A chunk holding several tokens (a character split over tokens) counts as several equal gaps.
-        return (
-            gaps
-            if len(gaps) == self.completion_tokens - 1
-            else [per_token] * (self.completion_tokens - 1)
-        )
+        return gaps if len(gaps) == self.completion_tokens - 1 else [per_token] * (self.completion_tokens - 1)
 
 
 async def _read_chunked(reader: asyncio.StreamReader):
@@ -63,8 +59,7 @@ async def one_request(host: str, port: int, body: bytes) -> RequestTiming:
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
-            % (host.encode(), len(body), body)
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body)
         )
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
@@ -77,10 +72,7 @@ async def one_request(host: str, port: int, body: bytes) -> RequestTiming:
             *events, pending = pending.split(b"\n\n")
             for event in events:
                 last = event if event != b"data: [DONE]" else last
-                if (
-                    b'"delta":{"content":"' in event
-                    and b'"delta":{"content":""' not in event
-                ):
+                if b'"delta":{"content":"' in event and b'"delta":{"content":""' not in event:
                     now = time.perf_counter()
                     timing.first_token = timing.first_token or now
                     timing.chunk_times.append(now)
@@ -94,12 +86,8 @@ async def one_request(host: str, port: int, body: bytes) -> RequestTiming:
                     )
         if not timing.completion_tokens:  # no usage reported: one token per chunk
             timing.completion_tokens = len(timing.chunk_times)
-        if (
-            not timing.chunk_times and timing.error is None
-        ):  # an error in a shape not known here
-            timing.error = (
-                f"no content streamed; last event {(last or pending)[:300]!r}"
-            )
+        if not timing.chunk_times and timing.error is None:  # an error in a shape not known here
+            timing.error = f"no content streamed; last event {(last or pending)[:300]!r}"
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -142,9 +130,7 @@ async def run_level(
     async def client_loop() -> None:
         while not queue.empty():
             i = queue.get_nowait()
-            timings.append(
-                await one_request(url.hostname, url.port or 80, bodies[i % len(bodies)])
-            )
+            timings.append(await one_request(url.hostname, url.port or 80, bodies[i % len(bodies)]))
 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))

@@ -26,11 +26,7 @@ def _number(value: float, suffix: str = "") -> str:
 
 def _cells(row: dict, suffix: str = "") -> list[str]:
     return [_number(row[key], suffix) for key in THROUGHPUTS] + [
-        " / ".join(
-            _number(row[f"{stat}_{name}_ms"], suffix)
-            for stat in ("mean", "median", "p99")
-        )
-        for name in LATENCIES
+        " / ".join(_number(row[f"{stat}_{name}_ms"], suffix) for stat in ("mean", "median", "p99")) for name in LATENCIES
     ]
 
 
@@ -42,18 +38,8 @@ def ratios(ours: list[dict], peer: list[dict]) -> list[dict]:
         other = by_level.get(row["concurrency"])
         if other is None:
             continue
-        keys = list(THROUGHPUTS) + [
-            f"{stat}_{name}_ms"
-            for name in LATENCIES
-            for stat in ("mean", "median", "p99")
-        ]
-        out.append(
-            {"concurrency": row["concurrency"]}
-            | {
-                k: round(row[k] / other[k], 2) if other[k] else float("nan")
-                for k in keys
-            }
-        )
+        keys = list(THROUGHPUTS) + [f"{stat}_{name}_ms" for name in LATENCIES for stat in ("mean", "median", "p99")]
+        out.append({"concurrency": row["concurrency"]} | {k: round(row[k] / other[k], 2) if other[k] else float("nan") for k in keys})
     return out
 
 
@@ -66,22 +52,9 @@ def table(servers: dict[str, list[dict]], ratio_rows: dict[str, list[dict]]) -> 
         for label, rows in servers.items():
             for row in rows:
                 if row["concurrency"] == level:
-                    lines.append(
-                        "| "
-                        + " | ".join(
-                            [label, str(level), f"{row['completed']} / {row['errors']}"]
-                            + _cells(row)
-                        )
-                        + " |"
-                    )
+                    lines.append("| " + " | ".join([label, str(level), f"{row['completed']} / {row['errors']}"] + _cells(row)) + " |")
         for label, rows in ratio_rows.items():
             for row in rows:
                 if row["concurrency"] == level:
-                    lines.append(
-                        "| "
-                        + " | ".join(
-                            [f"{ours} ÷ {label}", str(level), ""] + _cells(row, "x")
-                        )
-                        + " |"
-                    )
+                    lines.append("| " + " | ".join([f"{ours} ÷ {label}", str(level), ""] + _cells(row, "x")) + " |")
     return "\n".join(lines)

@@ -24,9 +24,7 @@ class Server:
 
 def parse_peer(spec: str) -> Server:
     """``LABEL=URL`` or a bare ``URL`` (then the label is its host:port)."""
-    label, _, url = (
-        spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
-    )
+    label, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
     url = url.rstrip("/").removesuffix("/v1")
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"--peer wants [LABEL=]http://HOST:PORT, got {spec!r}")
@@ -64,9 +62,7 @@ def wait_ready(
     raise SystemExit(f"{url} did not become ready")
 
 
-def start_llmpool(
-    workers: int, extra: list[str], fake_worker: bool, fake_step_ms: float = 0.0
-) -> tuple[list[subprocess.Popen], str]:
+def start_llmpool(workers: int, extra: list[str], fake_worker: bool, fake_step_ms: float = 0.0) -> tuple[list[subprocess.Popen], str]:
     """`llmpool serve`, or (fake_worker) the gateway plus the model-less worker."""
     port, zmq = free_port(), f"tcp://127.0.0.1:{free_port()}"
     python = sys.executable
@@ -94,15 +90,10 @@ def start_llmpool(
             zmq,
         ]
         commands = [[python, "-m", "launcher", *serve, *extra]]
-    processes = [
-        subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for c in commands
-    ]
+    processes = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in commands]
     url = f"http://127.0.0.1:{port}"
     expected = 1 if fake_worker else workers
-    wait_ready(
-        url, "/workers", processes, lambda r: len(r.json()["workers"]) == expected
-    )
+    wait_ready(url, "/workers", processes, lambda r: len(r.json()["workers"]) == expected)
     return processes, url
 
 
@@ -122,9 +113,7 @@ def llama_server_command(
     return [binary, "-m", str(gguf), *listen, *sizes, "--jinja", *extra]
 
 
-def start_llama_server(
-    command: list[str], log_path: Path
-) -> tuple[subprocess.Popen, str]:
+def start_llama_server(command: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
     """Start it with its log in ``log_path``; return once /health says the model is loaded."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:

@@ -37,9 +37,7 @@ class Workload:
 
     name: str
     output_len: int
-    input_len: (
-        int | None
-    )  # prompt tokens, chat template included; None: whatever the prompts are
+    input_len: int | None  # prompt tokens, chat template included; None: whatever the prompts are
     levels: dict[int, list[str]]
     warmup: list[str]
 
@@ -51,24 +49,16 @@ def requests_per_level(concurrency: int, num_prompts: int | None) -> int:
 
 def one_token_words(tokenizer: Any) -> list[str]:
     """Lower-case words that the tokenizer keeps as one token when preceded by a space."""
-    return sorted(
-        token[1:] for token in tokenizer.get_vocab() if _WORD.fullmatch(token)
-    )
+    return sorted(token[1:] for token in tokenizer.get_vocab() if _WORD.fullmatch(token))
 
 
 def prompt_tokens(tokenizer: Any, content: str) -> int:
     """Tokens of ``content`` as one user message, with the chat template and generation prompt."""
     messages = [{"role": "user", "content": content}]
-    return len(
-        tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
-    )
+    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
 
 
-def random_prompt(
-    tokenizer: Any, words: list[str], rng: random.Random, input_len: int
-) -> str:
+def random_prompt(tokenizer: Any, words: list[str], rng: random.Random, input_len: int) -> str:
     """A user message of random words whose chat prompt is exactly ``input_len`` tokens."""
     overhead = prompt_tokens(tokenizer, "")
     chosen = [rng.choice(words) for _ in range(max(1, input_len - overhead))]
@@ -98,10 +88,7 @@ def build(
             name,
             output_len,
             None,
-            {
-                level: [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-                for level, n in counts.items()
-            },
+            {level: [PROMPTS[i % len(PROMPTS)] for i in range(n)] for level, n in counts.items()},
             PROMPTS[:2],
         )
     if name not in WORKLOADS:
@@ -109,9 +96,6 @@ def build(
     length = input_len or DEFAULT_INPUT_LEN[name]
     words, rng = one_token_words(tokenizer), random.Random(seed)
     # Unique prompts across levels too: a level must not hit the cache the level before filled.
-    prompts = {
-        level: [random_prompt(tokenizer, words, rng, length) for _ in range(n)]
-        for level, n in counts.items()
-    }
+    prompts = {level: [random_prompt(tokenizer, words, rng, length) for _ in range(n)] for level, n in counts.items()}
     warmup = [random_prompt(tokenizer, words, rng, min(length, 256)) for _ in range(2)]
     return Workload(name, output_len, length, prompts, warmup)

@@ -17,9 +17,7 @@ from bench.servers import parse_peer
 from bench.stats import percentile, summarize
 
 
-def timing(
-    start: float, chunks: list[float], end: float, tokens: int, prompt: int = 100
-) -> RequestTiming:
+def timing(start: float, chunks: list[float], end: float, tokens: int, prompt: int = 100) -> RequestTiming:
     return RequestTiming(
         start=start,
         first_token=chunks[0],
@@ -76,9 +74,7 @@ LLAMA_SERVER_EVENTS = [
     },
     *(
         {
-            "choices": [
-                {"delta": {"content": word}, "finish_reason": None, "index": 0}
-            ],
+            "choices": [{"delta": {"content": word}, "finish_reason": None, "index": 0}],
             "object": "chat.completion.chunk",
         }
         for word in ["Hello", " there", ""]
@@ -99,24 +95,12 @@ LLAMA_SERVER_EVENTS = [
 async def _stream_server(events: list[dict], bodies: list[dict]) -> asyncio.Server:
     """A one-route HTTP server streaming ``events`` as SSE in chunked encoding, as llama-server does."""
 
-    async def handle(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = int(
-            next(
-                line
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length")
-            ).split(b":")[1]
-        )
+        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1])
         bodies.append(orjson.loads(await reader.readexactly(length)))
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-        )
-        for payload in [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [
-            b"data: [DONE]\n\n"
-        ]:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for payload in [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]:
             writer.write(b"%x\r\n%s\r\n" % (len(payload), payload))
             await writer.drain()
         writer.write(b"0\r\n\r\n")
@@ -132,9 +116,7 @@ def _run_against(events: list[dict]) -> tuple[list[RequestTiming], list[dict]]:
         server = await _stream_server(events, bodies)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            timings, _ = await run_level(
-                f"http://127.0.0.1:{port}", "m", ["a", "b", "c"], 2, 3, 7
-            )
+            timings, _ = await run_level(f"http://127.0.0.1:{port}", "m", ["a", "b", "c"], 2, 3, 7)
         return timings, bodies
 
     return asyncio.run(main())
@@ -150,12 +132,7 @@ def test_client_reads_llama_server_stream():
             2,
         )  # empty content is no token
     assert {b["messages"][0]["content"] for b in bodies} == {"a", "b", "c"}
-    assert all(
-        b["max_tokens"] == 7
-        and b["ignore_eos"]
-        and b["stream_options"] == {"include_usage": True}
-        for b in bodies
-    )
+    assert all(b["max_tokens"] == 7 and b["ignore_eos"] and b["stream_options"] == {"include_usage": True} for b in bodies)
 
 
 def test_client_counts_chunks_when_the_server_reports_no_usage():
@@ -164,14 +141,10 @@ def test_client_counts_chunks_when_the_server_reports_no_usage():
 
 
 def test_a_stream_without_content_is_an_error():
-    timings, _ = _run_against(
-        [{"error": {"code": 500, "message": "boom"}}]
-    )  # OpenAI's shape
+    timings, _ = _run_against([{"error": {"code": 500, "message": "boom"}}])  # OpenAI's shape
     assert [t.error for t in timings] == ["boom"] * 3
     timings, _ = _run_against([{"detail": "bust"}])  # any other
-    assert all(
-        t.error.startswith("no content streamed") and "bust" in t.error for t in timings
-    )
+    assert all(t.error.startswith("no content streamed") and "bust" in t.error for t in timings)
 
 
 def test_random_prompts_have_exact_token_counts_and_are_unique(tokenizer):
@@ -179,12 +152,8 @@ def test_random_prompts_have_exact_token_counts_and_are_unique(tokenizer):
     prompts = [p for level in (1, 2) for p in work.levels[level]]
     assert [len(work.levels[level]) for level in (1, 2)] == [4, 4]
     assert all(workloads.prompt_tokens(tokenizer, p) == 300 for p in prompts)
-    assert len({" ".join(p.split()[:4]) for p in prompts}) == len(
-        prompts
-    )  # no shared prefix
-    assert (
-        workloads.build("random", [1, 2], None, 16, 300, tokenizer, seed=1) == work
-    )  # same seed, same prompts
+    assert len({" ".join(p.split()[:4]) for p in prompts}) == len(prompts)  # no shared prefix
+    assert workloads.build("random", [1, 2], None, 16, 300, tokenizer, seed=1) == work  # same seed, same prompts
 
 
 def test_long_context_defaults_and_chat_cycles_fixed_prompts(tokenizer):
@@ -192,20 +161,14 @@ def test_long_context_defaults_and_chat_cycles_fixed_prompts(tokenizer):
     assert long.input_len == 4096 and len(long.levels[1]) == 2
     assert all(workloads.prompt_tokens(tokenizer, p) == 4096 for p in long.levels[1])
     chat = workloads.build("chat", [1, 32], None, 128, None)
-    assert (
-        len(chat.levels[1]) == 4
-        and len(chat.levels[32]) == 64
-        and chat.levels[32][16] == chat.levels[32][0]
-    )
+    assert len(chat.levels[1]) == 4 and len(chat.levels[32]) == 64 and chat.levels[32][16] == chat.levels[32][0]
     with pytest.raises(ValueError, match="unknown workload"):
         workloads.build("bogus", [1], None, 8, None, tokenizer)
 
 
 def test_parse_peer():
     assert parse_peer("llama.cpp=http://127.0.0.1:8081/v1/").label == "llama.cpp"
-    assert (
-        parse_peer("llama.cpp=http://127.0.0.1:8081/v1/").url == "http://127.0.0.1:8081"
-    )
+    assert parse_peer("llama.cpp=http://127.0.0.1:8081/v1/").url == "http://127.0.0.1:8081"
     assert parse_peer("http://127.0.0.1:8081").label == "127.0.0.1:8081"
     with pytest.raises(ValueError):
         parse_peer("127.0.0.1:8081")
@@ -216,10 +179,6 @@ def test_table_puts_servers_side_by_side_with_ratios():
     peer = [summarize(1, [timing(0.0, [0.2, 0.4], 0.4, 2)], 2.0)]
     found = ratios(ours, peer)
     assert found[0]["output_throughput"] == 2.0 and found[0]["median_ttft_ms"] == 0.5
-    lines = table(
-        {"llmpool": ours, "llama.cpp": peer}, {"llama.cpp": found}
-    ).splitlines()
-    assert lines[2].startswith("| llmpool | 1 |") and lines[3].startswith(
-        "| llama.cpp | 1 |"
-    )
+    lines = table({"llmpool": ours, "llama.cpp": peer}, {"llama.cpp": found}).splitlines()
+    assert lines[2].startswith("| llmpool | 1 |") and lines[3].startswith("| llama.cpp | 1 |")
     assert lines[4].startswith("| llmpool ÷ llama.cpp | 1 |") and "| 2x |" in lines[4]
