@@ -11,6 +11,8 @@ from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin
 
 from common.config import parse_size
 from common.model_source import load_tokenizer, resolve_model
@@ -39,6 +41,13 @@ log = logging.getLogger(__name__)
 
 def provide_generator(state: State) -> Generator:
     return state.generator
+
+
+def openapi_config(keys: frozenset[str]) -> OpenAPIConfig:
+    """The OpenAPI document as JSON at /schema/openapi.json (and /schema), behind the API key when
+    there is one; no rendered pages, whose scripts came from a CDN."""
+    router = Router(path="/schema", route_handlers=[], include_in_schema=False, guards=[api_key_guard(keys)] if keys else [])
+    return OpenAPIConfig(title="llmpool", version="1", render_plugins=[JsonRenderPlugin(path=["/openapi.json", "/"])], openapi_router=router)
 
 
 def create_app(config: GatewayConfig) -> Litestar:
@@ -90,6 +99,6 @@ def create_app(config: GatewayConfig) -> Litestar:
         middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "generator", None), "metrics", None))],
         lifespan=[lifespan],
         logging_config=None,  # common.logs configures logging, the same way in every process
-        openapi_config=None,  # no /schema pages: they answered without the API key, listed every route, loaded a CDN's scripts
+        openapi_config=openapi_config(keys),
     )
     return app

@@ -96,6 +96,19 @@ class CompletionRequest(SamplingFields, kw_only=True):
 # ---- responses ----------------------------------------------------------------------------------
 
 
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    """Every error, OpenAI's shape (gateway.errors builds it)."""
+
+    error: ErrorDetail
+
+
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 

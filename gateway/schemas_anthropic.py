@@ -98,3 +98,15 @@ class MessageResponse(msgspec.Struct, kw_only=True):
 
 class CountTokensResponse(msgspec.Struct):
     input_tokens: int
+
+
+class AnthropicErrorDetail(msgspec.Struct, kw_only=True):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(msgspec.Struct, kw_only=True):
+    """Every error under /v1/messages, Anthropic's shape (gateway.errors builds it)."""
+
+    error: AnthropicErrorDetail
+    type: str = "error"

@@ -12,7 +12,7 @@ from litestar.response import Stream
 
 from gateway.core import Usage
 from gateway.errors import NotFound
-from gateway.schemas import PromptTokensDetails
+from gateway.schemas import ErrorBody, PromptTokensDetails
 from gateway.schemas import Usage as OpenAIUsage
 from gateway.streaming import SSE_HEADERS, sse_events
 
@@ -35,9 +35,18 @@ def event_stream(chunks: AsyncIterator[Any], request_id: str, named: bool = Fals
     return Stream(sse_events(chunks, named), media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": request_id})
 
 
-def documented(body: type, description: str) -> dict[int, ResponseSpec]:
-    """OpenAPI: the body a route answers with when not streaming (streams are text/event-stream)."""
-    return {200: ResponseSpec(data_container=body, description=description)}
+ERROR_STATUSES = {400: "a bad request (the error names the field)", 401: "a missing or wrong API key", 404: "no such model or object",
+                  429: "overloaded: retry", 499: "the client closed the connection", 500: "a server error",
+                  503: "no worker is available", 504: "the request timed out"}
+
+
+def documented(body: type | None, description: str = "", error: type = ErrorBody) -> dict[int, ResponseSpec]:
+    """OpenAPI: the body a route answers with when not streaming (streams are text/event-stream),
+    and its errors' body (OpenAI's shape, or Anthropic's under /v1/messages)."""
+    responses = {status: ResponseSpec(data_container=error, description=what) for status, what in ERROR_STATUSES.items()}
+    if body is not None:
+        responses[200] = ResponseSpec(data_container=body, description=description)
+    return responses
 
 
 def openai_usage(usage: Usage) -> OpenAIUsage:

@@ -33,6 +33,7 @@ from gateway.errors import GatewayError, InvalidRequest
 from gateway.generation import Generator
 from gateway.routes.common import check_model, documented, event_stream, json_response
 from gateway.schemas_anthropic import (
+    AnthropicErrorBody,
     AnthropicMessage,
     AnthropicUsage,
     ContentBlock,
@@ -141,7 +142,7 @@ def _tool_id(call_id: str) -> str:
 class MessagesController(Controller):
     path = "/v1/messages"
 
-    @post("/", status_code=200, responses=documented(MessageResponse, "the message (with `stream`: Anthropic's events)"))
+    @post("/", status_code=200, responses=documented(MessageResponse, "the message (with `stream`: Anthropic's events)", AnthropicErrorBody))
     async def create(self, request: Request, data: MessagesRequest, generator: Generator) -> Response:
         req = data
         prompt, plan = await _prompt(generator, req)
@@ -160,7 +161,7 @@ class MessagesController(Controller):
                                stop_sequence=finish.stop_sequence, usage=_usage(finish.usage))
         return json_response(body, generation.request_id)
 
-    @post("/count_tokens", status_code=200, responses=documented(CountTokensResponse, "the prompt's length in tokens"))
+    @post("/count_tokens", status_code=200, responses=documented(CountTokensResponse, "the prompt's length in tokens", AnthropicErrorBody))
     async def count_tokens(self, data: CountTokensRequest, generator: Generator) -> Response:
         prompt, _ = await _prompt(generator, data)
         return json_response(CountTokensResponse(len(prompt)))

@@ -7,7 +7,7 @@ import time
 from litestar import Controller, Response, get
 
 from gateway.generation import Generator
-from gateway.routes.common import check_model, json_response
+from gateway.routes.common import check_model, documented, json_response
 
 STARTED = time.time()
 
@@ -26,7 +26,7 @@ class ModelsController(Controller):
     async def list_models(self, generator: Generator) -> Response:
         return json_response({"object": "list", "data": [model_card(generator)]})
 
-    @get("/{model_id:str}")
+    @get("/{model_id:str}", responses=documented(None))
     async def get_model(self, model_id: str, generator: Generator) -> Response:
         check_model(model_id, generator.model_name)
         return json_response(model_card(generator))

@@ -9,7 +9,7 @@ from gateway import core
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator
 from gateway.routes.chat import check_request_template, message_dicts
-from gateway.routes.common import check_model, json_response
+from gateway.routes.common import check_model, documented, json_response
 from gateway.schemas import DetokenizeRequest, TokenizeRequest
 from gateway.tools import tool_plan
 from gateway.validation import check_token_ids
@@ -33,7 +33,7 @@ async def _tokenize(request: Request, generator: Generator, req: TokenizeRequest
 class TokenizeController(Controller):
     path = "/"
 
-    @post("/tokenize", status_code=200)
+    @post("/tokenize", status_code=200, responses=documented(None))
     async def tokenize(self, request: Request, data: TokenizeRequest, generator: Generator) -> Response:
         req = data
         if req.model is not None:
@@ -44,7 +44,7 @@ class TokenizeController(Controller):
             body["token_strs"] = generator.tokenizer.convert_ids_to_tokens(ids)
         return json_response(body)
 
-    @post("/detokenize", status_code=200)
+    @post("/detokenize", status_code=200, responses=documented(None))
     async def detokenize(self, data: DetokenizeRequest, generator: Generator) -> Response:
         req = data
         if req.model is not None:
