@@ -131,7 +131,6 @@ def client(server: Server):  # noqa: ANN201 - an openai.OpenAI
 @pytest.fixture(scope="session")
 def tokenizer():  # noqa: ANN201 - a transformers tokenizer
     from common.config import CACHE_DIR
-    from common.model_source import resolve_model
-    from common.model_source import load_tokenizer
+    from common.model_source import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())

@@ -5,8 +5,19 @@ import pytest
 
 from common import protocol
 from common.protocol import (
-    PROTOCOL_VERSION, Abort, AddRequests, Goodbye, Heartbeat, MsgType, NewRequest, ProtocolError, Ready,
-    RequestOutput, SamplingParams, StepOutputs, WorkerError,
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequests,
+    Goodbye,
+    Heartbeat,
+    MsgType,
+    NewRequest,
+    ProtocolError,
+    Ready,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+    WorkerError,
 )
 
 MESSAGES = [

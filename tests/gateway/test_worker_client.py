@@ -7,7 +7,15 @@ import zmq.asyncio
 
 from common import protocol
 from common.protocol import (
-    Abort, AddRequests, Goodbye, Heartbeat, NewRequest, Ready, RequestOutput, SamplingParams, StepOutputs,
+    Abort,
+    AddRequests,
+    Goodbye,
+    Heartbeat,
+    NewRequest,
+    Ready,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
 )
 from gateway.errors import GenerationFailed, NoWorkerAvailable
 from gateway.worker_client import WorkerClient

@@ -12,7 +12,6 @@ import openai
 import pydantic
 import pytest
 
-
 from tests.conftest import MODEL, start_serve
 
 

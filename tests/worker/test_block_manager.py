@@ -1,5 +1,5 @@
-from worker.block_manager import BlockManager, blocks_for
 from tests.worker.factories import make_request
+from worker.block_manager import BlockManager, blocks_for
 
 
 def test_blocks_for_rounds_up():

@@ -11,9 +11,9 @@ import torch
 from common.config import CACHE_DIR
 from common.model_source import load_tokenizer, resolve_model
 from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
+from tests.worker.test_engine import PROMPTS
 from worker.config import WorkerConfig
 from worker.engine import Engine
-from tests.worker.test_engine import PROMPTS
 
 SCHEMA = {
     "type": "object",

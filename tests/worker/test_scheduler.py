@@ -1,8 +1,8 @@
 """Continuous batching decisions, on plain Python objects (no model)."""
 
+from tests.worker.factories import make_request, make_scheduler
 from worker.request import RequestStatus
 from worker.scheduler import ScheduledBatch
-from tests.worker.factories import make_request, make_scheduler
 
 
 def test_new_requests_join_and_decode_one_token_each():
