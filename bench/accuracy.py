@@ -39,6 +39,7 @@ MODES = {  # name: (WorkerConfig fields, rows the C++ decode kernel may take)
     "bf16-torch": ({"dtype": "bfloat16", "quantization": "none"}, 0),
     "bf16-kernel": ({"dtype": "bfloat16", "quantization": "none"}, None),
     "int8-kernel": ({"dtype": "bfloat16", "quantization": "int8"}, None),
+    "q4-kernel": ({"dtype": "bfloat16", "quantization": "q4"}, None),
 }
 
 
@@ -66,9 +67,7 @@ def reference(prompts: list[list[int]]) -> list[Generation]:
     from common.model_source import resolve_model
 
     source = resolve_model("SmolLM2-135M-Instruct")
-    model = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=torch.bfloat16
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.bfloat16).eval()
     out = []
     for ids in prompts:
         with torch.inference_mode():
@@ -129,9 +128,7 @@ def chat_prompts() -> list[list[int]]:
     from common.config import CACHE_DIR
     from common.model_source import load_tokenizer, resolve_model
 
-    tokenizer = load_tokenizer(
-        resolve_model("SmolLM2-135M-Instruct"), CACHE_DIR.env_default()
-    )
+    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"), CACHE_DIR.env_default())
     return [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}],
@@ -145,11 +142,7 @@ def chat_prompts() -> list[list[int]]:
 
 def compare(ref: list[Generation], got: list[Generation]) -> dict[str, float]:
     close = [check_close(r, g) for r, g in zip(ref, got)]
-    diffs = [
-        abs(a - b)
-        for r, g, (_, n) in zip(ref, got, close)
-        for a, b in zip(r.logprobs[:n], g.logprobs[:n])
-    ]
+    diffs = [abs(a - b) for r, g, (_, n) in zip(ref, got, close) for a, b in zip(r.logprobs[:n], g.logprobs[:n])]
     return {
         "exact": sum(r.tokens == g.tokens for r, g in zip(ref, got)) / len(ref),
         "close": sum(ok for ok, _ in close) / len(ref),
@@ -160,23 +153,15 @@ def compare(ref: list[Generation], got: list[Generation]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES)
-    )
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     args = parser.parse_args()
     prompts = chat_prompts()
     ref = reference(prompts)
-    results = {
-        mode: compare(ref, run_engine(mode, prompts)) for mode in args.modes.split(",")
-    }
-    print(
-        f"{len(PROMPTS)} prompts, {NEW_TOKENS} greedy tokens each, against bf16 generate"
-    )
+    results = {mode: compare(ref, run_engine(mode, prompts)) for mode in args.modes.split(",")}
+    print(f"{len(PROMPTS)} prompts, {NEW_TOKENS} greedy tokens each, against bf16 generate")
     print(f"{'mode':<12} {'exact':>6} {'close':>6} {'diverge@':>9} {'|dlogp|':>8}")
     for mode, r in results.items():
-        print(
-            f"{mode:<12} {r['exact']:>6.0%} {r['close']:>6.0%} {r['diverge_at']:>9.1f} {r['mean_abs_dlogprob']:>8.4f}"
-        )
+        print(f"{mode:<12} {r['exact']:>6.0%} {r['close']:>6.0%} {r['diverge_at']:>9.1f} {r['mean_abs_dlogprob']:>8.4f}")
     print(json.dumps(results))
 
 
