@@ -64,9 +64,7 @@ def add_flags(parser: argparse.ArgumentParser, title: str, flags: list[Flag]) ->
                 help=help_text,
             )
         else:
-            group.add_argument(
-                f"--{flag.name}", dest=flag.dest, type=flag.type, default=flag.env_default(), help=help_text
-            )
+            group.add_argument(f"--{flag.name}", dest=flag.dest, type=flag.type, default=flag.env_default(), help=help_text)
 
 
 def flags_to_env(namespace: argparse.Namespace, flags: list[Flag]) -> dict[str, str]:
@@ -108,9 +106,7 @@ CACHE_DIR = Flag(
     "Where converted GGUF weights and tokenizers are cached",
 )
 HEARTBEAT_INTERVAL = Flag("heartbeat-interval", 1.0, "Seconds between heartbeats, both directions", float)
-HEARTBEAT_LIVENESS = Flag(
-    "heartbeat-liveness", 5, "Missed heartbeat intervals after which the peer counts as dead", int
-)
+HEARTBEAT_LIVENESS = Flag("heartbeat-liveness", 5, "Missed heartbeat intervals after which the peer counts as dead", int)
 LOG_LEVEL = Flag("log-level", "INFO", "DEBUG, INFO, WARNING or ERROR")
 LOG_FORMAT = Flag("log-format", "text", "text, or json (one object per line, with request_id on request events)")
 SHARED_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, LOG_LEVEL, LOG_FORMAT]

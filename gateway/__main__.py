@@ -22,7 +22,11 @@ def main(argv: list[str] | None = None) -> None:
     config = from_namespace(GatewayConfig, build_parser().parse_args(argv))
     setup_logging("gateway", config.log_level, config.log_format)
     uvicorn.run(
-        create_app(config), host=config.host, port=config.port, log_config=None, access_log=False,
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_config=None,
+        access_log=False,
         timeout_graceful_shutdown=config.shutdown_grace,
     )
 

@@ -42,8 +42,8 @@ class Admission:
             if self.waiting >= self.max_waiting:
                 self.rejected += 1
                 raise Overloaded(
-                    f"the server is at capacity ({self.max_concurrent} requests running, "
-                    f"{self.waiting} waiting); retry shortly", code="server_overloaded",
+                    f"the server is at capacity ({self.max_concurrent} requests running, {self.waiting} waiting); retry shortly",
+                    code="server_overloaded",
                 )
             self.waiting += 1
             try:

@@ -59,20 +59,30 @@ def create_app(config: GatewayConfig) -> Litestar:
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(load_tokenizer, source, config.cache_dir)
         template_source = read_template_source(config.chat_template, getattr(tokenizer, "chat_template", None))
-        template = ChatTemplate(
-            template_source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
-        )
+        template = ChatTemplate(template_source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token})
         client = WorkerClient(
-            config.zmq_bind, source.name, config.heartbeat_interval, config.heartbeat_liveness, config.max_retries,
-            config.hung_timeout, config.prefix_affinity_slack if config.prefix_affinity_slack >= 0 else None,
-            config.curve_server_secret_key, config.curve_authorized_keys,
+            config.zmq_bind,
+            source.name,
+            config.heartbeat_interval,
+            config.heartbeat_liveness,
+            config.max_retries,
+            config.hung_timeout,
+            config.prefix_affinity_slack if config.prefix_affinity_slack >= 0 else None,
+            config.curve_server_secret_key,
+            config.curve_authorized_keys,
         )
         await client.start()
         admission = Admission(config.max_concurrent_requests, config.max_waiting_requests)
         app.state.allow_request_chat_template = config.allow_request_chat_template
         app.state.response_store = ResponseStore()
         app.state.generator = Generator(
-            client, tokenizer, template, source.name, config.tokenizer_threads, Metrics(client, admission), admission,
+            client,
+            tokenizer,
+            template,
+            source.name,
+            config.tokenizer_threads,
+            Metrics(client, admission),
+            admission,
             config.request_timeout,
         )
         log.info("gateway serving %s on http://%s:%d", source.name, config.host, config.port)
@@ -85,14 +95,28 @@ def create_app(config: GatewayConfig) -> Litestar:
     keys = parse_keys(config.api_key)
     api = Router(
         path="/",
-        route_handlers=[ChatController, CompletionsController, ResponsesController, MessagesController, ModelsController, TokenizeController, ready, workers, metrics],
+        route_handlers=[
+            ChatController,
+            CompletionsController,
+            ResponsesController,
+            MessagesController,
+            ModelsController,
+            TokenizeController,
+            ready,
+            workers,
+            metrics,
+        ],
         guards=[api_key_guard(keys)] if keys else [],
     )
     origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]
     app = Litestar(
         route_handlers=[api, health, *(UI_ROUTES if config.ui else [])],
         request_max_body_size=parse_size(config.max_body_size),
-        cors_config=CORSConfig(allow_origins=origins, allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "anthropic-beta"]) if origins else None,
+        cors_config=CORSConfig(
+            allow_origins=origins, allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "anthropic-beta"]
+        )
+        if origins
+        else None,
         dependencies={"generator": Provide(provide_generator, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         request_class=GatewayRequest,

@@ -21,8 +21,6 @@ def api_key_guard(keys: frozenset[str]):
         header = connection.headers.get("authorization", "")
         token = header[7:].strip() if header[:7].lower() == "bearer " else connection.headers.get("x-api-key", "").strip()
         if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
-            raise Unauthorized(
-                "Incorrect or missing API key: send it as `Authorization: Bearer KEY` (or `x-api-key: KEY`)", code="invalid_api_key"
-            )
+            raise Unauthorized("Incorrect or missing API key: send it as `Authorization: Bearer KEY` (or `x-api-key: KEY`)", code="invalid_api_key")
 
     return guard

@@ -21,11 +21,20 @@ GATEWAY_FLAGS = [
     Flag("request-timeout", 600.0, "Seconds a request may take before it is aborted with 504", float),
     Flag("shutdown-grace", 30.0, "Seconds in-flight requests get to finish after SIGTERM; new connections are refused", float),
     Flag("hung-timeout", 60.0, "Seconds a worker holding requests may go without producing anything before it counts as hung", float),
-    Flag("prefix-affinity-slack", 2048, "Route a request to the worker that last saw its prefix unless that worker has this many more outstanding tokens than the least-loaded one; -1 turns affinity off", int),
+    Flag(
+        "prefix-affinity-slack",
+        2048,
+        "Route a request to the worker that last saw its prefix unless that worker has this many more outstanding tokens than the least-loaded one; -1 turns affinity off",
+        int,
+    ),
     Flag("curve-server-secret-key", None, "CURVE: the gateway's secret key file (from `llmpool keys`); encrypts worker traffic"),
     Flag("curve-authorized-keys", None, "CURVE: folder of worker public key files allowed to connect"),
     Flag("max-retries", 2, "Times a request is moved to another worker after its worker died, before it fails", int),
-    Flag("tool-call-parser", "hermes", "How tool calls are read from the model's own output (tool_choice auto): hermes, i.e. <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>"),
+    Flag(
+        "tool-call-parser",
+        "hermes",
+        'How tool calls are read from the model\'s own output (tool_choice auto): hermes, i.e. <tool_call>{"name": ..., "arguments": ...}</tool_call>',
+    ),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
 ]
 

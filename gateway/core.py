@@ -124,9 +124,7 @@ class Choice:
 def total_usage(finishes: list[Finish], n: int = 1) -> Usage:
     """Usage of all choices; each prompt counts once however many choices (``n``) it had."""
     prompts = [f.usage for f in finishes[::n]]
-    return Usage(
-        sum(u.prompt_tokens for u in prompts), sum(f.usage.completion_tokens for f in finishes), sum(u.cached_tokens for u in prompts)
-    )
+    return Usage(sum(u.prompt_tokens for u in prompts), sum(f.usage.completion_tokens for f in finishes), sum(u.cached_tokens for u in prompts))
 
 
 def message_chars(messages: list[dict]) -> int:
@@ -142,8 +140,13 @@ def message_chars(messages: list[dict]) -> int:
 
 
 async def chat_prompt(
-    generator: Generator, messages: list[dict], tools: ToolPlan, template_source: str | None = None, template_kwargs: dict | None = None,
-    request: Request | None = None, add_generation_prompt: bool = True,
+    generator: Generator,
+    messages: list[dict],
+    tools: ToolPlan,
+    template_source: str | None = None,
+    template_kwargs: dict | None = None,
+    request: Request | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """A conversation (messages as chat templates read them) rendered with its tools and tokenized.
     Too many characters or messages are refused before any work; a request's own template renders
@@ -154,8 +157,9 @@ async def chat_prompt(
     messages = prepare_messages(messages, tools, source)
     variables = {**(template_kwargs or {}), **template_variables(tools, source)}
     budget = Budget() if template_source is not None else None
-    work = generator.run_in_pool(generator.chat_prompt_ids, messages, template_source, variables, add_generation_prompt, budget,
-                                 size=chars, budget=budget)
+    work = generator.run_in_pool(
+        generator.chat_prompt_ids, messages, template_source, variables, add_generation_prompt, budget, size=chars, budget=budget
+    )
     if budget is not None and request is not None:
         return await unless_disconnected(request, work)
     return await work
@@ -174,8 +178,9 @@ async def start(generator: Generator, req: GenerationRequest) -> Generation:
     for p, ids in enumerate(req.prompts):
         rid = f"{req.request_id}-p{p}" if len(req.prompts) > 1 else req.request_id
         for choice in range(req.n):
-            news.append(new_request(req.sampling, ids, req.max_tokens, req.max_tokens_param, limits, rid, generator.vocab_size,
-                                    choice, guide, req.logprobs))
+            news.append(
+                new_request(req.sampling, ids, req.max_tokens, req.max_tokens_param, limits, rid, generator.vocab_size, choice, guide, req.logprobs)
+            )
             news[-1].sampling.prompt_logprobs = req.prompt_logprobs
     slots = []
     try:
@@ -219,8 +224,12 @@ class Generation:
             for call in calls:
                 yield ToolCallDelta(index, call)
             if delta.finish_reason is not None:
-                yield Finish(index, _reason(delta, parser is not None and bool(parser.calls)),
-                             Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens), delta.stop_sequence)
+                yield Finish(
+                    index,
+                    _reason(delta, parser is not None and bool(parser.calls)),
+                    Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens),
+                    delta.stop_sequence,
+                )
 
     async def collect(self, request: Request) -> list[Choice]:
         """All choices whole; the generation is aborted if the client hangs up first."""

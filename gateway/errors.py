@@ -81,8 +81,15 @@ class RequestTimeout(GatewayError):
 
 # Anthropic's error types by status (its overloaded_error is a 529; ours stays a 503).
 ANTHROPIC_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
     504: "timeout_error",
 }
 ANTHROPIC_PATH = "/v1/messages"

@@ -49,8 +49,15 @@ class Generator:
     """Everything a route needs to run a prompt: the tokenizer (off the event loop) and the workers."""
 
     def __init__(
-        self, client: WorkerClient, tokenizer: Any, template: ChatTemplate, model_name: str, threads: int,
-        metrics: Metrics, admission: Admission, timeout_s: float,
+        self,
+        client: WorkerClient,
+        tokenizer: Any,
+        template: ChatTemplate,
+        model_name: str,
+        threads: int,
+        metrics: Metrics,
+        admission: Admission,
+        timeout_s: float,
     ) -> None:
         self.client = client
         self.vocab_size = len(tokenizer)
@@ -66,8 +73,12 @@ class Generator:
         self._big_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-big")
 
     def chat_prompt_ids(
-        self, messages: list[dict[str, Any]], template_source: str | None = None, variables: dict[str, Any] | None = None,
-        add_generation_prompt: bool = True, budget: Budget | None = None,
+        self,
+        messages: list[dict[str, Any]],
+        template_source: str | None = None,
+        variables: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        budget: Budget | None = None,
     ) -> list[int]:
         """Render the chat template (the server's, or one the request brought, under ``budget``) with
         any extra ``variables`` (``chat_template_kwargs``, ``tools``) and tokenize; the template
@@ -91,12 +102,16 @@ class Generator:
         if limit is None:
             return
         if count > limit:
-            raise InvalidRequest(f"`{param}` holds {count} messages, more than this model's context length of {limit} tokens",
-                                 param=param, code="context_length_exceeded")
+            raise InvalidRequest(
+                f"`{param}` holds {count} messages, more than this model's context length of {limit} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
         if chars > limit * MAX_CHARS_PER_TOKEN:
             raise InvalidRequest(
                 f"the prompt has {chars} characters, far more than this model's context length of {limit} tokens holds",
-                param=param, code="context_length_exceeded",
+                param=param,
+                code="context_length_exceeded",
             )
 
     async def run_in_pool(self, fn: Callable[..., Any], *args: Any, size: int = 0, budget: Budget | None = None) -> Any:
@@ -231,10 +246,20 @@ class _Clock:
         elapsed = time.perf_counter() - self.submitted
         log.info(
             "request %s %s: %d prompt + %d generated tokens, first token %s, %.0f ms",
-            self.request_id, self.outcome, self.prompt_tokens, self.generated,
-            "-" if self.ttft is None else f"{self.ttft * 1000:.0f} ms", elapsed * 1000,
-            extra={"request_id": self.request_id, "outcome": self.outcome, "prompt_tokens": self.prompt_tokens,
-                   "completion_tokens": self.generated, "ttft_s": self.ttft, "duration_s": round(elapsed, 4)},
+            self.request_id,
+            self.outcome,
+            self.prompt_tokens,
+            self.generated,
+            "-" if self.ttft is None else f"{self.ttft * 1000:.0f} ms",
+            elapsed * 1000,
+            extra={
+                "request_id": self.request_id,
+                "outcome": self.outcome,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.generated,
+                "ttft_s": self.ttft,
+                "duration_s": round(elapsed, 4),
+            },
         )
         self.metrics.e2e.observe(elapsed)
         self.metrics.generations.labels(self.outcome).inc()

@@ -62,7 +62,9 @@ class PoolCollector(Collector):
         }
         counters = {
             "hits": CounterMetricFamily("llmpool_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", labels=["worker"]),
-            "queried": CounterMetricFamily("llmpool_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", labels=["worker"]),
+            "queried": CounterMetricFamily(
+                "llmpool_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", labels=["worker"]
+            ),
             "preempt": CounterMetricFamily("llmpool_worker_preemptions", "Requests preempted for lack of KV blocks", labels=["worker"]),
             "steps": CounterMetricFamily("llmpool_worker_steps", "Engine steps run", labels=["worker"]),
         }
@@ -98,7 +100,8 @@ class PoolCollector(Collector):
         states.add_metric(["dead"], len(gone))  # now, not how often: a worker that rejoined is not dead
         yield states
         yield CounterMetricFamily(
-            "llmpool_worker_departures", "Worker registrations dropped (left, died, unreachable, or replaced when it re-registered)",
+            "llmpool_worker_departures",
+            "Worker registrations dropped (left, died, unreachable, or replaced when it re-registered)",
             value=snapshot["departures"],
         )
         yield GaugeMetricFamily("llmpool_queue_length", "Requests waiting on all workers", value=sum(w["waiting"] for w in workers))

@@ -53,8 +53,9 @@ def deep_field(body: bytes, limit: int = MAX_JSON_DEPTH) -> str | None:
 def check_depth(body: bytes) -> None:
     if too_deep(body):
         field = deep_field(body)
-        raise InvalidRequest(f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep" + (f" (in `{field}`)" if field else ""),
-                             param=field)
+        raise InvalidRequest(
+            f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep" + (f" (in `{field}`)" if field else ""), param=field
+        )
 
 
 class GatewayRequest(Request):

@@ -121,7 +121,6 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                 raise SecurityError(f"a number above {MAX_VALUE_LEN} is not allowed as an argument in a chat template")
         return super().call(__context, __obj, *args, **kwargs)
 
-
     def wrap_str_format(self, value: Any) -> Any:
         """``str.format`` with a width or precision of millions would build the string in one step."""
         wrapped = super().wrap_str_format(value)
@@ -189,7 +188,10 @@ class ChatTemplate:
             raise InvalidRequest(f"`chat_template` does not compile: {exc}", param="chat_template") from None
 
     def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, variables: dict[str, Any] | None = None,
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
         budget: Budget | None = None,
     ) -> str:
         """``variables`` are more template variables (``chat_template_kwargs``, ``tools``); they may

@@ -73,8 +73,12 @@ class ToolPlan:
             return Guide(GuideKind.JSON_SCHEMA, orjson.dumps(self._parameters(self.name)).decode())
         if self.mode == "required":
             items = [
-                {"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": self._parameters(t["name"])},
-                 "required": ["name", "arguments"], "additionalProperties": False}
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t["name"]}, "arguments": self._parameters(t["name"])},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
                 for t in self.tools
             ]
             schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
@@ -98,7 +102,7 @@ def tool_plan(tools: list | None, tool_choice: str | dict | None, parallel_tool_
     for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise InvalidRequest(f"`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{...}}}}", param=f"tools[{i}]")
+            raise InvalidRequest(f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}', param=f"tools[{i}]")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidRequest(f"`tools[{i}].function.name` must be a non-empty string", param=f"tools[{i}].function.name")
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
@@ -129,8 +133,9 @@ def check_tool_calls(calls: object, param: str) -> list[dict]:
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise InvalidRequest(f'`{param}[{j}]` must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}',
-                                 param=f"{param}[{j}].function")
+            raise InvalidRequest(
+                f'`{param}[{j}]` must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}', param=f"{param}[{j}].function"
+            )
         if not isinstance(function.get("arguments", "{}"), (str, dict)):
             raise InvalidRequest(f"`{param}[{j}].function.arguments` must be a JSON string", param=f"{param}[{j}].function.arguments")
     return calls
@@ -227,7 +232,7 @@ class ToolOutputParser:
             return self._opener.flush(), []
         self.calls = _hermes_calls(text)[: None if self.plan.parallel else 1]
         if not self.calls:  # not a well-formed call after all: it was text
-            return text[text.index(TOOL_CALL_OPEN):], []
+            return text[text.index(TOOL_CALL_OPEN) :], []
         return "", [c.delta(i) for i, c in enumerate(self.calls)]
 
     def content(self) -> str | None:

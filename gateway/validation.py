@@ -142,8 +142,7 @@ def max_new_tokens(requested: int | None, param: str, prompt_len: int, max_model
         raise InvalidRequest(f"`{param}` must be at least 1; got {requested}", param=param)
     if prompt_len >= limit:
         raise InvalidRequest(
-            f"the prompt has {prompt_len} tokens, but this model's context length is {limit} tokens "
-            "(prompt plus at least one output token must fit)",
+            f"the prompt has {prompt_len} tokens, but this model's context length is {limit} tokens (prompt plus at least one output token must fit)",
             param="messages",
             code="context_length_exceeded",
         )
@@ -171,8 +170,16 @@ def request_id(header: str | None) -> str:
 
 
 def new_request(
-    options: SamplingOptions, prompt_ids: list[int], requested_tokens: int | None, param: str, limits: tuple[int, int],
-    rid: str, vocab_size: int, choice: int = 0, guide: Guide | None = None, logprobs: int | None = None,
+    options: SamplingOptions,
+    prompt_ids: list[int],
+    requested_tokens: int | None,
+    param: str,
+    limits: tuple[int, int],
+    rid: str,
+    vocab_size: int,
+    choice: int = 0,
+    guide: Guide | None = None,
+    logprobs: int | None = None,
 ) -> NewRequest:
     """Assemble the wire request once the prompt is tokenized; ``choice`` numbers the ``n`` copies
     (each its own request id, and with a seed, its own seed derived from it)."""

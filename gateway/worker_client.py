@@ -47,9 +47,16 @@ class WorkerClient:
     """Owns the ROUTER socket; ``submit`` and ``abort`` are the gateway's only ways to reach workers."""
 
     def __init__(
-        self, bind_address: str, model: str, heartbeat_interval: float, heartbeat_liveness: int, max_retries: int = 2,
-        hung_timeout: float = 60.0, affinity_slack: int | None = 2048,
-        curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
+        self,
+        bind_address: str,
+        model: str,
+        heartbeat_interval: float,
+        heartbeat_liveness: int,
+        max_retries: int = 2,
+        hung_timeout: float = 60.0,
+        affinity_slack: int | None = 2048,
+        curve_secret_key: str | None = None,
+        curve_authorized_keys: str | None = None,
     ) -> None:
         self.curve_secret_key = curve_secret_key
         self.curve_authorized_keys = curve_authorized_keys
@@ -282,7 +289,11 @@ class WorkerClient:
         if ready.protocol_version != protocol.PROTOCOL_VERSION or ready.model != self.model:
             log.error(
                 "refused worker %s: it serves %r (protocol %d); this gateway serves %r (protocol %d)",
-                ready.worker_name, ready.model, ready.protocol_version, self.model, protocol.PROTOCOL_VERSION,
+                ready.worker_name,
+                ready.model,
+                ready.protocol_version,
+                self.model,
+                protocol.PROTOCOL_VERSION,
             )
             return
         old = [w for w in self.workers.values() if w.ready.worker_name == ready.worker_name and w.identity != identity]

@@ -67,10 +67,7 @@ class Supervisor:
         if args.threads == 0:  # share the cores between the local workers
             worker_env["LLMPOOL_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.workers))
         self.gateway = Child("gateway", "gateway", gateway_env)
-        self.workers = [
-            Child(f"worker-{i}", "worker", {**worker_env, "LLMPOOL_WORKER_NAME": f"worker-{i}"})
-            for i in range(args.workers)
-        ]
+        self.workers = [Child(f"worker-{i}", "worker", {**worker_env, "LLMPOOL_WORKER_NAME": f"worker-{i}"}) for i in range(args.workers)]
         self.grace = args.kill_after
         self.stopping = False
 

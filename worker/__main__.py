@@ -27,15 +27,19 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(source, config)
     runner = engine.runner
     proc = WorkerProc(
-        engine, config.gateway_address, config.worker_name, source.name, str(runner.device),
-        str(runner.dtype).removeprefix("torch."), config.heartbeat_interval, config.heartbeat_liveness,
+        engine,
+        config.gateway_address,
+        config.worker_name,
+        source.name,
+        str(runner.device),
+        str(runner.dtype).removeprefix("torch."),
+        config.heartbeat_interval,
+        config.heartbeat_liveness,
         config.drain_timeout,
         (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None,
     )
     proc.install_signal_handlers()
-    logging.getLogger(__name__).info(
-        "worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks
-    )
+    logging.getLogger(__name__).info("worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks)
     proc.run()
 
 

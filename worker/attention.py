@@ -69,8 +69,13 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tor
 
 
 def decode_rows_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor,
-    max_len: int, scaling: float,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int,
+    scaling: float,
 ) -> torch.Tensor:
     """Attention for one query token per row over each row's paged context: the C++ kernel when it
     is loaded (CPU), else an eager batched matmul over the gathered context (CUDA, no compiler).

@@ -11,7 +11,9 @@ WORKER_FLAGS = [
     Flag("worker-name", None, "Name this worker registers under (default: host-pid)"),
     Flag("device", "auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N"),
     Flag("dtype", "auto", "auto (bfloat16: 2x fp32's speed on an AVX-512-bf16 CPU and on GPUs), bfloat16, float16, float32"),
-    Flag("kv-cache-memory", "auto", "KV cache size: bytes (e.g. 2GiB), a fraction of free GPU memory (e.g. 0.85), or auto (1GiB on CPU, 0.85 on GPU)"),
+    Flag(
+        "kv-cache-memory", "auto", "KV cache size: bytes (e.g. 2GiB), a fraction of free GPU memory (e.g. 0.85), or auto (1GiB on CPU, 0.85 on GPU)"
+    ),
     Flag("block-size", 16, "Tokens per KV-cache block", int),
     Flag("max-num-seqs", 128, "Most sequences in one step (the batch size limit)", int),
     Flag("max-num-batched-tokens", 512, "Token budget of one step; longer prompts are prefilled in chunks", int),
@@ -23,7 +25,11 @@ WORKER_FLAGS = [
     Flag("curve-client-secret-key", None, "CURVE: this worker's secret key file (from `llmpool keys`)"),
     Flag("curve-server-public-key", None, "CURVE: the gateway's public key file"),
     Flag("threads", 0, "CPU threads for torch; 0 leaves torch's default", int),
-    Flag("quantization", "auto", "Weights of the small-batch decode kernel: int8 (weight-only, a scale per output row), none (the model's dtype), or auto (int8 on the CPU unless --dtype float32)"),
+    Flag(
+        "quantization",
+        "auto",
+        "Weights of the small-batch decode kernel: int8 (weight-only, a scale per output row), none (the model's dtype), or auto (int8 on the CPU unless --dtype float32)",
+    ),
 ]
 
 

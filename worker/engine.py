@@ -25,9 +25,7 @@ class Engine:
         self.runner = ModelRunner(source, config)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(
-            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.max_prefill_chunk
-        )
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.max_prefill_chunk)
         self.max_num_seqs = config.max_num_seqs
         self._rejected: list[RequestOutput] = []
         self._requests: dict[str, Request] = {}
@@ -54,12 +52,19 @@ class Engine:
             return
         except Exception as exc:  # noqa: BLE001 - e.g. a seed the generator refuses: this request's fault
             self.runner.remove_request(request)
-            self.reject(new.request_id, f"the worker could not take the request: {type(exc).__name__}: {exc}", request.num_prompt_tokens, bad_request=True)
+            self.reject(
+                new.request_id, f"the worker could not take the request: {type(exc).__name__}: {exc}", request.num_prompt_tokens, bad_request=True
+            )
             return
         self._requests[request.request_id] = request
         self.scheduler.add(request)
-        log.info("request %s queued: %d prompt tokens, up to %d new", request.request_id, request.num_prompt_tokens,
-                 request.max_new_tokens, extra={"request_id": request.request_id})
+        log.info(
+            "request %s queued: %d prompt tokens, up to %d new",
+            request.request_id,
+            request.num_prompt_tokens,
+            request.max_new_tokens,
+            extra={"request_id": request.request_id},
+        )
 
     def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False) -> None:
         """Answer a request that will not run with an error (sent with the next step's outputs)."""
@@ -131,7 +136,9 @@ class Engine:
         self._count_step(size, len(sampled))
         return StepOutputs(outputs, batch_size=size, num_tokens=num_tokens)
 
-    def _isolate(self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]) -> tuple[dict[str, int], dict[str, TokenLogprobs], ScheduledBatch]:
+    def _isolate(
+        self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], ScheduledBatch]:
         """A step failed: find the rows that make it fail, end only those, and keep the rest's results.
 
         The batch runs again in halves, a failing half in halves again, until a failing part is a
@@ -165,8 +172,13 @@ class Engine:
         for request in self.scheduler.finish(set(culprits), RequestStatus.FINISHED_ERROR):
             failure = culprits[request.request_id]
             request.error = f"step failed: {type(failure).__name__}: {failure}"
-            log.error("request %s failed its step alone (%s); ended it, %d others go on", request.request_id, request.error,
-                      len(batch) - len(culprits), extra={"request_id": request.request_id})
+            log.error(
+                "request %s failed its step alone (%s); ended it, %d others go on",
+                request.request_id,
+                request.error,
+                len(batch) - len(culprits),
+                extra={"request_id": request.request_id},
+            )
             outputs.append(self._finish_output(request, []))
         survivors = ScheduledBatch()
         for request, num_tokens in zip(batch.requests, batch.num_new_tokens):
@@ -193,9 +205,14 @@ class Engine:
         )
 
     def _finish_output(self, request: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:
-        log.info("request %s %s: %d generated, %d prompt tokens from the prefix cache", request.request_id,
-                 request.finish_reason, request.num_output_tokens, request.num_cached_tokens,
-                 extra={"request_id": request.request_id, "finish_reason": request.finish_reason})
+        log.info(
+            "request %s %s: %d generated, %d prompt tokens from the prefix cache",
+            request.request_id,
+            request.finish_reason,
+            request.num_output_tokens,
+            request.num_cached_tokens,
+            extra={"request_id": request.request_id, "finish_reason": request.finish_reason},
+        )
         del self._requests[request.request_id]
         self.runner.remove_request(request)
         return self._output(request, new_token_ids, logprobs)

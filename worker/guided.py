@@ -84,8 +84,13 @@ class GuidedDecoding:
         for request, token in zip(requests, tokens):
             matcher = self._matchers.get(request.request_id)
             if matcher is not None and not matcher.consume_token(token):
-                log.warning("request %s: token %d rejected by its grammar: %s", request.request_id, token, matcher.get_error(),
-                            extra={"request_id": request.request_id})
+                log.warning(
+                    "request %s: token %d rejected by its grammar: %s",
+                    request.request_id,
+                    token,
+                    matcher.get_error(),
+                    extra={"request_id": request.request_id},
+                )
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -177,9 +177,7 @@ class LlamaForward:
         )
 
     @torch.inference_mode()
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, logits_indices: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids``/``positions`` are ``[1, num_tokens]``; returns logits of the selected rows."""
         hidden = F.embedding(input_ids, self.embed)  # [1, T, hidden]
         cos, sin = self.rotary(hidden, positions)  # [1, T, head_dim]
@@ -204,16 +202,45 @@ class LlamaForward:
         return self.lm_head(hidden)
 
     @torch.inference_mode()
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-               slots: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        lengths: torch.Tensor,
+        max_len: int,
+    ) -> torch.Tensor:
         """One decode step of ``[rows]`` single tokens through the C++ kernel; float32 logits ``[rows, vocab]``."""
         w = self.decode_weights
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(hidden.new_empty(0, dtype=torch.float32), positions.unsqueeze(0))
         normed = torch.ops.llmpool.llama_decode(
-            hidden, cos[0], sin[0], w.input_norms, w.qkv, w.qkv_scale, w.qkv_bias, w.o_proj, w.o_scale, w.post_norms,
-            w.gate_up, w.gate_up_scale, w.down, w.down_scale, w.final_norm, [k for k, _ in kv_caches],
-            [v for _, v in kv_caches], slots, block_tables, lengths, max_len, self.heads, self.kv_heads, self.eps,
+            hidden,
+            cos[0],
+            sin[0],
+            w.input_norms,
+            w.qkv,
+            w.qkv_scale,
+            w.qkv_bias,
+            w.o_proj,
+            w.o_scale,
+            w.post_norms,
+            w.gate_up,
+            w.gate_up_scale,
+            w.down,
+            w.down_scale,
+            w.final_norm,
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            slots,
+            block_tables,
+            lengths,
+            max_len,
+            self.heads,
+            self.kv_heads,
+            self.eps,
             self.head_dim**-0.5,
         )
         return torch.ops.llmpool.linear(normed, w.lm_head, w.lm_head_scale, None)

@@ -32,7 +32,9 @@ from worker.scheduler import ScheduledBatch
 log = logging.getLogger(__name__)
 
 MIN_GROUP = 8  # fewest decode rows worth a separate attention call
-FAST_DECODE_MAX_ROWS = 8  # beyond this oneDNN's bf16 matmuls beat the C++ kernel (CPU time per step, 1 thread: 8 rows 25.8 vs 32.1 ms, 12 rows 34.7 vs 32.6)
+FAST_DECODE_MAX_ROWS = (
+    8  # beyond this oneDNN's bf16 matmuls beat the C++ kernel (CPU time per step, 1 thread: 8 rows 25.8 vs 32.1 ms, 12 rows 34.7 vs 32.6)
+)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CPU_DEFAULT_KV_BYTES = 2**30
 

@@ -37,9 +37,19 @@ MAX_BACKOFF_S = 32.0
 class WorkerProc:
     """Connects, registers, and runs the engine loop until told to stop."""
 
-    def __init__(self, engine: Engine, address: str, name: str | None, model: str, device: str, dtype: str,
-                 heartbeat_interval: float, heartbeat_liveness: int, drain_timeout: float = 30.0,
-                 curve_keys: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        address: str,
+        name: str | None,
+        model: str,
+        device: str,
+        dtype: str,
+        heartbeat_interval: float,
+        heartbeat_liveness: int,
+        drain_timeout: float = 30.0,
+        curve_keys: tuple[str, str] | None = None,
+    ) -> None:
         self.curve_keys = curve_keys  # (own secret key file, gateway public key file)
         self.engine = engine
         self.address = address
@@ -240,4 +250,3 @@ class WorkerProc:
         deadline = time.monotonic() + seconds
         while not self.stopping and time.monotonic() < deadline:
             time.sleep(0.1)
-

@@ -48,7 +48,11 @@ class Scheduler:
     """Owns the waiting queue and the running list; the engine calls schedule() then update()."""
 
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
         max_prefill_chunk: int | None = None,
     ) -> None:
         self.blocks = blocks

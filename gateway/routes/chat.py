@@ -77,7 +77,8 @@ def check_request_template(request: Request, template: str | None) -> None:
     if template is not None and not request.app.state.allow_request_chat_template:
         raise InvalidRequest(
             "`chat_template` in a request is refused on this server (templates come from the server side; "
-            "start it with --allow-request-chat-template to allow them)", param="chat_template",
+            "start it with --allow-request-chat-template to allow them)",
+            param="chat_template",
         )
 
 
@@ -105,9 +106,21 @@ class ChatController(Controller):
         prompt = await core.chat_prompt(generator, message_dicts(req.messages), plan, req.chat_template, req.chat_template_kwargs, request)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        generation = await core.start(generator, GenerationRequest(
-            [prompt], req, requested, request_id(request.headers.get("x-request-id")), param, stops, guide, plan, req.n, logprobs,
-        ))
+        generation = await core.start(
+            generator,
+            GenerationRequest(
+                [prompt],
+                req,
+                requested,
+                request_id(request.headers.get("x-request-id")),
+                param,
+                stops,
+                guide,
+                plan,
+                req.n,
+                logprobs,
+            ),
+        )
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return event_stream(_chunks(generator, generation, completion_id, req, plan), generation.request_id)
@@ -122,10 +135,14 @@ def _body(generator: Generator, completion_id: str, choices: list[core.Choice], 
         message = AssistantMessage(content=choice.content)
         if choice.tool_calls:
             message.tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in choice.tool_calls]
-        out.append(ChatChoice(
-            index=choice.index, message=message, finish_reason=finish_reason(choice.finish, plan),  # type: ignore[arg-type]
-            logprobs=chat_logprobs(generator.token_texts, choice.logprobs) if with_logprobs else None,
-        ))
+        out.append(
+            ChatChoice(
+                index=choice.index,
+                message=message,
+                finish_reason=finish_reason(choice.finish, plan),  # type: ignore[arg-type]
+                logprobs=chat_logprobs(generator.token_texts, choice.logprobs) if with_logprobs else None,
+            )
+        )
     usage = core.total_usage([c.finish for c in choices], req.n)  # type: ignore[misc]
     return ChatCompletion(id=completion_id, created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage))
 
@@ -137,15 +154,20 @@ def _tool_chunk(call: CallDelta) -> ToolCallChunk:
 
 
 async def _chunks(
-    generator: Generator, generation: core.Generation, completion_id: str, req: ChatCompletionRequest, plan: ToolPlan,
+    generator: Generator,
+    generation: core.Generation,
+    completion_id: str,
+    req: ChatCompletionRequest,
+    plan: ToolPlan,
 ) -> AsyncIterator[ChatCompletionChunk]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with_logprobs = req.logprobs_count() is not None
     created = now_s()
 
     def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=completion_id, created=created, model=generator.model_name, choices=choices,
-                                   usage=None if include_usage else msgspec.UNSET)
+        return ChatCompletionChunk(
+            id=completion_id, created=created, model=generator.model_name, choices=choices, usage=None if include_usage else msgspec.UNSET
+        )
 
     for index in range(generation.choices):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])

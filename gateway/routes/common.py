@@ -35,9 +35,16 @@ def event_stream(chunks: AsyncIterator[Any], request_id: str, named: bool = Fals
     return Stream(sse_events(chunks, named), media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": request_id})
 
 
-ERROR_STATUSES = {400: "a bad request (the error names the field)", 401: "a missing or wrong API key", 404: "no such model or object",
-                  429: "overloaded: retry", 499: "the client closed the connection", 500: "a server error",
-                  503: "no worker is available", 504: "the request timed out"}
+ERROR_STATUSES = {
+    400: "a bad request (the error names the field)",
+    401: "a missing or wrong API key",
+    404: "no such model or object",
+    429: "overloaded: retry",
+    499: "the client closed the connection",
+    500: "a server error",
+    503: "no worker is available",
+    504: "the request timed out",
+}
 
 
 def documented(body: type | None, description: str = "", error: type = ErrorBody) -> dict[int, ResponseSpec]:
@@ -51,6 +58,8 @@ def documented(body: type | None, description: str = "", error: type = ErrorBody
 
 def openai_usage(usage: Usage) -> OpenAIUsage:
     return OpenAIUsage(
-        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
         prompt_tokens_details=PromptTokensDetails(usage.cached_tokens),
     )

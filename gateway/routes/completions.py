@@ -74,12 +74,20 @@ class CompletionsController(Controller):
         budget = req.max_tokens if req.max_tokens is not None else 16
         if _prompt_only(req):  # score the prompt, generate nothing: the one token the worker makes is dropped
             budget = 1
-        generation = await core.start(generator, GenerationRequest(
-            prompts=prompts, sampling=req, max_tokens=budget, request_id=request_id(request.headers.get("x-request-id")),
-            stops=stops, guide=guide, n=copies,
-            logprobs=0 if copies > req.n and logprobs is None else logprobs,  # ranking by cumulative logprob needs them
-            prompt_logprobs=req.logprobs if req.echo else None,  # the echoed prompt comes with its logprobs
-        ))
+        generation = await core.start(
+            generator,
+            GenerationRequest(
+                prompts=prompts,
+                sampling=req,
+                max_tokens=budget,
+                request_id=request_id(request.headers.get("x-request-id")),
+                stops=stops,
+                guide=guide,
+                n=copies,
+                logprobs=0 if copies > req.n and logprobs is None else logprobs,  # ranking by cumulative logprob needs them
+                prompt_logprobs=req.logprobs if req.echo else None,  # the echoed prompt comes with its logprobs
+            ),
+        )
         echoes = await generator.run_in_pool(_echo_texts, generator, req.prompt, prompts) if req.echo else None
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -152,7 +160,11 @@ def _body(generator: Generator, completion_id: str, choices: list[core.Choice], 
 
 
 async def _chunks(
-    generator: Generator, generation: core.Generation, completion_id: str, req: CompletionRequest, echoes: list[str] | None,
+    generator: Generator,
+    generation: core.Generation,
+    completion_id: str,
+    req: CompletionRequest,
+    echoes: list[str] | None,
 ) -> AsyncIterator[Completion]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with_logprobs = req.logprobs_count() is not None
@@ -161,8 +173,9 @@ async def _chunks(
 
     def chunk(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> Completion:
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
-        return Completion(id=completion_id, created=created, model=generator.model_name, choices=[choice],
-                          usage=None if include_usage else msgspec.UNSET)
+        return Completion(
+            id=completion_id, created=created, model=generator.model_name, choices=[choice], usage=None if include_usage else msgspec.UNSET
+        )
 
     def echo(index: int, prompt_logprobs: list) -> Completion:
         text = echoes[index // req.n]  # type: ignore[index]

@@ -87,8 +87,7 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
             elif block.type == "tool_result" and message.role == "user":
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content, f"{param}.content")})
             elif block.type not in _SKIPPED:
-                raise InvalidRequest(f"`{param}`: {block.type} blocks are not supported in a {message.role} message on this server",
-                                     param=param)
+                raise InvalidRequest(f"`{param}`: {block.type} blocks are not supported in a {message.role} message on this server", param=param)
         if text or calls or message.role == "assistant":
             out.append({"role": message.role, "content": text, **({"tool_calls": calls} if calls else {})})
     return out
@@ -107,7 +106,12 @@ def _tools(req: CountTokensRequest) -> ToolPlan:
     mode: str | dict | None = None
     if choice is not None:
         parallel = False if choice.disable_parallel_tool_use else None
-        modes: dict[str, str | dict] = {"auto": "auto", "any": "required", "none": "none", "tool": {"type": "function", "function": {"name": choice.name}}}
+        modes: dict[str, str | dict] = {
+            "auto": "auto",
+            "any": "required",
+            "none": "none",
+            "tool": {"type": "function", "function": {"name": choice.name}},
+        }
         if choice.type not in modes:
             raise InvalidRequest(f"`tool_choice.type` must be auto, any, tool or none; got {choice.type!r}", param="tool_choice.type")
         mode = modes[choice.type]
@@ -122,8 +126,9 @@ async def _prompt(generator: Generator, req: CountTokensRequest) -> tuple[list[i
 
 def _usage(usage: Usage) -> AnthropicUsage:
     """Anthropic counts prompt-cache reads apart: ``input_tokens`` are the others."""
-    return AnthropicUsage(input_tokens=usage.prompt_tokens - usage.cached_tokens, output_tokens=usage.completion_tokens,
-                          cache_read_input_tokens=usage.cached_tokens)
+    return AnthropicUsage(
+        input_tokens=usage.prompt_tokens - usage.cached_tokens, output_tokens=usage.completion_tokens, cache_read_input_tokens=usage.cached_tokens
+    )
 
 
 def _input(arguments: str) -> dict:
@@ -146,10 +151,17 @@ class MessagesController(Controller):
     async def create(self, request: Request, data: MessagesRequest, generator: Generator) -> Response:
         req = data
         prompt, plan = await _prompt(generator, req)
-        generation = await core.start(generator, GenerationRequest(
-            prompts=[prompt], sampling=req, max_tokens=req.max_tokens, request_id=request_id(request.headers.get("x-request-id")),
-            stops=stop_strings(req.stop_sequences, "stop_sequences"), tools=plan,
-        ))
+        generation = await core.start(
+            generator,
+            GenerationRequest(
+                prompts=[prompt],
+                sampling=req,
+                max_tokens=req.max_tokens,
+                request_id=request_id(request.headers.get("x-request-id")),
+                stops=stop_strings(req.stop_sequences, "stop_sequences"),
+                tools=plan,
+            ),
+        )
         message_id = f"msg_{uuid.uuid4().hex}"
         if req.stream:
             return event_stream(_events(generator, generation, message_id, len(prompt)), generation.request_id, named=True)
@@ -157,8 +169,14 @@ class MessagesController(Controller):
         content: list[TextBlock | ToolUseBlock] = [TextBlock(text=choice.content)] if choice.content else []
         content += [ToolUseBlock(id=_tool_id(c.id), name=c.name, input=_input(c.arguments)) for c in choice.tool_calls]
         finish: Finish = choice.finish  # type: ignore[assignment]
-        body = MessageResponse(id=message_id, model=generator.model_name, content=content, stop_reason=STOP_REASONS[finish.reason],
-                               stop_sequence=finish.stop_sequence, usage=_usage(finish.usage))
+        body = MessageResponse(
+            id=message_id,
+            model=generator.model_name,
+            content=content,
+            stop_reason=STOP_REASONS[finish.reason],
+            stop_sequence=finish.stop_sequence,
+            usage=_usage(finish.usage),
+        )
         return json_response(body, generation.request_id)
 
     @post("/count_tokens", status_code=200, responses=documented(CountTokensResponse, "the prompt's length in tokens", AnthropicErrorBody))
@@ -170,8 +188,16 @@ class MessagesController(Controller):
 async def _events(generator: Generator, generation: core.Generation, message_id: str, prompt_tokens: int) -> AsyncIterator[dict]:
     """Anthropic's stream: message_start, ping, per block content_block_start / _delta / _stop,
     then message_delta (stop reason, final usage) and message_stop; an error is an ``error`` event."""
-    start = {"id": message_id, "type": "message", "role": "assistant", "model": generator.model_name, "content": [],
-             "stop_reason": None, "stop_sequence": None, "usage": AnthropicUsage(input_tokens=prompt_tokens, output_tokens=0)}
+    start = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": generator.model_name,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": AnthropicUsage(input_tokens=prompt_tokens, output_tokens=0),
+    }
     yield {"type": "message_start", "message": start}
     yield {"type": "ping"}
     blocks = -1  # index of the open block

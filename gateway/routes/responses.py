@@ -92,8 +92,9 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
         elif item.type == "reasoning":
             continue  # another model's reasoning: nothing here reads it
         else:
-            raise InvalidRequest(f"`input[{i}].type` {item.type!r} is not supported (message, function_call, function_call_output)",
-                                 param=f"input[{i}].type")
+            raise InvalidRequest(
+                f"`input[{i}].type` {item.type!r} is not supported (message, function_call, function_call_output)", param=f"input[{i}].type"
+            )
     if not messages:
         raise InvalidRequest("`input` must hold at least one item", param="input")
     return messages
@@ -121,7 +122,7 @@ def _tools(req: ResponsesRequest) -> ToolPlan:
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function":
-            raise InvalidRequest("`tool_choice` must be none, auto, required or {\"type\": \"function\", \"name\": ...}", param="tool_choice")
+            raise InvalidRequest('`tool_choice` must be none, auto, required or {"type": "function", "name": ...}', param="tool_choice")
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     plan = tool_plan(functions, choice, req.parallel_tool_calls)
     for tool in plan.tools:  # the template and the Hermes prompt want no null fields
@@ -151,19 +152,30 @@ class ResponsesController(Controller):
         if req.previous_response_id is not None:
             previous = store.get(req.previous_response_id)
             if previous is None:
-                raise InvalidRequest(f"Previous response with id {req.previous_response_id!r} not found", param="previous_response_id",
-                                     code="previous_response_not_found")
+                raise InvalidRequest(
+                    f"Previous response with id {req.previous_response_id!r} not found",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
             history = previous.conversation
         conversation = history + input_messages(req.input)
         plan = _tools(req)
         guide = format_guide(msgspec.structs.asdict(req.text.format) if req.text else None, "text.format")
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         prompt = await core.chat_prompt(generator, system + conversation, plan)
-        generation = await core.start(generator, GenerationRequest(
-            prompts=[prompt], sampling=req, max_tokens=req.max_output_tokens, request_id=request_id(request.headers.get("x-request-id")),
-            max_tokens_param="max_output_tokens", guide=guide, tools=plan,
-            logprobs=req.top_logprobs,
-        ))
+        generation = await core.start(
+            generator,
+            GenerationRequest(
+                prompts=[prompt],
+                sampling=req,
+                max_tokens=req.max_output_tokens,
+                request_id=request_id(request.headers.get("x-request-id")),
+                max_tokens_param="max_output_tokens",
+                guide=guide,
+                tools=plan,
+                logprobs=req.top_logprobs,
+            ),
+        )
         response = _envelope(generator, req)
         builder = _Output(generator, response, req.top_logprobs is not None)
         if req.stream:
@@ -178,8 +190,11 @@ class ResponsesController(Controller):
     async def retrieve(self, request: Request, response_id: str) -> Response:
         return json_response(_stored(request, response_id).body)
 
-    @delete(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], status_code=200,
-            responses=documented(DeletedResponse, "the response is forgotten"))
+    @delete(
+        ["/v1/responses/{response_id:str}", "/responses/{response_id:str}"],
+        status_code=200,
+        responses=documented(DeletedResponse, "the response is forgotten"),
+    )
     async def remove(self, request: Request, response_id: str) -> Response:
         _stored(request, response_id)
         request.app.state.response_store.delete(response_id)
@@ -197,12 +212,24 @@ def _envelope(generator: Generator, req: ResponsesRequest) -> ResponseObject:
     """The response as it starts: in progress, no output yet, the request's settings echoed."""
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     return ResponseObject(
-        id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), model=generator.model_name, status="in_progress", output=[],
-        usage=None, parallel_tool_calls=req.parallel_tool_calls is not False, tool_choice=choice, tools=req.tools or [],
-        text=req.text or TextConfig(), store=req.store, instructions=req.instructions,
-        max_output_tokens=req.max_output_tokens, previous_response_id=req.previous_response_id,
-        temperature=1.0 if req.temperature is None else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
-        metadata=req.metadata or {}, user=req.user,
+        id=f"resp_{uuid.uuid4().hex}",
+        created_at=int(time.time()),
+        model=generator.model_name,
+        status="in_progress",
+        output=[],
+        usage=None,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        tool_choice=choice,
+        tools=req.tools or [],
+        text=req.text or TextConfig(),
+        store=req.store,
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        previous_response_id=req.previous_response_id,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        metadata=req.metadata or {},
+        user=req.user,
     )
 
 
@@ -254,8 +281,11 @@ class _Output:
             yield out
         usage = finish.usage if finish else core.Usage()
         self.response.usage = ResponseUsage(
-            input_tokens=usage.prompt_tokens, input_tokens_details=InputTokensDetails(usage.cached_tokens),
-            output_tokens=usage.completion_tokens, output_tokens_details=OutputTokensDetails(0), total_tokens=usage.total_tokens,
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(usage.cached_tokens),
+            output_tokens=usage.completion_tokens,
+            output_tokens_details=OutputTokensDetails(0),
+            total_tokens=usage.total_tokens,
         )
         self.response.status = "incomplete" if incomplete else "completed"
         self.response.incomplete_details = IncompleteDetails("max_output_tokens") if incomplete else None
@@ -269,15 +299,30 @@ class _Output:
             self.response.output.append(self._open)
             out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
             self._open.content.append(OutputText(text=""))
-            out.append(self.event("response.content_part.added", item_id=self._open.id, output_index=len(self.response.output) - 1,
-                                  content_index=0, part=self._open.content[0]))
+            out.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=self._open.id,
+                    output_index=len(self.response.output) - 1,
+                    content_index=0,
+                    part=self._open.content[0],
+                )
+            )
         part = self._open.content[0]
         logprobs = self._logprobs(event)
         part.text += event.text
         part.logprobs.extend(logprobs)
         if event.text or logprobs:
-            out.append(self.event("response.output_text.delta", item_id=self._open.id, output_index=len(self.response.output) - 1,
-                                  content_index=0, delta=event.text, logprobs=logprobs))
+            out.append(
+                self.event(
+                    "response.output_text.delta",
+                    item_id=self._open.id,
+                    output_index=len(self.response.output) - 1,
+                    content_index=0,
+                    delta=event.text,
+                    logprobs=logprobs,
+                )
+            )
         return out
 
     def _logprobs(self, event: Text) -> list[Logprob]:
@@ -296,8 +341,11 @@ class _Output:
         item = self._open
         if isinstance(item, FunctionCallItem) and call.arguments:
             item.arguments += call.arguments
-            out.append(self.event("response.function_call_arguments.delta", item_id=item.id, output_index=len(self.response.output) - 1,
-                                  delta=call.arguments))
+            out.append(
+                self.event(
+                    "response.function_call_arguments.delta", item_id=item.id, output_index=len(self.response.output) - 1, delta=call.arguments
+                )
+            )
         return out
 
     def _close(self, status: str) -> list[dict]:
@@ -309,12 +357,14 @@ class _Output:
         out = []
         if isinstance(item, OutputMessage):
             part = item.content[0]
-            out.append(self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text,
-                                  logprobs=part.logprobs))
+            out.append(
+                self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text, logprobs=part.logprobs)
+            )
             out.append(self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part))
         else:
-            out.append(self.event("response.function_call_arguments.done", item_id=item.id, output_index=index, name=item.name,
-                                  arguments=item.arguments))
+            out.append(
+                self.event("response.function_call_arguments.done", item_id=item.id, output_index=index, name=item.name, arguments=item.arguments)
+            )
         item.status = status
         out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out

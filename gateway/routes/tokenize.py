@@ -23,8 +23,9 @@ async def _tokenize(request: Request, generator: Generator, req: TokenizeRequest
         return await generator.run_in_pool(generator.text_prompt_ids, req.prompt, req.add_special_tokens is not False, size=len(req.prompt))
     check_request_template(request, req.chat_template)
     plan = tool_plan(req.tools, req.tool_choice, None)
-    ids = await core.chat_prompt(generator, message_dicts(req.messages or []), plan, req.chat_template, req.chat_template_kwargs, request,
-                                 req.add_generation_prompt)
+    ids = await core.chat_prompt(
+        generator, message_dicts(req.messages or []), plan, req.chat_template, req.chat_template_kwargs, request, req.add_generation_prompt
+    )
     if req.add_special_tokens:
         ids = generator.tokenizer.build_inputs_with_special_tokens(ids)
     return ids

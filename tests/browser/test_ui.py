@@ -17,8 +17,15 @@ from tests.conftest import ARTIFACTS, Server, free_port, spawn, start_serve, wai
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SHOTS = ARTIFACTS / "screenshots"
 # Headless and quiet: this machine's network is closed, so no background connections.
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="Playwright's Python package is not installed")
 if CHROMIUM is None:
@@ -90,9 +97,12 @@ def test_stop_ends_the_generation_and_the_worker_frees_it(server: Server, page):
     assert "stopped" in page.inner_text(".msg.assistant .stats")
     seen = {w["name"]: w["heartbeats"] for w in server.workers()}
     wait_until(
-        lambda: all(w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0
-                    and w["free_blocks"] == w["total_blocks"] for w in server.workers()),
-        15, "the worker to abort the stopped generation and free its blocks",
+        lambda: all(
+            w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0 and w["free_blocks"] == w["total_blocks"]
+            for w in server.workers()
+        ),
+        15,
+        "the worker to abort the stopped generation and free its blocks",
     )
     assert page.is_visible("#send") and not page.is_visible("#stop")
 

@@ -24,6 +24,7 @@ def test_slots_then_queue_then_refusal():
             slot.release()
         b.release()  # releasing twice is harmless
         assert not admission._slots.locked() and admission.rejected == 1
+
     asyncio.run(scenario())
 
 
@@ -33,4 +34,5 @@ def test_a_slot_that_is_dropped_unreleased_is_given_back():
         slot = await admission.acquire()
         del slot  # e.g. a streaming response that was never iterated
         await asyncio.wait_for(admission.acquire(), 1)
+
     asyncio.run(scenario())

@@ -16,6 +16,7 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
 def test_dead_workers_are_counted_as_they_are_now_and_departures_as_a_counter():
     """Two departures of a worker that came back each time, and one of a worker that stayed away:
     one worker is dead, three departures happened."""
+
     async def scenario(client, worker):
         metrics = Metrics(client, Admission(4, 4))
         other = FakeWorker(client.bind_address, name=b"other")
@@ -37,4 +38,5 @@ def test_dead_workers_are_counted_as_they_are_now_and_departures_as_a_counter():
             assert seen[("llmpool_worker_up", (("worker", "other"),))] == 0
         finally:
             other.close()
+
     run(scenario)

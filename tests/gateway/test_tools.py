@@ -8,8 +8,14 @@ from common.protocol import GuideKind
 from gateway.errors import InvalidRequest
 from gateway.tools import prepare_messages, tool_plan
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -24,7 +30,7 @@ def run(parser, pieces):
 
 def test_auto_parses_hermes_calls_and_holds_back_a_possible_opener():
     parser = tool_plan([WEATHER], "auto", None).parser()
-    pieces = ["Let me check.", " <tool", "_call>\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"]
+    pieces = ["Let me check.", " <tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}\n</tool_call>']
     content, calls = run(parser, pieces)
     assert content == "Let me check. "
     assert [c.name for c in calls] == ["get_weather"] and calls[0].index == 0 and calls[0].id.startswith("call_")
@@ -52,13 +58,16 @@ def test_named_streams_arguments_and_required_parses_the_array():
     assert content == "" and (calls[0].name, calls[0].arguments) == ("get_time", "{}")
 
 
-@pytest.mark.parametrize("tools, choice, param", [
-    ([{"type": "function"}], "auto", "tools[0]"),
-    ([{"type": "function", "function": {"name": ""}}], "auto", "tools[0].function.name"),
-    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
-    (None, "required", "tool_choice"),
-    ([WEATHER], "sometimes", "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, param",
+    [
+        ([{"type": "function"}], "auto", "tools[0]"),
+        ([{"type": "function", "function": {"name": ""}}], "auto", "tools[0].function.name"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        (None, "required", "tool_choice"),
+        ([WEATHER], "sometimes", "tool_choice"),
+    ],
+)
 def test_bad_tools_are_400s_naming_the_field(tools, choice, param):
     with pytest.raises(InvalidRequest) as info:
         tool_plan(tools, choice, None)
@@ -67,9 +76,15 @@ def test_bad_tools_are_400s_naming_the_field(tools, choice, param):
 
 def test_tools_go_into_the_system_message_of_a_template_without_tools():
     plan = tool_plan([WEATHER], "auto", None)
-    history = [{"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-               {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
     messages = prepare_messages(history, plan, "{{ messages }}")
     assert messages[0]["role"] == "system" and "<tools>" in messages[0]["content"] and "get_weather" in messages[0]["content"]
     assert messages[2]["content"] == '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
@@ -86,13 +101,16 @@ def test_auto_keeps_one_call_unless_parallel_calls_are_allowed():
 def test_function_parameters_are_closed_as_strict_mode_reads_them():
     """No properties beyond the schema's unless it allows them, down every nesting (a free-form
     object and an explicit additionalProperties stay as they are)."""
-    nested = {"type": "object", "properties": {
-        "city": {"type": "string"},
-        "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
-        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
-        "extra": {"type": "object"},
-        "open": {"type": "object", "properties": {}, "additionalProperties": True},
-    }}
+    nested = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+            "extra": {"type": "object"},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        },
+    }
     tool = {"type": "function", "function": {"name": "f", "parameters": nested}}
     spec = json.loads(tool_plan([tool], {"type": "function", "function": {"name": "f"}}, None).guide().spec)
     assert spec["additionalProperties"] is False

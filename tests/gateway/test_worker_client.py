@@ -37,11 +37,13 @@ class FakeWorker:
 
     async def receive(self, kind: type, timeout: float = 5.0):
         """The next message of ``kind``, skipping heartbeats."""
+
         async def next_of_kind():
             while True:
                 msg = protocol.decode(await self.sock.recv_multipart())
                 if isinstance(msg, kind):
                     return msg
+
         return await asyncio.wait_for(next_of_kind(), timeout)
 
     def close(self) -> None:
@@ -66,6 +68,7 @@ def run(scenario) -> None:
         finally:
             worker.close()
             await client.stop()
+
     asyncio.run(main())
 
 
@@ -89,6 +92,7 @@ def test_requests_of_one_tick_travel_together_and_outputs_reach_their_streams():
         client.abort("r0")
         assert (await worker.receive(Abort)).request_ids == ["r0"]
         assert client.snapshot()["workers"][0]["inflight"] == 1
+
     run(scenario)
 
 
@@ -104,6 +108,7 @@ def test_malformed_frames_are_dropped_and_the_socket_keeps_working():
         await worker.receive(AddRequests)
         await worker.send(StepOutputs([RequestOutput("r0", [7], "length", 3, 1)]))
         assert (await stream.queue.get()).new_token_ids == [7]
+
     run(scenario)
 
 
@@ -117,6 +122,7 @@ def test_goodbye_fails_in_flight_requests_with_a_clear_error():
         error = await asyncio.wait_for(stream.queue.get(), 5)
         assert isinstance(error, GenerationFailed) and "left" in error.message
         assert not client.workers
+
     run(scenario)
 
 
@@ -133,6 +139,7 @@ def test_a_silent_worker_expires_and_its_requests_fail():
             pass
         else:
             raise AssertionError("submit must fail with no worker")
+
     run(scenario)
 
 
@@ -143,6 +150,7 @@ def test_heartbeats_keep_a_worker_alive_and_carry_its_load():
             await worker.send(Heartbeat(running=2, free_blocks=10, total_blocks=20))
             await worker.receive(Heartbeat)  # the gateway heartbeats back
         assert client.snapshot()["workers"][0]["running"] == 2
+
     run(scenario)
 
 
@@ -151,6 +159,7 @@ def test_a_worker_for_another_model_is_refused():
         await worker.send(Ready("other", "not-m", 1024, 4096, 16, 8, "cpu", "float32"))
         await asyncio.sleep(0.3)
         assert not client.workers
+
     run(scenario)
 
 
@@ -170,6 +179,7 @@ def test_a_worker_registering_again_replaces_its_old_entry_and_takes_its_request
             assert (await asyncio.wait_for(stream.queue.get(), 5)).new_token_ids == [9]
         finally:
             restarted.close()
+
     run(scenario)
 
 
@@ -196,6 +206,7 @@ def test_a_dead_workers_requests_resume_on_another_worker_where_they_left_off():
             assert client.resumed == 1
         finally:
             other.close()
+
     run(scenario)
 
 
@@ -220,6 +231,7 @@ def test_a_worker_that_heartbeats_but_makes_no_progress_counts_as_hung():
         finally:
             worker.close()
             await client.stop()
+
     asyncio.run(main())
 
 
@@ -228,6 +240,7 @@ def test_a_request_the_worker_never_accepted_fails_alone_and_the_worker_is_not_h
     message lost or unreadable): after ``liveness`` heartbeats the request is sent again (the
     resume path, max_retries times) and then ends with an error; the worker stays registered and
     ready, though hung_timeout passed many times meanwhile."""
+
     async def main():
         client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", "m", heartbeat_interval=0.1, heartbeat_liveness=5, hung_timeout=0.3)
         await client.start()
@@ -255,6 +268,7 @@ def test_a_request_the_worker_never_accepted_fails_alone_and_the_worker_is_not_h
         finally:
             worker.close()
             await client.stop()
+
     asyncio.run(main())
 
 
@@ -280,6 +294,7 @@ def test_a_lost_output_is_noticed_and_the_request_resumes_from_what_was_delivere
     1 was due, stops the old attempt, and sends the request again as prompt + the tokens delivered
     (under a new wire id, so the old attempt's late outputs can't mix in). The client reads 7 8 9
     with no hole, and usage counts what it got."""
+
     async def scenario(client, worker):
         await worker.send(READY)
         await eventually(lambda: client.workers)
@@ -297,4 +312,5 @@ def test_a_lost_output_is_noticed_and_the_request_resumes_from_what_was_delivere
         assert [o.new_token_ids for o in outputs] == [[7], [8], [9]]
         assert outputs[-1].finish_reason == "length" and outputs[-1].num_output_tokens == 3
         assert stream.finished and client.resumed == 1 and client.workers
+
     run(scenario)

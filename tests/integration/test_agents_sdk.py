@@ -39,8 +39,14 @@ def test_a_runner_with_one_function_tool_completes_a_run(model):
 
     # A 135M model does not decide to call tools well: `required` makes the call certain, and the
     # run ends with the tool's result (stop_on_first_tool), as a real agent's tool step would.
-    agent = Agent(name="weather", instructions="You answer questions about the weather.", model=model, tools=[get_weather],
-                  tool_use_behavior="stop_on_first_tool", model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60))
+    agent = Agent(
+        name="weather",
+        instructions="You answer questions about the weather.",
+        model=model,
+        tools=[get_weather],
+        tool_use_behavior="stop_on_first_tool",
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60),
+    )
     result = run(agent, "What is the weather in Paris?")
     assert len(called) == 1 and called[0]
     assert result.final_output == f"Sunny and 22 C in {called[0]}"

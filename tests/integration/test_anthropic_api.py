@@ -13,8 +13,11 @@ import pytest
 from tests.conftest import MODEL
 
 GREEDY = {"temperature": 0}  # current SDKs have no temperature argument: clients send it in the body
-WEATHER = {"name": "get_weather", "description": "Get the current weather for a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Get the current weather for a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]},
+}
 SYSTEM = "You are a friendly assistant who answers every question briefly, in one short sentence. " * 4  # > 64 tokens: affinity
 
 
@@ -28,8 +31,9 @@ def ask(text: str) -> list[dict]:
 
 
 def test_create_and_its_usage(claude):
-    reply = claude.messages.create(model=MODEL, max_tokens=40, system=[{"type": "text", "text": SYSTEM}], messages=ask("Say hello."),
-                                   extra_body=GREEDY)
+    reply = claude.messages.create(
+        model=MODEL, max_tokens=40, system=[{"type": "text", "text": SYSTEM}], messages=ask("Say hello."), extra_body=GREEDY
+    )
     assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_") and reply.model == MODEL
     assert reply.content[0].type == "text" and reply.content[0].text
     assert reply.stop_reason in ("end_turn", "max_tokens") and reply.stop_sequence is None
@@ -37,8 +41,11 @@ def test_create_and_its_usage(claude):
     assert again.content[0].text == reply.content[0].text
     assert again.usage.cache_read_input_tokens > 0, "the prefix cache served it"
     counted = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=ask("Say hello."))
-    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == counted.input_tokens == reply.usage.input_tokens \
-        + reply.usage.cache_read_input_tokens
+    assert (
+        again.usage.input_tokens + again.usage.cache_read_input_tokens
+        == counted.input_tokens
+        == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+    )
     cut = claude.messages.create(model=MODEL, max_tokens=3, messages=ask("Tell me a long story."))
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
 
@@ -49,8 +56,9 @@ def test_stop_sequences_end_with_stop_sequence_set(claude):
     words = text.split()
     assert len(words) > 3, text
     stop = words[2]
-    cut = claude.messages.create(model=MODEL, max_tokens=40, messages=ask("Count from one to ten in words."), stop_sequences=[stop],
-                                 extra_body=GREEDY)
+    cut = claude.messages.create(
+        model=MODEL, max_tokens=40, messages=ask("Count from one to ten in words."), stop_sequences=[stop], extra_body=GREEDY
+    )
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == text[: text.index(stop)]
 
@@ -79,18 +87,30 @@ def test_tools_any_and_a_named_tool_streamed_then_the_result_fed_back(claude):
     (use,) = [b for b in reply.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.id.startswith("toolu_")
     jsonschema.validate(use.input, WEATHER["input_schema"])
-    with claude.messages.stream(model=MODEL, max_tokens=40, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"},
-                                messages=ask("Weather in Rome?"), extra_body=GREEDY) as stream:
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=40,
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=ask("Weather in Rome?"),
+        extra_body=GREEDY,
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert "input_json" in kinds or "content_block_delta" in kinds
     assert final.stop_reason == "tool_use" and final.content[0].type == "tool_use"
     jsonschema.validate(final.content[0].input, WEATHER["input_schema"])
-    answer = claude.messages.create(model=MODEL, max_tokens=30, tools=[WEATHER], extra_body=GREEDY, messages=[
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]},
-    ])
+    answer = claude.messages.create(
+        model=MODEL,
+        max_tokens=30,
+        tools=[WEATHER],
+        extra_body=GREEDY,
+        messages=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]},
+        ],
+    )
     assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
     none = claude.messages.create(model=MODEL, max_tokens=10, tools=[WEATHER], tool_choice={"type": "none"}, messages=ask("Hi"))
     assert all(b.type == "text" for b in none.content)
@@ -98,19 +118,28 @@ def test_tools_any_and_a_named_tool_streamed_then_the_result_fed_back(claude):
 
 def test_errors_take_anthropics_shape(server, claude):
     with pytest.raises(anthropic.BadRequestError) as image:
-        claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=10,
+            messages=[
+                {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}
+            ],
+        )
     assert image.value.body["type"] == "error" and image.value.body["error"]["type"] == "invalid_request_error"
     assert "messages[0].content[0]" in image.value.body["error"]["message"] and "image" in image.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as unknown:
         claude.messages.create(model="not-a-served-model", max_tokens=10, messages=ask("Hi"))
     assert unknown.value.body["error"]["type"] == "not_found_error"
     missing = server.post("/v1/messages", json={"model": MODEL, "messages": ask("Hi")})
-    assert missing.status_code == 400 and missing.json() == {"type": "error", "error": {"type": "invalid_request_error",
-                                                                                       "message": missing.json()["error"]["message"]}}
+    assert missing.status_code == 400 and missing.json() == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": missing.json()["error"]["message"]},
+    }
     assert "max_tokens" in missing.json()["error"]["message"]
-    server_tool = server.post("/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": ask("Hi"),
-                                                    "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
+    server_tool = server.post(
+        "/v1/messages",
+        json={"model": MODEL, "max_tokens": 5, "messages": ask("Hi"), "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+    )
     assert server_tool.status_code == 400 and "tools[0].type" in server_tool.json()["error"]["message"]
     too_long = server.post("/v1/messages", json={"model": MODEL, "max_tokens": 9000, "messages": ask("Hi")})
     assert too_long.status_code == 400 and too_long.json()["error"]["type"] == "invalid_request_error"

@@ -55,12 +55,15 @@ def test_curl_stream_framing(server):
     body = json.dumps({"model": MODEL, "messages": ask("Hi"), "stream": True, "max_tokens": 12})
     raw = subprocess.run(
         ["curl", "-sN", server.base_url + "/v1/chat/completions", "-H", "content-type: application/json", "-d", body],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout
     assert raw.endswith("data: [DONE]\n\n")
     events = raw.split("\n\n")[:-1]
     assert all(e.startswith("data: ") for e in events)
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
@@ -68,7 +71,9 @@ def test_curl_stream_framing(server):
 def test_legacy_completions(client):
     response = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert response.object == "text_completion" and response.choices[0].text.strip()
-    streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True))
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True)
+    )
     assert streamed == response.choices[0].text
 
 
@@ -140,7 +145,7 @@ def test_greedy_output_passes_the_closeness_test_against_transformers_generate(c
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
         with torch.inference_mode():
             result = reference.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        out = result.sequences[0, len(ids):].tolist()
+        out = result.sequences[0, len(ids) :].tolist()
         top = [step[0].float().topk(5).indices.tolist() for step in result.logits]
         expected = Generation([texts.bytes(t) for t in out], [], [[texts.bytes(t) for t in row] for row in top])
         response = client.chat.completions.create(model=MODEL, messages=ask(prompt), max_tokens=40, temperature=0, logprobs=True, top_logprobs=5)
@@ -165,7 +170,15 @@ def test_greedy_output_passes_the_closeness_test_against_transformers_generate(c
         (json.dumps({"model": MODEL, "messages": ask("hello " * 9000)}).encode(), "messages"),
         (json.dumps({"model": MODEL, "messages": ask("x"), "max_tokens": 9000}).encode(), "max_tokens"),
     ],
-    ids=["invalid-json", "missing-messages", "empty-messages", "negative-max-tokens", "wrong-type", "prompt-too-long", "prompt-plus-max-tokens-too-long"],
+    ids=[
+        "invalid-json",
+        "missing-messages",
+        "empty-messages",
+        "negative-max-tokens",
+        "wrong-type",
+        "prompt-too-long",
+        "prompt-plus-max-tokens-too-long",
+    ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, param):
     response = server.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
@@ -239,8 +252,9 @@ def test_cors_is_off_by_default(server):
 
 
 def test_the_request_id_comes_back_and_is_logged_on_both_sides(server):
-    response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "max_tokens": 3},
-                           headers={"X-Request-Id": "trace-42"})
+    response = server.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "max_tokens": 3}, headers={"X-Request-Id": "trace-42"}
+    )
     rid = response.headers["x-request-id"]
     assert rid.startswith("trace-42-")
 
@@ -257,9 +271,12 @@ def test_a_non_streaming_client_that_hangs_up_gets_its_request_aborted(server):
         httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=2)  # gives up, closes the socket
     seen = {w["name"]: w["heartbeats"] for w in server.workers()}
     wait_until(
-        lambda: all(w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0
-                    and w["free_blocks"] == w["total_blocks"] for w in server.workers()),
-        15, "the worker to abort the abandoned request",
+        lambda: all(
+            w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0 and w["free_blocks"] == w["total_blocks"]
+            for w in server.workers()
+        ),
+        15,
+        "the worker to abort the abandoned request",
     )
     assert server.get("/workers").json()["inflight"] == 0
 
@@ -291,17 +308,35 @@ def test_logit_bias_min_tokens_and_penalties_through_the_api(client, tokenizer):
     assert banned.choices[0].message.content != plain.choices[0].message.content
     short = client.chat.completions.create(model=MODEL, messages=ask("Reply with one word: yes or no?"), max_tokens=40, temperature=0)
     assert short.usage.completion_tokens < 20 and short.choices[0].finish_reason == "stop"
-    held = client.chat.completions.create(model=MODEL, messages=ask("Reply with one word: yes or no?"), max_tokens=40,
-                                          temperature=0, extra_body={"min_tokens": 20})
+    held = client.chat.completions.create(
+        model=MODEL, messages=ask("Reply with one word: yes or no?"), max_tokens=40, temperature=0, extra_body={"min_tokens": 20}
+    )
     assert held.usage.completion_tokens >= 20
-    penalised = client.chat.completions.create(model=MODEL, messages=ask("Count: one one one one"), max_tokens=20, temperature=0,
-                                               presence_penalty=1.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+    penalised = client.chat.completions.create(
+        model=MODEL,
+        messages=ask("Count: one one one one"),
+        max_tokens=20,
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=1.0,
+        extra_body={"repetition_penalty": 1.3, "min_p": 0.05},
+    )
     assert penalised.choices[0].message.content
 
 
-@pytest.mark.parametrize("field, value", [("presence_penalty", 3), ("frequency_penalty", -2.5), ("logit_bias", {"abc": 1}),
-                                          ("logit_bias", {"5": 101}), ("logit_bias", {"99999999": 1}), ("min_p", 1.5),
-                                          ("repetition_penalty", 0), ("min_tokens", -1)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("presence_penalty", 3),
+        ("frequency_penalty", -2.5),
+        ("logit_bias", {"abc": 1}),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"99999999": 1}),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0),
+        ("min_tokens", -1),
+    ],
+)
 def test_out_of_range_sampling_fields_are_400_naming_the_field(server, field, value):
     response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), field: value})
     assert response.status_code == 400 and response.json()["error"]["param"] == field
@@ -314,8 +349,9 @@ def test_n_choices_in_both_modes(client):
     assert reply.usage.prompt_tokens == single.usage.prompt_tokens, "the prompt counts once"
     texts: dict[int, str] = {}
     finished = set()
-    for chunk in client.chat.completions.create(model=MODEL, messages=ask("Name a colour."), max_tokens=8, n=3, seed=5,
-                                                temperature=1.0, stream=True, stream_options={"include_usage": True}):
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=ask("Name a colour."), max_tokens=8, n=3, seed=5, temperature=1.0, stream=True, stream_options={"include_usage": True}
+    ):
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
             if choice.finish_reason:
@@ -327,9 +363,14 @@ def test_n_choices_in_both_modes(client):
 
 def test_the_same_seed_gives_the_same_text(client):
     """One request at a time (so batching cannot change the numbers): same seed and params, same text."""
+
     def sample(seed: int) -> str:
-        return client.chat.completions.create(model=MODEL, messages=ask("Invent a name for a cat."), max_tokens=12,
-                                              temperature=1.2, seed=seed).choices[0].message.content
+        return (
+            client.chat.completions.create(model=MODEL, messages=ask("Invent a name for a cat."), max_tokens=12, temperature=1.2, seed=seed)
+            .choices[0]
+            .message.content
+        )
+
     assert sample(11) == sample(11)
     assert len({sample(11), sample(12), sample(13)}) > 1
 

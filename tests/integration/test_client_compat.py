@@ -20,8 +20,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def test_openai_sdk_sync(client):
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
     assert "Paris" in whole.choices[0].message.content
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True) if c.choices]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True)
+        if c.choices
+    ]
     assert len([p for p in pieces if p]) >= 2 and "Paris" in "".join(pieces)
 
 
@@ -72,6 +75,7 @@ def test_langchain_tools_and_structured_output(chat_model):
 
 def test_litellm(server):
     import litellm
+
     kwargs = dict(model=f"openai/{MODEL}", api_base=server.base_url + "/v1", api_key="unused", messages=QUESTION, max_tokens=24, temperature=0)
     whole = litellm.completion(**kwargs)
     assert "Paris" in whole.choices[0].message.content

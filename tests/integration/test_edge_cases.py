@@ -33,9 +33,12 @@ def test_a_character_cut_by_max_tokens_is_dropped_not_sent_as_replacement(client
     max_tokens, reply, raw = cut
     text = reply.choices[0].message.content
     assert "\ufffd" not in text
-    assert raw.startswith(text.encode()) and unfinished_utf8(raw[len(text.encode()):]), "logprobs bytes keep the exact bytes"
-    deltas = [c.choices[0].delta.content for c in client.chat.completions.create(
-        model=MODEL, messages=ask(EMOJI), max_tokens=max_tokens, temperature=0, stream=True) if c.choices and c.choices[0].delta.content]
+    assert raw.startswith(text.encode()) and unfinished_utf8(raw[len(text.encode()) :]), "logprobs bytes keep the exact bytes"
+    deltas = [
+        c.choices[0].delta.content
+        for c in client.chat.completions.create(model=MODEL, messages=ask(EMOJI), max_tokens=max_tokens, temperature=0, stream=True)
+        if c.choices and c.choices[0].delta.content
+    ]
     assert "".join(deltas) == text and "\ufffd" not in "".join(deltas)
 
 

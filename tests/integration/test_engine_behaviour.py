@@ -45,18 +45,35 @@ def test_a_long_prompt_does_not_freeze_running_streams(one_worker):
         async with httpx.AsyncClient(timeout=300) as client:
             times: list[list[float]] = [[] for _ in range(16)]
             streams = [
-                asyncio.create_task(_stream(client, url, {
-                    "model": MODEL, "messages": [{"role": "user", "content": f"Tell story number {i}."}],
-                    "max_tokens": 160, "ignore_eos": True, "temperature": 0.8,
-                }, times[i]))
+                asyncio.create_task(
+                    _stream(
+                        client,
+                        url,
+                        {
+                            "model": MODEL,
+                            "messages": [{"role": "user", "content": f"Tell story number {i}."}],
+                            "max_tokens": 160,
+                            "ignore_eos": True,
+                            "temperature": 0.8,
+                        },
+                        times[i],
+                    )
+                )
                 for i in range(16)
             ]
             while min(len(t) for t in times) < 20:  # everyone is decoding
                 await asyncio.sleep(0.05)
             start = time.perf_counter()
-            long_usage = await _stream(client, url, {
-                "model": MODEL, "messages": [{"role": "user", "content": "word " * 1990}], "max_tokens": 1,
-            }, [])
+            long_usage = await _stream(
+                client,
+                url,
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "word " * 1990}],
+                    "max_tokens": 1,
+                },
+                [],
+            )
             window = (start, time.perf_counter())
             await asyncio.gather(*streams)
             return times, window, long_usage
@@ -77,7 +94,8 @@ def test_a_long_prompt_does_not_freeze_running_streams(one_worker):
         attempts.append(p99_and_median())
     p99, median = attempts[-1]
     assert p99 <= 3 * median, "inter-token p99 vs median during the prefill, per attempt: " + ", ".join(
-        f"{p * 1000:.0f} ms vs {m * 1000:.0f} ms" for p, m in attempts)
+        f"{p * 1000:.0f} ms vs {m * 1000:.0f} ms" for p, m in attempts
+    )
 
 
 def test_oversubscribed_kv_cache_preempts_and_every_answer_is_still_right():
@@ -90,7 +108,10 @@ def test_oversubscribed_kv_cache_preempts_and_every_answer_is_still_right():
 
         def ask(prompt: str) -> str:
             reply = client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=60, temperature=0,
+                model=MODEL,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=60,
+                temperature=0,
                 extra_body={"ignore_eos": True},
             )
             return reply.choices[0].message.content
@@ -119,8 +140,11 @@ def test_a_repeated_long_system_prompt_is_served_from_the_prefix_cache(one_worke
         first = None
         usage = None
         for chunk in client.chat.completions.create(
-            model=MODEL, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-            max_tokens=4, stream=True, stream_options={"include_usage": True},
+            model=MODEL,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
         ):
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.perf_counter() - start
@@ -152,8 +176,11 @@ def _shared_prompt_run(extra: tuple[str, ...]) -> tuple[float, int, int]:
                 first = None
                 usage = None
                 for chunk in client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}?"}],
-                    max_tokens=2, stream=True, stream_options={"include_usage": True},
+                    model=MODEL,
+                    messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}?"}],
+                    max_tokens=2,
+                    stream=True,
+                    stream_options={"include_usage": True},
                 ):
                     if first is None and chunk.choices and chunk.choices[0].delta.content is not None and chunk.choices[0].delta.content:
                         first = time.perf_counter() - start
@@ -168,7 +195,9 @@ def _shared_prompt_run(extra: tuple[str, ...]) -> tuple[float, int, int]:
 def test_prefix_affinity_routes_shared_prompts_to_their_cache():
     on_ttft, on_cached, hits = _shared_prompt_run(())
     off_ttft, off_cached, _ = _shared_prompt_run(("--prefix-affinity-slack", "-1"))
-    print(f"\nprefix affinity: mean TTFT {on_ttft * 1000:.0f} ms with, {off_ttft * 1000:.0f} ms without; "
-          f"cached prompts {on_cached}/12 with, {off_cached}/12 without")
+    print(
+        f"\nprefix affinity: mean TTFT {on_ttft * 1000:.0f} ms with, {off_ttft * 1000:.0f} ms without; "
+        f"cached prompts {on_cached}/12 with, {off_cached}/12 without"
+    )
     assert on_cached == 9, "with affinity only each prompt's first use is cold"
     assert off_cached < on_cached and on_ttft < off_ttft

@@ -33,8 +33,9 @@ def pool() -> Iterator[tuple[Server, dict]]:
     server.processes.append(spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "faults-gateway", FAST))
     workers = {}
     for name in ("w-a", "w-b"):
-        workers[name] = spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", name, "--dtype", "float32",
-                               "--threads", "1"], f"faults-{name}", FAST)
+        workers[name] = spawn(
+            ["worker", "--gateway-address", server.zmq_address, "--worker-name", name, "--dtype", "float32", "--threads", "1"], f"faults-{name}", FAST
+        )
         server.processes.append(workers[name])
     try:
         server.wait_for_workers(2)
@@ -45,9 +46,12 @@ def pool() -> Iterator[tuple[Server, dict]]:
 
 WALK = {  # bounded, so the guided answer always finishes
     "type": "object",
-    "properties": {"title": {"type": "string", "maxLength": 60},
-                   "steps": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 3, "maxItems": 3}},
-    "required": ["title", "steps"], "additionalProperties": False,
+    "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "steps": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 3, "maxItems": 3},
+    },
+    "required": ["title", "steps"],
+    "additionalProperties": False,
 }
 GUIDED = {"response_format": {"type": "json_schema", "json_schema": {"name": "walk", "schema": WALK}}, "max_tokens": 200}
 FREE = {"max_tokens": 48, "extra_body": {"ignore_eos": True}}
@@ -56,8 +60,12 @@ FREE = {"max_tokens": 48, "extra_body": {"ignore_eos": True}}
 def stream_text(client: openai.OpenAI, on_chunk=None, kind: dict = FREE) -> tuple[str, int]:  # noqa: ANN001
     text, count, usage = [], 0, None
     for chunk in client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Describe a walk through an old forest."}],
-        temperature=0, stream=True, stream_options={"include_usage": True}, **kind,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a walk through an old forest."}],
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        **kind,
     ):
         usage = chunk.usage or usage
         if chunk.choices and chunk.choices[0].delta.content:
@@ -185,8 +193,14 @@ def test_malformed_frames_on_the_router_port_are_dropped(pool):
     stranger = context.socket(zmq.DEALER)
     stranger.setsockopt(zmq.LINGER, 2000)  # deliver what was sent before closing
     stranger.connect(server.zmq_address)
-    junk = [[b"hello"], [b"\x01\x05", b"\xc1\xc1"], [b"\x09\x01", b""], [b"\x01\x63", b"x"], [os.urandom(64), os.urandom(4096)],
-            [b"\x01\x01", b"\x81\xa3bad\x01"]]
+    junk = [
+        [b"hello"],
+        [b"\x01\x05", b"\xc1\xc1"],
+        [b"\x09\x01", b""],
+        [b"\x01\x63", b"x"],
+        [os.urandom(64), os.urandom(4096)],
+        [b"\x01\x01", b"\x81\xa3bad\x01"],
+    ]
     for frames in junk:
         stranger.send_multipart(frames)
     stranger.close()
@@ -206,11 +220,20 @@ def test_200_streaming_clients_with_random_disconnects(pool):
     plan = [rng.random() < 0.33 for _ in range(200)]  # True: hang up after a few chunks
 
     async def one(i: int, hang_up: bool) -> str:
-        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"Say something about {i}."}],
-                           "max_tokens": 16, "stream": True, "ignore_eos": True}).encode()
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Say something about {i}."}],
+                "max_tokens": 16,
+                "stream": True,
+                "ignore_eos": True,
+            }
+        ).encode()
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
         raw = b""
         try:
             while True:
@@ -226,7 +249,7 @@ def test_200_streaming_clients_with_random_disconnects(pool):
         assert b" 200 " in head.split(b"\r\n")[0], head[:100]
         events = decode_chunked(body_bytes).decode().split("\n\n")
         assert events[-1] == "" and events[-2] == "data: [DONE]", events[-3:]
-        chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+        chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len({c["id"] for c in chunks}) == 1
         return "completed"
@@ -237,9 +260,18 @@ def test_200_streaming_clients_with_random_disconnects(pool):
     outcomes = asyncio.run(everyone())
     assert outcomes.count("completed") == plan.count(False)
     seen = {w["name"]: w["heartbeats"] for w in server.workers()}
-    wait_until(lambda: all(w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0
-                           and w["waiting"] == 0 and w["free_blocks"] == w["total_blocks"] for w in server.workers()),
-               30, "every KV block back after the storm")
+    wait_until(
+        lambda: all(
+            w["heartbeats"] >= seen[w["name"]] + 2
+            and w["inflight"] == 0
+            and w["running"] == 0
+            and w["waiting"] == 0
+            and w["free_blocks"] == w["total_blocks"]
+            for w in server.workers()
+        ),
+        30,
+        "every KV block back after the storm",
+    )
     assert server.get("/workers").json()["inflight"] == 0
     report(test="200-clients", served=outcomes.count("completed"), disconnected=outcomes.count("disconnected"), faults=0, lost=0)
 
@@ -251,7 +283,7 @@ def decode_chunked(body: bytes) -> bytes:
         size = int(size_line, 16)
         if size == 0:
             break
-        out, body = out + rest[:size], rest[size + 2:]
+        out, body = out + rest[:size], rest[size + 2 :]
     return out
 
 
@@ -267,8 +299,9 @@ def test_a_client_hanging_up_on_a_plain_request_is_a_499_not_a_500(server):
     log = ARTIFACTS / "serve-session.log"
     log_start = log.stat().st_size
     before = {s: _metric(server, f'llmpool_http_requests_total{{path="{path}"{s}"}}') for s in ("499", "500")}
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400,
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400, "ignore_eos": True}
+    ).encode()
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", server.port)) as conn:
         conn.sendall(head.encode() + body)
@@ -291,8 +324,12 @@ def test_a_request_naming_tokens_the_model_lacks_fails_alone_among_16_streams(po
     async def stream(i: int) -> tuple[str, str]:
         parts, finish = [], None
         async for chunk in await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Name a colour and a number, {i}."}], temperature=0,
-            max_tokens=24, stream=True, extra_body={"ignore_eos": True},
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Name a colour and a number, {i}."}],
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            extra_body={"ignore_eos": True},
         ):
             parts.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
@@ -327,8 +364,7 @@ def test_a_prompt_of_booleans_is_answered_at_once_and_no_worker_is_blamed(server
     decode): the client waited 180 s for a 500 while idle workers were declared hung. Now the
     worker answers that request with an error of its own."""
     departed = len(server.get("/workers").json()["departed"])
-    response = httpx.post(server.base_url + "/v1/completions", timeout=20,
-                          json={"model": MODEL, "prompt": [True, False], "max_tokens": 4})
+    response = httpx.post(server.base_url + "/v1/completions", timeout=20, json={"model": MODEL, "prompt": [True, False], "max_tokens": 4})
     assert response.status_code == 400, response.text
     assert response.elapsed.total_seconds() < 10 and response.json()["error"]["type"] == "invalid_request_error"
     assert server.get("/ready").status_code == 200 and len(server.workers()) == 2
@@ -347,8 +383,13 @@ def test_a_gateway_paused_for_8_s_blames_no_worker_and_every_stream_completes(po
     async def stream(i: int) -> tuple[str, str, int]:
         parts, finish, usage = [], None, None
         async for chunk in await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Describe the number {i}."}], temperature=0, max_tokens=64,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Describe the number {i}."}],
+            temperature=0,
+            max_tokens=64,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         ):
             usage = chunk.usage or usage
             if chunk.choices:

@@ -40,8 +40,14 @@ def test_no_operation_answers_500_or_off_its_schema(server):
     for operation in operations:
 
         @fixed_seed(13)
-        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
-                  database=None, print_blob=True)
+        @settings(
+            max_examples=EXAMPLES_PER_OPERATION,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+            print_blob=True,
+        )
         @given(case=operation.as_strategy())
         def fuzz(case) -> None:  # noqa: ANN001
             nonlocal cases

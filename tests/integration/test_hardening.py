@@ -38,12 +38,21 @@ BAD = [  # (path, body, the field the 400 names)
     ("/detokenize", {"tokens": [2**63]}, "tokens"),
     ("/v1/chat/completions", {**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["f"]}}}, "tool_choice"),
-    ("/v1/responses", {"model": MODEL, "input": "hi", "tools": [{"type": "function", "name": "f"}],
-                       "tool_choice": {"type": "function", "name": ["f"]}}, "tool_choice"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": "x"}]}]},
-     "messages[1].tool_calls[0].function"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema(300)}}},
-     "response_format"),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": ["f"]}},
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": "x"}]}]},
+        "messages[1].tool_calls[0].function",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema(300)}}},
+        "response_format",
+    ),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema(300)}}]}, "tools"),
     ("/v1/chat/completions", {**CHAT, "chat_template": "{{ 1/0 }}"}, "chat_template"),  # not allowed on this server
     ("/tokenize", {"messages": CHAT["messages"], "chat_template": "{{ 1/0 }}"}, "chat_template"),
@@ -132,10 +141,17 @@ def templating():
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
-@pytest.mark.parametrize("template", [
-    "{% include 'x' %}", "{% import 'x' as y %}", "{{ 1/0 }}", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "{{ 2**100000 }}",
-    "{{ 'a' * 300000000 }}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% include 'x' %}",
+        "{% import 'x' as y %}",
+        "{{ 1/0 }}",
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+        "{{ 2**100000 }}",
+        "{{ 'a' * 300000000 }}",
+    ],
+)
 def test_a_hostile_request_template_is_a_400_naming_chat_template(templating, template):
     for path, body in (("/v1/chat/completions", CHAT), ("/tokenize", {"messages": CHAT["messages"]})):
         response = templating.post(path, json={**body, "chat_template": template})

@@ -39,8 +39,9 @@ def test_chat_logprobs_have_tokens_bytes_and_sorted_alternatives(client):
 def test_streamed_logprobs_match_the_whole_answer(client):
     kwargs = dict(model=MODEL, messages=ask("Count to five."), max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
     whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
-    streamed = [t for c in client.chat.completions.create(stream=True, **kwargs) if c.choices and c.choices[0].logprobs
-                for t in c.choices[0].logprobs.content]
+    streamed = [
+        t for c in client.chat.completions.create(stream=True, **kwargs) if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
     assert [t.token for t in streamed] == [t.token for t in whole]
     # bf16: a prompt served from the prefix cache is computed in other shapes, so values differ a little
     assert all(abs(a.logprob - b.logprob) < 0.15 for a, b in zip(streamed, whole))
@@ -66,8 +67,11 @@ def test_legacy_completion_logprobs_line_up_with_the_text(client):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 3 and math.isclose(max(top.values()), value) and math.isclose(top[token], value)
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=3, stream=True) if c.choices[0].logprobs]
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=3, stream=True)
+        if c.choices[0].logprobs
+    ]
     assert [t for part in streamed for t in part.tokens] == lp.tokens
     assert [o for part in streamed for o in part.text_offset] == lp.text_offset
 
@@ -79,8 +83,9 @@ def test_echo_puts_the_prompt_before_the_completion(client, tokenizer):
     ids = tokenizer.encode("Grass is", add_special_tokens=False)
     by_ids = client.completions.create(model=MODEL, prompt=[ids, "The sky is"], max_tokens=6, temperature=0, echo=True)
     assert by_ids.choices[0].text.startswith("Grass is") and by_ids.choices[1].text == echoed.choices[0].text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, echo=True, stream=True))
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, echo=True, stream=True)
+    )
     assert streamed == echoed.choices[0].text
 
 
@@ -100,8 +105,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(client, tokenizer,
     other = client.completions.create(model=MODEL, prompt="The capital of France is Rome", max_tokens=0, echo=True, logprobs=0)
     assert lp.token_logprobs[-1] > other.choices[0].logprobs.token_logprobs[-1]
     # with generation, streamed: the echo chunk carries the prompt's logprobs, then the new tokens follow
-    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1,
-                                                                temperature=0, stream=True)]
+    chunks = [
+        c.choices[0] for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0, stream=True)
+    ]
     assert chunks[0].text == prompt and chunks[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=0.15)
     generated = [t for c in chunks[1:] if c.logprobs for t in c.logprobs.tokens]
     assert len(generated) == 3 and "".join(c.text for c in chunks) == prompt + "".join(generated)
@@ -138,8 +144,11 @@ def test_tokenize_and_detokenize(server, tokenizer):
     chat = server.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     assert tokenizer.decode(chat["tokens"]) == rendered
-    for path, payload, param in (("/tokenize", {"prompt": "a", "messages": []}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
-                                 ("/detokenize", {"tokens": "abc"}, "tokens")):
+    for path, payload, param in (
+        ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ):
         response = server.post(path, json=payload)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, payload
     assert server.post("/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404
@@ -154,22 +163,30 @@ def test_chat_template_kwargs_reach_the_template(server, client):
         template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %} LOUDLY PLEASE{% endif %}"
         counts = []
         for kwargs in ({}, {"shout": True}):
-            reply = sdk.chat.completions.create(model=MODEL, messages=ask("Say hi"), max_tokens=2,
-                                                extra_body={"chat_template": template, "chat_template_kwargs": kwargs})
+            reply = sdk.chat.completions.create(
+                model=MODEL, messages=ask("Say hi"), max_tokens=2, extra_body={"chat_template": template, "chat_template_kwargs": kwargs}
+            )
             counts.append(reply.usage.prompt_tokens)
         assert counts[1] == counts[0] + 7, counts  # " LOUDLY PLEASE" is seven tokens
     finally:
         templating.stop()
     refused = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "chat_template_kwargs": {"messages": []}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
-    assert client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=2,
-                                          extra_body={"chat_template_kwargs": {"unused": 1}}).choices[0].message.content is not None
+    assert (
+        client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=2, extra_body={"chat_template_kwargs": {"unused": 1}})
+        .choices[0]
+        .message.content
+        is not None
+    )
 
 
 CITY = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30},
-                   "population_millions": {"type": "integer", "minimum": 0, "maximum": 100}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "country": {"type": "string", "maxLength": 30},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
     "required": ["name", "country", "population_millions"],
     "additionalProperties": False,
 }
@@ -177,8 +194,14 @@ CITY = {
 
 def test_json_object_output_always_parses(client):
     for seed in range(3):
-        reply = client.chat.completions.create(model=MODEL, messages=ask("Return a JSON object with keys name and age for a person."), max_tokens=120,
-                                               temperature=0.8, seed=seed, response_format={"type": "json_object"})
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=ask("Return a JSON object with keys name and age for a person."),
+            max_tokens=120,
+            temperature=0.8,
+            seed=seed,
+            response_format={"type": "json_object"},
+        )
         assert reply.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
@@ -187,8 +210,13 @@ def test_json_schema_output_validates_stream_and_not(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
     whole = client.chat.completions.create(model=MODEL, messages=ask("Tell me about Paris."), max_tokens=100, temperature=0, response_format=fmt)
     jsonschema.validate(json.loads(whole.choices[0].message.content), CITY)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=ask("Tell me about Rome."), max_tokens=100, temperature=0.7, seed=1, response_format=fmt, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=MODEL, messages=ask("Tell me about Rome."), max_tokens=100, temperature=0.7, seed=1, response_format=fmt, stream=True
+        )
+        if c.choices
+    )
     jsonschema.validate(json.loads(streamed), CITY)
 
 
@@ -207,8 +235,13 @@ def test_guided_requests_run_beside_free_ones(client):
 
     def one(i: int) -> str:
         kwargs = {"response_format": fmt} if i % 2 else {}
-        return client.chat.completions.create(model=MODEL, messages=ask(f"Tell me about city number {i}."), max_tokens=120,
-                                              temperature=0.5, seed=i, **kwargs).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=MODEL, messages=ask(f"Tell me about city number {i}."), max_tokens=120, temperature=0.5, seed=i, **kwargs
+            )
+            .choices[0]
+            .message.content
+        )
 
     with ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(one, range(6)))
@@ -221,7 +254,12 @@ def test_guided_requests_run_beside_free_ones(client):
 
 def test_bad_response_formats_are_400s(server):
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
-    for fmt, stream in (({"type": "xml"}, False), ({"type": "json_schema", "json_schema": {"name": "x"}}, False), (bad_schema, False), (bad_schema, True)):
+    for fmt, stream in (
+        ({"type": "xml"}, False),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, False),
+        (bad_schema, False),
+        (bad_schema, True),
+    ):
         response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "response_format": fmt, "stream": stream})
         assert response.status_code == 400, fmt
         error = response.json()["error"]
@@ -233,7 +271,8 @@ def test_bad_response_formats_are_400s(server):
 
 
 def test_logprobs_stop_where_a_stop_string_cuts_the_text(client):
-    choice = client.chat.completions.create(model=MODEL, messages=ask("Name three colours."), max_tokens=20, temperature=0,
-                                            stop=[" "], logprobs=True).choices[0]  # the first word, then a token starting with " "
+    choice = client.chat.completions.create(
+        model=MODEL, messages=ask("Name three colours."), max_tokens=20, temperature=0, stop=[" "], logprobs=True
+    ).choices[0]  # the first word, then a token starting with " "
     assert choice.finish_reason == "stop" and choice.message.content and " " not in choice.message.content
     assert b"".join(bytes(t.bytes) for t in choice.logprobs.content).decode() == choice.message.content

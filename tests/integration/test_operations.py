@@ -82,9 +82,11 @@ def test_api_key_also_comes_as_x_api_key_for_anthropic_clients(keyed_server):
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=url, api_key="nope", max_retries=0).messages.count_tokens(
-            model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}]
+        )
     reply = anthropic.Anthropic(base_url=url, api_key="key-one", max_retries=0).messages.create(
-        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+    )
     assert reply.content[0].text
 
 
@@ -92,8 +94,13 @@ def test_past_the_concurrency_limit_and_queue_requests_get_429_at_once():
     server = start_serve("serve-backpressure", 1, "--max-concurrent-requests", "1", "--max-waiting-requests", "1")
     try:
         url = server.base_url + "/v1/chat/completions"
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 200,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
         queued_status: list[int] = []
 
         def queued_request() -> None:

@@ -39,8 +39,11 @@ def test_sigkilled_worker_fails_its_requests_and_the_gateway_stays_up():
         def long_stream() -> None:
             try:
                 for chunk in client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
-                    max_tokens=4000, stream=True, extra_body={"ignore_eos": True},
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "Tell a long story."}],
+                    max_tokens=4000,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
                 ):
                     if chunk.choices and chunk.choices[0].delta.content:
                         received.append(chunk.choices[0].delta.content)
@@ -174,30 +177,75 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
     strangers = tmp_path / "strangers"
     subprocess.run([sys.executable, "-m", "launcher", "keys", str(strangers)], cwd=REPO, check=True, capture_output=True)
     server = Server(free_port(), free_port())
-    gateway_args = ["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address,
-                    "--curve-server-secret-key", str(keys / "gateway.key_secret"), "--curve-authorized-keys", str(keys / "authorized")]
+    gateway_args = [
+        "gateway",
+        "--port",
+        str(server.port),
+        "--zmq-bind",
+        server.zmq_address,
+        "--curve-server-secret-key",
+        str(keys / "gateway.key_secret"),
+        "--curve-authorized-keys",
+        str(keys / "authorized"),
+    ]
     server.processes.append(spawn(gateway_args, "curve-gateway", FAST_HEARTBEAT))
     try:
-        server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "trusted",
-                                       "--curve-client-secret-key", str(keys / "worker-0.key_secret"),
-                                       "--curve-server-public-key", str(keys / "gateway.key")], "curve-trusted", FAST_HEARTBEAT))
+        server.processes.append(
+            spawn(
+                [
+                    "worker",
+                    "--gateway-address",
+                    server.zmq_address,
+                    "--worker-name",
+                    "trusted",
+                    "--curve-client-secret-key",
+                    str(keys / "worker-0.key_secret"),
+                    "--curve-server-public-key",
+                    str(keys / "gateway.key"),
+                ],
+                "curve-trusted",
+                FAST_HEARTBEAT,
+            )
+        )
         server.wait_for_workers(1)
         logs = {name: ARTIFACTS / f"{name}.log" for name in ("curve-gateway", "curve-nokeys", "curve-stranger")}
         starts = {name: path.stat().st_size if path.exists() else 0 for name, path in logs.items()}
 
         def logged(name: str) -> str:
-            return logs[name].read_bytes()[starts[name]:].decode(errors="replace") if logs[name].exists() else ""
+            return logs[name].read_bytes()[starts[name] :].decode(errors="replace") if logs[name].exists() else ""
 
-        server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "no-keys"], "curve-nokeys", FAST_HEARTBEAT))
-        server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "unknown-key",
-                                       "--curve-client-secret-key", str(strangers / "worker-0.key_secret"),
-                                       "--curve-server-public-key", str(keys / "gateway.key")], "curve-stranger", FAST_HEARTBEAT))
+        server.processes.append(
+            spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "no-keys"], "curve-nokeys", FAST_HEARTBEAT)
+        )
+        server.processes.append(
+            spawn(
+                [
+                    "worker",
+                    "--gateway-address",
+                    server.zmq_address,
+                    "--worker-name",
+                    "unknown-key",
+                    "--curve-client-secret-key",
+                    str(strangers / "worker-0.key_secret"),
+                    "--curve-server-public-key",
+                    str(keys / "gateway.key"),
+                ],
+                "curve-stranger",
+                FAST_HEARTBEAT,
+            )
+        )
         # Both reach the handshake and are refused, and both sides say so (not merely still loading).
-        wait_until(lambda: "handshake with the gateway" in logged("curve-nokeys") and "refused" in logged("curve-stranger"),
-                   120, "the rogue workers to be refused")
+        wait_until(
+            lambda: "handshake with the gateway" in logged("curve-nokeys") and "refused" in logged("curve-stranger"),
+            120,
+            "the rogue workers to be refused",
+        )
         stranger_key = (strangers / "worker-0.key").read_text().split('public-key = "')[1].split('"')[0]
-        wait_until(lambda: f"refused a worker's CURVE key {stranger_key}" in logged("curve-gateway")
-                   and "protocol error" in logged("curve-gateway"), 10, "the gateway to log both refusals")
+        wait_until(
+            lambda: f"refused a worker's CURVE key {stranger_key}" in logged("curve-gateway") and "protocol error" in logged("curve-gateway"),
+            10,
+            "the gateway to log both refusals",
+        )
         assert "registered" not in logged("curve-nokeys") and "registered" not in logged("curve-stranger")
         assert [w["name"] for w in server.workers()] == ["trusted"]
         reply = sdk(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)

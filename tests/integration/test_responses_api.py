@@ -12,8 +12,12 @@ import pytest
 
 from tests.conftest import MODEL
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather for a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]},
+}
 
 
 INSTRUCTIONS = "You are a friendly assistant who answers every question briefly, in one short sentence. " * 4  # > 64 tokens: affinity
@@ -29,16 +33,22 @@ def test_a_plain_response_and_an_incomplete_one(client):
     assert reply.usage.total_tokens == reply.usage.input_tokens + reply.usage.output_tokens
     again = client.responses.create(model=MODEL, input="Say hello.", instructions=INSTRUCTIONS, max_output_tokens=40, temperature=0)
     assert again.output_text == reply.output_text and again.usage.input_tokens_details.cached_tokens > 0, "the prefix cache served it"
-    cut = client.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "Tell me a long story."}]}],
-                                  max_output_tokens=5)
+    cut = client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "Tell me a long story."}]}], max_output_tokens=5
+    )
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens" and cut.usage.output_tokens == 5
 
 
 def test_streamed_events_come_in_openais_order(client):
     events = list(client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=30, temperature=0, stream=True))
     kinds = [e.type for e in events]
-    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-                         "response.output_text.delta"]
+    assert kinds[:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -49,25 +59,40 @@ def test_streamed_events_come_in_openais_order(client):
 
 
 def test_function_tools_named_required_and_the_result_fed_back(client):
-    named = client.responses.create(model=MODEL, input="What's the weather in Oslo?", tools=[WEATHER],
-                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40, temperature=0)
+    named = client.responses.create(
+        model=MODEL,
+        input="What's the weather in Oslo?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=40,
+        temperature=0,
+    )
     (call,) = named.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
 
-    events = list(client.responses.create(model=MODEL, input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
-                                          max_output_tokens=40, temperature=0, stream=True))
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Weather in Rome?", tools=[WEATHER], tool_choice="required", max_output_tokens=40, temperature=0, stream=True
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[2] == "response.output_item.added" and events[2].item.type == "function_call"
     assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert done.name == "get_weather" and json.loads(done.arguments) == json.loads(events[-1].response.output[0].arguments)
 
-    answer = client.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=30, temperature=0, input=[
-        {"role": "user", "content": "What's the weather in Oslo?"},
-        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"},
-    ])
+    answer = client.responses.create(
+        model=MODEL,
+        tools=[WEATHER],
+        max_output_tokens=30,
+        temperature=0,
+        input=[
+            {"role": "user", "content": "What's the weather in Oslo?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"},
+        ],
+    )
     assert answer.status in ("completed", "incomplete") and answer.output
 
 
@@ -83,8 +108,9 @@ def test_structured_output_json_schema_and_parse(client):
     assert reply.text.format.type == "json_schema"
     parsed = client.responses.parse(model=MODEL, input="Tell me about Paris.", text_format=City, max_output_tokens=60, temperature=0)
     assert isinstance(parsed.output_parsed, City)
-    obj = client.responses.create(model=MODEL, input="Describe a cat as JSON.", text={"format": {"type": "json_object"}}, max_output_tokens=60,
-                                  temperature=0)
+    obj = client.responses.create(
+        model=MODEL, input="Describe a cat as JSON.", text={"format": {"type": "json_object"}}, max_output_tokens=60, temperature=0
+    )
     if obj.status == "completed":
         assert isinstance(json.loads(obj.output_text), dict)
 
@@ -107,14 +133,17 @@ def test_stored_responses_continue_and_can_be_read_and_deleted(client):
         client.responses.retrieve(unstored.id)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"background": True}, "background"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input[0].content[0]"),
-    ({"text": {"format": {"type": "xml"}}}, "text.format"),
-    ({"max_output_tokens": 9000}, "max_output_tokens"),
-    ({"input": 5}, "input"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input[0].content[0]"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"max_output_tokens": 9000}, "max_output_tokens"),
+        ({"input": 5}, "input"),
+    ],
+)
 def test_unsupported_or_bad_fields_are_400s_naming_the_field(server, body, param):
     response = server.post("/v1/responses", json={"model": MODEL, "input": "Hi", **body})
     assert response.status_code == 400, response.text
@@ -122,6 +151,15 @@ def test_unsupported_or_bad_fields_are_400s_naming_the_field(server, body, param
 
 
 def test_reasoning_is_accepted_and_ignored_and_the_short_path_works(server):
-    response = server.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 4, "reasoning": {"effort": "low"},
-                                               "include": ["reasoning.encrypted_content"], "truncation": "auto"})
+    response = server.post(
+        "/responses",
+        json={
+            "model": MODEL,
+            "input": "Hi",
+            "max_output_tokens": 4,
+            "reasoning": {"effort": "low"},
+            "include": ["reasoning.encrypted_content"],
+            "truncation": "auto",
+        },
+    )
     assert response.status_code == 200 and response.json()["usage"]["output_tokens_details"]["reasoning_tokens"] == 0

@@ -21,8 +21,13 @@ FAST = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 ROUNDS = 6
 KILL_ROUND = 2
 WALK = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40}}, "required": ["title"], "additionalProperties": False}
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]},
+    },
+}
 
 
 def ask(text: str) -> list[dict]:
@@ -33,14 +38,25 @@ def ask(text: str) -> list[dict]:
 GREEDY = {
     "stream": {"messages": ask("Describe a walk through an old forest."), "max_tokens": 24, "ignore_eos": True, "stream": True},
     "n2": {"messages": ask("Name three rivers."), "max_tokens": 16, "ignore_eos": True, "n": 2},
-    "json": {"messages": ask("Give a title for a story about a fox, as JSON."), "max_tokens": 40,
-             "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": WALK}}},
-    "tool": {"messages": ask("What is the weather in Oslo?"), "max_tokens": 30, "tools": [TOOL],
-             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "json": {
+        "messages": ask("Give a title for a story about a fox, as JSON."),
+        "max_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": WALK}},
+    },
+    "tool": {
+        "messages": ask("What is the weather in Oslo?"),
+        "max_tokens": 30,
+        "tools": [TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    },
     "long": {"messages": ask("Tell a story about a lighthouse keeper."), "max_tokens": 64, "ignore_eos": True, "stream": True},
 }
-BAD = [{"messages": ask("hi"), "stop_token_ids": [True]}, {"messages": ask("hi"), "logit_bias": {"²": 1}},
-       {"messages": [], "max_tokens": 2}, {"messages": ask("hi"), "n": 99}]
+BAD = [
+    {"messages": ask("hi"), "stop_token_ids": [True]},
+    {"messages": ask("hi"), "logit_bias": {"²": 1}},
+    {"messages": [], "max_tokens": 2},
+    {"messages": ask("hi"), "n": 99},
+]
 
 
 def rss_kib(pid: int) -> int:
@@ -78,8 +94,19 @@ def cancel(http: httpx.Client, url: str) -> None:
 
 
 def start_worker(server: Server, name: str):  # noqa: ANN201 - a Popen
-    args = ["worker", "--gateway-address", server.zmq_address, "--worker-name", name, "--dtype", "float32", "--threads", "1",
-            "--kv-cache-memory", "256MiB"]
+    args = [
+        "worker",
+        "--gateway-address",
+        server.zmq_address,
+        "--worker-name",
+        name,
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--kv-cache-memory",
+        "256MiB",
+    ]
     return spawn(args, f"soak-{name}", FAST)
 
 

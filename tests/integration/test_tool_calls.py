@@ -13,8 +13,14 @@ from tests.conftest import MODEL
 
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather for a city", "parameters": PARAMETERS}}
-TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now in a timezone",
-                                         "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"]}}}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now in a timezone",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"]},
+    },
+}
 # A 135M model was never taught to call tools, but it copies text faithfully: this makes it write a
 # Hermes tool call of its own accord (tool_choice auto), which the server must recognise.
 COPY_A_CALL = 'Repeat exactly this text and nothing else:\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -44,16 +50,20 @@ def assemble(chunks) -> tuple[str, dict[int, dict], list[str]]:
 
 def test_a_named_tool_choice_always_calls_it_with_valid_arguments(client):
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    reply = client.chat.completions.create(model=MODEL, messages=ask("Weather in Oslo?"), tools=[WEATHER, TIME], tool_choice=choice,
-                                           temperature=0.8, seed=4, max_tokens=60)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ask("Weather in Oslo?"), tools=[WEATHER, TIME], tool_choice=choice, temperature=0.8, seed=4, max_tokens=60
+    )
     answer = reply.choices[0]
     assert answer.finish_reason == "stop" and answer.message.content is None  # OpenAI's: a named call ends with "stop"
     (call,) = answer.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS)
 
-    content, calls, finishes = assemble(client.chat.completions.create(
-        model=MODEL, messages=ask("Weather in Lima?"), tools=[WEATHER], tool_choice=choice, temperature=0, max_tokens=60, stream=True))
+    content, calls, finishes = assemble(
+        client.chat.completions.create(
+            model=MODEL, messages=ask("Weather in Lima?"), tools=[WEATHER], tool_choice=choice, temperature=0, max_tokens=60, stream=True
+        )
+    )
     assert content == "" and finishes == ["stop"] and list(calls) == [0]
     assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMETERS)
@@ -67,8 +77,14 @@ def test_forced_arguments_stop_at_the_schema_and_close_the_object(client):
     tools = [{"type": "function", "function": {"name": name, "parameters": city}} for name in ("get_weather", "get_time")]
     for name in ("get_weather", "get_time"):
         for stream in (False, True):
-            kwargs = dict(model=MODEL, messages=ask("What is the weather like in Paris?"), tools=tools,
-                          tool_choice={"type": "function", "function": {"name": name}}, max_tokens=32, temperature=0)
+            kwargs = dict(
+                model=MODEL,
+                messages=ask("What is the weather like in Paris?"),
+                tools=tools,
+                tool_choice={"type": "function", "function": {"name": name}},
+                max_tokens=32,
+                temperature=0,
+            )
             if stream:
                 _, calls, finishes = assemble(client.chat.completions.create(stream=True, **kwargs))
                 arguments, finish = calls[0]["arguments"], finishes[0]
@@ -81,15 +97,26 @@ def test_forced_arguments_stop_at_the_schema_and_close_the_object(client):
 
 def test_required_calls_one_of_the_tools(client):
     for seed in range(3):
-        reply = client.chat.completions.create(model=MODEL, messages=ask("What time is it in Paris?"), tools=[WEATHER, TIME],
-                                               tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=60)
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=ask("What time is it in Paris?"),
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=60,
+        )
         answer = reply.choices[0]
         assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
         call = answer.message.tool_calls[0]
         schema = {"get_weather": PARAMETERS, "get_time": TIME["function"]["parameters"]}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), schema)
-    content, calls, finishes = assemble(client.chat.completions.create(
-        model=MODEL, messages=ask("Weather in Rome?"), tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=60, stream=True))
+    content, calls, finishes = assemble(
+        client.chat.completions.create(
+            model=MODEL, messages=ask("Weather in Rome?"), tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=60, stream=True
+        )
+    )
     assert finishes == ["tool_calls"] and calls and all(c["name"] in ("get_weather", "get_time") for c in calls.values())
 
 
@@ -109,13 +136,21 @@ def test_auto_parses_the_models_own_tool_call(client, stream):
 def test_auto_without_a_call_and_none_answer_in_text(client):
     auto = client.chat.completions.create(model=MODEL, messages=ask("Say hello."), tools=[WEATHER], temperature=0, max_tokens=20).choices[0]
     assert auto.message.tool_calls is None and auto.message.content and auto.finish_reason in ("stop", "length")
-    none = client.chat.completions.create(model=MODEL, messages=ask(COPY_A_CALL), tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=60).choices[0]
+    none = client.chat.completions.create(
+        model=MODEL, messages=ask(COPY_A_CALL), tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=60
+    ).choices[0]
     assert none.message.tool_calls is None and "<tool_call>" in none.message.content
 
 
 def test_a_tool_result_goes_back_into_the_conversation(client, server):
-    first = client.chat.completions.create(model=MODEL, messages=ask("Weather in Oslo?"), tools=[WEATHER],
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=40)
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=ask("Weather in Oslo?"),
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=40,
+    )
     call = first.choices[0].message.tool_calls[0]
     history = ask("Weather in Oslo?") + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -125,5 +160,8 @@ def test_a_tool_result_goes_back_into_the_conversation(client, server):
     assert reply.choices[0].message.content and reply.usage.prompt_tokens > first.usage.prompt_tokens
     tokens = server.post("/tokenize", json={"messages": history}).json()["tokens"]
     assert len(tokens) > 10
-    bad = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}})
+    bad = server.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ask("Hi"), "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"

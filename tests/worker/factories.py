@@ -6,8 +6,9 @@ from worker.request import Request
 from worker.scheduler import Scheduler
 
 
-def make_scheduler(num_blocks: int = 8, block_size: int = 4, max_num_seqs: int = 16,
-                   max_num_batched_tokens: int = 64, max_model_len: int = 1024) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 8, block_size: int = 4, max_num_seqs: int = 16, max_num_batched_tokens: int = 64, max_model_len: int = 1024
+) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens, max_model_len)
 
 

@@ -35,7 +35,7 @@ def run(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
 def reference() -> list[list[int]]:
     model = load_model(resolve_model("SmolLM2-135M-Instruct"), torch.float32, CACHE_DIR.env_default()).eval()
     with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p) :].tolist() for p in PROMPTS]
 
 
 @pytest.mark.parametrize("impl", ["native", "transformers"])

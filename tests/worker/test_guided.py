@@ -83,8 +83,16 @@ def test_a_resumed_request_continues_its_grammar(engine, tokenizer):
     engine.add_request(NewRequest("whole", PROMPTS[1], 60, SamplingParams(temperature=0), guide=Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA))))
     whole = drain(engine)[0]["whole"]
     cut = 5  # a worker died after five tokens: the new one gets them as prompt, marked as generated
-    engine.add_request(NewRequest("rest", PROMPTS[1] + whole[:cut], 60 - cut, SamplingParams(temperature=0),
-                                  guide=Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA)), resumed_tokens=cut))
+    engine.add_request(
+        NewRequest(
+            "rest",
+            PROMPTS[1] + whole[:cut],
+            60 - cut,
+            SamplingParams(temperature=0),
+            guide=Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+            resumed_tokens=cut,
+        )
+    )
     assert whole[:cut] + drain(engine)[0]["rest"] == whole
 
 

@@ -25,12 +25,15 @@ def reference_attention(q, k_cache, v_cache, tables, lengths, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows, heads, kv_heads, head_dim, lengths", [
-    (1, 9, 3, 64, [1]),
-    (1, 9, 3, 64, [4099]),  # long context: split across threads, a partial last block
-    (3, 8, 8, 32, [17, 5, 300]),  # no GQA, rows of different lengths
-    (20, 16, 2, 128, [33] * 10 + [130] * 10),
-])
+@pytest.mark.parametrize(
+    "rows, heads, kv_heads, head_dim, lengths",
+    [
+        (1, 9, 3, 64, [1]),
+        (1, 9, 3, 64, [4099]),  # long context: split across threads, a partial last block
+        (3, 8, 8, 32, [17, 5, 300]),  # no GQA, rows of different lengths
+        (20, 16, 2, 128, [33] * 10 + [130] * 10),
+    ],
+)
 def test_paged_decode_attention_matches_gathered_attention(dtype, rows, heads, kv_heads, head_dim, lengths):
     torch.manual_seed(0)
     block_size, num_blocks = 16, 700
@@ -99,8 +102,10 @@ def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeyp
     from worker.config import WorkerConfig
     from worker.engine import Engine
 
-    prompts = [[1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
-               [1, 4093, 198, 31530, 253, 1403, 21881, 563, 260, 5304, 30, 2, 198, 1, 520, 9531, 198]]
+    prompts = [
+        [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
+        [1, 4093, 198, 31530, 253, 1403, 21881, 563, 260, 5304, 30, 2, 198, 1, 520, 9531, 198],
+    ]
 
     def force_kernel(runner: model_runner.ModelRunner, choice: str) -> str:
         runner.fast_decode = True

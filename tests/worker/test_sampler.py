@@ -89,10 +89,16 @@ def test_samples_follow_the_distribution_and_never_pick_masked_tokens():
 def test_logit_bias_forces_and_bans_tokens_even_when_greedy():
     x = logits(rows=2)
     best = x[1].argmax().item()
-    out = TokensOnly(torch.device("cpu"))(x, reqs(["force", "ban"], [
-        SamplingParams(temperature=0, logit_bias={7: 100.0}),
-        SamplingParams(temperature=0, logit_bias={best: -100.0}),
-    ]))
+    out = TokensOnly(torch.device("cpu"))(
+        x,
+        reqs(
+            ["force", "ban"],
+            [
+                SamplingParams(temperature=0, logit_bias={7: 100.0}),
+                SamplingParams(temperature=0, logit_bias={best: -100.0}),
+            ],
+        ),
+    )
     assert out[0] == 7 and out[1] != best
     assert x[1].argmax().item() == best, "the caller's logits are left alone"
 
@@ -102,8 +108,11 @@ def test_penalties_push_away_from_tokens_already_generated():
     x[0, 4] = 1.0  # the favourite...
     plain = TokensOnly(torch.device("cpu"))(x.clone(), reqs(["a"], [SamplingParams(temperature=0)], [[4, 4]]))
     assert plain == [4]
-    for params in (SamplingParams(temperature=0, frequency_penalty=0.6), SamplingParams(temperature=0, presence_penalty=1.5),
-                   SamplingParams(temperature=0, repetition_penalty=3.0)):
+    for params in (
+        SamplingParams(temperature=0, frequency_penalty=0.6),
+        SamplingParams(temperature=0, presence_penalty=1.5),
+        SamplingParams(temperature=0, repetition_penalty=3.0),
+    ):
         assert TokensOnly(torch.device("cpu"))(x.clone(), reqs(["a"], [params], [[4, 4]])) != [4], params
 
 
