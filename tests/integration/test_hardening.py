@@ -134,6 +134,7 @@ def test_tokenize_counts_what_chat_sends(server):
 @pytest.fixture(scope="module")
 def templating():
     srv = start_serve("hardening-templates", 1, "--allow-request-chat-template")
+    assert srv.post("/v1/chat/completions", json=CHAT).status_code == 200  # warm: a worker's first step compiles (seconds)
     yield srv
     srv.stop()
 
