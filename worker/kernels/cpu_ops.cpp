@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -513,75 +514,109 @@ struct AttnShape {
 constexpr int MAX_GROUP = 16;   // query heads per KV head
 constexpr int MAX_HEAD_DIM = 256;
 
-// One (row, kv head, context split): partial max, sum and unnormalised output for each query head
-// of the group. `part` holds [group][head_dim + 2] floats: acc..., max, sum.
+// One (row, context split) for every head: partial max, sum and unnormalised output per query head.
+// All KV heads of a position are read together, so the cache is walked front to back once.
+// `part` holds [heads][head_dim + 2] floats: acc..., max, sum.
 template <typename C>
 void attend_split(const float* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t begin, int64_t end,
-                  int64_t kvh, const AttnShape& s, float* part) {
-  const int64_t G = s.heads / s.kv_heads, D = s.head_dim, BS = s.block_size;
-  const int64_t D16 = D / 16;
-  V16 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
-  V16 qv[MAX_GROUP][MAX_HEAD_DIM / 16];
-  float m[MAX_GROUP], l[MAX_GROUP];
-  for (int64_t g = 0; g < G; ++g) {
-    m[g] = NEG_INF;
-    l[g] = 0.f;
-    for (int64_t d = 0; d < D16; ++d) {
-      acc[g][d] = V16::zero();
-      qv[g][d] = mul(load16(q + g * D + d * 16), V16::splat(s.scale));
-    }
-  }
+                  const AttnShape& s, float* part) {
+  const int64_t H = s.heads, KVH = s.kv_heads, G = H / KVH, D = s.head_dim, BS = s.block_size;
+  const int64_t D16 = D / 16, slot_size = KVH * D;
+  std::vector<V16> acc(H * D16, V16::zero()), qv(H * D16);
+  std::vector<float> m(H, NEG_INF), l(H, 0.f);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < D16; ++d) qv[h * D16 + d] = mul(load16(q + h * D + d * 16), V16::splat(s.scale));
   alignas(64) float probs[MAX_GROUP][16];
   V16 keys[16][MAX_HEAD_DIM / 16];
   V16 dots[16];
-  const C* v_rows[16];
+  int64_t slots[16];
   for (int64_t t0 = begin; t0 < end; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, end - t0);
+    int64_t block = t0 / BS, offset = t0 % BS;  // walk the blocks: no division per position
     for (int64_t i = 0; i < 16; ++i) {
-      const int64_t pos = t0 + std::min(i, n - 1);  // pad a short tile with its last position, masked below
-      const int64_t slot = table[pos / BS] * BS + pos % BS;
-      const C* k_row = k_cache + (slot * s.kv_heads + kvh) * D;
-      v_rows[i] = v_cache + (slot * s.kv_heads + kvh) * D;
-      for (int64_t d = 0; d < D16; ++d) keys[i][d] = load16(k_row + d * 16);
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t i = 0; i < 16; ++i) {
-        V16 dot = mul(qv[g][0], keys[i][0]);
-        for (int64_t d = 1; d < D16; ++d) dot = fma(qv[g][d], keys[i][d], dot);
-        dots[i] = dot;
+      if (i < n) {  // a short tile repeats its last position, masked below
+        slots[i] = table[block] * BS + offset;
+        if (++offset == BS) offset = 0, ++block;
+      } else {
+        slots[i] = slots[n - 1];
       }
-      alignas(64) float scores[16];
-      store16(scores, reduce16(dots));
-      for (int64_t i = n; i < 16; ++i) scores[i] = NEG_INF;
-      const V16 sv = load16(scores);
-      const float new_m = std::max(m[g], hmax(sv));
-      const float correction = std::exp(m[g] - new_m);  // 0 on the first tile (m = -inf)
-      const V16 p = exp16(sub(sv, V16::splat(new_m)));
-      store16(probs[g], p);
-      l[g] = l[g] * correction + hsum(p);
-      m[g] = new_m;
-      if (correction != 1.f)
-        for (int64_t d = 0; d < D16; ++d) acc[g][d] = mul(acc[g][d], V16::splat(correction));
     }
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t d = 0; d < D16; ++d) {
-        const V16 vd = load16(v_rows[i] + d * 16);
-        for (int64_t g = 0; g < G; ++g) acc[g][d] = fma(V16::splat(probs[g][i]), vd, acc[g][d]);
+    if (t0 + 16 < end) {  // ask for the next tile's block now: the hardware prefetcher alone left DRAM idle
+      const int64_t next = table[(t0 + 16) / BS] * BS * slot_size;
+      const int64_t bytes = BS * slot_size * static_cast<int64_t>(sizeof(C));
+      const char* kp = reinterpret_cast<const char*>(k_cache + next);
+      const char* vp = reinterpret_cast<const char*>(v_cache + next);
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(kp + b);
+        __builtin_prefetch(vp + b);
+      }
+    }
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+#if defined(__AVX512BF16__)
+      const bool pairs = std::is_same_v<C, c10::BFloat16> && D % 32 == 0;  // bf16 keys: vdpbf16ps, 32 products an instruction
+#else
+      const bool pairs = false;
+#endif
+      if (!pairs) {
+        for (int64_t i = 0; i < 16; ++i)
+          for (int64_t d = 0; d < D16; ++d) keys[i][d] = load16(k_cache + slots[i] * slot_size + kvh * D + d * 16);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kvh * G + g;
+        const V16* qh = qv.data() + h * D16;
+        if (pairs) {
+#if defined(__AVX512BF16__)
+          __m512bh qb[MAX_HEAD_DIM / 32];
+          for (int64_t c = 0; c < D / 32; ++c) qb[c] = _mm512_cvtne2ps_pbh(qh[2 * c + 1].v, qh[2 * c].v);
+          for (int64_t i = 0; i < 16; ++i) {
+            const C* k_row = k_cache + slots[i] * slot_size + kvh * D;
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t c = 0; c < D / 32; ++c)
+              dot = _mm512_dpbf16_ps(dot, qb[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k_row + c * 32)));
+            dots[i] = {dot};
+          }
+#endif
+        } else {
+          for (int64_t i = 0; i < 16; ++i) {
+            V16 dot = mul(qh[0], keys[i][0]);
+            for (int64_t d = 1; d < D16; ++d) dot = fma(qh[d], keys[i][d], dot);
+            dots[i] = dot;
+          }
+        }
+        alignas(64) float scores[16];
+        store16(scores, reduce16(dots));
+        for (int64_t i = n; i < 16; ++i) scores[i] = NEG_INF;
+        const V16 sv = load16(scores);
+        const float new_m = std::max(m[h], hmax(sv));
+        const float correction = std::exp(m[h] - new_m);  // 0 on the first tile (m = -inf)
+        const V16 p = exp16(sub(sv, V16::splat(new_m)));
+        store16(probs[g], p);
+        l[h] = l[h] * correction + hsum(p);
+        m[h] = new_m;
+        if (correction != 1.f)
+          for (int64_t d = 0; d < D16; ++d) acc[h * D16 + d] = mul(acc[h * D16 + d], V16::splat(correction));
+      }
+      V16* acc_kv = acc.data() + kvh * G * D16;
+      for (int64_t i = 0; i < n; ++i) {
+        const C* v_row = v_cache + slots[i] * slot_size + kvh * D;
+        for (int64_t d = 0; d < D16; ++d) {
+          const V16 vd = load16(v_row + d * 16);
+          for (int64_t g = 0; g < G; ++g) acc_kv[g * D16 + d] = fma(V16::splat(probs[g][i]), vd, acc_kv[g * D16 + d]);
+        }
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* out = part + g * (D + 2);
-    for (int64_t d = 0; d < D16; ++d) store16(out + d * 16, acc[g][d]);
-    out[D] = m[g];
-    out[D + 1] = l[g];
+  for (int64_t h = 0; h < H; ++h) {
+    float* out = part + h * (D + 2);
+    for (int64_t d = 0; d < D16; ++d) store16(out + d * 16, acc[h * D16 + d]);
+    out[D] = m[h];
+    out[D + 1] = l[h];
   }
 }
 
-int64_t pick_splits(int64_t rows, int64_t kv_heads, int64_t max_len, int64_t block_size) {
-  const int64_t items = rows * kv_heads;
-  const int64_t wanted = (8 * at::get_num_threads() + items - 1) / items;
-  const int64_t most = std::max<int64_t>(1, max_len / (4 * block_size));  // at least 4 blocks a split
+int64_t pick_splits(int64_t rows, int64_t max_len, int64_t block_size) {
+  const int64_t wanted = (4 * at::get_num_threads() + rows - 1) / rows;
+  const int64_t most = std::max<int64_t>(1, max_len / (8 * block_size));  // at least 8 blocks a split
   return std::max<int64_t>(1, std::min(wanted, most));
 }
 
@@ -589,38 +624,35 @@ int64_t pick_splits(int64_t rows, int64_t kv_heads, int64_t max_len, int64_t blo
 template <typename C>
 void decode_attention(const float* q, const C* k_cache, const C* v_cache, const int64_t* tables, const int64_t* lengths,
                       const AttnShape& s, float* out) {
-  const int64_t G = s.heads / s.kv_heads, D = s.head_dim;
-  const int64_t part_size = G * (D + 2);
-  std::vector<float> parts(s.rows * s.kv_heads * s.splits * part_size);
-  at::parallel_for(0, s.rows * s.kv_heads * s.splits, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t H = s.heads, D = s.head_dim;
+  const int64_t part_size = H * (D + 2);
+  std::vector<float> parts(s.rows * s.splits * part_size);
+  at::parallel_for(0, s.rows * s.splits, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t split = item % s.splits, kvh = (item / s.splits) % s.kv_heads, row = item / (s.splits * s.kv_heads);
+      const int64_t split = item % s.splits, row = item / s.splits;
       const int64_t len = lengths[row];
       const int64_t chunk = ((len + s.splits - 1) / s.splits + s.block_size - 1) / s.block_size * s.block_size;
       const int64_t begin = std::min(len, split * chunk), end = std::min(len, begin + chunk);
-      attend_split(q + (row * s.heads + kvh * G) * D, k_cache, v_cache, tables + row * s.max_blocks, begin, end, kvh, s,
-                   parts.data() + item * part_size);
+      attend_split(q + row * H * D, k_cache, v_cache, tables + row * s.max_blocks, begin, end, s, parts.data() + item * part_size);
     }
   });
   for (int64_t row = 0; row < s.rows; ++row) {
-    for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
-      const float* base = parts.data() + (row * s.kv_heads + kvh) * s.splits * part_size;
-      for (int64_t g = 0; g < G; ++g) {
-        float M = NEG_INF;
-        for (int64_t sp = 0; sp < s.splits; ++sp) M = std::max(M, base[sp * part_size + g * (D + 2) + D]);
-        float* o = out + (row * s.heads + kvh * G + g) * D;
-        std::fill(o, o + D, 0.f);
-        float L = 0.f;
-        for (int64_t sp = 0; sp < s.splits; ++sp) {
-          const float* p = base + sp * part_size + g * (D + 2);
-          if (p[D + 1] == 0.f) continue;
-          const float w = std::exp(p[D] - M);
-          L += p[D + 1] * w;
-          for (int64_t d = 0; d < D; ++d) o[d] += p[d] * w;
-        }
-        const float inv = L > 0.f ? 1.f / L : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    const float* base = parts.data() + row * s.splits * part_size;
+    for (int64_t h = 0; h < H; ++h) {
+      float M = NEG_INF;
+      for (int64_t sp = 0; sp < s.splits; ++sp) M = std::max(M, base[sp * part_size + h * (D + 2) + D]);
+      float* o = out + (row * H + h) * D;
+      std::fill(o, o + D, 0.f);
+      float L = 0.f;
+      for (int64_t sp = 0; sp < s.splits; ++sp) {
+        const float* p = base + sp * part_size + h * (D + 2);
+        if (p[D + 1] == 0.f) continue;
+        const float w = std::exp(p[D] - M);
+        L += p[D + 1] * w;
+        for (int64_t d = 0; d < D; ++d) o[d] += p[d] * w;
       }
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   }
 }
@@ -639,7 +671,7 @@ AttnShape attn_shape(const Tensor& k_cache, const Tensor& tables, int64_t rows, 
   AttnShape s{rows, heads, k_cache.size(2), k_cache.size(3), k_cache.size(1), tables.size(1), 1, static_cast<float>(scale)};
   TORCH_CHECK(heads % s.kv_heads == 0 && heads / s.kv_heads <= MAX_GROUP, "unsupported head grouping");
   TORCH_CHECK(s.head_dim % 16 == 0 && s.head_dim <= MAX_HEAD_DIM, "head_dim must be a multiple of 16, at most 256");
-  s.splits = pick_splits(rows, s.kv_heads, max_len, s.block_size);
+  s.splits = pick_splits(rows, max_len, s.block_size);
   return s;
 }
 
