@@ -29,7 +29,7 @@ def reference_attention(q, k_cache, v_cache, tables, lengths, scale):
     "rows, heads, kv_heads, head_dim, lengths",
     [
         (1, 9, 3, 64, [1]),
-    (2, 4, 2, 48, [40, 7]),  # a head_dim that is not a multiple of 32
+        (2, 4, 2, 48, [40, 7]),  # a head_dim that is not a multiple of 32
         (1, 9, 3, 64, [4099]),  # long context: split across threads, a partial last block
         (3, 8, 8, 32, [17, 5, 300]),  # no GQA, rows of different lengths
         (20, 16, 2, 128, [33] * 10 + [130] * 10),
