@@ -91,8 +91,21 @@ class Budget:
         return self.trace
 
 
-def _sized(value: Any) -> int:
-    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
+def _sized(value: Any, cap: int = MAX_VALUE_LEN + 1) -> int:
+    """Characters and items in ``value``, nested lists' included (``[big] * 1000`` is 1000 bigs:
+    printed, it would be one huge string), counted only up to ``cap``."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if not isinstance(value, (list, tuple)):
+        return 0
+    total = len(value)
+    if total >= cap or not any(issubclass(kind, (str, bytes, list, tuple)) for kind in set(map(type, value))):
+        return total  # flat (numbers and the like): counted without a Python-level loop
+    for item in value:
+        if total >= cap:
+            break
+        total += _sized(item, cap - total)
+    return total
 
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):

@@ -73,6 +73,8 @@ HOSTILE = [
     "{{ '%999999999d' % 1 }}",
     "{% set ns = namespace(x='a' * 1000) %}{% for i in range(100) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}",
     "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",  # output past MAX_OUTPUT_CHARS
+    "{{ [range(100000) | list] * 1000 }}",  # few items, each big: printed, 600 MB
+    "{% set x = [[range(100000) | list] * 10] %}{{ x * 100 }}",
 ]
 
 
