@@ -117,6 +117,30 @@ inline float to_float(int8_t x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
+// A small batch's rows in groups of up to 4 (a tile's accumulators stay in registers): calls
+// f(std::integral_constant<int, R>{}, first_row) for each group.
+template <typename F>
+void for_row_groups(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) f(std::integral_constant<int, 4>{}, r);
+  switch (rows - r) {
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
+// Output columns in tiles of NR (8 for a single row, else 4: NR * R accumulator chains in flight)
+// and single-column tails: calls f(std::integral_constant<int, NR>{}, first_column).
+template <int R, typename F>
+void for_column_tiles(int64_t n_begin, int64_t n_end, F&& f) {
+  constexpr int NR = R == 1 ? 8 : 4;
+  int64_t n = n_begin;
+  for (; n + NR <= n_end; n += NR) f(std::integral_constant<int, NR>{}, n);
+  for (; n < n_end; ++n) f(std::integral_constant<int, 1>{}, n);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Small-batch linear: out[r, n] = scale[n] * sum_k x[r, k] * w[n, k] (+ bias[n]); x is float32.
 // A tile of NR output rows by R input rows keeps NR*R independent accumulator chains in flight.
@@ -151,10 +175,7 @@ void linear_tile(const float* x, int64_t rows_stride, const W* w, int64_t K, int
 template <typename W, int R>
 void linear_rows(const float* x, int64_t K, const W* w, int64_t n_begin, int64_t n_end, float* out, int64_t N,
                  const float* scale, int64_t scale_stride, const float* bias) {
-  constexpr int NR = R == 1 ? 8 : 4;
-  int64_t n = n_begin;
-  for (; n + NR <= n_end; n += NR) linear_tile<W, R, NR>(x, K, w, K, n, out, N, scale, scale_stride, bias);
-  for (; n < n_end; ++n) linear_tile<W, R, 1>(x, K, w, K, n, out, N, scale, scale_stride, bias);
+  for_column_tiles<R>(n_begin, n_end, [&](auto NR, int64_t n) { linear_tile<W, R, decltype(NR)::value>(x, K, w, K, n, out, N, scale, scale_stride, bias); });
 }
 
 // Rows of x in groups of up to 4, sharing each weight tile while it is in L1.
@@ -165,14 +186,7 @@ void linear_range(const float* x, int64_t rows, int64_t K, const W* w, int64_t n
   const int64_t panel = std::max<int64_t>(8, (16 * 1024) / (K * (int64_t)sizeof(W)) / 8 * 8);
   for (int64_t p0 = n_begin; p0 < n_end; p0 += panel) {
     const int64_t p1 = std::min(n_end, p0 + panel);
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) linear_rows<W, 4>(x + r * K, K, w, p0, p1, out + r * N, N, scale, scale_stride, bias);
-    switch (rows - r) {
-      case 3: linear_rows<W, 3>(x + r * K, K, w, p0, p1, out + r * N, N, scale, scale_stride, bias); break;
-      case 2: linear_rows<W, 2>(x + r * K, K, w, p0, p1, out + r * N, N, scale, scale_stride, bias); break;
-      case 1: linear_rows<W, 1>(x + r * K, K, w, p0, p1, out + r * N, N, scale, scale_stride, bias); break;
-      default: break;
-    }
+    for_row_groups(rows, [&](auto R, int64_t r) { linear_rows<W, decltype(R)::value>(x + r * K, K, w, p0, p1, out + r * N, N, scale, scale_stride, bias); });
   }
 }
 
@@ -236,23 +250,13 @@ void q4_tile(const float* x, const float* xsum, int64_t K, const uint8_t* w, con
 template <int R>
 void q4_rows(const float* x, const float* xsum, int64_t K, const uint8_t* w, const c10::Half* dm, int64_t n_begin,
              int64_t n_end, float* out, int64_t N, const float* bias) {
-  constexpr int NR = R == 1 ? 8 : 4;
-  int64_t n = n_begin;
-  for (; n + NR <= n_end; n += NR) q4_tile<R, NR>(x, xsum, K, w, dm, n, out, N, bias);
-  for (; n < n_end; ++n) q4_tile<R, 1>(x, xsum, K, w, dm, n, out, N, bias);
+  for_column_tiles<R>(n_begin, n_end, [&](auto NR, int64_t n) { q4_tile<R, decltype(NR)::value>(x, xsum, K, w, dm, n, out, N, bias); });
 }
 
 void q4_range(const float* x, const float* xsum, int64_t rows, int64_t K, const uint8_t* w, const c10::Half* dm,
               int64_t n_begin, int64_t n_end, float* out, int64_t N, const float* bias) {
   const int64_t groups = K / Q4_GROUP;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) q4_rows<4>(x + r * K, xsum + r * groups, K, w, dm, n_begin, n_end, out + r * N, N, bias);
-  switch (rows - r) {
-    case 3: q4_rows<3>(x + r * K, xsum + r * groups, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
-    case 2: q4_rows<2>(x + r * K, xsum + r * groups, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
-    case 1: q4_rows<1>(x + r * K, xsum + r * groups, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
-    default: break;
-  }
+  for_row_groups(rows, [&](auto R, int64_t r) { q4_rows<decltype(R)::value>(x + r * K, xsum + r * groups, K, w, dm, n_begin, n_end, out + r * N, N, bias); });
 }
 
 
@@ -314,24 +318,13 @@ void vnni_tile(const uint8_t* xu, const float* xs, int64_t K, const int8_t* w, c
 template <int R>
 void vnni_rows(const uint8_t* xu, const float* xs, int64_t K, const int8_t* w, const float* scale, int64_t scale_stride,
                int64_t n_begin, int64_t n_end, float* out, int64_t N, const float* bias) {
-  constexpr int NR = R == 1 ? 8 : 4;
-  int64_t n = n_begin;
-  for (; n + NR <= n_end; n += NR) vnni_tile<R, NR>(xu, xs, K, w, scale, scale_stride, n, out, N, bias);
-  for (; n < n_end; ++n) vnni_tile<R, 1>(xu, xs, K, w, scale, scale_stride, n, out, N, bias);
+  for_column_tiles<R>(n_begin, n_end, [&](auto NR, int64_t n) { vnni_tile<R, decltype(NR)::value>(xu, xs, K, w, scale, scale_stride, n, out, N, bias); });
 }
 
 void vnni_range(const uint8_t* xu, const float* xs, int64_t rows, int64_t K, const int8_t* w, const float* scale,
                 int64_t scale_stride, int64_t n_begin, int64_t n_end, float* out, int64_t N, const float* bias) {
   const int64_t groups = K / VNNI_GROUP;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
-    vnni_rows<4>(xu + r * K, xs + r * groups, K, w, scale, scale_stride, n_begin, n_end, out + r * N, N, bias);
-  switch (rows - r) {
-    case 3: vnni_rows<3>(xu + r * K, xs + r * groups, K, w, scale, scale_stride, n_begin, n_end, out + r * N, N, bias); break;
-    case 2: vnni_rows<2>(xu + r * K, xs + r * groups, K, w, scale, scale_stride, n_begin, n_end, out + r * N, N, bias); break;
-    case 1: vnni_rows<1>(xu + r * K, xs + r * groups, K, w, scale, scale_stride, n_begin, n_end, out + r * N, N, bias); break;
-    default: break;
-  }
+  for_row_groups(rows, [&](auto R, int64_t r) { vnni_rows<decltype(R)::value>(xu + r * K, xs + r * groups, K, w, scale, scale_stride, n_begin, n_end, out + r * N, N, bias); });
 }
 // q4 weights with VNNI: the nibbles of two groups (64 weights, 32 bytes) widen to one vector of
 // unsigned bytes [g0 q0-15 | g1 q0-15 | g0 q16-31 | g1 q16-31]; the activations, quantized to int8
@@ -401,24 +394,13 @@ void q4_vnni_tile(const int8_t* xp, const float* xs, const float* xsum, int64_t 
 template <int R>
 void q4_vnni_rows(const int8_t* xp, const float* xs, const float* xsum, int64_t K, const uint8_t* w, const c10::Half* dm,
                   int64_t n_begin, int64_t n_end, float* out, int64_t N, const float* bias) {
-  constexpr int NR = R == 1 ? 8 : 4;
-  int64_t n = n_begin;
-  for (; n + NR <= n_end; n += NR) q4_vnni_tile<R, NR>(xp, xs, xsum, K, w, dm, n, out, N, bias);
-  for (; n < n_end; ++n) q4_vnni_tile<R, 1>(xp, xs, xsum, K, w, dm, n, out, N, bias);
+  for_column_tiles<R>(n_begin, n_end, [&](auto NR, int64_t n) { q4_vnni_tile<R, decltype(NR)::value>(xp, xs, xsum, K, w, dm, n, out, N, bias); });
 }
 
 void q4_vnni_range(const int8_t* xp, const float* xs, const float* xsum, int64_t rows, int64_t K, const uint8_t* w,
                    const c10::Half* dm, int64_t n_begin, int64_t n_end, float* out, int64_t N, const float* bias) {
   const int64_t chunks = K / VNNI_GROUP;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
-    q4_vnni_rows<4>(xp + r * K, xs + r * chunks, xsum + r * chunks * 2, K, w, dm, n_begin, n_end, out + r * N, N, bias);
-  switch (rows - r) {
-    case 3: q4_vnni_rows<3>(xp + r * K, xs + r * chunks, xsum + r * chunks * 2, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
-    case 2: q4_vnni_rows<2>(xp + r * K, xs + r * chunks, xsum + r * chunks * 2, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
-    case 1: q4_vnni_rows<1>(xp + r * K, xs + r * chunks, xsum + r * chunks * 2, K, w, dm, n_begin, n_end, out + r * N, N, bias); break;
-    default: break;
-  }
+  for_row_groups(rows, [&](auto R, int64_t r) { q4_vnni_rows<decltype(R)::value>(xp + r * K, xs + r * chunks, xsum + r * chunks * 2, K, w, dm, n_begin, n_end, out + r * N, N, bias); });
 }
 #endif
 
