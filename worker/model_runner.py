@@ -32,9 +32,9 @@ from worker.scheduler import ScheduledBatch
 log = logging.getLogger(__name__)
 
 MIN_GROUP = 8  # fewest decode rows worth a separate attention call
-FAST_DECODE_MAX_ROWS = (
-    8  # beyond this oneDNN's bf16 matmuls beat the C++ kernel (CPU time per step, 1 thread: 8 rows 25.8 vs 32.1 ms, 12 rows 34.7 vs 32.6)
-)
+# Most decode rows for the C++ decode step; beyond this oneDNN's bf16 matmuls beat it (engine CPU
+# time per step on one thread: 8 rows 25.8 vs 32.1 ms, 12 rows 34.7 vs 32.6).
+FAST_DECODE_MAX_ROWS = 8
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CPU_DEFAULT_KV_BYTES = 2**30
 
@@ -78,7 +78,7 @@ class ModelRunner:
         model = load_model(source, self.dtype, config.cache_dir)
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model.to(self.device).eval()
-        self.quantization = self._pick_quantization(config.quantization)
+        self.quantization, self.fast_decode = self._pick_decode_path(config.quantization)
         self.native = self._pick_impl(config.model_impl)
         model_config = model.config.get_text_config()
         limit = model_config.max_position_embeddings
@@ -102,10 +102,10 @@ class ModelRunner:
             return None
         return LlamaForward(self.model, fast_decode=self.fast_decode, quantization=self.quantization)
 
-    def _pick_quantization(self, choice: str) -> str:
-        """Decide the small-batch decode path: the C++ kernel (``fast_decode``) runs on the CPU in
-        bf16/fp16, or in any dtype once weights are quantized; float32 without quantization keeps
-        the exact torch path (token-identical to ``generate``)."""
+    def _pick_decode_path(self, choice: str) -> tuple[str, bool]:
+        """(weights, whether the C++ decode step runs): it runs on the CPU in bf16/fp16, or in any
+        dtype once weights are quantized; float32 without quantization keeps the exact torch path
+        (token-identical to ``generate``)."""
         if choice not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {choice!r}")
         usable = self.device.type == "cpu" and kernels.load()
@@ -113,9 +113,9 @@ class ModelRunner:
             choice = "int8" if usable and self.dtype != torch.float32 else "none"
         if choice != "none" and not usable:
             raise ValueError(f"--quantization {choice} needs the C++ CPU kernels: {kernels.unavailable_reason() or 'not on the CPU'}")
-        self.fast_decode = usable and (choice != "none" or self.dtype != torch.float32)
-        log.info("small-batch decode: %s, weights %s", "C++ kernel" if self.fast_decode else "torch", choice)
-        return choice
+        fast = usable and (choice != "none" or self.dtype != torch.float32)
+        log.info("small-batch decode: %s, weights %s", "C++ kernel" if fast else "torch", choice)
+        return choice, fast
 
     def _allocate_kv_cache(self, model_config: object, budget: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer a K and a V tensor of ``[num_blocks, block_size, kv_heads, head_dim]``."""
@@ -174,9 +174,7 @@ class ModelRunner:
         self._record_prompt_logprobs(logits[len(inputs.sampled_requests) :], inputs.prompt_spans)
         if not inputs.sampled_requests:
             return {}, {}
-        tokens, logprobs = self.sampler(logits[: len(inputs.sampled_requests)], inputs.sampled_requests)
-        ids = [r.request_id for r in inputs.sampled_requests]
-        return dict(zip(ids, tokens)), {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}
+        return self._sample(logits[: len(inputs.sampled_requests)], inputs.sampled_requests)
 
     def _fits_fast_decode(self, batch: ScheduledBatch) -> bool:
         return (
@@ -202,6 +200,10 @@ class ModelRunner:
             group.lengths,
             group.max_len,
         )
+        return self._sample(logits, requests)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """One token per row (row i is requests[i]), and the logprobs of the rows that asked."""
         tokens, logprobs = self.sampler(logits, requests)
         ids = [r.request_id for r in requests]
         return dict(zip(ids, tokens)), {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}

@@ -108,9 +108,8 @@ def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeyp
         [1, 4093, 198, 31530, 253, 1403, 21881, 563, 260, 5304, 30, 2, 198, 1, 520, 9531, 198],
     ]
 
-    def force_kernel(runner: model_runner.ModelRunner, choice: str) -> str:
-        runner.fast_decode = True
-        return "none"
+    def force_kernel(runner: model_runner.ModelRunner, choice: str) -> tuple[str, bool]:
+        return "none", True
 
     def run(fast_rows: int) -> tuple[dict[str, list[int]], int]:
         monkeypatch.setattr(model_runner, "FAST_DECODE_MAX_ROWS", fast_rows)
@@ -132,7 +131,7 @@ def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeyp
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
         return out, calls
 
-    monkeypatch.setattr(model_runner.ModelRunner, "_pick_quantization", force_kernel)
+    monkeypatch.setattr(model_runner.ModelRunner, "_pick_decode_path", force_kernel)
     fused, fused_calls = run(fast_rows=4)
     plain, plain_calls = run(fast_rows=0)
     assert fused_calls >= 20 and plain_calls == 0
