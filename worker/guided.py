@@ -16,6 +16,7 @@ triton (a 286 MB wheel).
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -27,21 +28,30 @@ log = logging.getLogger(__name__)
 
 
 class GuidedDecoding:
-    """The matchers of the guided requests; built lazily (the tokenizer is needed only then)."""
+    """The matchers of the guided requests.
+
+    llguidance's view of the tokenizer takes about 3 s to build. Built on the first guided request,
+    it stalled the worker's loop (no heartbeats) long enough for a gateway with a short liveness to
+    declare the worker dead; so a background thread builds it from the start, and the first guided
+    request waits only for what is left.
+    """
 
     def __init__(self, load_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self._lltokenizer: Any = None
+        builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-tokenizer")
+        self._lltokenizer: Future = builder.submit(self._build_tokenizer)
+        builder.shutdown(wait=False)
         self._matchers: dict[str, Any] = {}
 
-    def _tokenizer(self) -> Any:
-        if self._lltokenizer is None:
-            import llguidance.hf
+    def _build_tokenizer(self) -> Any:
+        import llguidance.hf
 
-            self._lltokenizer = llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
-        return self._lltokenizer
+        return llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+
+    def _tokenizer(self) -> Any:
+        return self._lltokenizer.result()
 
     def add(self, request: Request) -> None:
         """Compile the request's grammar and replay tokens it generated before a resume; raise
