@@ -27,6 +27,8 @@ class MsgType(IntEnum):
     STEP_OUTPUTS = 5
     ERROR = 6
     GOODBYE = 7
+    DESCRIBE_MODEL = 8
+    MODEL_INFO = 9
 
 
 class FinishReason:
@@ -89,6 +91,9 @@ class NewRequest:
     # A request resumed after its worker died: the last ``resumed_tokens`` prompt tokens were
     # generated (they count for penalties, min_tokens and the grammar's state).
     resumed_tokens: int = 0
+    # W3C trace context of the gateway's span for this request (``traceparent``, ``tracestate``), so
+    # a worker's own spans or events join the same trace; empty when tracing is off.
+    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -104,6 +109,30 @@ class Ready:
     device: str
     dtype: str
     protocol_version: int = PROTOCOL_VERSION
+    # Digest of the model's tokenizer files and chat template (``ModelInfo``): a gateway that holds
+    # no tokenizer with this digest asks for them once (``DescribeModel``).
+    tokenizer_digest: str = ""
+
+
+@dataclass(slots=True)
+class DescribeModel:
+    """Gateway -> worker: send me your model's tokenizer and chat template (``ModelInfo``)."""
+
+    tokenizer_digest: str = ""
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """Worker -> gateway, on request: what the gateway needs to serve a model it has no files of.
+
+    ``files`` are the tokenizer's saved files (``save_pretrained``: tokenizer.json and its configs),
+    zlib-compressed as one msgpack map; the gateway needs no model files of its own.
+    """
+
+    model: str
+    tokenizer_digest: str
+    files: bytes  # zlib(msgpack({file name: bytes}))
+    chat_template: str | None = None
 
 
 @dataclass(slots=True)
@@ -121,6 +150,11 @@ class Heartbeat:
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
     draining: bool = False  # finishing its requests before leaving: send it no new ones
+    # Its speed when busy: an average of tokens per second of step time over recent steps that ran
+    # work (0 until it has run any). Routing weighs outstanding work by it, so a faster worker gets more.
+    capacity_tokens_per_s: float = 0.0
+    spec_proposed_tokens: int = 0  # speculative decoding: draft tokens proposed so far
+    spec_accepted_tokens: int = 0  # ... and accepted by the verifying step
 
 
 @dataclass(slots=True)
@@ -148,6 +182,16 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class WorkerEvent:
+    """Something that happened to one request inside a worker (admitted, prefill_chunk, preempted,
+    finished...), with its wall-clock time, for the gateway's trace of that request."""
+
+    name: str
+    time_unix_nano: int
+    attributes: dict[str, int | float | str | bool] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request (a delta, never the whole sequence)."""
 
@@ -162,6 +206,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token: prompt tokens 1..n-1
     seq: int = 0  # this output's number among its request's outputs (0, 1, ...): a gap means one was lost
+    events: list[WorkerEvent] = field(default_factory=list)  # worker events since the last output (tracing on)
 
 
 @dataclass(slots=True)
@@ -188,7 +233,7 @@ class Goodbye:
     reason: str = ""
 
 
-Message = Union[Ready, Heartbeat, AddRequests, Abort, StepOutputs, WorkerError, Goodbye]
+Message = Union[Ready, Heartbeat, AddRequests, Abort, StepOutputs, WorkerError, Goodbye, DescribeModel, ModelInfo]
 
 MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.READY: Ready,
@@ -198,6 +243,8 @@ MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.STEP_OUTPUTS: StepOutputs,
     MsgType.ERROR: WorkerError,
     MsgType.GOODBYE: Goodbye,
+    MsgType.DESCRIBE_MODEL: DescribeModel,
+    MsgType.MODEL_INFO: ModelInfo,
 }
 _TYPE_OF: dict[type, MsgType] = {cls: t for t, cls in MESSAGE_TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
