@@ -36,6 +36,8 @@ GATEWAY_FLAGS = [
         'How tool calls are read from the model\'s own output (tool_choice auto): hermes, i.e. <tool_call>{"name": ..., "arguments": ...}</tool_call>',
     ),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
+    Flag("otlp-endpoint", None, "OpenTelemetry: OTLP/HTTP endpoint to export traces to (e.g. http://collector:4318); tracing is off without it"),
+    Flag("otlp-service-name", "llmpool-gateway", "OpenTelemetry: the service.name of this gateway's spans"),
 ]
 
 
@@ -63,6 +65,8 @@ class GatewayConfig(SharedConfig):
     request_timeout: float = 600.0
     tokenizer_threads: int = 2
     tool_call_parser: str = "hermes"
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "llmpool-gateway"
 
 
 ALL_GATEWAY_FLAGS = [*SHARED_FLAGS, *GATEWAY_FLAGS]
