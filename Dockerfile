@@ -2,11 +2,15 @@
 FROM python:3.11-slim
 WORKDIR /app
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
-# torch first and pinned; pass --build-arg TORCH_SPEC=... for another build (e.g. a CUDA one for GPU workers).
-ARG TORCH_SPEC=torch==2.13.0
-# g++: builds the worker's C++ kernels (worker/kernels) when the image is built, for the build machine's CPU.
+# torch first and pinned, from PyTorch's index of one build: TORCH_VARIANT=cpu (default, small image) or a
+# CUDA build for GPU workers, e.g. `docker build --build-arg TORCH_VARIANT=cu128 -t llmpool:cuda .`
+# (the variants of a version: https://download.pytorch.org/whl/torch/). PyPI's default torch would pull CUDA.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_VARIANT=cpu
+# g++: builds the worker's C++ kernels (worker/kernels) when the image is built, for the build machine's CPU
+# (-march=native); on other CPUs point LLMPOOL_KERNEL_DIR at a volume and the worker builds them at start.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
-RUN pip install "$TORCH_SPEC"
+RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
 COPY pyproject.toml README.md ./
 COPY common ./common
 COPY gateway ./gateway

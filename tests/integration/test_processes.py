@@ -15,7 +15,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import ARTIFACTS, MODEL, REPO, Server, free_port, spawn, start_serve, wait_until
+from tests.conftest import ARTIFACTS, MODEL, REPO, Server, free_port, spawn, start_serve, stop, wait_until
 
 FAST_HEARTBEAT = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 
@@ -144,31 +144,45 @@ def test_compose_files_are_valid(files):
 
 
 def test_compose_services_run_as_plain_processes():
-    """Run each service's command with its environment; only host names and ports are mapped to loopback."""
+    """Run each service's command with its environment: two gateways, every worker connected to both,
+    two model names. Only host names and ports are mapped to loopback."""
     services = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
-    port, zmq_port = free_port(), free_port()
+    gateways = {name: Server(free_port(), free_port()) for name in services if name.startswith("gateway")}
+    assert sorted(gateways) == ["gateway-a", "gateway-b"]
 
-    def local(env: dict[str, str]) -> dict[str, str]:
+    def local(env: dict[str, str], own: Server | None = None) -> dict[str, str]:
         mapped = {}
         for key, value in env.items():
-            value = str(value).replace("tcp://gateway:5555", f"tcp://127.0.0.1:{zmq_port}")
-            value = value.replace("tcp://0.0.0.0:5555", f"tcp://127.0.0.1:{zmq_port}")
-            mapped[key] = str(port) if key == "LLMPOOL_PORT" else value
+            value = str(value)
+            for name, server in gateways.items():
+                value = value.replace(f"tcp://{name}:5555", server.zmq_address)
+            if own is not None:
+                value = value.replace("tcp://0.0.0.0:5555", own.zmq_address)
+            mapped[key] = str(own.port) if own is not None and key == "LLMPOOL_PORT" else value
         return mapped
 
     processes = []
-    for name in ("gateway", "worker"):
-        service = services[name]
-        command = service["command"]
-        assert command[0] == "llmpool"
-        processes.append(spawn(["launcher", *command[1:]], f"compose-{name}", local(service["environment"])))
-    server = Server(port, zmq_port, processes)
     try:
-        server.wait_for_workers(1)
-        reply = sdk(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
-        assert reply.choices[0].message.content
+        for name, service in services.items():
+            command = service["command"]
+            assert command[0] == "llmpool"
+            own = gateways.get(name)
+            processes.append(spawn(["launcher", *command[1:]], f"compose-{name}", local(service["environment"], own)))
+        models = {
+            services[name]["environment"].get("LLMPOOL_SERVED_MODEL_NAME", services[name]["environment"]["LLMPOOL_MODEL"])
+            for name in services
+            if name.startswith("worker")
+        }
+        assert models == {MODEL, "assistant"}
+        for server in gateways.values():
+            server.wait_for_workers(2)
+            assert {m["id"] for m in server.get("/v1/models").json()["data"]} == models
+            for model in sorted(models):
+                reply = sdk(server).chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+                assert reply.choices[0].message.content
     finally:
-        server.stop()
+        for process in reversed(processes):
+            stop(process)
 
 
 def test_curve_lets_only_authorized_workers_in(tmp_path):

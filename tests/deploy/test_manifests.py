@@ -1,0 +1,274 @@
+"""deploy/kubernetes, validated offline: every overlay renders, every object passes the Kubernetes
+schema (kubernetes-validate's bundled schemas), and the wiring holds: probes, the headless ZeroMQ
+Service, Secrets, Prometheus annotations, env names that are real flags, commands that parse."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.config import ALL_GATEWAY_FLAGS
+from launcher.cli import LAUNCHER_FLAGS
+from launcher.cli import build_parser as launcher_parser
+from tests.conftest import REPO, start_serve
+from tests.deploy.kustomize import render
+from worker.config import ALL_WORKER_FLAGS
+
+KUBE = REPO / "deploy" / "kubernetes"
+OVERLAYS = sorted(p.name for p in (KUBE / "overlays").iterdir())
+GATEWAY_ZMQ = "tcp://llmpool-gateway-zmq:5555"
+# Environment the worker reads outside its flags: where the C++ kernels are built (worker/kernels).
+WORKER_EXTRA_ENV = {"LLMPOOL_KERNEL_DIR"}
+FLAG_ENVS = {
+    "gateway": {f.env for f in ALL_GATEWAY_FLAGS},
+    "worker": {f.env for f in ALL_WORKER_FLAGS} | WORKER_EXTRA_ENV,
+}
+
+
+def objects(overlay: str) -> list[dict[str, Any]]:
+    return render(KUBE / "overlays" / overlay)
+
+
+def find(objs: list[dict], kind: str, name: str) -> dict:
+    (obj,) = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    return obj
+
+
+def workloads(objs: list[dict], component: str) -> list[dict]:
+    return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet") and o["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+
+
+def container(workload: dict) -> dict:
+    (only,) = workload["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def env(workload: dict) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(workload)["env"]}
+
+
+def test_overlays_exist():
+    assert OVERLAYS == ["cpu", "gpu", "multi-model"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_passes_the_schema(overlay):
+    version = kubernetes_validate.latest_version()
+    for obj in objects(overlay):
+        kubernetes_validate.validate(obj, version, strict=True)  # raises ValidationError
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_renderer_matches_kubectl_kustomize(overlay):
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the manifests are checked with the built-in renderer alone")
+    result = subprocess.run(["kubectl", "kustomize", str(KUBE / "overlays" / overlay)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    theirs = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(result.stdout) if o}
+    ours = {(o["kind"], o["metadata"]["name"]): o for o in objects(overlay)}
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_probes_and_metrics(overlay):
+    (gateway,) = workloads(objects(overlay), "gateway")
+    c = container(gateway)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "zmq": 5555}
+    assert env(gateway)["LLMPOOL_PORT"] == "8000" and env(gateway)["LLMPOOL_ZMQ_BIND"] == "tcp://0.0.0.0:5555"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    probe = readiness_command(gateway)
+    assert "/ready" in probe[-1]
+    compile(probe[-1], "readinessProbe", "exec")
+    annotations = gateway["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000", "prometheus.io/path": "/metrics"}
+    grace = float(env(gateway)["LLMPOOL_SHUTDOWN_GRACE"])
+    assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+
+
+def readiness_command(gateway: dict) -> list[str]:
+    return container(gateway)["readinessProbe"]["exec"]["command"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_reach_every_gateway_through_the_headless_service(overlay):
+    objs = objects(overlay)
+    (gateway,) = workloads(objs, "gateway")
+    pod_labels = gateway["spec"]["template"]["metadata"]["labels"]
+    zmq = find(objs, "Service", "llmpool-gateway-zmq")
+    assert zmq["spec"]["clusterIP"] == "None" and zmq["spec"]["publishNotReadyAddresses"] is True
+    assert zmq["spec"]["ports"] == [{"name": "zmq", "port": 5555, "targetPort": "zmq"}]
+    http = find(objs, "Service", "llmpool-gateway")
+    assert http["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http"}]
+    for service in (zmq, http):
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+    workers = workloads(objs, "worker")
+    assert workers
+    for worker in workers:
+        assert env(worker)["LLMPOOL_GATEWAY_ADDRESS"] == GATEWAY_ZMQ
+        assert "ports" not in container(worker), "workers dial out; nothing connects to them"
+        assert not (worker["spec"]["template"]["metadata"]["labels"].items() >= http["spec"]["selector"].items()), "a Service would select workers"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_secrets_are_mounted_where_the_flags_point(overlay):
+    for workload in workloads(objects(overlay), "gateway") + workloads(objects(overlay), "worker"):
+        pod = workload["spec"]["template"]["spec"]
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        mounts = {m["mountPath"]: m["name"] for m in container(workload)["volumeMounts"]}
+        curve = {k: v for k, v in env(workload).items() if k.startswith("LLMPOOL_CURVE_")}
+        assert len(curve) == 2, "CURVE is on for every gateway and worker"
+        for path in curve.values():
+            folder = path if path.endswith("authorized") else os.path.dirname(path)
+            assert mounts[folder] in secrets, f"{path} is not on a Secret volume"
+    (gateway,) = workloads(objects(overlay), "gateway")
+    assert env(gateway)["LLMPOOL_API_KEY"] == {"secretKeyRef": {"name": "llmpool-api-keys", "key": "api-key"}}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_keep_models_on_a_volume(overlay):
+    for worker in workloads(objects(overlay), "worker"):
+        assert worker["kind"] == "StatefulSet"
+        claims = {c["metadata"]["name"] for c in worker["spec"]["volumeClaimTemplates"]}
+        mounts = {m["name"]: m["mountPath"] for m in container(worker)["volumeMounts"]}
+        assert mounts["model-cache"] == env(worker)["LLMPOOL_CACHE_DIR"] and "model-cache" in claims
+        assert env(worker)["LLMPOOL_KERNEL_DIR"].startswith(env(worker)["LLMPOOL_CACHE_DIR"] + "/")
+        assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > float(env(worker)["LLMPOOL_DRAIN_TIMEOUT"])
+
+
+def test_kernel_dir_is_read_by_the_worker():
+    assert '"LLMPOOL_KERNEL_DIR"' in (REPO / "worker" / "kernels" / "__init__.py").read_text()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_env_names_are_flag_twins(overlay):
+    for component in ("gateway", "worker"):
+        for workload in workloads(objects(overlay), component):
+            unknown = set(env(workload)) - FLAG_ENVS[component]
+            assert not unknown, f"{workload['metadata']['name']}: {unknown} are not flags of `llmpool {component}`"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_commands_parse_with_the_manifest_environment(overlay, monkeypatch):
+    from gateway.__main__ import build_parser as gateway_parser
+    from worker.__main__ import build_parser as worker_parser
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["llmpool"] == "launcher.cli:main"
+    parsers = {"gateway": gateway_parser, "worker": worker_parser}
+    for component in ("gateway", "worker"):
+        for workload in workloads(objects(overlay), component):
+            command = container(workload)["command"]
+            assert command[:2] == ["llmpool", component]
+            assert launcher_parser().parse_args(command[1:2]).command == component
+            for name, value in env(workload).items():
+                monkeypatch.setenv(name, value if isinstance(value, str) else "from-a-secret-or-the-pod")
+            parsers[component]().parse_args(command[2:])  # typed env values (ints, floats) parse too
+            for name in env(workload):
+                monkeypatch.delenv(name)
+
+
+def test_launcher_flags_stay_out_of_the_manifests():
+    """`serve`'s own flags (--workers, --kill-after) mean nothing to `llmpool gateway|worker`."""
+    launcher_envs = {f.env for f in LAUNCHER_FLAGS}
+    for overlay in OVERLAYS:
+        for workload in workloads(objects(overlay), "gateway") + workloads(objects(overlay), "worker"):
+            assert not launcher_envs & set(env(workload))
+
+
+def test_gpu_overlay_requests_a_gpu_for_workers_only():
+    objs = objects("gpu")
+    (worker,) = workloads(objs, "worker")
+    c = container(worker)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert env(worker)["LLMPOOL_DEVICE"] == "cuda"
+    assert c["image"].endswith(":cuda")
+    pod = worker["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    assert list(env(worker)).count("LLMPOOL_KV_CACHE_MEMORY") == 1 and env(worker)["LLMPOOL_KV_CACHE_MEMORY"] == "0.85"
+    (gateway,) = workloads(objs, "gateway")
+    assert "nvidia.com/gpu" not in str(gateway) and container(gateway)["image"].endswith(":cpu")
+
+
+def test_cpu_overlay_has_no_gpu():
+    assert "nvidia.com/gpu" not in str(objects("cpu"))
+    assert all(container(w)["image"].endswith(":cpu") for w in workloads(objects("cpu"), "worker"))
+
+
+def test_multi_model_overlay_serves_two_names_from_separate_workers():
+    workers = workloads(objects("multi-model"), "worker")
+    names = [env(w)["LLMPOOL_SERVED_MODEL_NAME"] for w in workers]
+    assert len(names) == 2 and len(set(names)) == 2
+    selectors = [w["spec"]["selector"]["matchLabels"] for w in workers]
+    for i, worker in enumerate(workers):
+        other = selectors[1 - i]
+        assert not worker["spec"]["template"]["metadata"]["labels"].items() >= other.items(), "selectors overlap"
+        assert container(worker)["image"].endswith(":cpu")
+
+
+def make_secrets(tmp_path: Path) -> dict[str, dict[str, bytes]]:
+    environment = {**os.environ, "DRY_RUN": "1", "LLMPOOL": "python -m launcher", "LLMPOOL_API_KEY": "k1,k2", "TMPDIR": str(tmp_path)}
+    result = subprocess.run([str(KUBE / "make-secrets.sh")], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    return {d["metadata"]["name"]: {k: base64.b64decode(v) for k, v in d["data"].items()} for d in docs}
+
+
+def test_make_secrets_provides_every_secret_the_manifests_mount(tmp_path):
+    if shutil.which("kubectl") is None:
+        pytest.skip("make-secrets.sh needs kubectl (client side only)")
+    import zmq.auth
+
+    secrets = make_secrets(tmp_path)
+    assert secrets["llmpool-api-keys"] == {"api-key": b"k1,k2"}
+    for overlay in OVERLAYS:
+        for workload in workloads(objects(overlay), "gateway") + workloads(objects(overlay), "worker"):
+            pod = workload["spec"]["template"]["spec"]
+            volumes = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+            mounts = {m["mountPath"]: volumes.get(m["name"]) for m in container(workload)["volumeMounts"]}
+            for name, path in env(workload).items():
+                if name.startswith("LLMPOOL_CURVE_") and not path.endswith("authorized"):
+                    assert os.path.basename(path) in secrets[mounts[os.path.dirname(path)]], path
+    # The keys fit together: the gateway accepts the workers' key, the workers trust the gateway's.
+    files = tmp_path / "files"
+    files.mkdir()
+    for secret, entries in secrets.items():
+        for key, data in entries.items():
+            (files / f"{secret}.{key}").write_bytes(data)
+    gateway_public, gateway_secret = zmq.auth.load_certificate(files / "llmpool-curve-gateway.gateway.key_secret")
+    assert gateway_secret and zmq.auth.load_certificate(files / "llmpool-curve-worker.gateway.key") == (gateway_public, None)
+    worker_public, worker_secret = zmq.auth.load_certificate(files / "llmpool-curve-worker.worker.key_secret")
+    (authorized,) = [k for k in secrets["llmpool-curve-authorized"]]
+    assert worker_secret and zmq.auth.load_certificate(files / f"llmpool-curve-authorized.{authorized}")[0] == worker_public
+
+
+def test_readiness_probe_command_against_a_real_gateway():
+    """The exec probe, as the manifest has it, run next to a real gateway with an API key."""
+    (gateway,) = workloads(objects("cpu"), "gateway")
+    command = readiness_command(gateway)
+    assert command[0] == "python"
+    server = start_serve("deploy-probe", 1, env={"LLMPOOL_API_KEY": "probe-key,other"})
+    try:
+
+        def probe(key: str) -> int:
+            environment = {**os.environ, "LLMPOOL_PORT": str(server.port), "LLMPOOL_API_KEY": key}
+            return subprocess.run(
+                ["python3" if shutil.which("python") is None else "python", *command[1:]], env=environment, capture_output=True, timeout=30
+            ).returncode
+
+        assert probe("probe-key,other") == 0
+        assert probe("wrong") != 0  # 401: a probe that cannot authenticate never reports ready
+        import httpx
+
+        assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200  # liveness needs no key
+    finally:
+        server.stop()
