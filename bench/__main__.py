@@ -12,7 +12,10 @@ in the same run, level by level right after ours, and prints the ratios; ``--sta
 PATH`` starts llama.cpp's llama-server on the same GGUF as that peer (bench/build_llama_server.sh
 builds it). ``--baseline`` adds transformers' ``generate`` (one request at a time). Results go to
 ``--out``. ``--gateway-overhead`` measures the gateway alone, with a worker that has no model
-(bench/fake_worker.py): tokens/s is what the HTTP side can carry.
+(bench/fake_worker.py): tokens/s is what the HTTP side can carry. With ``--fake-workers N[,N...]`` it
+measures the gateway at scale instead (bench/fleet.py): N simulated workers in ``--fleet-processes``
+processes, each registered with two gateways; per N the routing cost per request (in-process), the
+gateway's CPU for heartbeats alone, and requests/s of short requests through one gateway.
 
 Examples:
     python -m bench                                   # chat, levels 1 8 32 64
@@ -20,6 +23,7 @@ Examples:
     python -m bench --workload long-context --input-len 4096 --peer llama.cpp=http://127.0.0.1:8081
     python -m bench --url http://127.0.0.1:8000       # an already running server
     python -m bench --gateway-overhead                # levels 1 and 256 against a model-less worker
+    python -m bench --gateway-overhead --fake-workers 16,64,256,1024   # the gateway at scale, simulated
 """
 
 from __future__ import annotations
@@ -109,6 +113,17 @@ def parse_args() -> argparse.Namespace:
         default=0.0,
         help="with --gateway-overhead: the model-less worker's step time",
     )
+    add(
+        "--fake-workers",
+        help="with --gateway-overhead: comma-separated fleet sizes (bench/fleet.py), e.g. 16,64,256,1024",
+    )
+    add("--fleet-processes", type=int, default=4, help="processes the simulated workers are spread over")
+    add("--fleet-levels", default="64,256", help="concurrency levels of the fleet's requests/s runs")
+    add("--fleet-requests", type=int, default=2000, help="requests per fleet level")
+    add("--routing-requests", type=int, default=20000, help="requests of the in-process routing measurement")
+    add("--routing-only", action="store_true", help="the fleet run's in-process routing measurement alone")
+    add("--cpu-window", type=float, default=10.0, help="seconds over which the idle gateways' CPU is read")
+    add("--heartbeat-interval", type=float, default=1.0, help="fleet: gateways' and workers' heartbeat interval")
     add("--workers", type=int, default=1, help="workers of the server this starts")
     add(
         "--server-arg",
@@ -131,6 +146,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.fake_workers:
+        run_fleet(args)
+        return
     mode = "gateway-overhead" if args.gateway_overhead else args.workload
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else list(workloads.DEFAULT_LEVELS[mode])
     tokenizer = None
@@ -185,6 +203,22 @@ def main() -> None:
     finally:
         servers.stop(processes)
     report(results, args.baseline, out)
+
+
+def run_fleet(args: argparse.Namespace) -> None:
+    """``--gateway-overhead --fake-workers N,...``: the gateway at scale (bench/fleet.py)."""
+    from bench import fleet
+
+    if not args.gateway_overhead:
+        raise SystemExit("--fake-workers goes with --gateway-overhead")
+    args.fake_workers = [int(n) for n in args.fake_workers.split(",")]
+    args.fleet_levels = [int(n) for n in args.fleet_levels.split(",")]
+    args.output_len = args.output_len if args.output_len != 128 else 8  # short requests unless told
+    # Simulated workers step every 10 ms unless told: at 0 ms a fleet process with any request spins
+    # on its poller and takes the CPU the gateway is being measured on.
+    args.fake_step_ms = args.fake_step_ms or 10.0
+    args.extra_server_args = [a for flags in args.server_arg for a in flags.split()]
+    fleet.run(args, Path(args.out), Path(__file__).resolve().parent.parent)
 
 
 def start_llama_server(args: argparse.Namespace, work: workloads.Workload, slots: int, out: Path) -> tuple[subprocess.Popen, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import httpx
 import orjson
 import pytest
 
@@ -182,3 +183,30 @@ def test_table_puts_servers_side_by_side_with_ratios():
     lines = table({"llmpool": ours, "llama.cpp": peer}, {"llama.cpp": found}).splitlines()
     assert lines[2].startswith("| llmpool | 1 |") and lines[3].startswith("| llama.cpp | 1 |")
     assert lines[4].startswith("| llmpool ÷ llama.cpp | 1 |") and "| 2x |" in lines[4]
+
+
+def test_a_fleet_process_registers_many_workers_with_every_gateway(tmp_path):
+    """bench/fake_worker.py --count: 8 simulated workers in one process, each registered with both
+    of two real gateways, answer requests through either."""
+    from tests.conftest import free_port, spawn, stop, wait_until
+
+    gateways = [(free_port(), free_port()) for _ in range(2)]
+    processes = [
+        spawn(["gateway", "--port", str(http), "--zmq-bind", f"tcp://127.0.0.1:{zmq}"], f"fleet-gateway-{i}")
+        for i, (http, zmq) in enumerate(gateways)
+    ]
+    addresses = ",".join(f"tcp://127.0.0.1:{zmq}" for _, zmq in gateways)
+    fleet = ["bench.fake_worker", "--gateway-address", addresses, "--count", "8", "--name", "sim", "--model-info", str(tmp_path / "model-info")]
+    processes.append(spawn(fleet, "fleet-workers"))
+    try:
+        for http, _ in gateways:
+            url = f"http://127.0.0.1:{http}"
+            wait_until(lambda url=url: len(httpx.get(url + "/workers", timeout=5).json()["workers"]) == 8, 120, "8 simulated workers")
+            names = {w["name"] for w in httpx.get(url + "/workers", timeout=5).json()["workers"]}
+            assert names == {f"sim-{i}" for i in range(8)}
+            body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True}
+            reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=30).json()
+            assert reply["usage"]["completion_tokens"] == 5 and reply["choices"][0]["finish_reason"] == "length"
+    finally:
+        for process in reversed(processes):
+            stop(process)
