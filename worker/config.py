@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import SHARED_FLAGS, Flag, SharedConfig
+from common.config import CACHE_DIR, MODEL, MODEL_FLAGS, SHARED_FLAGS, Flag, SharedConfig
 
 WORKER_FLAGS = [
-    Flag("gateway-address", "tcp://127.0.0.1:5555", "ZeroMQ address of the gateway's ROUTER socket (tcp:// or ipc://)"),
+    Flag(
+        "gateway-address",
+        "tcp://127.0.0.1:5555",
+        "ZeroMQ address(es) of the gateways' ROUTER sockets, comma-separated (tcp:// or ipc://); a name resolving to several addresses is several gateways",
+    ),
     Flag("worker-name", None, "Name this worker registers under (default: host-pid)"),
     Flag("device", "auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N"),
     Flag("dtype", "auto", "auto (bfloat16: 2x fp32's speed on an AVX-512-bf16 CPU and on GPUs), bfloat16, float16, float32"),
@@ -30,6 +34,13 @@ WORKER_FLAGS = [
         "auto",
         "Weights of the small-batch decode kernel: int8 (weight-only, a scale per output row), none (the model's dtype), or auto (int8 on the CPU unless --dtype float32)",
     ),
+    Flag(
+        "speculate",
+        0,
+        "Speculative decoding: up to N draft tokens per step for a lone request, looked up in its own prompt and output (n-grams), "
+        "verified in one step; 0 turns it off",
+        int,
+    ),
 ]
 
 
@@ -37,6 +48,10 @@ WORKER_FLAGS = [
 class WorkerConfig(SharedConfig):
     """Parsed worker settings."""
 
+    model: str = MODEL.default
+    served_model_name: str | None = None
+    cache_dir: str = CACHE_DIR.default
+    chat_template: str | None = None
     gateway_address: str = "tcp://127.0.0.1:5555"
     worker_name: str | None = None
     device: str = "auto"
@@ -51,9 +66,10 @@ class WorkerConfig(SharedConfig):
     model_impl: str = "auto"
     quantization: str = "auto"
     threads: int = 0
+    speculate: int = 0
     drain_timeout: float = 30.0
     curve_client_secret_key: str | None = None
     curve_server_public_key: str | None = None
 
 
-ALL_WORKER_FLAGS = [*SHARED_FLAGS, *WORKER_FLAGS]
+ALL_WORKER_FLAGS = [*SHARED_FLAGS, *MODEL_FLAGS, *WORKER_FLAGS]

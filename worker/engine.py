@@ -8,12 +8,13 @@ from collections import deque
 
 from common.grammar import GrammarError
 from common.model_source import ModelSource
-from common.protocol import FinishReason, Heartbeat, NewRequest, RequestOutput, StepOutputs, TokenLogprobs
+from common.protocol import FinishReason, Heartbeat, NewRequest, RequestOutput, StepOutputs, TokenLogprobs, WorkerEvent
 from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.request import Request, RequestStatus
 from worker.scheduler import ScheduledBatch, Scheduler
+from worker.speculative import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class Engine:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.max_prefill_chunk)
+        self.speculator = Speculator(config.speculate, self.blocks, self.max_model_len, config.max_num_batched_tokens)
         self.max_num_seqs = config.max_num_seqs
         self._rejected: list[RequestOutput] = []
         self._requests: dict[str, Request] = {}
@@ -37,23 +39,29 @@ class Engine:
         """Queue a request; one that can never fit, or names tokens the model does not have, is
         answered with an error at the next step (never let into a batch it would break)."""
         request = Request.from_wire(new, self.runner.eos_token_ids)
+        if request.events is not None:
+            request.record("admitted", prompt_tokens=request.num_prompt_tokens)
         error = self._check(request)
         if error is not None:
-            self.reject(new.request_id, error, request.num_prompt_tokens)
+            self.reject(new.request_id, error, request.num_prompt_tokens, traced=request)
             return
         invalid = self._invalid_ids(new)
         if invalid is not None:
-            self.reject(new.request_id, invalid, request.num_prompt_tokens, bad_request=True)
+            self.reject(new.request_id, invalid, request.num_prompt_tokens, bad_request=True, traced=request)
             return
         try:
             self.runner.add_request(request)
         except GrammarError as exc:
-            self.reject(new.request_id, str(exc), request.num_prompt_tokens, bad_request=True)
+            self.reject(new.request_id, str(exc), request.num_prompt_tokens, bad_request=True, traced=request)
             return
         except Exception as exc:  # noqa: BLE001 - e.g. a seed the generator refuses: this request's fault
             self.runner.remove_request(request)
             self.reject(
-                new.request_id, f"the worker could not take the request: {type(exc).__name__}: {exc}", request.num_prompt_tokens, bad_request=True
+                new.request_id,
+                f"the worker could not take the request: {type(exc).__name__}: {exc}",
+                request.num_prompt_tokens,
+                bad_request=True,
+                traced=request,
             )
             return
         self._requests[request.request_id] = request
@@ -66,10 +74,17 @@ class Engine:
             extra={"request_id": request.request_id},
         )
 
-    def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False) -> None:
-        """Answer a request that will not run with an error (sent with the next step's outputs)."""
+    def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False, traced: Request | None = None) -> None:
+        """Answer a request that will not run with an error (sent with the next step's outputs);
+        ``traced``: the refused request, whose trace events (if it has any) go along."""
         log.warning("request %s refused: %s", request_id, error, extra={"request_id": request_id})
-        self._rejected.append(RequestOutput(request_id, [], FinishReason.ERROR, num_prompt_tokens, error=error, bad_request=bad_request))
+        events: list[WorkerEvent] = []
+        if traced is not None and traced.events is not None:
+            traced.record("finished", finish_reason=FinishReason.ERROR, output_tokens=0)
+            events = traced.take_events()
+        self._rejected.append(
+            RequestOutput(request_id, [], FinishReason.ERROR, num_prompt_tokens, error=error, bad_request=bad_request, events=events)
+        )
 
     def _invalid_ids(self, new: NewRequest) -> str | None:
         """Token ids must index the vocabulary, in every field that carries them: one out of range
@@ -120,25 +135,31 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutputs(outputs)
+        self.speculator.draft(batch)
         size, num_tokens = len(batch), batch.total_tokens
         try:
             sampled, logprobs = self.runner.execute(batch)
         except Exception as exc:  # noqa: BLE001 - one request's bad state must not fail the others
             sampled, logprobs, batch = self._isolate(batch, exc, outputs)
-        finished = set(self.scheduler.update(batch, sampled))
+        before = [r.num_tokens for r in batch.requests]
         for request in batch.requests:
-            token = sampled.get(request.request_id)
+            if request.draft_token_ids:
+                self.speculator.verified(len(sampled[request.request_id]))
+        finished = set(self.scheduler.update(batch, sampled))
+        for request, start in zip(batch.requests, before):
+            new_tokens = request.token_ids[start:]  # a stop or the length limit may cut a verified run short
             lp = logprobs.get(request.request_id)
+            lp = None if lp is None else lp[: len(new_tokens)]
             if request in finished:
-                outputs.append(self._finish_output(request, [token], lp))
-            elif token is not None:
-                outputs.append(self._output(request, [token], lp))
-        self._count_step(size, len(sampled))
+                outputs.append(self._finish_output(request, new_tokens, lp))
+            elif new_tokens:
+                outputs.append(self._output(request, new_tokens, lp))
+        self._count_step(size, sum(len(t) for t in sampled.values()))
         return StepOutputs(outputs, batch_size=size, num_tokens=num_tokens)
 
     def _isolate(
         self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], ScheduledBatch]:
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]], ScheduledBatch]:
         """A step failed: find the rows that make it fail, end only those, and keep the rest's results.
 
         The batch runs again in halves, a failing half in halves again, until a failing part is a
@@ -149,8 +170,8 @@ class Engine:
         alone, the fault is the step's, not a request's: re-raise (the caller then fails them all).
         """
         log.warning("step of %d requests failed (%s: %s); rerunning it in parts to find the request at fault", len(batch), type(exc).__name__, exc)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         culprits: dict[str, Exception] = {}
         parts = _halves(batch) if len(batch) > 1 else []
         if not parts:
@@ -186,7 +207,7 @@ class Engine:
                 survivors.add(request, num_tokens)
         return sampled, logprobs, survivors
 
-    def _output(self, request: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:
+    def _output(self, request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         prompt = None
         if new_token_ids and request.sampling.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             prompt, request.prompt_logprobs_sent = request.prompt_logprobs, True  # complete once a token is sampled
@@ -199,12 +220,13 @@ class Engine:
             request.num_output_tokens,
             request.num_cached_tokens,
             error=request.error,
-            logprobs=None if logprobs is None else [logprobs],
+            logprobs=logprobs,
             prompt_logprobs=prompt,
             seq=request.outputs_sent - 1,
+            events=request.take_events(),
         )
 
-    def _finish_output(self, request: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:
+    def _finish_output(self, request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         log.info(
             "request %s %s: %d generated, %d prompt tokens from the prefix cache",
             request.request_id,
@@ -213,6 +235,8 @@ class Engine:
             request.num_cached_tokens,
             extra={"request_id": request.request_id, "finish_reason": request.finish_reason},
         )
+        if request.events is not None:
+            request.record("finished", finish_reason=request.finish_reason or "", output_tokens=request.num_output_tokens)
         del self._requests[request.request_id]
         self.runner.remove_request(request)
         return self._output(request, new_token_ids, logprobs)
@@ -240,6 +264,8 @@ class Engine:
             preemptions=self.scheduler.num_preemptions,
             prefix_hit_tokens=self.blocks.hit_tokens,
             prefix_queried_tokens=self.blocks.queried_tokens,
+            spec_proposed_tokens=self.speculator.proposed_tokens,
+            spec_accepted_tokens=self.speculator.accepted_tokens,
         )
 
 

@@ -37,6 +37,8 @@ MIN_GROUP = 8  # fewest decode rows worth a separate attention call
 FAST_DECODE_MAX_ROWS = 8
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CPU_DEFAULT_KV_BYTES = 2**30
+# A step's new tokens of each request that produced any, and the logprobs of those that asked (one per token).
+Sampled = tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]
 
 
 def pick_device(name: str) -> torch.device:
@@ -155,26 +157,54 @@ class ModelRunner:
         self.sampler.remove_request(request.request_id)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Run the batch through the model; return a sampled token for each request whose prompt is
-        done, and the logprobs of those that asked for them."""
+    def execute(self, batch: ScheduledBatch) -> Sampled:
+        """Run the batch through the model; return the new tokens of each request whose prompt is
+        done (one, or with drafts to verify the accepted ones plus one), and the logprobs of those
+        that asked for them."""
+        if len(batch) == 1 and batch.requests[0].draft_token_ids:
+            return self._execute_verify(batch.requests[0])
         if self._fits_fast_decode(batch):
             return self._execute_fast_decode(batch)
         inputs = self._prepare(batch)
-        if self.native is not None:
-            logits = self.native(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
-        else:
-            logits = self.model(
-                input_ids=inputs.input_ids,
-                position_ids=inputs.positions,
-                logits_to_keep=inputs.logits_indices,
-                use_cache=False,
-                paged_metadata=inputs.metadata,
-            ).logits[0]
+        logits = self._forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
         self._record_prompt_logprobs(logits[len(inputs.sampled_requests) :], inputs.prompt_spans)
         if not inputs.sampled_requests:
             return {}, {}
         return self._sample(logits[: len(inputs.sampled_requests)], inputs.sampled_requests)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native(input_ids, positions, metadata, logits_indices)
+        return self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            logits_to_keep=logits_indices,
+            use_cache=False,
+            paged_metadata=metadata,
+        ).logits[0]
+
+    def _execute_verify(self, request: Request) -> Sampled:
+        """The last token and the drafts after it, as query positions of one sequence (worker/speculative.py).
+
+        On the C++ path they run as decode rows that share the request's block table, each with its
+        own context length: the kernel writes every row's keys and values of a layer before that
+        layer's attention, so row i sees the drafts before it. Elsewhere they run as a prompt chunk
+        (causal over the cached context).
+        """
+        start = request.num_computed_tokens
+        ids = [request.token_ids[start], *request.draft_token_ids]
+        n = len(ids)
+        bs = self.block_size
+        positions = self._tensor(list(range(start, start + n)))
+        slots = self._tensor([request.block_ids[p // bs] * bs + p % bs for p in range(start, start + n)])
+        if self.fast_decode and self.native is not None and n <= FAST_DECODE_MAX_ROWS:
+            tables = self._tensor([request.block_ids] * n)
+            logits = self.native.decode(self._tensor(ids), positions, self.kv_caches, slots, tables, positions + 1, start + n)
+        else:
+            metadata = AttentionMetadata(self.kv_caches, slots, 0, [], [self._prefill_span(request, 0, n)])
+            logits = self._forward(self._tensor(ids).unsqueeze(0), positions.unsqueeze(0), metadata, torch.arange(n, device=self.device))
+        tokens, logprobs = self.sampler.verify(logits, request, request.draft_token_ids)
+        return {request.request_id: tokens}, ({} if logprobs is None else {request.request_id: logprobs})
 
     def _fits_fast_decode(self, batch: ScheduledBatch) -> bool:
         return (
@@ -185,7 +215,7 @@ class ModelRunner:
             and all(r.num_computed_tokens + 1 == r.num_tokens for r in batch.requests)
         )
 
-    def _execute_fast_decode(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+    def _execute_fast_decode(self, batch: ScheduledBatch) -> Sampled:
         """A few single-token rows: one C++ call for the whole model (worker/kernels)."""
         requests = batch.requests
         bs = self.block_size
@@ -202,11 +232,11 @@ class ModelRunner:
         )
         return self._sample(logits, requests)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         """One token per row (row i is requests[i]), and the logprobs of the rows that asked."""
         tokens, logprobs = self.sampler(logits, requests)
         ids = [r.request_id for r in requests]
-        return dict(zip(ids, tokens)), {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}
+        return {rid: [token] for rid, token in zip(ids, tokens)}, {rid: [lp] for rid, lp in zip(ids, logprobs) if lp is not None}
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> None:
         row = 0

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from common.protocol import FinishReason, Guide, NewRequest, SamplingParams, TokenLogprobs
+from common.protocol import FinishReason, Guide, NewRequest, SamplingParams, TokenLogprobs, WorkerEvent
 
 
 class RequestStatus(IntEnum):
@@ -57,6 +58,8 @@ class Request:
     prompt_logprobs_sent: bool = False
     output_start: int | None = None  # where generated tokens begin, when before num_prompt_tokens (resumed)
     outputs_sent: int = 0  # the next output's sequence number
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens this step verifies after the last token
+    events: list[WorkerEvent] | None = None  # trace events not yet sent; None when the request is not traced
 
     @classmethod
     def from_wire(cls, new: NewRequest, eos_token_ids: frozenset[int]) -> Request:
@@ -70,7 +73,21 @@ class Request:
             stop_token_ids=stop,
             guide=new.guide,
             output_start=len(new.prompt_token_ids) - min(new.resumed_tokens, len(new.prompt_token_ids)),
+            events=[] if new.trace_context else None,
         )
+
+    def record(self, name: str, **attributes: int | float | str | bool) -> None:
+        """Note a trace event (sent with the next output); callers check ``events is not None``
+        first, so an untraced request costs one comparison and builds no attributes."""
+        if self.events is not None:
+            self.events.append(WorkerEvent(name, time.time_ns(), attributes))
+
+    def take_events(self) -> list[WorkerEvent]:
+        """The events since the last output, handed over once."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     @property
     def generated_token_ids(self) -> list[int]:

@@ -116,8 +116,7 @@ class Scheduler:
                 preempted = True
                 if victim is request:
                     return preempted
-            batch.add(request, num_tokens)
-            self._charge(request, num_tokens)
+            self._add(batch, request, num_tokens)
             index += 1
         return preempted
 
@@ -134,30 +133,49 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if request.events is not None:
+                request.record("scheduled" if request.status == RequestStatus.WAITING else "resumed", cached_tokens=cached)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            batch.add(request, num_tokens)
-            self._charge(request, num_tokens)
+            self._add(batch, request, num_tokens)
+
+    def _add(self, batch: ScheduledBatch, request: Request, num_tokens: int) -> None:
+        if request.events is not None and request.num_tokens - request.num_computed_tokens > 1:
+            request.record("prefill_chunk", start=request.num_computed_tokens, tokens=num_tokens)
+        batch.add(request, num_tokens)
+        self._charge(request, num_tokens)
 
     def _preempt(self, request: Request) -> None:
         """Free everything and queue the request first in line, to recompute what it had."""
+        if request.events is not None:
+            request.record("preempted", computed_tokens=request.num_computed_tokens)
         self.blocks.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
-        """Advance the counters after a step, append sampled tokens, and retire finished requests."""
+    def update(self, batch: ScheduledBatch, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance the counters after a step, append sampled tokens, and retire finished requests.
+
+        A row that verified drafts computed its last token and the accepted drafts, which are
+        the new tokens but the last: the rejected drafts' positions stay uncomputed (their cache
+        slots are written over later). New tokens after one that ends the request are dropped.
+        """
         finished = []
         for request, num_tokens in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += num_tokens
-            self.blocks.register_full_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is not None:
+            tokens = sampled.get(request.request_id, ())
+            if request.draft_token_ids:
+                num_tokens = len(tokens)
+                request.draft_token_ids = []
+            for token in tokens:
                 request.append_token(token, self.max_model_len)
                 if request.status.is_finished:
                     finished.append(request)
+                    break
+            # Computed: what ran, but never the newest token, which is only sampled (nor what an end cut off).
+            request.num_computed_tokens = min(request.num_computed_tokens + num_tokens, request.num_tokens - (1 if tokens else 0))
+            self.blocks.register_full_blocks(request)
         for request in finished:
             self._retire(request)
         return finished
