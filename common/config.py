@@ -97,7 +97,8 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-# Settings both sides must agree on. The gateway binds, the workers connect.
+# Which model a worker serves, and under what name. The gateway has no model flags: it learns each
+# model's tokenizer and chat template from the workers that register (common.model_source).
 MODEL = Flag("model", "SmolLM2-135M-Instruct", "Model: the default name, a local directory, a .gguf file or a hub id")
 SERVED_MODEL_NAME = Flag("served-model-name", None, "Name clients use for the model (default: derived from --model)")
 CACHE_DIR = Flag(
@@ -105,20 +106,21 @@ CACHE_DIR = Flag(
     os.path.join(os.path.expanduser("~"), ".cache", "llmpool"),
     "Where converted GGUF weights and tokenizers are cached",
 )
+CHAT_TEMPLATE = Flag("chat-template", None, "Chat template: a name from chat_templates/ (e.g. chatml) or a .jinja path; default: the tokenizer's")
+MODEL_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, CHAT_TEMPLATE]
+
+# Settings both sides must agree on. The gateway binds, the workers connect.
 HEARTBEAT_INTERVAL = Flag("heartbeat-interval", 1.0, "Seconds between heartbeats, both directions", float)
 HEARTBEAT_LIVENESS = Flag("heartbeat-liveness", 5, "Missed heartbeat intervals after which the peer counts as dead", int)
 LOG_LEVEL = Flag("log-level", "INFO", "DEBUG, INFO, WARNING or ERROR")
 LOG_FORMAT = Flag("log-format", "text", "text, or json (one object per line, with request_id on request events)")
-SHARED_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, LOG_LEVEL, LOG_FORMAT]
+SHARED_FLAGS = [HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, LOG_LEVEL, LOG_FORMAT]
 
 
 @dataclass(slots=True)
 class SharedConfig:
     """The settings of SHARED_FLAGS; the gateway's and the worker's configs extend it."""
 
-    model: str = MODEL.default
-    served_model_name: str | None = None
-    cache_dir: str = CACHE_DIR.default
     heartbeat_interval: float = HEARTBEAT_INTERVAL.default
     heartbeat_liveness: int = HEARTBEAT_LIVENESS.default
     log_level: str = LOG_LEVEL.default

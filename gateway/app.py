@@ -1,9 +1,10 @@
-"""create_app(config) -> Litestar: routes, the worker client and tokenizer on app.state, OpenAI errors."""
+"""create_app(config) -> Litestar: routes, the worker client and the models it learns on app.state, OpenAI errors."""
 
 from __future__ import annotations
 
-import asyncio
+import importlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,13 +16,13 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
 
 from common.config import parse_size
-from common.model_source import load_tokenizer, resolve_model
 from gateway.admission import Admission
 from gateway.auth import api_key_guard, parse_keys
 from gateway.config import GatewayConfig
 from gateway.errors import EXCEPTION_HANDLERS
-from gateway.generation import Generator
+from gateway.generation import Lanes
 from gateway.metrics import Metrics, http_metrics_middleware
+from gateway.model_registry import ModelRegistry
 from gateway.request_body import GatewayRequest
 from gateway.response_store import ResponseStore
 from gateway.routes.chat import ChatController
@@ -32,15 +33,14 @@ from gateway.routes.models import ModelsController
 from gateway.routes.responses import ResponsesController
 from gateway.routes.tokenize import TokenizeController
 from gateway.routes.ui import UI_ROUTES
-from gateway.templates import ChatTemplate, read_template_source
 from gateway.tools import PARSERS
 from gateway.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
 
-def provide_generator(state: State) -> Generator:
-    return state.generator
+def provide_models(state: State) -> ModelRegistry:
+    return state.models
 
 
 def openapi_config(keys: frozenset[str]) -> OpenAPIConfig:
@@ -51,18 +51,13 @@ def openapi_config(keys: frozenset[str]) -> OpenAPIConfig:
 
 
 def create_app(config: GatewayConfig) -> Litestar:
-    source = resolve_model(config.model, config.served_model_name)
     if config.tool_call_parser not in PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}; got {config.tool_call_parser!r}")
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        tokenizer = await asyncio.to_thread(load_tokenizer, source, config.cache_dir)
-        template_source = read_template_source(config.chat_template, getattr(tokenizer, "chat_template", None))
-        template = ChatTemplate(template_source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token})
         client = WorkerClient(
             config.zmq_bind,
-            source.name,
             config.heartbeat_interval,
             config.heartbeat_liveness,
             config.max_retries,
@@ -71,25 +66,20 @@ def create_app(config: GatewayConfig) -> Litestar:
             config.curve_server_secret_key,
             config.curve_authorized_keys,
         )
-        await client.start()
         admission = Admission(config.max_concurrent_requests, config.max_waiting_requests)
+        models = ModelRegistry(client, Metrics(client, admission), admission, Lanes(config.tokenizer_threads), config.request_timeout)
+        client.learn_model = models.learn
         app.state.allow_request_chat_template = config.allow_request_chat_template
         app.state.response_store = ResponseStore()
-        app.state.generator = Generator(
-            client,
-            tokenizer,
-            template,
-            source.name,
-            config.tokenizer_threads,
-            Metrics(client, admission),
-            admission,
-            config.request_timeout,
-        )
-        log.info("gateway serving %s on http://%s:%d", source.name, config.host, config.port)
+        app.state.models = models
+        await client.start()
+        # The first worker's tokenizer needs transformers, whose import takes seconds: have it ready.
+        threading.Thread(target=importlib.import_module, args=("transformers",), daemon=True).start()
+        log.info("gateway on http://%s:%d; models come with the workers that register on %s", config.host, config.port, config.zmq_bind)
         try:
             yield
         finally:
-            app.state.generator.close()
+            models.close()
             await client.stop()
 
     keys = parse_keys(config.api_key)
@@ -117,10 +107,10 @@ def create_app(config: GatewayConfig) -> Litestar:
         )
         if origins
         else None,
-        dependencies={"generator": Provide(provide_generator, sync_to_thread=False)},
+        dependencies={"models": Provide(provide_models, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         request_class=GatewayRequest,
-        middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "generator", None), "metrics", None))],
+        middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "models", None), "metrics", None))],
         lifespan=[lifespan],
         logging_config=None,  # common.logs configures logging, the same way in every process
         openapi_config=openapi_config(keys),

@@ -10,7 +10,6 @@ GATEWAY_FLAGS = [
     Flag("host", "127.0.0.1", "HTTP listen address (0.0.0.0 to accept other hosts)"),
     Flag("port", 8000, "HTTP port", int),
     Flag("zmq-bind", "tcp://127.0.0.1:5555", "Address the ROUTER socket binds for workers (tcp:// or ipc://)"),
-    Flag("chat-template", None, "Chat template: a name from chat_templates/ (e.g. chatml) or a .jinja path; default: the tokenizer's"),
     Flag("api-key", None, "API key(s), comma-separated: every route but /health then wants `Authorization: Bearer KEY`"),
     Flag("max-body-size", "4MiB", "Largest request body accepted; larger ones get 413"),
     Flag("cors-allow-origins", None, "Origins allowed to call the API from a browser, comma-separated (* for any); CORS is off by default"),
@@ -48,7 +47,6 @@ class GatewayConfig(SharedConfig):
     host: str = "127.0.0.1"
     port: int = 8000
     zmq_bind: str = "tcp://127.0.0.1:5555"
-    chat_template: str | None = None
     api_key: str | None = None
     ui: bool = True
     max_body_size: str = "4MiB"

@@ -171,7 +171,7 @@ NO_TOOLS = tool_plan(None, None, None)
 async def start(generator: Generator, req: GenerationRequest) -> Generation:
     """Check the request against the workers' limits and admit it: errors (400, 429, 503) come
     now, before a response starts. One wire request per choice, ``n`` per prompt."""
-    limits = generator.client.limits()
+    limits = generator.client.limits(generator.model_name)
     tools = req.tools or NO_TOOLS
     guide = checked_guide(tools.guide(), "tools") or req.guide
     news = []

@@ -17,7 +17,7 @@ from typing import Any
 
 from common.protocol import FinishReason, NewRequest, RequestOutput, TokenLogprobs
 from gateway.admission import Admission, Slot
-from gateway.errors import GenerationFailed, InvalidRequest, RequestTimeout
+from gateway.errors import GenerationFailed, InvalidRequest, NoWorkerAvailable, RequestTimeout
 from gateway.logprobs import TokenLogprob, TokenTexts
 from gateway.metrics import Metrics
 from gateway.stop import StopChecker
@@ -45,8 +45,22 @@ class TextDelta:
     stop_sequence: str | None = None  # the stop string that ended the text, when one did
 
 
+class Lanes:
+    """The threads that tokenize and render templates off the event loop, shared by every model.
+    Big inputs and requests' own templates take their own lane, so they never hold up small ones."""
+
+    def __init__(self, threads: int) -> None:
+        self.small = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+        self.big = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-big")
+
+    def close(self) -> None:
+        self.small.shutdown(wait=False, cancel_futures=True)
+        self.big.shutdown(wait=False, cancel_futures=True)
+
+
 class Generator:
-    """Everything a route needs to run a prompt: the tokenizer (off the event loop) and the workers."""
+    """Everything a route needs to run a prompt on one model: its tokenizer and template (used off
+    the event loop), and the workers (of that model) behind the worker client."""
 
     def __init__(
         self,
@@ -54,7 +68,7 @@ class Generator:
         tokenizer: Any,
         template: ChatTemplate,
         model_name: str,
-        threads: int,
+        lanes: Lanes,
         metrics: Metrics,
         admission: Admission,
         timeout_s: float,
@@ -68,9 +82,7 @@ class Generator:
         self.token_texts = TokenTexts(tokenizer)
         self.template = template
         self.model_name = model_name
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
-        # Big inputs and requests' own templates take their own lane, so they never hold up small ones.
-        self._big_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-big")
+        self.lanes = lanes
 
     def chat_prompt_ids(
         self,
@@ -91,8 +103,11 @@ class Generator:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def max_model_len(self) -> int | None:
-        """The context length every registered worker takes (None while no worker is registered)."""
-        return self.client.limits()[0] if self.client.workers else None
+        """The context length every registered worker of this model takes (None while none is registered)."""
+        try:
+            return self.client.limits(self.model_name)[0]
+        except NoWorkerAvailable:
+            return None
 
     def check_prompt_size(self, chars: int, count: int = 0, param: str = "messages") -> None:
         """Cheap bounds before any tokenizing: more characters than the context could hold at
@@ -118,17 +133,13 @@ class Generator:
         """Tokenizing and template rendering take milliseconds: keep them off the event loop. Inputs
         over SMALL_JOB_CHARS characters and requests' own templates (``budget``) go to their own
         lane; a cancelled caller (its client left) stops a budgeted render."""
-        lane = self._big_pool if size > SMALL_JOB_CHARS or budget is not None else self._pool
+        lane = self.lanes.big if size > SMALL_JOB_CHARS or budget is not None else self.lanes.small
         try:
             return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)
         except asyncio.CancelledError:
             if budget is not None:
                 budget.cancelled.set()
             raise
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._big_pool.shutdown(wait=False, cancel_futures=True)
 
     async def stream(
         self, request: NewRequest, slot: Slot, stops: list[str] | None = None, skip_special_tokens: bool = True
@@ -147,8 +158,8 @@ class Generator:
     async def _stream(self, request: NewRequest, stop: StopChecker, skip_special_tokens: bool) -> AsyncIterator[TextDelta]:
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
-        stream = self.client.submit(request)
-        clock = _Clock(self.metrics, request.request_id)
+        stream = self.client.submit(request, self.model_name)
+        clock = _Clock(self.metrics, request.request_id, self.model_name)
         sent = covered = 0  # characters of text sent, and of the tokens whose logprobs were sent
         try:
             while True:
@@ -217,9 +228,10 @@ class Generator:
 class _Clock:
     """Feeds one request's latencies and outcome to the metrics (and one log line) as tokens arrive."""
 
-    def __init__(self, metrics: Metrics, request_id: str) -> None:
+    def __init__(self, metrics: Metrics, request_id: str, model: str) -> None:
         self.metrics = metrics
         self.request_id = request_id
+        self.model = model
         self.ttft = None
         self.submitted = self.last = time.perf_counter()
         self.first_seen = False
@@ -235,18 +247,20 @@ class _Clock:
         if not self.first_seen:
             self.first_seen = True
             self.ttft = now - self.submitted
-            self.metrics.ttft.observe(self.ttft)
+            self.metrics.ttft.labels(self.model).observe(self.ttft)
         else:
             gap = (now - self.last) / count  # several tokens in one message share the gap
+            itl = self.metrics.itl.labels(self.model)
             for _ in range(count):
-                self.metrics.itl.observe(gap)
+                itl.observe(gap)
         self.last = now
 
     def done(self) -> None:
         elapsed = time.perf_counter() - self.submitted
         log.info(
-            "request %s %s: %d prompt + %d generated tokens, first token %s, %.0f ms",
+            "request %s (%s) %s: %d prompt + %d generated tokens, first token %s, %.0f ms",
             self.request_id,
+            self.model,
             self.outcome,
             self.prompt_tokens,
             self.generated,
@@ -254,6 +268,7 @@ class _Clock:
             elapsed * 1000,
             extra={
                 "request_id": self.request_id,
+                "model": self.model,
                 "outcome": self.outcome,
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.generated,
@@ -261,10 +276,10 @@ class _Clock:
                 "duration_s": round(elapsed, 4),
             },
         )
-        self.metrics.e2e.observe(elapsed)
-        self.metrics.generations.labels(self.outcome).inc()
-        self.metrics.prompt_tokens.inc(self.prompt_tokens)
-        self.metrics.generation_tokens.inc(self.generated)
+        self.metrics.e2e.labels(self.model).observe(elapsed)
+        self.metrics.generations.labels(self.model, self.outcome).inc()
+        self.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
+        self.metrics.generation_tokens.labels(self.model).inc(self.generated)
 
 
 def _merge_ready(item: RequestOutput | GenerationFailed, queue: asyncio.Queue) -> RequestOutput | GenerationFailed:

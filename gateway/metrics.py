@@ -27,12 +27,15 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter("llmpool_http_requests", "HTTP responses by path and status", ["path", "status"], registry=r)
-        self.generations = Counter("llmpool_generations", "Finished generations by outcome (stop, length, error, cancelled)", ["outcome"], registry=r)
-        self.prompt_tokens = Counter("llmpool_prompt_tokens", "Prompt tokens of finished generations", registry=r)
-        self.generation_tokens = Counter("llmpool_generation_tokens", "Generated tokens", registry=r)
-        self.ttft = Histogram("llmpool_time_to_first_token_seconds", "Submit to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("llmpool_inter_token_latency_seconds", "Gap between tokens, per token", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("llmpool_e2e_request_latency_seconds", "Submit to last token", buckets=LATENCY_BUCKETS, registry=r)
+        model = ["model"]
+        self.generations = Counter(
+            "llmpool_generations", "Finished generations by model and outcome (stop, length, error, cancelled)", ["model", "outcome"], registry=r
+        )
+        self.prompt_tokens = Counter("llmpool_prompt_tokens", "Prompt tokens of finished generations", model, registry=r)
+        self.generation_tokens = Counter("llmpool_generation_tokens", "Generated tokens", model, registry=r)
+        self.ttft = Histogram("llmpool_time_to_first_token_seconds", "Submit to first token", model, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("llmpool_inter_token_latency_seconds", "Gap between tokens, per token", model, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("llmpool_e2e_request_latency_seconds", "Submit to last token", model, buckets=LATENCY_BUCKETS, registry=r)
         r.register(PoolCollector(client, admission))
 
     def path_label(self, path: str) -> str:
@@ -53,23 +56,40 @@ class PoolCollector(Collector):
         snapshot = self.client.snapshot()
         workers = snapshot["workers"]
         gauges = {
-            "running": GaugeMetricFamily("llmpool_worker_running", "Sequences in the worker's running batch", labels=["worker"]),
-            "waiting": GaugeMetricFamily("llmpool_worker_waiting", "Requests queued on the worker", labels=["worker"]),
-            "kv": GaugeMetricFamily("llmpool_worker_kv_cache_usage_ratio", "Share of KV blocks in use", labels=["worker"]),
-            "tps": GaugeMetricFamily("llmpool_worker_tokens_per_second", "Tokens generated per second, last 10 s", labels=["worker"]),
-            "peak": GaugeMetricFamily("llmpool_worker_peak_batch_size", "Largest batch the worker has run", labels=["worker"]),
-            "draining": GaugeMetricFamily("llmpool_worker_draining", "1 while the worker finishes its requests before leaving", labels=["worker"]),
+            "running": GaugeMetricFamily("llmpool_worker_running", "Sequences in the worker's running batch", labels=["worker", "model"]),
+            "waiting": GaugeMetricFamily("llmpool_worker_waiting", "Requests queued on the worker", labels=["worker", "model"]),
+            "kv": GaugeMetricFamily("llmpool_worker_kv_cache_usage_ratio", "Share of KV blocks in use", labels=["worker", "model"]),
+            "tps": GaugeMetricFamily("llmpool_worker_tokens_per_second", "Tokens generated per second, last 10 s", labels=["worker", "model"]),
+            "peak": GaugeMetricFamily("llmpool_worker_peak_batch_size", "Largest batch the worker has run", labels=["worker", "model"]),
+            "draining": GaugeMetricFamily(
+                "llmpool_worker_draining", "1 while the worker finishes its requests before leaving", labels=["worker", "model"]
+            ),
         }
         counters = {
-            "hits": CounterMetricFamily("llmpool_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", labels=["worker"]),
-            "queried": CounterMetricFamily(
-                "llmpool_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", labels=["worker"]
+            "hits": CounterMetricFamily(
+                "llmpool_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", labels=["worker", "model"]
             ),
-            "preempt": CounterMetricFamily("llmpool_worker_preemptions", "Requests preempted for lack of KV blocks", labels=["worker"]),
-            "steps": CounterMetricFamily("llmpool_worker_steps", "Engine steps run", labels=["worker"]),
+            "queried": CounterMetricFamily(
+                "llmpool_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", labels=["worker", "model"]
+            ),
+            "preempt": CounterMetricFamily("llmpool_worker_preemptions", "Requests preempted for lack of KV blocks", labels=["worker", "model"]),
+            "steps": CounterMetricFamily("llmpool_worker_steps", "Engine steps run", labels=["worker", "model"]),
+            "proposed": CounterMetricFamily(
+                "llmpool_worker_spec_proposed_tokens", "Speculative decoding: draft tokens proposed", labels=["worker", "model"]
+            ),
+            "accepted": CounterMetricFamily(
+                "llmpool_worker_spec_accepted_tokens",
+                "Speculative decoding: draft tokens accepted (acceptance rate: accepted / proposed)",
+                labels=["worker", "model"],
+            ),
         }
+        gauges["capacity"] = GaugeMetricFamily(
+            "llmpool_worker_capacity_tokens_per_second",
+            "Tokens per second of busy step time (what routing weighs outstanding work by)",
+            labels=["worker", "model"],
+        )
         for w in workers:
-            name = [w["name"]]
+            name = [w["name"], w["model"]]
             gauges["running"].add_metric(name, w["running"])
             gauges["waiting"].add_metric(name, w["waiting"])
             gauges["kv"].add_metric(name, 1 - w["free_blocks"] / w["total_blocks"] if w["total_blocks"] else 0.0)
@@ -80,15 +100,18 @@ class PoolCollector(Collector):
             counters["queried"].add_metric(name, w["prefix_queried_tokens"])
             counters["preempt"].add_metric(name, w["preemptions"])
             counters["steps"].add_metric(name, w["steps"])
+            counters["proposed"].add_metric(name, w["spec_proposed_tokens"])
+            counters["accepted"].add_metric(name, w["spec_accepted_tokens"])
+            gauges["capacity"].add_metric(name, w["capacity_tokens_per_s"])
         info = GaugeMetricFamily("llmpool_worker_info", "A registered worker (value 1)", labels=["worker", "device", "dtype", "model"])
-        up = GaugeMetricFamily("llmpool_worker_up", "1 for a registered worker, 0 for a recently dropped one", labels=["worker"])
+        up = GaugeMetricFamily("llmpool_worker_up", "1 for a registered worker, 0 for a recently dropped one", labels=["worker", "model"])
         for w in workers:
             info.add_metric([w["name"], w["device"], w["dtype"], w["model"]], 1)
-            up.add_metric([w["name"]], 1)
-        live = {w["name"] for w in workers}
-        gone = {d["name"] for d in snapshot["departed"]} - live  # recently dropped and not back
-        for name in gone:
-            up.add_metric([name], 0)
+            up.add_metric([w["name"], w["model"]], 1)
+        live = {(w["name"], w["model"]) for w in workers}
+        gone = {(d["name"], d["model"]) for d in snapshot["departed"]} - live  # recently dropped and not back
+        for name, model in gone:
+            up.add_metric([name, model], 0)
         yield info
         yield up
         states = GaugeMetricFamily("llmpool_workers", "Workers by state", labels=["state"])

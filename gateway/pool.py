@@ -1,11 +1,13 @@
-"""The gateway's records of the pool: what it knows of each worker, of each request in flight
-(enough to resume it elsewhere), and which worker a prompt prefix was last sent to."""
+"""The gateway's records of the pool: what it knows of each worker and each model, of each request
+in flight (enough to resume it elsewhere), and which worker a prompt prefix was last sent to."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from common.protocol import Heartbeat, NewRequest, Ready, RequestOutput
@@ -56,7 +58,58 @@ class WorkerInfo:
             "batched_steps": self.batched_steps,
             "peak_batch_size": max(self.peak_batch_size, self.load.peak_batch_size),
             "draining": self.load.draining,
+            "capacity_tokens_per_s": self.load.capacity_tokens_per_s,
+            "spec_proposed_tokens": self.load.spec_proposed_tokens,
+            "spec_accepted_tokens": self.load.spec_accepted_tokens,
         }
+
+
+class ModelPool:
+    """The workers of one model, and how the gateway picks among them.
+
+    A request goes to the worker that would finish it first: the least outstanding work (prompt plus
+    remaining budget of what it holds, plus this request) relative to the worker's measured speed
+    (``capacity_tokens_per_s`` from its heartbeats), so a worker twice as fast gets about twice the
+    work. A worker that has not measured itself yet counts at the pool's median speed. In a large
+    pool only SCAN_LIMIT workers picked at random are compared (the power of d choices: nearly as
+    even as a full scan, at a cost that does not grow with the pool).
+    """
+
+    SCAN_LIMIT = 16
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.digest: str | None = None  # its tokenizer's, once the gateway holds it (None while it is being learned)
+        self.workers: dict[bytes, WorkerInfo] = {}
+        self._available: list[WorkerInfo] | None = None  # cached; None after any change
+        self._median_speed = 1.0
+        self._median_at = -1e9
+        self.describing: tuple[bytes, float] | None = None  # the joining worker asked for the tokenizer, and when
+        self.learning = False  # its tokenizer is being loaded now
+
+    def changed(self) -> None:
+        """A worker joined, left, or began draining: the available list is rebuilt on next use."""
+        self._available = None
+
+    def available(self) -> list[WorkerInfo]:
+        """Workers of this model that take new requests (registered and not draining)."""
+        now = time.monotonic()
+        if self._available is None:
+            self._available = [w for w in self.workers.values() if not w.load.draining]
+        if self._available is not None and now - self._median_at > 1.0:  # speeds move with heartbeats: once a second is enough
+            speeds = sorted(w.load.capacity_tokens_per_s for w in self._available if w.load.capacity_tokens_per_s > 0)
+            self._median_speed, self._median_at = (speeds[len(speeds) // 2] if speeds else 1.0), now
+        return self._available
+
+    def choose(self, cost: int) -> WorkerInfo:
+        """The worker expected to finish ``cost`` more tokens of work soonest."""
+        available = self.available()
+        candidates = available if len(available) <= self.SCAN_LIMIT else random.sample(available, self.SCAN_LIMIT)
+        median = self._median_speed
+        return min(
+            candidates,
+            key=lambda w: ((w.outstanding_tokens + cost) / (w.load.capacity_tokens_per_s or median), len(w.inflight), w.requests_assigned),
+        )
 
 
 class RequestStream:
@@ -65,8 +118,9 @@ class RequestStream:
     It remembers what it needs to resume elsewhere: the original request and the token ids delivered.
     """
 
-    def __init__(self, request: NewRequest) -> None:
+    def __init__(self, request: NewRequest, model: str) -> None:
         self.request = request
+        self.model = model
         self.request_id = request.request_id
         self.worker = b""
         self.queue: asyncio.Queue[RequestOutput | GenerationFailed] = asyncio.Queue()
@@ -109,21 +163,23 @@ class PrefixAffinity:
         self._owner: OrderedDict[int, bytes] = OrderedDict()
         self.hits = 0
 
-    def _keys(self, prompt: list[int]) -> list[int]:
-        return [hash(tuple(prompt[:n])) for n in self.LENGTHS if len(prompt) > n]
+    def _keys(self, model: str, prompt: list[int]) -> list[int]:
+        return [hash((model, tuple(prompt[:n]))) for n in self.LENGTHS if len(prompt) > n]
 
-    def choose(self, prompt: list[int], available: list[WorkerInfo], least_loaded: WorkerInfo) -> WorkerInfo:
-        """The worker that last got this prompt's longest known prefix, unless it is much busier."""
-        keys = self._keys(prompt)
-        by_identity = {w.identity: w for w in available}
-        chosen = least_loaded
+    def choose(self, model: str, prompt: list[int], candidate: Callable[[bytes], WorkerInfo | None], best: WorkerInfo) -> WorkerInfo:
+        """The worker that last got this prompt's longest known prefix (``candidate`` says whether
+        it can still take it), unless it is much busier than ``best``."""
+        keys = self._keys(model, prompt)
+        chosen = best
         for key in keys:  # longest shared prefix first
-            owner = by_identity.get(self._owner.get(key, b""))
-            if owner is not None:
-                if owner.outstanding_tokens <= least_loaded.outstanding_tokens + self.slack:
-                    chosen = owner
-                    self.hits += owner is not least_loaded
-                break
+            owner = self._owner.get(key)
+            worker = candidate(owner) if owner is not None else None
+            if worker is None:
+                continue  # never seen, or its worker left or drains: try a shorter prefix
+            if worker.outstanding_tokens <= best.outstanding_tokens + self.slack:
+                chosen = worker
+                self.hits += worker is not best
+            break
         for key in keys:
             self._owner[key] = chosen.identity
             self._owner.move_to_end(key)

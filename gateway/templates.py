@@ -1,7 +1,7 @@
 """Chat templates rendered in a jinja2 sandbox, the way transformers renders them.
 
-The template comes from the tokenizer (``tokenizer.chat_template``) unless ``--chat-template``
-names one of the files in ``chat_templates/`` (e.g. ``chatml``) or a path to a ``.jinja`` file.
+Each model's template comes from its workers (``ModelInfo``): the tokenizer's, unless the worker's
+``--chat-template`` names a file in ``chat_templates/`` or a ``.jinja`` path (common.model_source).
 The environment settings (trim_blocks, lstrip_blocks, loop controls, ``raise_exception``) match
 transformers', so a template renders here exactly as ``apply_chat_template`` renders it.
 """
@@ -9,13 +9,11 @@ transformers', so a template renders here exactly as ``apply_chat_template`` ren
 from __future__ import annotations
 
 import datetime
-import importlib.resources
 import operator
 import re
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
@@ -33,26 +31,6 @@ def _raise_exception(message: str) -> None:
 
 def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
-
-
-def bundled_templates() -> list[str]:
-    """Names of the templates shipped in ``chat_templates/``."""
-    files = importlib.resources.files("chat_templates").iterdir()
-    return sorted(f.name.removesuffix(".jinja") for f in files if f.name.endswith(".jinja"))
-
-
-def read_template_source(option: str | None, tokenizer_template: str | None) -> str:
-    """Pick the template text: the ``--chat-template`` choice, else the tokenizer's, else ChatML."""
-    if option:
-        if option in bundled_templates():
-            return importlib.resources.files("chat_templates").joinpath(f"{option}.jinja").read_text()
-        path = Path(option)
-        if path.is_file():
-            return path.read_text()
-        raise ValueError(f"--chat-template {option!r}: not a file, nor one of {', '.join(bundled_templates())}")
-    if tokenizer_template:
-        return tokenizer_template
-    return importlib.resources.files("chat_templates").joinpath("chatml.jinja").read_text()
 
 
 # Bounds on what a template may build (a request's own template is untrusted code): no string or

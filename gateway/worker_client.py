@@ -1,6 +1,10 @@
 """The gateway's ROUTER socket: worker registry, heartbeats, request dispatch and output routing.
 
-Workers connect (DEALER) and register with ``Ready``. Any message from a worker counts as its
+Workers connect (DEALER) and register with ``Ready``, naming their model. The first worker of a
+model whose tokenizer this gateway does not hold is asked for it (``DescribeModel``; it answers
+``ModelInfo``); until the gateway has loaded it, that model's workers wait in ``joining``. A worker
+whose tokenizer differs from the one its model name already has here is refused. Requests go only
+to workers of their model (``ModelPool`` chooses among them). Any message from a worker counts as its
 heartbeat; a worker silent for ``liveness`` intervals, one that says ``Goodbye``, or one the ROUTER
 can no longer reach (ROUTER_MANDATORY makes such sends fail loudly) is purged. Each of its in-flight
 requests is then resumed on another worker as prompt plus the tokens already delivered, with the
@@ -16,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
@@ -28,9 +33,11 @@ from common import protocol
 from common.protocol import (
     Abort,
     AddRequests,
+    DescribeModel,
     FinishReason,
     Goodbye,
     Heartbeat,
+    ModelInfo,
     NewRequest,
     Ready,
     RequestOutput,
@@ -38,7 +45,7 @@ from common.protocol import (
     WorkerError,
 )
 from gateway.errors import BadGeneration, GenerationFailed, NoWorkerAvailable
-from gateway.pool import PrefixAffinity, RequestStream, WorkerInfo
+from gateway.pool import ModelPool, PrefixAffinity, RequestStream, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +56,6 @@ class WorkerClient:
     def __init__(
         self,
         bind_address: str,
-        model: str,
         heartbeat_interval: float,
         heartbeat_liveness: int,
         max_retries: int = 2,
@@ -57,6 +63,7 @@ class WorkerClient:
         affinity_slack: int | None = 2048,
         curve_secret_key: str | None = None,
         curve_authorized_keys: str | None = None,
+        learn_model: Callable[[ModelInfo], Awaitable[None]] | None = None,
     ) -> None:
         self.curve_secret_key = curve_secret_key
         self.curve_authorized_keys = curve_authorized_keys
@@ -64,12 +71,18 @@ class WorkerClient:
         self.hung_timeout = hung_timeout
         self.affinity = PrefixAffinity(affinity_slack) if affinity_slack is not None else None
         self.bind_address = bind_address
-        self.model = model
+        # Loads a model's tokenizer from a worker's ModelInfo (raises if it can't); None: take the
+        # digest on trust (unit tests of the socket side, the fleet benchmark).
+        self.learn_model = learn_model
         self.max_retries = max_retries
         self.resumed = 0  # requests moved to another worker after theirs died
         self.interval = heartbeat_interval
         self.liveness = heartbeat_liveness
         self.workers: dict[bytes, WorkerInfo] = {}
+        self.models: dict[str, ModelPool] = {}
+        self.joining: dict[bytes, tuple[Ready, float]] = {}  # registered, waiting for their model's tokenizer: (Ready, last heard)
+        self._refused: set[tuple[str, str]] = set()  # (worker name, why) already logged
+        self._with_pending: dict[bytes, WorkerInfo] = {}  # workers with requests to send at the end of this tick
         self.streams: dict[str, RequestStream] = {}
         self.add_messages_sent = 0
         self.dropped_frames = 0
@@ -127,17 +140,18 @@ class WorkerClient:
 
     # ---- what the HTTP side uses -------------------------------------------------------------
 
-    def limits(self) -> tuple[int, int]:
-        """(max_model_len, kv capacity) that every registered worker can take; 503 if none."""
-        if not self.workers:
-            raise NoWorkerAvailable("no worker is registered; start one with `llmpool worker`")
-        infos = self.workers.values()
+    def limits(self, model: str) -> tuple[int, int]:
+        """(max_model_len, kv capacity) that every registered worker of ``model`` can take; 503 if none."""
+        pool = self.models.get(model)
+        if pool is None or not pool.workers:
+            raise NoWorkerAvailable(f"no worker of `{model}` is registered; start one with `llmpool worker --model ...`")
+        infos = pool.workers.values()
         return min(w.ready.max_model_len for w in infos), min(w.ready.kv_capacity_tokens for w in infos)
 
     def ready_workers(self) -> list[WorkerInfo]:
         """Workers taking requests and making progress on the ones they hold (for /ready)."""
         now = time.monotonic()
-        return [w for w in self._available() if not self._stalled(w, now, self.hung_timeout / 2)]
+        return [w for w in self.workers.values() if not w.load.draining and not self._stalled(w, now, self.hung_timeout / 2)]
 
     def _stalled(self, worker: WorkerInfo, now: float, limit: float) -> bool:
         """Holding requests by its own account (its latest heartbeat) and producing nothing for
@@ -145,15 +159,16 @@ class WorkerClient:
         holds = worker.inflight and (worker.load.running or worker.load.waiting)
         return bool(holds) and now - worker.last_progress > limit
 
-    def _available(self) -> list[WorkerInfo]:
-        """Workers that take new requests (registered and not draining)."""
-        return [w for w in self.workers.values() if not w.load.draining]
+    def available(self, model: str) -> list[WorkerInfo]:
+        """Workers of ``model`` that take new requests (registered and not draining)."""
+        pool = self.models.get(model)
+        return pool.available() if pool is not None else []
 
-    def submit(self, request: NewRequest) -> RequestStream:
-        """Send a request to the least-loaded worker; its outputs arrive on the returned stream."""
-        if not self._available():
-            raise NoWorkerAvailable("no worker is taking requests; start one with `llmpool worker`")
-        stream = RequestStream(request)
+    def submit(self, request: NewRequest, model: str) -> RequestStream:
+        """Send a request to a worker of ``model``; its outputs arrive on the returned stream."""
+        if not self.available(model):
+            raise NoWorkerAvailable(f"no worker of `{model}` is taking requests; start one with `llmpool worker --model ...`")
+        stream = RequestStream(request, model)
         self.streams[request.request_id] = stream
         self._assign(stream, request)
         return stream
@@ -161,14 +176,15 @@ class WorkerClient:
     def _assign(self, stream: RequestStream, request: NewRequest) -> None:
         """Queue ``request`` for a worker; it is sent at the end of this loop tick.
 
-        The least-loaded worker by outstanding tokens, unless prefix affinity points at a worker that
-        probably holds this prompt's prefix in its KV cache and is not much busier.
+        The worker of the request's model expected to finish it first (``ModelPool.choose``), unless
+        prefix affinity points at one that probably holds this prompt's prefix in its KV cache and
+        is not much busier.
         """
-        available = self._available()
-        worker = min(available, key=lambda w: (w.outstanding_tokens, len(w.inflight), w.requests_assigned))
-        if self.affinity is not None:
-            worker = self.affinity.choose(request.prompt_token_ids, available, worker)
+        pool = self.models[stream.model]
         stream.cost = len(request.prompt_token_ids) + request.max_new_tokens
+        worker = pool.choose(stream.cost)
+        if self.affinity is not None:
+            worker = self.affinity.choose(stream.model, request.prompt_token_ids, lambda identity: self._taking(pool, identity), worker)
         worker.outstanding_tokens += stream.cost
         if not worker.inflight:
             worker.last_progress = time.monotonic()  # the progress clock starts with the work
@@ -177,6 +193,7 @@ class WorkerClient:
         stream.heartbeats_at_assign = worker.heartbeats
         stream.next_seq = 0
         worker.pending.append(request)
+        self._with_pending[worker.identity] = worker
         stream.worker = worker.identity
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -199,9 +216,15 @@ class WorkerClient:
             return
         self._send(worker, Abort([stream.wire_id]))
 
+    def _taking(self, pool: ModelPool, identity: bytes) -> WorkerInfo | None:
+        """The worker with this identity if it is in ``pool`` and takes new requests."""
+        worker = pool.workers.get(identity)
+        return worker if worker is not None and not worker.load.draining else None
+
     def snapshot(self) -> dict:
         return {
             "workers": [w.snapshot() for w in self.workers.values()],
+            "joining": [{"name": ready.worker_name, "model": ready.model} for ready, _ in self.joining.values()],
             "inflight": len(self.streams),
             "add_messages_sent": self.add_messages_sent,
             "resumed": self.resumed,
@@ -216,11 +239,21 @@ class WorkerClient:
     def _flush(self) -> None:
         """Send every worker its pending requests as one AddRequests message."""
         self._flush_scheduled = False
-        for worker in list(self.workers.values()):
-            if worker.pending:
+        with_pending, self._with_pending = self._with_pending, {}
+        for worker in with_pending.values():
+            if worker.pending and worker.identity in self.workers:
                 batch, worker.pending = worker.pending, []
                 self.add_messages_sent += 1
                 self._send(worker, AddRequests(batch))
+
+    def _send_raw(self, identity: bytes, msg: protocol.Message) -> bool:
+        """Send to a peer that is not (yet) a registered worker; False if it can't be reached."""
+        assert self._socket is not None
+        try:
+            self._socket.send_multipart([identity, *protocol.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
 
     def _send(self, worker: WorkerInfo, msg: protocol.Message) -> None:
         """Send without blocking; a send that fails (EHOSTUNREACH under ROUTER_MANDATORY, or EAGAIN
@@ -267,12 +300,17 @@ class WorkerClient:
             return
         worker = self.workers.get(identity)
         if worker is None:
-            log.debug("message from unregistered peer %r ignored; it will re-register", identity[:64])
+            if identity in self.joining:
+                self._joining_message(identity, msg)
+            else:
+                log.debug("message from unregistered peer %r ignored; it will re-register", identity[:64])
             return
         worker.expiry = time.monotonic() + self.interval * self.liveness
         if isinstance(msg, StepOutputs):
             self._on_step(worker, msg)
         elif isinstance(msg, Heartbeat):
+            if msg.draining != worker.load.draining:
+                self.models[worker.ready.model].changed()
             worker.load = msg
             worker.heartbeats += 1
             if worker.inflight and not (msg.running or msg.waiting):
@@ -286,23 +324,98 @@ class WorkerClient:
                 self._end(stream, GenerationFailed(msg.message))
 
     def _register(self, identity: bytes, ready: Ready) -> None:
-        if ready.protocol_version != protocol.PROTOCOL_VERSION or ready.model != self.model:
-            log.error(
-                "refused worker %s: it serves %r (protocol %d); this gateway serves %r (protocol %d)",
-                ready.worker_name,
-                ready.model,
-                ready.protocol_version,
-                self.model,
-                protocol.PROTOCOL_VERSION,
-            )
+        """A worker says hello: admit it, or (its model's tokenizer unknown here) let it join while
+        the gateway learns the tokenizer, or refuse it (protocol, or a different tokenizer under a
+        model name that has one)."""
+        if ready.protocol_version != protocol.PROTOCOL_VERSION:
+            self._refuse(ready, f"it speaks protocol {ready.protocol_version}; this gateway speaks {protocol.PROTOCOL_VERSION}")
             return
+        pool = self.models.setdefault(ready.model, ModelPool(ready.model))
+        if pool.digest is None and self.learn_model is None:
+            pool.digest = ready.tokenizer_digest  # nothing to load: take it on trust
+        if pool.digest is not None and ready.tokenizer_digest != pool.digest:
+            self._refuse(ready, f"its tokenizer or chat template for {ready.model!r} differs from the one its other workers brought")
+            return
+        if pool.digest is None:
+            self.joining[identity] = (ready, time.monotonic())
+            self._ask_description(pool)
+            return
+        self._admit(identity, ready, pool)
+
+    def _refuse(self, ready: Ready, why: str) -> None:
+        if (ready.worker_name, why) not in self._refused:  # it retries every liveness period: say it once
+            self._refused.add((ready.worker_name, why))
+            log.error("refused worker %s: %s", ready.worker_name, why)
+
+    def _admit(self, identity: bytes, ready: Ready, pool: ModelPool) -> None:
+        self.joining.pop(identity, None)
         old = [w for w in self.workers.values() if w.ready.worker_name == ready.worker_name and w.identity != identity]
-        self.workers[identity] = WorkerInfo(identity, ready, time.monotonic() + self.interval * self.liveness)
-        for worker in old:  # after adding the new one, so its requests can resume right there
-            self._purge(worker, f"worker {ready.worker_name} registered again (restarted or reconnected)")
+        worker = WorkerInfo(identity, ready, time.monotonic() + self.interval * self.liveness)
+        self.workers[identity] = pool.workers[identity] = worker
+        pool.changed()
+        for stale in old:  # after adding the new one, so its requests can resume right there
+            self._purge(stale, f"worker {ready.worker_name} registered again (restarted or reconnected)")
         for stream, reason, _ in list(self._orphans.values()):
-            self._resume(stream, reason)
-        log.info("worker %s registered (%s, %s, %d KV tokens)", ready.worker_name, ready.device, ready.dtype, ready.kv_capacity_tokens)
+            if stream.model == ready.model:
+                self._resume(stream, reason)
+        log.info(
+            "worker %s registered for %s (%s, %s, %d KV tokens)", ready.worker_name, ready.model, ready.device, ready.dtype, ready.kv_capacity_tokens
+        )
+
+    def _ask_description(self, pool: ModelPool) -> None:
+        """Ask one joining worker of ``pool``'s model for its tokenizer, unless one was asked within
+        a liveness period (its answer may still come; a dead one is replaced by the next joiner)."""
+        now = time.monotonic()
+        if pool.describing is not None and pool.describing[0] in self.joining and now - pool.describing[1] < self.interval * self.liveness:
+            return
+        asked = next((identity for identity, (ready, _) in self.joining.items() if ready.model == pool.name), None)
+        if asked is None:
+            pool.describing = None
+            return
+        pool.describing = (asked, now)
+        log.info("learning the tokenizer of %s from worker %s", pool.name, self.joining[asked][0].worker_name)
+        self._send_raw(asked, DescribeModel(self.joining[asked][0].tokenizer_digest))
+
+    def _joining_message(self, identity: bytes, msg: protocol.Message) -> None:
+        ready, _ = self.joining[identity]
+        self.joining[identity] = (ready, time.monotonic())
+        if isinstance(msg, ModelInfo):
+            task = asyncio.get_running_loop().create_task(self._learn(identity, msg))
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+        elif isinstance(msg, Goodbye):
+            del self.joining[identity]
+        elif isinstance(msg, WorkerError):
+            log.error("worker %s: %s", ready.worker_name, msg.message)
+
+    async def _learn(self, identity: bytes, info: ModelInfo) -> None:
+        """Load the tokenizer a worker sent, then admit every joining worker that brought it."""
+        pool = self.models.setdefault(info.model, ModelPool(info.model))
+        if pool.learning:
+            return  # another answer is being loaded; it admits the joiners
+        if pool.digest is None:
+            pool.learning = True
+            try:
+                if self.learn_model is not None:
+                    await self.learn_model(info)
+            except Exception as exc:
+                log.error("could not load the tokenizer of %s that worker %r sent: %s", info.model, identity[:64], exc)
+                self.joining.pop(identity, None)
+                pool.describing = None
+                self._ask_description(pool)
+                return
+            finally:
+                pool.learning = False
+            pool.digest = info.tokenizer_digest
+            log.info("serving %s (tokenizer %s)", info.model, info.tokenizer_digest[:12])
+        for joiner, (ready, _) in list(self.joining.items()):
+            if ready.model != info.model:
+                continue
+            if ready.tokenizer_digest == pool.digest:
+                self._admit(joiner, ready, pool)
+            else:
+                del self.joining[joiner]
+                self._refuse(ready, f"its tokenizer or chat template for {ready.model!r} differs from the one its other workers brought")
 
     def _on_step(self, worker: WorkerInfo, step: StepOutputs) -> None:
         worker.last_progress = time.monotonic()
@@ -382,7 +495,11 @@ class WorkerClient:
     def _purge(self, worker: WorkerInfo, reason: str) -> None:
         if self.workers.pop(worker.identity, None) is None:
             return
-        self.departed.append({"name": worker.ready.worker_name, "reason": reason, "at": time.time()})
+        pool = self.models[worker.ready.model]
+        pool.workers.pop(worker.identity, None)
+        pool.changed()
+        self._with_pending.pop(worker.identity, None)
+        self.departed.append({"name": worker.ready.worker_name, "model": worker.ready.model, "reason": reason, "at": time.time()})
         self.departures += 1
         log.warning("%s; resuming its %d in-flight requests elsewhere", reason, len(worker.inflight))
         for request_id in list(worker.inflight):
@@ -394,7 +511,7 @@ class WorkerClient:
         """Move a request whose worker died to another one, or end it if it can't be moved."""
         if stream.finished:
             return
-        if not self._available():
+        if not self.available(stream.model):
             self._orphans.setdefault(stream.request_id, (stream, reason, time.monotonic()))
             return
         self._orphans.pop(stream.request_id, None)
@@ -424,6 +541,7 @@ class WorkerClient:
             self._forgive(now - last_tick - self.interval)
             last_tick = now
             self._end_orphans(now)
+            self._tend_joiners(now)
             for worker in list(self.workers.values()):
                 if now > worker.expiry:
                     self._purge(worker, f"worker {worker.ready.worker_name} missed {self.liveness} heartbeats")
@@ -432,6 +550,16 @@ class WorkerClient:
                     self._purge(worker, f"worker {worker.ready.worker_name} made no progress for {self.hung_timeout:g} s")
                 else:
                     self._send(worker, Heartbeat())
+
+    def _tend_joiners(self, now: float) -> None:
+        """Keep joining workers alive (they count the gateway's silence too), forget silent ones, and
+        ask another worker when the one asked for a tokenizer did not answer."""
+        for identity, (ready, heard) in list(self.joining.items()):
+            if now - heard > self.interval * self.liveness or not self._send_raw(identity, Heartbeat()):
+                del self.joining[identity]
+        for pool in self.models.values():
+            if pool.digest is None and not pool.learning:
+                self._ask_description(pool)
 
     async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
         """With CURVE on, log every refused handshake (a worker without keys, or with a key not in

@@ -1,7 +1,7 @@
 """``llmpool serve|gateway|worker``.
 
-``serve`` starts the gateway and ``--workers N`` local workers as child processes and supervises
-them: each child gets its settings through the flags' environment twins (one definition per flag),
+``serve`` starts the gateway and ``--workers N`` local workers of each model (``--model``, or each
+entry of ``--models``) as child processes and supervises them: each child gets its settings through the flags' environment twins (one definition per flag),
 a worker that dies is restarted, SIGINT/SIGTERM stops everything, and every child is set to die
 with the launcher (PR_SET_PDEATHSIG), so nothing is orphaned even if the launcher is killed.
 """
@@ -26,7 +26,13 @@ from worker.config import ALL_WORKER_FLAGS
 log = logging.getLogger("launcher")
 
 LAUNCHER_FLAGS = [
-    Flag("workers", 1, "Local worker processes to start", int),
+    Flag("workers", 1, "Local worker processes to start, per model", int),
+    Flag(
+        "models",
+        None,
+        "Several models on this machine, comma-separated, each NAME=MODEL (MODEL as for --model), e.g. "
+        "smol=SmolLM2-135M-Instruct,other=/models/other; --workers N workers each. Default: just --model",
+    ),
     Flag("kill-after", 45.0, "Seconds children get to drain and exit after SIGTERM before SIGKILL", float),
 ]
 _SERVE_WORKER_FLAGS = [f for f in ALL_WORKER_FLAGS if f not in ALL_GATEWAY_FLAGS and f.name != "gateway-address"]
@@ -64,10 +70,15 @@ class Supervisor:
         gateway_env = {**base, **flags_to_env(args, ALL_GATEWAY_FLAGS)}
         worker_env = {**base, **flags_to_env(args, ALL_GATEWAY_FLAGS), **flags_to_env(args, _SERVE_WORKER_FLAGS)}
         worker_env["LLMPOOL_GATEWAY_ADDRESS"] = connect_address(args.zmq_bind)
+        models = parse_models(args.models)
         if args.threads == 0:  # share the cores between the local workers
-            worker_env["LLMPOOL_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.workers))
+            worker_env["LLMPOOL_THREADS"] = str(max(1, (os.cpu_count() or 1) // (args.workers * max(1, len(models)))))
         self.gateway = Child("gateway", "gateway", gateway_env)
-        self.workers = [Child(f"worker-{i}", "worker", {**worker_env, "LLMPOOL_WORKER_NAME": f"worker-{i}"}) for i in range(args.workers)]
+        self.workers = []
+        for served, model in models or [(None, None)]:
+            prefix = f"{served}-worker" if served else "worker"
+            env = {**worker_env, **({"LLMPOOL_MODEL": model, "LLMPOOL_SERVED_MODEL_NAME": served} if served else {})}
+            self.workers += [Child(f"{prefix}-{i}", "worker", {**env, "LLMPOOL_WORKER_NAME": f"{prefix}-{i}"}) for i in range(args.workers)]
         self.grace = args.kill_after
         self.stopping = False
 
@@ -104,6 +115,19 @@ class Supervisor:
                 process.kill()
                 process.wait()
         log.info("stopped")
+
+
+def parse_models(spec: str | None) -> list[tuple[str, str]]:
+    """``--models`` as (served name, model) pairs; [] when not given."""
+    pairs = []
+    for entry in (e.strip() for e in (spec or "").split(",")):
+        if not entry:
+            continue
+        name, sep, model = entry.partition("=")
+        if not sep or not name.strip() or not model.strip():
+            raise SystemExit(f"--models: {entry!r} is not NAME=MODEL")
+        pairs.append((name.strip(), model.strip()))
+    return pairs
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import logging
 
 from common.config import add_flags, from_namespace
 from common.logs import setup_logging
-from common.model_source import resolve_model
+from common.model_source import bundle_tokenizer, load_tokenizer, read_chat_template, resolve_model
 from worker.config import ALL_WORKER_FLAGS, WorkerConfig
 
 
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     from worker.proc import WorkerProc
 
     source = resolve_model(config.model, config.served_model_name)
+    tokenizer = load_tokenizer(source, config.cache_dir)  # cached after the first run (GGUF: about 3 s once)
+    bundle = bundle_tokenizer(tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None)))
     engine = Engine(source, config)
     runner = engine.runner
     proc = WorkerProc(
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         config.heartbeat_liveness,
         config.drain_timeout,
         (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None,
+        bundle,
     )
     proc.install_signal_handlers()
     logging.getLogger(__name__).info("worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks)

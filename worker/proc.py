@@ -1,22 +1,33 @@
-"""The worker process's socket side: a DEALER connected to the gateway, wrapped around the engine.
+"""The worker process's socket side: one DEALER per gateway, wrapped around the engine.
 
-The loop schedules its own steps (no round trip to the gateway per token): drain whatever arrived,
-run one engine step, send one StepOutputs for the whole batch, heartbeat when due. Any message from
-the gateway counts as its heartbeat; when it has been silent for ``liveness`` intervals the worker
-drops what it was doing (the gateway has moved those requests already), reconnects with backoff
-from 1 s to 32 s and registers again, so workers survive gateway restarts.
+A worker serves every gateway in ``--gateway-address`` (comma-separated). A name that resolves to
+several addresses (a Kubernetes headless Service of gateways) means several gateways; names are
+resolved again in the background, so gateways that come and go are found and dropped. Each gateway
+gets the worker's whole load in its heartbeats, and each request's outputs go back to the gateway
+that sent it.
 
-SIGTERM (or SIGINT) drains: the worker tells the gateway at once (``draining`` in its heartbeat),
+The loop schedules its own steps (no round trip to a gateway per token): drain whatever arrived on
+any link, run one engine step, send each gateway its part of the step's outputs, heartbeat when due.
+Any message from a gateway counts as its heartbeat; when one has been silent for ``liveness``
+intervals the worker aborts that gateway's requests (it has moved them already) and reconnects to it
+with backoff from 1 s to 32 s, while it goes on serving the others. So workers survive gateway
+restarts, and a dead gateway costs only its own requests.
+
+SIGTERM (or SIGINT) drains: the worker tells every gateway at once (``draining`` in its heartbeat),
 finishes what it holds, then says Goodbye and exits. A second signal, or ``drain_timeout``, ends the
-drain early; the gateway then moves the requests that were left to other workers.
+drain early; the gateways then move the requests that were left to other workers.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import math
 import os
+import re
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections import deque
@@ -26,16 +37,84 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol
-from common.protocol import Abort, AddRequests, Goodbye, Heartbeat, Ready, StepOutputs
+from common.model_source import TokenizerBundle
+from common.protocol import Abort, AddRequests, DescribeModel, Goodbye, Heartbeat, ModelInfo, Ready, RequestOutput, StepOutputs, WorkerError
 from worker.engine import Engine
 
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 32.0
+CAPACITY_WINDOW_S = 5.0  # seconds of busy step time the capacity figure averages over
+_TCP_ADDRESS = re.compile(r"^tcp://(?P<host>[^:/\[\]]+):(?P<port>\d+)$")
+
+
+def resolve_gateways(addresses: str) -> list[str]:
+    """Every gateway address in a comma-separated list: a host name that resolves to several IPv4
+    addresses stands for several gateways (one name for a set of replicas). IP addresses, ipc://
+    and names that don't resolve (zmq retries them itself) are kept as given."""
+    found: list[str] = []
+    for address in (a.strip() for a in addresses.split(",")):
+        match = _TCP_ADDRESS.match(address)
+        if not match or match["host"] == "*" or _is_ip(match["host"]):
+            found.append(address)
+            continue
+        try:
+            infos = socket.getaddrinfo(match["host"], int(match["port"]), socket.AF_INET, socket.SOCK_STREAM)
+        except OSError as exc:
+            log.warning("could not resolve %s (%s); trying it as given", address, exc)
+            found.append(address)
+            continue
+        found.extend(f"tcp://{ip}:{match['port']}" for ip in sorted({info[4][0] for info in infos}))
+    return list(dict.fromkeys(a for a in found if a))
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class GatewayLink:
+    """One gateway: its socket, when it was last heard from, and the requests it sent."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+        self.handshakes_seen: set[int] = set()
+        self.heard = False  # answered since this connection began
+        self.last_heard = 0.0
+        self.next_heartbeat = 0.0
+        self.announced_drain = False
+        self.unsent: deque[list[bytes]] = deque()  # messages the socket could not take yet, in order
+        self.requests: set[str] = set()
+        self.backoff = 1.0
+        self.retry_at = 0.0  # when a closed link connects again
+        self.resolved = True  # False once its address no longer resolves: dropped when it goes silent
+
+
+class CapacityMeter:
+    """Tokens per second of busy step time, averaged over the last CAPACITY_WINDOW_S of steps. The
+    gateways weigh a worker's outstanding work by it, so a worker twice as fast gets twice the work."""
+
+    def __init__(self) -> None:
+        self.tokens = 0.0
+        self.seconds = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        keep = math.exp(-seconds / CAPACITY_WINDOW_S)
+        self.tokens = self.tokens * keep + tokens
+        self.seconds = self.seconds * keep + seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class WorkerProc:
-    """Connects, registers, and runs the engine loop until told to stop."""
+    """Connects to every gateway, registers, and runs the engine loop until told to stop."""
 
     def __init__(
         self,
@@ -49,11 +128,13 @@ class WorkerProc:
         heartbeat_liveness: int,
         drain_timeout: float = 30.0,
         curve_keys: tuple[str, str] | None = None,
+        tokenizer: TokenizerBundle | None = None,
     ) -> None:
         self.curve_keys = curve_keys  # (own secret key file, gateway public key file)
         self.engine = engine
-        self.address = address
+        self.addresses = address
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.tokenizer = tokenizer
         self.ready = Ready(
             worker_name=self.name,
             model=model,
@@ -63,6 +144,7 @@ class WorkerProc:
             max_batch_size=engine.max_num_seqs,
             device=device,
             dtype=dtype,
+            tokenizer_digest=tokenizer.digest if tokenizer else "",
         )
         self.interval = heartbeat_interval
         self.liveness = heartbeat_liveness
@@ -70,8 +152,11 @@ class WorkerProc:
         self.stopping = False
         self.drain_timeout = drain_timeout
         self.draining_since: float | None = None
-        self._announced_drain = False
-        self._unsent: deque[list[bytes]] = deque()  # messages the socket could not take yet, in order
+        self.links: dict[str, GatewayLink] = {}
+        self.owner: dict[str, GatewayLink] = {}  # request id -> the gateway that sent it
+        self.capacity = CapacityMeter()
+        self._resolved = resolve_gateways(address)
+        self._resolver: threading.Thread | None = None
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -86,28 +171,128 @@ class WorkerProc:
         else:
             self.stopping = True
 
-    def run(self) -> None:
-        """Connect, serve until the gateway goes silent, reconnect with backoff; until stopped."""
-        backoff = 1.0
-        while not self.stopping:
-            sock = self._connect()
-            try:
-                heard = self._serve(sock)
-            finally:
-                if self.stopping:
-                    self._send(sock, Goodbye("shutting down"))
-                self._close(sock, linger=500 if self.stopping else 0)
-            dropped = self.engine.fail_all("worker lost its gateway")
-            if dropped:
-                log.warning("gateway silent: dropped %d requests", len(dropped))
-            if self.stopping:
-                break
-            backoff = 1.0 if heard else backoff
-            log.info("reconnecting to %s in %.0f s", self.address, backoff)
-            self._sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF_S)
+    # ---- the loop ------------------------------------------------------------------------------
 
-    def _connect(self) -> zmq.Socket:
+    def run(self) -> None:
+        """Serve every gateway until stopped; reconnect each one that goes silent, with backoff."""
+        self._resolver = threading.Thread(target=self._resolve_loop, name="resolve-gateways", daemon=True)
+        self._resolver.start()
+        try:
+            while not self.stopping:
+                self._serve_once()
+        finally:
+            for link in list(self.links.values()):
+                if link.sock is not None:
+                    self._send(link, Goodbye("shutting down"))
+                    self._close(link, linger=500)
+            dropped = self.engine.fail_all("worker stopped")
+            if dropped:
+                log.warning("stopped with %d requests unfinished", len(dropped))
+
+    def _serve_once(self) -> None:
+        """One turn: (re)connect links, wait for messages (not at all while there is work), read
+        them, run a step, heartbeat, and judge each gateway's silence."""
+        now = time.monotonic()
+        self._update_links(now)
+        poller = zmq.Poller()
+        wait_s = self.interval
+        for link in self.links.values():
+            if link.sock is None:
+                wait_s = min(wait_s, max(0.0, link.retry_at - now))
+                continue
+            self._flush(link)
+            poller.register(link.sock, zmq.POLLIN)
+            poller.register(link.monitor, zmq.POLLIN)
+            wait_s = min(wait_s, max(0.0, link.next_heartbeat - now))
+            if link.unsent:
+                wait_s = min(wait_s, 0.01)
+        if self.engine.has_work():
+            wait_s = 0.0
+        events = dict(poller.poll(int(wait_s * 1000)))
+        for link in list(self.links.values()):
+            if link.sock is not None and (link.sock in events or link.monitor in events):
+                self._read_monitor(link)
+                if self._drain_socket(link) and not link.heard:  # the gateway only talks to workers it registered
+                    log.info("registered with the gateway at %s as %s", link.address, self.name)
+                    link.heard = True
+        if self.engine.has_work():
+            self._deliver(self._step())
+        now = time.monotonic()
+        if self.draining_since is not None:
+            if not self.engine.has_work() or now - self.draining_since > self.drain_timeout:
+                self.stopping = True
+                return
+        for link in list(self.links.values()):
+            if link.sock is None:
+                continue
+            if self.draining_since is not None and not link.announced_drain:
+                link.announced_drain, link.next_heartbeat = True, now  # tell the gateway right away
+            if now >= link.next_heartbeat:
+                self._send(link, self._load())
+                link.next_heartbeat = now + self.interval
+            if now - link.last_heard > self.interval * self.liveness:
+                self._drain_socket(link)  # a long step leaves its messages unread: read them before judging
+                now = time.monotonic()
+            if now - link.last_heard > self.interval * self.liveness:
+                log.warning("no word from the gateway at %s for %.1f s", link.address, now - link.last_heard)
+                self._disconnect(link, now)
+
+    def _load(self) -> Heartbeat:
+        load = self.engine.load()
+        load.draining = self.draining_since is not None
+        load.capacity_tokens_per_s = round(self.capacity.tokens_per_s, 1)
+        return load
+
+    def _step(self) -> StepOutputs:
+        start = time.perf_counter()
+        try:
+            step = self.engine.step()
+        except Exception as exc:  # a failed step must not kill the worker or leak blocks
+            log.exception("step failed")
+            return StepOutputs(self.engine.fail_all(f"step failed: {type(exc).__name__}: {exc}"))
+        tokens = sum(len(o.new_token_ids) for o in step.outputs)
+        if tokens:
+            self.capacity.add(tokens, time.perf_counter() - start)
+        return step
+
+    def _deliver(self, step: StepOutputs) -> None:
+        """Send each gateway the outputs of its own requests (all in one message per gateway)."""
+        parts: dict[str, list[RequestOutput]] = {}
+        for output in step.outputs:
+            link = self.owner.get(output.request_id)
+            if output.finish_reason is not None:
+                self.owner.pop(output.request_id, None)
+                if link is not None:
+                    link.requests.discard(output.request_id)
+            if link is not None and link.sock is not None:
+                parts.setdefault(link.address, []).append(output)
+        for address, outputs in parts.items():
+            self._send(self.links[address], StepOutputs(outputs, step.batch_size, step.num_tokens))
+
+    # ---- links ---------------------------------------------------------------------------------
+
+    def _resolve_loop(self) -> None:
+        """Resolve the gateway names again every liveness period (DNS can take seconds: not in the
+        step loop). The step loop picks the new list up in ``_update_links``."""
+        while not self.stopping:
+            time.sleep(max(1.0, self.interval * self.liveness))
+            self._resolved = resolve_gateways(self.addresses)
+
+    def _update_links(self, now: float) -> None:
+        resolved = set(self._resolved)
+        for address in resolved - self.links.keys():
+            if self.draining_since is None:
+                self.links[address] = GatewayLink(address)
+                if len(self.links) > 1:
+                    log.info("gateway %s found; serving %d gateways", address, len(self.links))
+        for address, link in list(self.links.items()):
+            link.resolved = address in resolved
+            if link.sock is None and not link.resolved:
+                del self.links[address]  # gone from the name and not connected: forget it
+            elif link.sock is None and now >= link.retry_at and self.draining_since is None:
+                self._connect(link)
+
+    def _connect(self, link: GatewayLink) -> None:
         sock = self.context.socket(zmq.DEALER)
         # A fresh identity per connection: the gateway may still hold the old one until it expires.
         sock.setsockopt(zmq.IDENTITY, f"{self.name}/{uuid.uuid4().hex[:8]}".encode())
@@ -116,103 +301,100 @@ class WorkerProc:
             own_public, own_secret = zmq.auth.load_certificate(self.curve_keys[0])
             server_public, _ = zmq.auth.load_certificate(self.curve_keys[1])
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = own_public, own_secret, server_public
-        self._monitor = sock.get_monitor_socket(protocol.HANDSHAKE_EVENT_MASK)
-        self._handshakes_seen: set[int] = set()
-        sock.connect(self.address)
-        self._unsent.clear()  # meant for the old connection; the gateway resumes those requests itself
-        self._send(sock, self.ready)
-        log.info("connecting to the gateway at %s as %s", self.address, self.name)
-        return sock
+        link.monitor = sock.get_monitor_socket(protocol.HANDSHAKE_EVENT_MASK)
+        link.handshakes_seen = set()
+        sock.connect(link.address)
+        link.sock = sock
+        link.unsent.clear()  # meant for the old connection; the gateway resumes those requests itself
+        link.heard, link.last_heard, link.next_heartbeat, link.announced_drain = False, time.monotonic(), 0.0, False
+        self._send(link, self.ready)
+        log.info("connecting to the gateway at %s as %s", link.address, self.name)
 
-    def _read_monitor(self) -> None:
+    def _disconnect(self, link: GatewayLink, now: float) -> None:
+        """The gateway went silent: drop its requests (it moved them already) and close; connect
+        again after a backoff, or forget it if its address no longer resolves."""
+        dropped = [request_id for request_id in link.requests if self.owner.get(request_id) is link]
+        for request_id in dropped:
+            self.owner.pop(request_id, None)
+        link.requests.clear()
+        if dropped:
+            self.engine.abort(dropped)
+            log.warning("gateway %s silent: dropped its %d requests", link.address, len(dropped))
+        self._close(link, linger=0)
+        link.backoff = 1.0 if link.heard else min(link.backoff * 2, MAX_BACKOFF_S)
+        link.retry_at = now + link.backoff
+        if not link.resolved:
+            del self.links[link.address]
+        else:
+            log.info("reconnecting to %s in %.0f s", link.address, link.backoff)
+
+    def _close(self, link: GatewayLink, linger: int) -> None:
+        if link.sock is None:
+            return
+        link.sock.disable_monitor()
+        link.monitor.close(linger=0)
+        link.sock.close(linger=linger)
+        link.sock = link.monitor = None
+
+    def _read_monitor(self, link: GatewayLink) -> None:
         """Say how the handshake went, once per outcome and connection (zmq retries every 100 ms)."""
-        while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
-            if event in self._handshakes_seen:
+        while link.monitor.poll(0):
+            event = recv_monitor_message(link.monitor)["event"]
+            if event in link.handshakes_seen:
                 continue
-            self._handshakes_seen.add(event)
+            link.handshakes_seen.add(event)
             outcome = protocol.HANDSHAKE_EVENTS.get(event, str(event))
             if event == protocol.HANDSHAKE_SUCCEEDED:
-                log.debug("handshake with the gateway at %s %s", self.address, outcome)
+                log.debug("handshake with the gateway at %s %s", link.address, outcome)
             else:
-                log.error("handshake with the gateway at %s %s", self.address, outcome)
+                log.error("handshake with the gateway at %s %s", link.address, outcome)
 
-    def _close(self, sock: zmq.Socket, linger: int) -> None:
-        sock.disable_monitor()
-        self._monitor.close(linger=0)
-        sock.close(linger=linger)
+    # ---- messages ------------------------------------------------------------------------------
 
-    def _serve(self, sock: zmq.Socket) -> bool:
-        """The step loop. Returns whether the gateway ever answered (to reset the backoff)."""
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        last_heard = time.monotonic()
-        heard = False
-        next_heartbeat = 0.0
-        self._announced_drain = False
-        while not self.stopping:
-            self._flush(sock)
-            now = time.monotonic()
-            wait_s = 0.0 if self.engine.has_work() else max(0.0, min(next_heartbeat - now, self.interval))
-            if self._unsent:
-                wait_s = min(wait_s, 0.01)
-            if poller.poll(int(wait_s * 1000)):
-                self._read_monitor()
-                if self._drain(sock):
-                    if not heard:  # the gateway only talks to workers it registered
-                        log.info("registered with the gateway at %s as %s", self.address, self.name)
-                    last_heard, heard = time.monotonic(), True
-            if self.engine.has_work():
-                self._send(sock, self._step())
-            now = time.monotonic()
-            if self.draining_since is not None:
-                if not self.engine.has_work() or now - self.draining_since > self.drain_timeout:
-                    self.stopping = True
-                    return heard
-                if not self._announced_drain:
-                    self._announced_drain, next_heartbeat = True, now  # tell the gateway right away
-            if now >= next_heartbeat:
-                load = self.engine.load()
-                load.draining = self.draining_since is not None
-                self._send(sock, load)
-                next_heartbeat = now + self.interval
-            if now - last_heard > self.interval * self.liveness:
-                log.warning("no word from the gateway for %.1f s", now - last_heard)
-                return heard
-        return heard
-
-    def _step(self) -> StepOutputs:
-        try:
-            return self.engine.step()
-        except Exception as exc:  # a failed step must not kill the worker or leak blocks
-            log.exception("step failed")
-            return StepOutputs(self.engine.fail_all(f"step failed: {type(exc).__name__}: {exc}"))
-
-    def _drain(self, sock: zmq.Socket) -> bool:
-        """Handle every message waiting on the socket; True if anything valid arrived."""
+    def _drain_socket(self, link: GatewayLink) -> bool:
+        """Handle every message waiting on a link; True if anything valid arrived."""
         got = False
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = link.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return got
             try:
                 msg = protocol.decode(frames)
             except protocol.ProtocolError as exc:
-                msg = self._salvage(frames, exc)
+                msg = self._salvage(link, frames, exc)
                 if msg is None:
                     continue
             got = True
+            link.last_heard = time.monotonic()
             if isinstance(msg, AddRequests):
                 for new in msg.requests:
+                    self._own(link, new.request_id)
                     self.engine.add_request(new)
             elif isinstance(msg, Abort):
-                self._send(sock, StepOutputs(self.engine.abort(msg.request_ids)))
+                self._send(link, StepOutputs(self.engine.abort(msg.request_ids)))
+                for request_id in msg.request_ids:
+                    if self.owner.get(request_id) is link:
+                        del self.owner[request_id]
+                    link.requests.discard(request_id)
+            elif isinstance(msg, DescribeModel):
+                self._describe(link)
             elif not isinstance(msg, Heartbeat):
-                log.warning("unexpected %s from the gateway", type(msg).__name__)
+                log.warning("unexpected %s from the gateway at %s", type(msg).__name__, link.address)
 
-    def _salvage(self, frames: list[bytes], exc: protocol.ProtocolError) -> AddRequests | None:
+    def _own(self, link: GatewayLink, request_id: str) -> None:
+        self.owner[request_id] = link
+        link.requests.add(request_id)
+
+    def _describe(self, link: GatewayLink) -> None:
+        """Send the model's tokenizer and chat template: the gateway has no files of its own."""
+        if self.tokenizer is None:
+            self._send(link, WorkerError(f"worker {self.name} has no tokenizer bundle to describe {self.ready.model}"))
+            return
+        bundle = self.tokenizer
+        self._send(link, ModelInfo(self.ready.model, bundle.digest, bundle.packed, bundle.chat_template))
+
+    def _salvage(self, link: GatewayLink, frames: list[bytes], exc: protocol.ProtocolError) -> AddRequests | None:
         """A message that did not decode: if it is an AddRequests, keep the requests that do decode
         and answer the others with an error (the gateway would otherwise wait on them until its
         timeout); anything else is dropped."""
@@ -223,30 +405,26 @@ class WorkerProc:
         good, bad = salvaged
         log.warning("an AddRequests did not decode (%s): %d of its requests run, %d are refused", exc, len(good), len(bad))
         for request_id, why in bad:
+            self._own(link, request_id)
             self.engine.reject(request_id, why, bad_request=True)
         return AddRequests(good)
 
-    def _send(self, sock: zmq.Socket, msg: protocol.Message) -> None:
+    def _send(self, link: GatewayLink, msg: protocol.Message) -> None:
         """Never block the step loop on a slow gateway, and never lose a message either (a lost
         output is a gap in a stream): what the socket can't take now waits for the next try."""
-        if not self._unsent:
+        if not link.unsent:
             try:
-                sock.send_multipart(protocol.encode(msg), zmq.NOBLOCK)
+                link.sock.send_multipart(protocol.encode(msg), zmq.NOBLOCK)
                 return
             except zmq.Again:
-                log.warning("gateway not accepting messages; holding them until it does")
-        self._unsent.append(protocol.encode(msg))
+                log.warning("gateway %s not accepting messages; holding them until it does", link.address)
+        link.unsent.append(protocol.encode(msg))
 
-    def _flush(self, sock: zmq.Socket) -> None:
+    def _flush(self, link: GatewayLink) -> None:
         """Send what was held back, oldest first, as far as the socket takes it."""
-        while self._unsent:
+        while link.unsent:
             try:
-                sock.send_multipart(self._unsent[0], zmq.NOBLOCK)
+                link.sock.send_multipart(link.unsent[0], zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._unsent.popleft()
-
-    def _sleep(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not self.stopping and time.monotonic() < deadline:
-            time.sleep(0.1)
+            link.unsent.popleft()

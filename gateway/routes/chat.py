@@ -21,8 +21,8 @@ from gateway.core import (
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, now_s
 from gateway.logprobs import chat_logprobs
+from gateway.model_registry import ModelRegistry
 from gateway.routes.common import (
-    check_model,
     documented,
     event_stream,
     json_response,
@@ -94,9 +94,9 @@ class ChatController(Controller):
     path = "/v1/chat/completions"
 
     @post("/", status_code=200, responses=documented(ChatCompletion, "the completion (with `stream`: chat.completion.chunk events)"))
-    async def create(self, request: Request, data: ChatCompletionRequest, generator: Generator) -> Response:
+    async def create(self, request: Request, data: ChatCompletionRequest, models: ModelRegistry) -> Response:
         req = data
-        check_model(req.model, generator.model_name)
+        generator = models.get(req.model)
         check_supported(req)
         stops = stop_strings(req.stop)
         check_request_template(request, req.chat_template)

@@ -1,4 +1,4 @@
-"""Pieces every dialect's route shares: the model check, JSON and SSE responses, OpenAI's usage block."""
+"""Pieces every dialect's route shares: JSON and SSE responses, OpenAI's usage block."""
 
 from __future__ import annotations
 
@@ -11,17 +11,11 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
 from gateway.core import Usage
-from gateway.errors import NotFound
 from gateway.schemas import ErrorBody, PromptTokensDetails
 from gateway.schemas import Usage as OpenAIUsage
 from gateway.streaming import SSE_HEADERS, sse_events
 
 _encoder = msgspec.json.Encoder()
-
-
-def check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise NotFound(f"the model `{requested}` does not exist; this server serves `{served}`", param="model", code="model_not_found")
 
 
 def json_response(payload: Any, request_id: str | None = None) -> Response:

@@ -14,8 +14,8 @@ from gateway.core import LENGTH, Finish, GenerationRequest, PromptLogprobs, Text
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, now_s
 from gateway.logprobs import completion_logprobs
+from gateway.model_registry import ModelRegistry
 from gateway.routes.common import (
-    check_model,
     documented,
     event_stream,
     json_response,
@@ -60,9 +60,9 @@ class CompletionsController(Controller):
     path = "/v1/completions"
 
     @post("/", status_code=200, responses=documented(Completion, "the completion (with `stream`: text_completion chunks)"))
-    async def create(self, request: Request, data: CompletionRequest, generator: Generator) -> Response:
+    async def create(self, request: Request, data: CompletionRequest, models: ModelRegistry) -> Response:
         req = data
-        check_model(req.model, generator.model_name)
+        generator = models.get(req.model)
         check_supported(req)
         stops = stop_strings(req.stop)
         copies = _copies(req)

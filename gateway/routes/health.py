@@ -6,7 +6,7 @@ from __future__ import annotations
 from litestar import Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.generation import Generator
+from gateway.model_registry import ModelRegistry
 from gateway.routes.common import json_response
 
 
@@ -16,19 +16,19 @@ async def health() -> Response:
 
 
 @get("/ready")
-async def ready(generator: Generator) -> Response:
+async def ready(models: ModelRegistry) -> Response:
     """200 when at least one worker takes requests and makes progress on those it holds."""
-    workers = len(generator.client.ready_workers())
+    workers = len([w for w in models.client.ready_workers() if w.ready.model in models.generators])
     response = json_response({"status": "ready" if workers else "no worker ready", "workers": workers})
     response.status_code = 200 if workers else 503
     return response
 
 
 @get("/workers")
-async def workers(generator: Generator) -> Response:
-    return json_response(generator.client.snapshot())
+async def workers(models: ModelRegistry) -> Response:
+    return json_response(models.client.snapshot())
 
 
 @get("/metrics")
-async def metrics(generator: Generator) -> Response:
-    return Response(content=generator.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+async def metrics(models: ModelRegistry) -> Response:
+    return Response(content=models.metrics.render(), media_type=CONTENT_TYPE_LATEST)

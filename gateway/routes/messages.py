@@ -31,7 +31,8 @@ from gateway.core import (
 )
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.generation import Generator
-from gateway.routes.common import check_model, documented, event_stream, json_response
+from gateway.model_registry import ModelRegistry
+from gateway.routes.common import documented, event_stream, json_response
 from gateway.schemas_anthropic import (
     AnthropicErrorBody,
     AnthropicMessage,
@@ -119,7 +120,6 @@ def _tools(req: CountTokensRequest) -> ToolPlan:
 
 
 async def _prompt(generator: Generator, req: CountTokensRequest) -> tuple[list[int], ToolPlan]:
-    check_model(req.model, generator.model_name)
     plan = _tools(req)
     return await core.chat_prompt(generator, chat_messages(req.system, req.messages), plan), plan
 
@@ -148,8 +148,9 @@ class MessagesController(Controller):
     path = "/v1/messages"
 
     @post("/", status_code=200, responses=documented(MessageResponse, "the message (with `stream`: Anthropic's events)", AnthropicErrorBody))
-    async def create(self, request: Request, data: MessagesRequest, generator: Generator) -> Response:
+    async def create(self, request: Request, data: MessagesRequest, models: ModelRegistry) -> Response:
         req = data
+        generator = models.get(req.model)
         prompt, plan = await _prompt(generator, req)
         generation = await core.start(
             generator,
@@ -180,8 +181,8 @@ class MessagesController(Controller):
         return json_response(body, generation.request_id)
 
     @post("/count_tokens", status_code=200, responses=documented(CountTokensResponse, "the prompt's length in tokens", AnthropicErrorBody))
-    async def count_tokens(self, data: CountTokensRequest, generator: Generator) -> Response:
-        prompt, _ = await _prompt(generator, data)
+    async def count_tokens(self, data: CountTokensRequest, models: ModelRegistry) -> Response:
+        prompt, _ = await _prompt(models.get(data.model), data)
         return json_response(CountTokensResponse(len(prompt)))
 
 

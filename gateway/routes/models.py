@@ -1,32 +1,21 @@
-"""GET /v1/models and /v1/models/{model_id}."""
+"""GET /v1/models and /v1/models/{model_id}: every model some worker has brought, with its context
+length and how many workers serve it now."""
 
 from __future__ import annotations
 
-import time
-
 from litestar import Controller, Response, get
 
-from gateway.generation import Generator
-from gateway.routes.common import check_model, documented, json_response
-
-STARTED = time.time()
-
-
-def model_card(generator: Generator) -> dict:
-    card = {"id": generator.model_name, "object": "model", "created": int(STARTED), "owned_by": "llmpool"}
-    if (max_model_len := generator.max_model_len()) is not None:
-        card["max_model_len"] = max_model_len
-    return card
+from gateway.model_registry import ModelRegistry
+from gateway.routes.common import documented, json_response
 
 
 class ModelsController(Controller):
     path = "/v1/models"
 
     @get("/")
-    async def list_models(self, generator: Generator) -> Response:
-        return json_response({"object": "list", "data": [model_card(generator)]})
+    async def list_models(self, models: ModelRegistry) -> Response:
+        return json_response({"object": "list", "data": models.cards()})
 
-    @get("/{model_id:str}", responses=documented(None))
-    async def get_model(self, model_id: str, generator: Generator) -> Response:
-        check_model(model_id, generator.model_name)
-        return json_response(model_card(generator))
+    @get("/{model_id:path}", responses=documented(None))
+    async def get_model(self, model_id: str, models: ModelRegistry) -> Response:
+        return json_response(models.card(model_id.lstrip("/")))

@@ -31,8 +31,9 @@ from gateway.core import LENGTH, Finish, GenerationRequest, Text, ToolCallDelta
 from gateway.errors import GatewayError, InvalidRequest, NotFound
 from gateway.generation import Generator
 from gateway.logprobs import chat_logprobs
+from gateway.model_registry import ModelRegistry
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.routes.common import check_model, documented, event_stream, json_response
+from gateway.routes.common import documented, event_stream, json_response
 from gateway.schemas import MAX_LOGPROBS
 from gateway.schemas_responses import (
     DeletedResponse,
@@ -143,10 +144,10 @@ class ResponsesController(Controller):
     path = "/"
 
     @post(["/v1/responses", "/responses"], status_code=200, responses=documented(ResponseObject, "the response (with `stream`: typed events)"))
-    async def create(self, request: Request, data: ResponsesRequest, generator: Generator) -> Response:
+    async def create(self, request: Request, data: ResponsesRequest, models: ModelRegistry) -> Response:
         req = data
         store: ResponseStore = request.app.state.response_store
-        check_model(req.model, generator.model_name)
+        generator = models.get(req.model)
         _refuse_unsupported(req)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:

@@ -8,8 +8,9 @@ from litestar import Controller, Request, Response, post
 from gateway import core
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator
+from gateway.model_registry import ModelRegistry
 from gateway.routes.chat import check_request_template, message_dicts
-from gateway.routes.common import check_model, documented, json_response
+from gateway.routes.common import documented, json_response
 from gateway.schemas import DetokenizeRequest, TokenizeRequest
 from gateway.tools import tool_plan
 from gateway.validation import check_token_ids
@@ -35,10 +36,9 @@ class TokenizeController(Controller):
     path = "/"
 
     @post("/tokenize", status_code=200, responses=documented(None))
-    async def tokenize(self, request: Request, data: TokenizeRequest, generator: Generator) -> Response:
+    async def tokenize(self, request: Request, data: TokenizeRequest, models: ModelRegistry) -> Response:
         req = data
-        if req.model is not None:
-            check_model(req.model, generator.model_name)
+        generator = models.get(req.model)
         ids = await _tokenize(request, generator, req)
         body: dict = {"count": len(ids), "max_model_len": generator.max_model_len(), "tokens": ids}
         if req.return_token_strs:
@@ -46,10 +46,9 @@ class TokenizeController(Controller):
         return json_response(body)
 
     @post("/detokenize", status_code=200, responses=documented(None))
-    async def detokenize(self, data: DetokenizeRequest, generator: Generator) -> Response:
+    async def detokenize(self, data: DetokenizeRequest, models: ModelRegistry) -> Response:
         req = data
-        if req.model is not None:
-            check_model(req.model, generator.model_name)
+        generator = models.get(req.model)
         check_token_ids(req.tokens, generator.vocab_size, "tokens")
         text = await generator.run_in_pool(generator.tokenizer.decode, req.tokens, size=len(req.tokens))
         return json_response({"prompt": text})

@@ -272,8 +272,10 @@ async function refreshDashboard() {
     const usage = alive ? (kv[name] || { value: 0 }).value : 0;
     const row = document.createElement("tr");
     row.dataset.worker = name;
+    const model = info[name] ? info[name].labels.model : (up[name].labels.model || "-");
     const cells = [
       name,
+      model,
       `<span class="state ${workerState}">${workerState}</span>`,
       info[name] ? `${info[name].labels.device} · ${info[name].labels.dtype}` : "-",
       alive ? running[name].value : "-",
@@ -283,7 +285,7 @@ async function refreshDashboard() {
       alive ? peak[name].value : "-",
       alive ? hits[name].value : "-",
     ];
-    row.innerHTML = cells.map((c, i) => `<td>${i === 0 ? escapeHtml(c) : c}</td>`).join("");
+    row.innerHTML = cells.map((c, i) => `<td>${i <= 1 ? escapeHtml(c) : c}</td>`).join("");
     return row;
   });
   $("workers").querySelector("tbody").replaceChildren(...rows);

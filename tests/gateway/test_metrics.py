@@ -34,8 +34,8 @@ def test_dead_workers_are_counted_as_they_are_now_and_departures_as_a_counter():
             seen = samples(metrics)
             assert seen[("llmpool_workers", (("state", "dead"),))] == 1
             assert seen[("llmpool_worker_departures_total", ())] == 3
-            assert seen[("llmpool_worker_up", (("worker", "fake"),))] == 1
-            assert seen[("llmpool_worker_up", (("worker", "other"),))] == 0
+            assert seen[("llmpool_worker_up", (("model", "m"), ("worker", "fake")))] == 1
+            assert seen[("llmpool_worker_up", (("model", "m"), ("worker", "other")))] == 0
         finally:
             other.close()
 

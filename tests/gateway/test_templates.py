@@ -2,8 +2,9 @@
 
 import pytest
 
+from common.model_source import bundled_templates, read_chat_template
 from gateway.errors import InvalidRequest
-from gateway.templates import ChatTemplate, bundled_templates, read_template_source
+from gateway.templates import ChatTemplate
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
@@ -18,25 +19,25 @@ def special(tokenizer) -> dict:
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_tokenizer_template_matches_apply_chat_template(tokenizer, messages):
-    template = ChatTemplate(read_template_source(None, tokenizer.chat_template), special(tokenizer))
+    template = ChatTemplate(read_chat_template(None, tokenizer.chat_template), special(tokenizer))
     expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert template.render(messages) == expected
 
 
 def test_bundled_chatml_renders_chatml(tokenizer):
     assert {"chatml", "llama2"} <= set(bundled_templates())
-    template = ChatTemplate(read_template_source("chatml", tokenizer.chat_template), special(tokenizer))
+    template = ChatTemplate(read_chat_template("chatml", tokenizer.chat_template), special(tokenizer))
     text = template.render([{"role": "user", "content": "Hi"}])
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_chatml_is_the_fallback_without_a_tokenizer_template():
-    assert "<|im_start|>" in read_template_source(None, None)
+    assert "<|im_start|>" in read_chat_template(None, None)
 
 
 def test_unknown_template_option_is_refused():
     with pytest.raises(ValueError, match="not a file"):
-        read_template_source("no-such-template", None)
+        read_chat_template("no-such-template", None)
 
 
 def test_sandbox_blocks_python_internals():

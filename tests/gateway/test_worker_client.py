@@ -9,8 +9,10 @@ from common import protocol
 from common.protocol import (
     Abort,
     AddRequests,
+    DescribeModel,
     Goodbye,
     Heartbeat,
+    ModelInfo,
     NewRequest,
     Ready,
     RequestOutput,
@@ -60,7 +62,7 @@ async def eventually(check, timeout: float = 5.0) -> None:
 
 def run(scenario) -> None:
     async def main():
-        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", "m", heartbeat_interval=0.2, heartbeat_liveness=3)
+        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", heartbeat_interval=0.2, heartbeat_liveness=3)
         await client.start()
         worker = FakeWorker(client.bind_address)
         try:
@@ -80,7 +82,7 @@ def test_requests_of_one_tick_travel_together_and_outputs_reach_their_streams():
     async def scenario(client, worker):
         await worker.send(READY)
         await eventually(lambda: client.workers)
-        streams = [client.submit(request(i)) for i in range(3)]
+        streams = [client.submit(request(i), "m") for i in range(3)]
         added = await worker.receive(AddRequests)
         assert [r.request_id for r in added.requests] == ["r0", "r1", "r2"]
         assert client.add_messages_sent == 1
@@ -104,7 +106,7 @@ def test_malformed_frames_are_dropped_and_the_socket_keeps_working():
         await worker.sock.send_multipart([b"\x63\x02", b""])
         await worker.sock.send(b"one frame only")
         await eventually(lambda: client.dropped_frames == 3)
-        stream = client.submit(request(0))
+        stream = client.submit(request(0), "m")
         await worker.receive(AddRequests)
         await worker.send(StepOutputs([RequestOutput("r0", [7], "length", 3, 1)]))
         assert (await stream.queue.get()).new_token_ids == [7]
@@ -116,7 +118,7 @@ def test_goodbye_fails_in_flight_requests_with_a_clear_error():
     async def scenario(client, worker):
         await worker.send(READY)
         await eventually(lambda: client.workers)
-        stream = client.submit(request(0))
+        stream = client.submit(request(0), "m")
         await worker.receive(AddRequests)
         await worker.send(Goodbye("shutting down"))
         error = await asyncio.wait_for(stream.queue.get(), 5)
@@ -130,11 +132,11 @@ def test_a_silent_worker_expires_and_its_requests_fail():
     async def scenario(client, worker):
         await worker.send(READY)
         await eventually(lambda: client.workers)
-        stream = client.submit(request(0))
+        stream = client.submit(request(0), "m")
         error = await asyncio.wait_for(stream.queue.get(), 5)  # no heartbeats: gone after 3 x 0.2 s
         assert isinstance(error, GenerationFailed) and "missed 3 heartbeats" in error.message
         try:
-            client.submit(request(1))
+            client.submit(request(1), "m")
         except NoWorkerAvailable:
             pass
         else:
@@ -154,11 +156,97 @@ def test_heartbeats_keep_a_worker_alive_and_carry_its_load():
     run(scenario)
 
 
-def test_a_worker_for_another_model_is_refused():
+def test_requests_go_only_to_workers_of_their_model():
     async def scenario(client, worker):
-        await worker.send(Ready("other", "not-m", 1024, 4096, 16, 8, "cpu", "float32"))
-        await asyncio.sleep(0.3)
-        assert not client.workers
+        other = FakeWorker(client.bind_address, name=b"other")
+        try:
+            await other.send(Ready("other", "not-m", 1024, 4096, 16, 8, "cpu", "float32"))
+            await eventually(lambda: client.workers)
+            try:
+                client.submit(request(0), "m")
+            except NoWorkerAvailable as exc:
+                assert "`m`" in exc.message
+            else:
+                raise AssertionError("a request for m must not go to a worker of not-m")
+            await worker.send(READY)
+            await eventually(lambda: len(client.workers) == 2)
+            client.submit(request(1), "m")
+            assert [r.request_id for r in (await worker.receive(AddRequests)).requests] == ["r1"]
+            client.submit(request(2), "not-m")
+            assert [r.request_id for r in (await other.receive(AddRequests)).requests] == ["r2"]
+            assert client.limits("not-m") == (1024, 4096)
+        finally:
+            other.close()
+
+    run(scenario)
+
+
+def test_a_worker_with_another_tokenizer_under_a_served_name_is_refused():
+    async def scenario(client, worker):
+        await worker.send(Ready("fake", "m", 1024, 4096, 16, 8, "cpu", "float32", tokenizer_digest="aaa"))
+        await eventually(lambda: client.workers)
+        impostor = FakeWorker(client.bind_address, name=b"impostor")
+        try:
+            await impostor.send(Ready("impostor", "m", 1024, 4096, 16, 8, "cpu", "float32", tokenizer_digest="bbb"))
+            await asyncio.sleep(0.3)
+            assert [w.ready.worker_name for w in client.workers.values()] == ["fake"]
+        finally:
+            impostor.close()
+
+    run(scenario)
+
+
+def test_a_gateway_learns_a_model_from_its_first_worker_before_admitting_it():
+    """learn_model set: the worker waits in joining, is asked for its tokenizer (DescribeModel), and
+    is admitted once the gateway has loaded what it sent; a failed load asks again."""
+    learned: list[str] = []
+
+    async def learn(info: ModelInfo) -> None:
+        if info.files == b"broken":
+            raise ValueError("not a tokenizer")
+        learned.append(info.model)
+
+    async def main():
+        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", heartbeat_interval=0.2, heartbeat_liveness=3, learn_model=learn)
+        await client.start()
+        worker = FakeWorker(client.bind_address)
+        try:
+            await worker.send(Ready("fake", "m", 1024, 4096, 16, 8, "cpu", "float32", tokenizer_digest="d1"))
+            ask = await worker.receive(DescribeModel)
+            assert ask.tokenizer_digest == "d1" and not client.workers and client.snapshot()["joining"] == [{"name": "fake", "model": "m"}]
+            await worker.send(ModelInfo("m", "d1", b"broken"))
+            await asyncio.sleep(0.3)
+            assert not client.workers and not learned
+            await worker.send(Ready("fake", "m", 1024, 4096, 16, 8, "cpu", "float32", tokenizer_digest="d1"))
+            await worker.receive(DescribeModel)
+            await worker.send(ModelInfo("m", "d1", b"files"))
+            await eventually(lambda: client.workers)
+            assert learned == ["m"] and client.models["m"].digest == "d1"
+        finally:
+            worker.close()
+            await client.stop()
+
+    asyncio.run(main())
+
+
+def test_a_worker_twice_as_fast_gets_about_twice_the_work():
+    """Outstanding work is weighed by each worker's measured speed (capacity from its heartbeats)."""
+
+    async def scenario(client, worker):
+        slow = FakeWorker(client.bind_address, name=b"slow")
+        try:
+            await worker.send(READY)
+            await slow.send(Ready("slow", "m", 1024, 4096, 16, 8, "cpu", "float32"))
+            await eventually(lambda: len(client.workers) == 2)
+            await worker.send(Heartbeat(capacity_tokens_per_s=200.0))
+            await slow.send(Heartbeat(capacity_tokens_per_s=100.0))
+            await eventually(lambda: all(w.heartbeats for w in client.workers.values()))
+            for i in range(30):
+                client.submit(request(i), "m")
+            shares = {w.ready.worker_name: len(w.inflight) for w in client.workers.values()}
+            assert shares == {"fake": 20, "slow": 10}
+        finally:
+            slow.close()
 
     run(scenario)
 
@@ -167,7 +255,7 @@ def test_a_worker_registering_again_replaces_its_old_entry_and_takes_its_request
     async def scenario(client, worker):
         await worker.send(READY)
         await eventually(lambda: client.workers)
-        stream = client.submit(request(0))
+        stream = client.submit(request(0), "m")
         await worker.receive(AddRequests)
         restarted = FakeWorker(client.bind_address, name=b"fake-restarted")
         try:
@@ -189,7 +277,7 @@ def test_a_dead_workers_requests_resume_on_another_worker_where_they_left_off():
         try:
             await worker.send(READY)
             await eventually(lambda: client.workers)
-            stream = client.submit(NewRequest("r0", [1, 2, 3], 5, SamplingParams(temperature=0.7, seed=11)))
+            stream = client.submit(NewRequest("r0", [1, 2, 3], 5, SamplingParams(temperature=0.7, seed=11)), "m")
             await worker.receive(AddRequests)
             await other.send(Ready("other", "m", 1024, 4096, 16, 8, "cpu", "float32"))
             await eventually(lambda: len(client.workers) == 2)
@@ -212,13 +300,13 @@ def test_a_dead_workers_requests_resume_on_another_worker_where_they_left_off():
 
 def test_a_worker_that_heartbeats_but_makes_no_progress_counts_as_hung():
     async def main():
-        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", "m", heartbeat_interval=0.1, heartbeat_liveness=5, hung_timeout=0.6)
+        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", heartbeat_interval=0.1, heartbeat_liveness=5, hung_timeout=0.6)
         await client.start()
         worker = FakeWorker(client.bind_address)
         try:
             await worker.send(READY)
             await eventually(lambda: client.workers)
-            stream = client.submit(request(0))
+            stream = client.submit(request(0), "m")
             await worker.receive(AddRequests)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 5
@@ -242,13 +330,13 @@ def test_a_request_the_worker_never_accepted_fails_alone_and_the_worker_is_not_h
     ready, though hung_timeout passed many times meanwhile."""
 
     async def main():
-        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", "m", heartbeat_interval=0.1, heartbeat_liveness=5, hung_timeout=0.3)
+        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", heartbeat_interval=0.1, heartbeat_liveness=5, hung_timeout=0.3)
         await client.start()
         worker = FakeWorker(client.bind_address)
         try:
             await worker.send(READY)
             await eventually(lambda: client.workers)
-            stream = client.submit(request(0))
+            stream = client.submit(request(0), "m")
             await worker.receive(AddRequests)  # and loses it, and the two resends
             loop = asyncio.get_running_loop()
             started, ready_throughout = loop.time(), True
@@ -278,14 +366,19 @@ def test_prefix_affinity_sends_a_shared_prefix_to_the_same_worker_unless_it_is_m
     a = WorkerInfo(b"a", READY, 0.0)
     b = WorkerInfo(b"b", READY, 0.0)
     affinity = PrefixAffinity(slack_tokens=1000)
+    workers = {w.identity: w for w in (a, b)}
     system = list(range(600))
-    assert affinity.choose(system + [1], [a, b], least_loaded=a) is a
+    assert affinity.choose("m", system + [1], workers.get, best=a) is a
     a.outstanding_tokens = 900  # busier, but within the slack: still a, where the prefix is cached
-    assert affinity.choose(system + [2], [a, b], least_loaded=b) is a
+    assert affinity.choose("m", system + [2], workers.get, best=b) is a
+    assert affinity.choose("other-model", system + [2], workers.get, best=b) is b  # prefixes are per model
     a.outstanding_tokens = 5000  # much busier: the least-loaded one takes it (and the prefix moves)
-    assert affinity.choose(system + [3], [a, b], least_loaded=b) is b
-    assert affinity.choose(list(range(1000, 1100)), [a, b], least_loaded=a) is a  # an unseen prefix
-    assert affinity.choose([1, 2, 3], [a, b], least_loaded=b) is b  # too short to bother
+    assert affinity.choose("m", system + [3], workers.get, best=b) is b
+    assert affinity.choose("m", list(range(1000, 1100)), workers.get, best=a) is a  # an unseen prefix
+    assert affinity.choose("m", [1, 2, 3], workers.get, best=b) is b  # too short to bother
+    a.outstanding_tokens = 0
+    del workers[b"b"]  # the owner of the prefix left: the best one takes it
+    assert affinity.choose("m", system + [4], workers.get, best=a) is a
     assert affinity.hits == 1
 
 
@@ -298,7 +391,7 @@ def test_a_lost_output_is_noticed_and_the_request_resumes_from_what_was_delivere
     async def scenario(client, worker):
         await worker.send(READY)
         await eventually(lambda: client.workers)
-        stream = client.submit(NewRequest("r0", [1, 2, 3], 3, SamplingParams(temperature=0)))
+        stream = client.submit(NewRequest("r0", [1, 2, 3], 3, SamplingParams(temperature=0)), "m")
         await worker.receive(AddRequests)
         await worker.send(StepOutputs([RequestOutput("r0", [7], None, 3, 1, seq=0)]))
         await worker.send(StepOutputs([RequestOutput("r0", [9], None, 3, 3, seq=2)]))  # seq 1 ([8]) lost

@@ -10,7 +10,7 @@ import zmq
 from common import protocol
 from common.protocol import Abort, AddRequests, Goodbye, Heartbeat, NewRequest, Ready, RequestOutput, StepOutputs
 from tests.conftest import free_port
-from worker.proc import WorkerProc
+from worker.proc import GatewayLink, WorkerProc, resolve_gateways
 
 
 class StubEngine:
@@ -111,17 +111,61 @@ def test_worker_registers_serves_survives_garbage_and_says_goodbye():
 def test_worker_reconnects_and_registers_again_when_the_gateway_goes_silent():
     gateway = FakeGateway()
     engine = StubEngine()
+    engine.step = lambda: StepOutputs([])  # holds its requests: nothing finishes
     proc, thread = start_worker(gateway.address, engine)
     try:
         first, _ = gateway.receive(Ready)
-        # Never answer: after 3 x 0.1 s of silence the worker drops its work and reconnects.
+        gateway.send(first, AddRequests([NewRequest("held", [1], 5)]))
+        # Then never answer: after 3 x 0.1 s of silence the worker drops that gateway's requests and reconnects.
         second, again = gateway.receive(Ready, timeout=5)
         assert second != first and again.worker_name == "w-test"
-        assert engine.failed_all >= 1
+        assert engine.pending == [] and "held" not in proc.owner
     finally:
         proc.stopping = True
         thread.join(5)
         gateway.close()
+
+
+def test_a_worker_serves_every_gateway_and_answers_each_its_own_requests():
+    """Two gateways: each gets the Ready, each request's output goes back where it came from, and a
+    gateway that goes silent costs only its own requests while the other keeps being served."""
+    gateways = [FakeGateway(), FakeGateway()]
+    engine = StubEngine()
+    proc = WorkerProc(engine, ",".join(g.address for g in gateways), "w-test", "m", "cpu", "float32", heartbeat_interval=0.1, heartbeat_liveness=3)
+    thread = threading.Thread(target=proc.run, daemon=True)
+    thread.start()
+    try:
+        (a, _), (b, _) = gateways[0].receive(Ready), gateways[1].receive(Ready)
+        gateways[0].send(a, AddRequests([NewRequest("from-a", [1], 5)]))
+        gateways[1].send(b, AddRequests([NewRequest("from-b", [1], 5)]))
+        _, step_a = gateways[0].receive(StepOutputs)
+        _, step_b = gateways[1].receive(StepOutputs)
+        assert [o.request_id for o in step_a.outputs] == ["from-a"] and [o.request_id for o in step_b.outputs] == ["from-b"]
+        _, load = gateways[1].receive(Heartbeat)
+        assert load.capacity_tokens_per_s > 0  # it measured its speed on the steps it ran
+        # Gateway b stops talking; a keeps heartbeating and is served throughout.
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            gateways[0].send(a, Heartbeat())
+            time.sleep(0.05)
+        gateways[0].send(a, AddRequests([NewRequest("again-a", [1], 5)]))
+        _, step = gateways[0].receive(StepOutputs)
+        assert [o.request_id for o in step.outputs] == ["again-a"]
+        gateways[1].receive(Ready)  # b was dropped and is being reconnected to
+    finally:
+        proc.stopping = True
+        thread.join(5)
+        for g in gateways:
+            g.close()
+
+
+def test_a_name_that_resolves_to_several_addresses_is_several_gateways():
+    assert resolve_gateways("tcp://localhost:5555, ipc:///tmp/x,tcp://10.0.0.1:7") == [
+        "tcp://127.0.0.1:5555",
+        "ipc:///tmp/x",
+        "tcp://10.0.0.1:7",
+    ]
+    assert resolve_gateways("tcp://no-such-host.invalid:5555") == ["tcp://no-such-host.invalid:5555"]  # zmq retries it
 
 
 def test_a_request_the_worker_cannot_decode_is_answered_with_an_error_not_dropped():
@@ -161,12 +205,13 @@ def test_messages_the_socket_cannot_take_wait_in_order_instead_of_being_dropped(
             self.sent.append(frames)
 
     proc = WorkerProc(StubEngine(), "tcp://127.0.0.1:1", "w-test", "m", "cpu", "float32", heartbeat_interval=0.1, heartbeat_liveness=3)
-    sock = FullSocket()
+    link = GatewayLink("tcp://127.0.0.1:1")
+    link.sock = FullSocket()
     steps = [StepOutputs([RequestOutput("a", [i], seq=i)]) for i in range(3)]
     for step in steps[:2]:
-        proc._send(sock, step)
-    sock.accepting = True
-    proc._send(sock, steps[2])  # behind the held ones, never ahead of them
-    assert not sock.sent
-    proc._flush(sock)
-    assert [protocol.decode(frames) for frames in sock.sent] == steps
+        proc._send(link, step)
+    link.sock.accepting = True
+    proc._send(link, steps[2])  # behind the held ones, never ahead of them
+    assert not link.sock.sent
+    proc._flush(link)
+    assert [protocol.decode(frames) for frames in link.sock.sent] == steps

@@ -1,0 +1,79 @@
+"""The models this gateway serves, each learned from the first of its workers to register.
+
+The gateway holds no model files. A worker's ``ModelInfo`` brings its model's tokenizer and chat
+template; ``learn`` turns it into that model's ``Generator``. Routes ask ``get(name)`` for the
+model a request names: a name never seen is a 404, a model whose workers are all gone (or whose
+tokenizer is still loading) a 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from common.model_source import read_chat_template, unpack_tokenizer
+from common.protocol import ModelInfo
+from gateway.admission import Admission
+from gateway.errors import NotFound, NoWorkerAvailable
+from gateway.generation import Generator, Lanes
+from gateway.metrics import Metrics
+from gateway.templates import ChatTemplate
+from gateway.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+class ModelRegistry:
+    """Served model name -> its Generator, plus the pool every model shares."""
+
+    def __init__(self, client: WorkerClient, metrics: Metrics, admission: Admission, lanes: Lanes, timeout_s: float) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.admission = admission
+        self.lanes = lanes
+        self.timeout_s = timeout_s
+        self.generators: dict[str, Generator] = {}
+        self.first_seen: dict[str, int] = {}  # model -> unix time it was learned (``created`` in /v1/models)
+
+    async def learn(self, info: ModelInfo) -> None:
+        """Load the tokenizer a worker sent (in a thread: about 0.3 s) and serve its model."""
+        tokenizer = await asyncio.to_thread(unpack_tokenizer, info.files)
+        source = read_chat_template(None, info.chat_template or getattr(tokenizer, "chat_template", None))
+        template = ChatTemplate(source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token})
+        self.generators[info.model] = Generator(
+            self.client, tokenizer, template, info.model, self.lanes, self.metrics, self.admission, self.timeout_s
+        )
+        self.first_seen.setdefault(info.model, int(time.time()))
+
+    def get(self, name: str | None) -> Generator:
+        """The generator of the model a request names (None, where the field is optional: the only
+        model, if there is one); 404 if never seen, 503 if it has no live worker."""
+        if name is None and len(self.generators) == 1:
+            name = next(iter(self.generators))
+        generator = self.generators.get(name or "")
+        if generator is None:
+            if name in self.client.models:
+                raise NoWorkerAvailable(f"the model `{name}` is starting (its tokenizer is loading); retry shortly")
+            served = ", ".join(f"`{m}`" for m in sorted(self.generators)) or "none yet (no worker has registered)"
+            raise NotFound(f"the model `{name}` does not exist; this server serves {served}", param="model", code="model_not_found")
+        if not self.client.available(generator.model_name):
+            raise NoWorkerAvailable(f"no worker of `{generator.model_name}` is taking requests right now; retry shortly")
+        return generator
+
+    def cards(self) -> list[dict]:
+        """One OpenAI model object per served model, with its context length and live workers."""
+        return [self.card(name) for name in sorted(self.generators)]
+
+    def card(self, name: str) -> dict:
+        if name not in self.generators:
+            self.get(name)  # the 404
+        pool = self.client.models.get(name)
+        workers = list(pool.workers.values()) if pool is not None else []
+        card: dict = {"id": name, "object": "model", "created": self.first_seen.get(name, 0), "owned_by": "llmpool", "workers": len(workers)}
+        if workers:
+            card["max_model_len"] = min(w.ready.max_model_len for w in workers)
+        return card
+
+    def close(self) -> None:
+        self.lanes.close()

@@ -1,0 +1,190 @@
+"""A fleet as processes: two gateways (CURVE and API keys on) in front of workers of three models.
+
+- ``smol``: the default model; ``smol-copy``: the same weights under another name; ``tiny-qwen``: a
+  random-weight Qwen2 (another architecture) built from a config here, no download.
+- The gateways hold no model files: each learns every model from the first worker that brings it.
+- One gateway is SIGKILLed mid-load: streams through the other finish untouched, its workers go on
+  serving, and the restarted gateway learns the pool again within a few heartbeats.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from launcher.cli import make_keys
+from tests.conftest import MODEL, free_port, spawn, stop, wait_until
+
+API_KEY = "fleet-key"
+# Default heartbeats (1 s, 5 missed): three model workers share two cores here, and a step may take seconds.
+ENV = {"LLMPOOL_API_KEY": API_KEY, "LLMPOOL_THREADS": "1"}
+MODELS = ("smol", "smol-copy", "tiny-qwen")
+
+
+def build_tiny_qwen(folder: Path) -> None:
+    """A 2-layer Qwen2 with random weights and the default model's tokenizer (so it needs nothing online)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from common.config import CACHE_DIR
+    from common.model_source import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+class Fleet:
+    def __init__(self, tmp: Path) -> None:
+        make_keys(str(tmp / "keys"), 3)
+        self.keys = tmp / "keys"
+        self.zmq = [free_port(), free_port()]
+        self.http = [free_port(), free_port()]
+        self.gateways: list = [None, None]
+        self.workers: dict[str, object] = {}
+
+    def address(self, i: int) -> str:
+        return f"tcp://127.0.0.1:{self.zmq[i]}"
+
+    def start_gateway(self, i: int, name: str) -> None:
+        args = ["gateway", "--port", str(self.http[i]), "--zmq-bind", self.address(i)]
+        args += ["--curve-server-secret-key", str(self.keys / "gateway.key_secret"), "--curve-authorized-keys", str(self.keys / "authorized")]
+        self.gateways[i] = spawn(args, name, ENV)
+
+    def start_worker(self, n: int, served: str, *extra: str) -> None:
+        args = ["worker", "--gateway-address", f"{self.address(0)},{self.address(1)}", "--served-model-name", served, "--worker-name", served]
+        args += ["--curve-client-secret-key", str(self.keys / f"worker-{n}.key_secret"), "--curve-server-public-key", str(self.keys / "gateway.key")]
+        self.workers[served] = spawn([*args, *extra], f"fleet-worker-{served}", ENV)
+
+    def url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.http[i]}"
+
+    def get(self, i: int, path: str) -> httpx.Response:
+        return httpx.get(self.url(i) + path, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+
+    def sdk(self, i: int) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url(i) + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    def models(self, i: int) -> dict[str, dict]:
+        return {m["id"]: m for m in self.get(i, "/v1/models").json()["data"]}
+
+    def wait_for_models(self, i: int, names: tuple[str, ...], timeout: float = 240) -> None:
+        wait_until(lambda: all(self.models(i).get(n, {}).get("workers") for n in names), timeout, f"gateway {i} serving {names}")
+
+    def stop(self) -> None:
+        for process in [*self.workers.values(), *self.gateways]:
+            if process is not None:
+                stop(process)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fleet")
+    build_tiny_qwen(tmp / "tiny-qwen")
+    fleet = Fleet(tmp)
+    try:
+        fleet.start_gateway(0, "fleet-gateway-a")
+        fleet.start_gateway(1, "fleet-gateway-b")
+        fleet.start_worker(0, "smol", "--model", MODEL)
+        fleet.start_worker(1, "smol-copy", "--model", MODEL)
+        fleet.start_worker(2, "tiny-qwen", "--model", str(tmp / "tiny-qwen"), "--dtype", "float32", "--max-model-len", "1024")
+        for i in (0, 1):
+            fleet.wait_for_models(i, MODELS)
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def ask(client: openai.OpenAI, model: str, max_tokens: int = 6, **kwargs: object):  # noqa: ANN201
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=max_tokens, **kwargs)
+
+
+def test_every_gateway_lists_every_model_with_its_context_length_and_workers(fleet):
+    for i in (0, 1):
+        models = fleet.models(i)
+        assert set(models) == set(MODELS)
+        assert {name: card["workers"] for name, card in models.items()} == {name: 1 for name in MODELS}
+        assert models["smol"]["max_model_len"] == 8192 and models["tiny-qwen"]["max_model_len"] == 1024
+        workers = fleet.get(i, "/workers").json()["workers"]
+        assert sorted((w["name"], w["model"]) for w in workers) == sorted((m, m) for m in MODELS)
+
+
+def test_requests_reach_the_workers_of_their_model_through_either_gateway(fleet):
+    for i in (0, 1):
+        client = fleet.sdk(i)
+        for model in MODELS:
+            reply = ask(client, model, extra_body={"ignore_eos": True})
+            assert reply.model == model and reply.usage.completion_tokens == 6
+    # Same weights under two names: the same greedy text; the random model says something else.
+    texts = {m: ask(fleet.sdk(0), m, max_tokens=12, temperature=0).choices[0].message.content for m in MODELS}
+    assert texts["smol"] == texts["smol-copy"] != texts["tiny-qwen"]
+    assigned = {w["model"]: w["requests_assigned"] for w in fleet.get(0, "/workers").json()["workers"]}
+    assert all(assigned[m] >= 2 for m in MODELS)
+    metrics = fleet.get(0, "/metrics").text
+    assert 'llmpool_generations_total{model="tiny-qwen",outcome="length"}' in metrics
+
+
+def test_an_unknown_model_is_a_404_and_a_model_without_live_workers_a_503_with_retry_after(fleet):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    missing = httpx.post(fleet.url(1) + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert "`smol`" in missing.json()["error"]["message"]
+    stop(fleet.workers.pop("smol-copy"))  # SIGTERM: it drains, says goodbye, and is gone at once
+    wait_until(lambda: fleet.models(1)["smol-copy"]["workers"] == 0, 30, "smol-copy without workers")
+    gone = httpx.post(fleet.url(1) + "/v1/chat/completions", json={**body, "model": "smol-copy"}, headers=headers, timeout=30)
+    assert gone.status_code == 503 and gone.headers["Retry-After"] and gone.json()["error"]["type"] == "service_unavailable"
+    assert ask(fleet.sdk(1), "smol").model == "smol"  # the others are untouched
+
+
+def test_a_gateway_killed_mid_load_leaves_the_other_serving_and_relearns_the_pool_on_restart(fleet):
+    survivors: list[int] = []
+    cut: list[Exception] = []
+    errors: list[Exception] = []
+    started = threading.Barrier(5)
+
+    def stream(i: int, sink: list) -> None:
+        try:
+            chunks = ask(fleet.sdk(i), "smol", max_tokens=60, stream=True, extra_body={"ignore_eos": True})
+            started.wait(60)
+            count = sum(1 for c in chunks if c.choices and c.choices[0].delta.content is not None)
+            sink.append(count)
+        except Exception as exc:  # a stream through the killed gateway is cut, as with any HTTP server
+            (cut if i == 0 else errors).append(exc)
+
+    threads = [threading.Thread(target=stream, args=(1, survivors)) for _ in range(3)]
+    threads.append(threading.Thread(target=stream, args=(0, [])))
+    for thread in threads:
+        thread.start()
+    started.wait(60)
+    fleet.gateways[0].send_signal(signal.SIGKILL)
+    fleet.gateways[0].wait()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and len(survivors) == 3 and all(n >= 50 for n in survivors)
+    assert ask(fleet.sdk(1), "tiny-qwen").model == "tiny-qwen"  # its workers still serve gateway b
+    restarted = time.monotonic()
+    fleet.start_gateway(0, "fleet-gateway-a-restarted")
+    fleet.wait_for_models(0, ("smol", "tiny-qwen"), timeout=60)
+    relearned = time.monotonic() - restarted
+    assert ask(fleet.sdk(0), "smol").model == "smol"
+    # Workers back off at most a few seconds while a gateway is down; plus the gateway's own start.
+    assert relearned < 40, f"the restarted gateway took {relearned:.0f} s to learn the pool"
