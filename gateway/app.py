@@ -16,6 +16,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
 
 from common.config import parse_size
+from gateway import tracing
 from gateway.admission import Admission
 from gateway.auth import api_key_guard, parse_keys
 from gateway.config import GatewayConfig
@@ -56,6 +57,7 @@ def create_app(config: GatewayConfig) -> Litestar:
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        tracing.setup(config.otlp_endpoint, config.otlp_service_name)
         client = WorkerClient(
             config.zmq_bind,
             config.heartbeat_interval,
@@ -81,6 +83,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         finally:
             models.close()
             await client.stop()
+            tracing.shutdown()
 
     keys = parse_keys(config.api_key)
     api = Router(
@@ -110,7 +113,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         dependencies={"models": Provide(provide_models, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         request_class=GatewayRequest,
-        middleware=[http_metrics_middleware(lambda: getattr(getattr(app.state, "models", None), "metrics", None))],
+        middleware=[tracing.middleware, http_metrics_middleware(lambda: getattr(getattr(app.state, "models", None), "metrics", None))],
         lifespan=[lifespan],
         logging_config=None,  # common.logs configures logging, the same way in every process
         openapi_config=openapi_config(keys),

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from litestar import Request
 
 from common.protocol import Guide, NewRequest, TokenLogprobs
+from gateway import tracing
 from gateway.admission import Slot
 from gateway.errors import ClientGone, GatewayError, Overloaded
 from gateway.generation import Generator, TextDelta
@@ -160,9 +161,10 @@ async def chat_prompt(
     work = generator.run_in_pool(
         generator.chat_prompt_ids, messages, template_source, variables, add_generation_prompt, budget, size=chars, budget=budget
     )
-    if budget is not None and request is not None:
-        return await unless_disconnected(request, work)
-    return await work
+    with tracing.span("template+tokenize"):
+        if budget is not None and request is not None:
+            return await unless_disconnected(request, work)
+        return await work
 
 
 NO_TOOLS = tool_plan(None, None, None)
@@ -182,10 +184,12 @@ async def start(generator: Generator, req: GenerationRequest) -> Generation:
                 new_request(req.sampling, ids, req.max_tokens, req.max_tokens_param, limits, rid, generator.vocab_size, choice, guide, req.logprobs)
             )
             news[-1].sampling.prompt_logprobs = req.prompt_logprobs
+    tracing.describe_request(generator.model_name, req)
     slots = []
     try:
-        for _ in news:
-            slots.append(await generator.admission.acquire())
+        with tracing.span("queue"):
+            for _ in news:
+                slots.append(await generator.admission.acquire())
     except Overloaded:
         for slot in slots:
             slot.release()

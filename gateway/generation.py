@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import FinishReason, NewRequest, RequestOutput, TokenLogprobs
+from gateway import tracing
 from gateway.admission import Admission, Slot
 from gateway.errors import GenerationFailed, InvalidRequest, NoWorkerAvailable, RequestTimeout
 from gateway.logprobs import TokenLogprob, TokenTexts
@@ -158,7 +159,12 @@ class Generator:
     async def _stream(self, request: NewRequest, stop: StopChecker, skip_special_tokens: bool) -> AsyncIterator[TextDelta]:
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
-        stream = self.client.submit(request, self.model_name)
+        trace = tracing.generation(request)  # before the submit: it puts the trace context in the request
+        try:
+            stream = self.client.submit(request, self.model_name)
+        except BaseException:
+            trace.end("error")
+            raise
         clock = _Clock(self.metrics, request.request_id, self.model_name)
         sent = covered = 0  # characters of text sent, and of the tokens whose logprobs were sent
         try:
@@ -166,6 +172,7 @@ class Generator:
                 try:
                     async with asyncio.timeout_at(deadline):
                         item = _merge_ready(await stream.queue.get(), stream.queue)
+                    trace.output(item)
                 except TimeoutError:
                     clock.outcome = "timeout"
                     raise RequestTimeout(f"the request took longer than --request-timeout ({self.timeout_s:g} s)") from None
@@ -200,6 +207,7 @@ class Generator:
                     return
         finally:
             clock.done()
+            trace.end(clock.outcome)
             if not stream.finished:
                 self.client.abort(request.request_id)
 

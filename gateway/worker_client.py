@@ -44,6 +44,7 @@ from common.protocol import (
     StepOutputs,
     WorkerError,
 )
+from gateway import tracing
 from gateway.errors import BadGeneration, GenerationFailed, NoWorkerAvailable
 from gateway.pool import ModelPool, PrefixAffinity, RequestStream, WorkerInfo
 
@@ -195,6 +196,7 @@ class WorkerClient:
         worker.pending.append(request)
         self._with_pending[worker.identity] = worker
         stream.worker = worker.identity
+        tracing.assigned(stream.request_id, worker.ready.worker_name)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -431,6 +433,8 @@ class WorkerClient:
                 self._lost_output(worker, stream, output.seq)
                 continue
             stream.next_seq += 1
+            if output.events:  # only a traced request brings any
+                tracing.worker_events(stream.request_id, output.events, worker.ready.worker_name)
             if output.finish_reason == FinishReason.ERROR:
                 failure = BadGeneration if output.bad_request else GenerationFailed
                 self._end(stream, failure(output.error or "the worker failed this request"))
@@ -531,6 +535,7 @@ class WorkerClient:
         self._attempts[stream.wire_id] = stream
         request.request_id = stream.wire_id
         self.resumed += 1
+        tracing.resumed(stream.request_id, reason, stream.retries, stream.offset)
         self._assign(stream, request)
 
     async def _heartbeat_loop(self) -> None:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import msgspec
 from litestar import Controller, Request, Response, post
 
-from gateway import core
+from gateway import core, tracing
 from gateway.core import LENGTH, Finish, GenerationRequest, PromptLogprobs, Text, Usage
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator, now_s
@@ -70,7 +70,8 @@ class CompletionsController(Controller):
         guide = response_guide(req.response_format)
         chars = _prompt_chars(req.prompt)
         generator.check_prompt_size(max(chars, default=0), param="prompt")
-        prompts = await generator.run_in_pool(_prompt_ids, generator, req.prompt, size=sum(chars))
+        with tracing.span("tokenize"):
+            prompts = await generator.run_in_pool(_prompt_ids, generator, req.prompt, size=sum(chars))
         budget = req.max_tokens if req.max_tokens is not None else 16
         if _prompt_only(req):  # score the prompt, generate nothing: the one token the worker makes is dropped
             budget = 1
