@@ -82,6 +82,7 @@ class ModelPool:
         self.digest: str | None = None  # its tokenizer's, once the gateway holds it (None while it is being learned)
         self.workers: dict[bytes, WorkerInfo] = {}
         self._available: list[WorkerInfo] | None = None  # cached; None after any change
+        self._limits: tuple[int, int] | None = None  # (max_model_len, kv capacity) every worker takes; cached likewise
         self._median_speed = 1.0
         self._median_at = -1e9
         self.describing: tuple[bytes, float] | None = None  # the joining worker asked for the tokenizer, and when
@@ -90,6 +91,7 @@ class ModelPool:
     def changed(self) -> None:
         """A worker joined, left, or began draining: the available list is rebuilt on next use."""
         self._available = None
+        self._limits = None
 
     def available(self) -> list[WorkerInfo]:
         """Workers of this model that take new requests (registered and not draining)."""
@@ -100,6 +102,14 @@ class ModelPool:
             speeds = sorted(w.load.capacity_tokens_per_s for w in self._available if w.load.capacity_tokens_per_s > 0)
             self._median_speed, self._median_at = (speeds[len(speeds) // 2] if speeds else 1.0), now
         return self._available
+
+    def limits(self) -> tuple[int, int]:
+        """(max_model_len, kv capacity) that every worker of this model can take. Asked on every
+        request: computed once per change of the pool, not once per request (a scan of every worker)."""
+        if self._limits is None:
+            infos = self.workers.values()
+            self._limits = min(w.ready.max_model_len for w in infos), min(w.ready.kv_capacity_tokens for w in infos)
+        return self._limits
 
     def choose(self, cost: int) -> WorkerInfo:
         """The worker expected to finish ``cost`` more tokens of work soonest."""
