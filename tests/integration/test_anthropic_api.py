@@ -78,9 +78,13 @@ def test_stream_events_in_anthropics_order(server, claude):
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert data[-2]["delta"]["stop_reason"] in ("end_turn", "max_tokens") and data[-2]["usage"]["output_tokens"] > 0
     streamed = "".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta")
+    assert streamed and data[0]["message"]["model"] == MODEL
+    # The SDK folds the same events into the final message (a second bf16 greedy run may take a
+    # near-tie the other way, from the prefix cache: compare the SDK with its own stream).
     with claude.messages.stream(model=MODEL, max_tokens=30, messages=ask("Say hello."), extra_body=GREEDY) as stream:
+        sdk_streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert final.content[0].text == streamed
+    assert final.content[0].text == sdk_streamed and final.stop_reason in ("end_turn", "max_tokens")
 
 
 def test_tools_any_and_a_named_tool_streamed_then_the_result_fed_back(claude):
