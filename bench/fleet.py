@@ -201,6 +201,11 @@ def profile_top(profile: cProfile.Profile, lines: int = 12) -> list[str]:
 # ---- end to end -----------------------------------------------------------------------------------
 
 
+def _log(name: str):  # noqa: ANN202 - an open file
+    """Each process's output in the temp folder (llmpool-fleet-NAME.log), to read after a run."""
+    return open(Path(tempfile.gettempdir()) / f"llmpool-fleet-{name}.log", "wb")
+
+
 def start_fleet(
     workers: int, processes: int, gateways: int, step_ms: float, interval: float, model_info: Path, root: Path, extra: list[str]
 ) -> tuple[list[subprocess.Popen], list[subprocess.Popen], list[str]]:
@@ -213,10 +218,10 @@ def start_fleet(
         subprocess.Popen(
             [python, "-m", "gateway", "--port", str(http), "--zmq-bind", f"tcp://127.0.0.1:{zmq_port}", *heartbeat, *extra],
             cwd=root,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=_log(f"gateway-{i}"),
+            stderr=subprocess.STDOUT,
         )
-        for http, zmq_port in ports
+        for i, (http, zmq_port) in enumerate(ports)
     ]
     urls = [f"http://127.0.0.1:{http}" for http, _ in ports]
     for url in urls:  # up first: workers that connect earlier re-register when the gateway is slow to start
@@ -228,8 +233,8 @@ def start_fleet(
             [python, "-m", "bench.fake_worker", "--gateway-address", addresses, "--count", str(share), "--name", f"fleet{i}"]
             + ["--step-ms", str(step_ms), "--model-info", str(model_info), *heartbeat],
             cwd=root,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=_log(f"fleet{i}"),
+            stderr=subprocess.STDOUT,
         )
         for i, share in enumerate(shares)
         if share

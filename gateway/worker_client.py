@@ -50,6 +50,8 @@ from gateway.pool import ModelPool, PrefixAffinity, RequestStream, WorkerInfo
 
 log = logging.getLogger(__name__)
 
+_HEARTBEAT = protocol.encode(Heartbeat())  # the gateway's heartbeat carries nothing: encode it once
+
 
 class WorkerClient:
     """Owns the ROUTER socket; ``submit`` and ``abort`` are the gateway's only ways to reach workers."""
@@ -263,13 +265,15 @@ class WorkerClient:
             return False
         return True
 
-    def _send(self, worker: WorkerInfo, msg: protocol.Message) -> None:
-        """Send without blocking; a send that fails (EHOSTUNREACH under ROUTER_MANDATORY, or EAGAIN
-        when the peer's queue is full) purges the worker. With NOBLOCK the outcome is known at once, so
-        the send goes through the plain socket: no future and no callback per message."""
+    def _send(self, worker: WorkerInfo, msg: protocol.Message | list[bytes]) -> None:
+        """Send without blocking (a message, or frames encoded already); a send that fails
+        (EHOSTUNREACH under ROUTER_MANDATORY, or EAGAIN when the peer's queue is full) purges the
+        worker. With NOBLOCK the outcome is known at once, so the send goes through the plain socket:
+        no future and no callback per message."""
         assert self._sync is not None
+        frames = msg if isinstance(msg, list) else protocol.encode(msg)
         try:
-            self._sync.send_multipart([worker.identity, *protocol.encode(msg)], zmq.NOBLOCK)
+            self._sync.send_multipart([worker.identity, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._unreachable(worker, exc)
 
@@ -289,6 +293,7 @@ class WorkerClient:
                 except zmq.Again:
                     break
                 self._handle(frames)
+            await asyncio.sleep(0)  # an await on a message already there does not yield: let the other tasks run
             if not self.streams:
                 # Idle: what arrives is heartbeats, judged over seconds. Let them gather for a few
                 # ms instead of waking for each (1,024 workers: 1,024 wake-ups a second); a submit
@@ -578,7 +583,7 @@ class WorkerClient:
                     # Alive (heartbeats arrive) but its engine produces nothing: a hung step.
                     self._purge(worker, f"worker {worker.ready.worker_name} made no progress for {self.hung_timeout:g} s")
                 else:
-                    self._send(worker, Heartbeat())
+                    self._send(worker, _HEARTBEAT)
 
     def _tend_joiners(self, now: float) -> None:
         """Keep joining workers alive (they count the gateway's silence too), forget silent ones, and
