@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +29,9 @@ from tests.conftest import MODEL, free_port, spawn, stop, wait_until
 from tests.gateway.test_tracing import Collector
 
 WORKER = "trace-w"
+# The gateway shares this process (and two busy cores) with the test: a long pause must not read as a
+# dead peer on either side. A SIGKILLed worker is still found at once (its socket closes).
+PATIENT = {"LLMPOOL_HEARTBEAT_LIVENESS": "20"}
 REQUEST_SPANS = ("POST /v1/chat/completions", "POST /v1/completions")
 
 
@@ -35,6 +40,8 @@ class Gateway:
     url: str
     collector: Collector
     memory: InMemorySpanExporter
+    zmq: str
+    workers: dict[str, subprocess.Popen]
 
     def post(self, path: str, body: dict, headers: dict[str, str] | None = None) -> httpx.Response:
         return httpx.post(self.url + path, json=body, headers=headers, timeout=120)
@@ -56,23 +63,25 @@ def gateway() -> Iterator[Gateway]:
     """This process serves the app (uvicorn in a thread, tracing to a local collector); one worker process."""
     collector = Collector()
     port, zmq = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    worker = spawn(["worker", "--gateway-address", zmq, "--worker-name", WORKER], "tracing-worker")
-    config = GatewayConfig(port=port, zmq_bind=zmq, ui=False, otlp_endpoint=collector.url, otlp_service_name="llmpool-test")
+    workers = {WORKER: spawn(["worker", "--gateway-address", zmq, "--worker-name", WORKER], "tracing-worker", PATIENT)}
+    config = GatewayConfig(heartbeat_liveness=20, port=port, zmq_bind=zmq, ui=False, otlp_endpoint=collector.url, otlp_service_name="llmpool-test")
     server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_config=None, access_log=False))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: len(httpx.get(url + "/workers", timeout=5).json()["workers"]) == 1, 180, "the worker to register")
+        wait_until(lambda: httpx.get(url + "/v1/models", timeout=5).json()["data"], 60, "the model's tokenizer")
         provider = tracing.provider()
         assert provider is not None, "--otlp-endpoint set: the gateway's lifespan starts tracing"
         memory = InMemorySpanExporter()
         provider.add_span_processor(SimpleSpanProcessor(memory))
-        yield Gateway(url, collector, memory)
+        yield Gateway(url, collector, memory, zmq, workers)
     finally:
         server.should_exit = True
         thread.join(30)
-        stop(worker)
+        for worker in workers.values():
+            stop(worker)
         tracing.shutdown()
         collector.close()
 
@@ -216,6 +225,33 @@ def test_a_refused_request_is_a_span_with_its_status(gateway: Gateway, wire: lis
     (root,) = by_name(spans, "POST /v1/chat/completions")
     assert root.attributes["http.response.status_code"] == 400 and root.attributes["error.type"] == "400"
     assert sent_requests(wire) == []
+
+
+def test_a_request_resumed_on_another_worker_stays_one_generate_span(gateway: Gateway, wire: list):
+    """SIGKILL the worker serving a stream: the generate span records the move and both workers' events."""
+    other = "trace-w2"
+    gateway.workers[other] = spawn(["worker", "--gateway-address", gateway.zmq, "--worker-name", other], "tracing-worker-2", PATIENT)
+    wait_until(lambda: len(httpx.get(gateway.url + "/workers", timeout=5).json()["workers"]) == 2, 180, "the second worker")
+    gateway.memory.clear()
+    wire.clear()
+    body = {**CHAT, "stream": True, "max_tokens": 48, "ignore_eos": True}
+    killed = []
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=120) as reply:
+        for count, line in enumerate(reply.iter_lines()):
+            if count == 12 and not killed:
+                (busy,) = [w["name"] for w in httpx.get(gateway.url + "/workers", timeout=5).json()["workers"] if w["inflight"]]
+                gateway.workers[busy].send_signal(signal.SIGKILL)
+                killed.append(busy)
+    assert killed, "the stream ended before a worker could be killed"
+    (survivor,) = {WORKER, other} - set(killed)
+    (generate,) = by_name(gateway.spans(generations=1), "generate")
+    assert generate.attributes[tracing.WORKER_NAME] == survivor and generate.attributes["gen_ai.usage.output_tokens"] == 48
+    (moved,) = [e for e in generate.events if e.name == "resumed_elsewhere"]
+    assert killed[0] in moved.attributes["reason"] and moved.attributes["llmpool.attempt"] == 1
+    admitted = [e.attributes[tracing.WORKER_NAME] for e in generate.events if e.name == "admitted"]
+    assert admitted == [killed[0], survivor]
+    resumed = [r for r in sent_requests(wire) if r.resumed_tokens]
+    assert len(resumed) == 1 and resumed[0].trace_context["traceparent"].split("-")[2] == f"{generate.context.span_id:016x}"
 
 
 def test_with_tracing_off_nothing_is_created(gateway: Gateway, wire: list, monkeypatch: pytest.MonkeyPatch):
