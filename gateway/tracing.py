@@ -5,8 +5,9 @@ One HTTP generation request is one trace (or joins the caller's, through its ``t
     POST /v1/chat/completions   SERVER; GenAI attributes (model, sampling, usage, finish reasons)
       template+tokenize         (``tokenize`` for a plain prompt)
       queue                     the admission wait
-      generate                  one per choice: events first_token, the worker's own (admitted,
-                                prefill_chunk, preempted, resumed, finished), resumed_elsewhere, finish
+      generate                  one per choice (CLIENT), named by its worker: events first_token, the
+                                worker's own (admitted, scheduled, prefill_chunk, preempted, resumed,
+                                finished), resumed_elsewhere (moved to another worker), finish
 
 The generate span's context travels to the worker in ``NewRequest.trace_context``; the worker sends
 its events back in ``RequestOutput.events`` and they are recorded with their own timestamps.
