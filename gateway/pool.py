@@ -76,6 +76,7 @@ class ModelPool:
     """
 
     SCAN_LIMIT = 16
+    NEAR_TIE = 1.25
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -116,10 +117,12 @@ class ModelPool:
         available = self.available()
         candidates = available if len(available) <= self.SCAN_LIMIT else random.sample(available, self.SCAN_LIMIT)
         median = self._median_speed
-        return min(
-            candidates,
-            key=lambda w: ((w.outstanding_tokens + cost) / (w.load.capacity_tokens_per_s or median), len(w.inflight), w.requests_assigned),
-        )
+        scored = [((w.outstanding_tokens + cost) / (w.load.capacity_tokens_per_s or median), w) for w in candidates]
+        best = min(score for score, _ in scored)
+        # Speeds are measurements: two like workers differ by noise, and the one measured a little
+        # faster would take every request at low load (and the other's figure would never refresh).
+        # Within NEAR_TIE of the best, the one holding the fewest requests gets it.
+        return min((w for score, w in scored if score <= best * self.NEAR_TIE), key=lambda w: (len(w.inflight), w.requests_assigned))
 
 
 class RequestStream:

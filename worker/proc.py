@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 32.0
 CAPACITY_WINDOW_S = 5.0  # seconds of busy step time the capacity figure averages over
+CAPACITY_STALE_S = 10.0  # a figure older than this (the worker idle) is withdrawn
 _TCP_ADDRESS = re.compile(r"^tcp://(?P<host>[^:/\[\]]+):(?P<port>\d+)$")
 
 
@@ -102,15 +103,21 @@ class CapacityMeter:
     def __init__(self) -> None:
         self.tokens = 0.0
         self.seconds = 0.0
+        self.last = -math.inf
 
     def add(self, tokens: int, seconds: float) -> None:
         keep = math.exp(-seconds / CAPACITY_WINDOW_S)
         self.tokens = self.tokens * keep + tokens
         self.seconds = self.seconds * keep + seconds
+        self.last = time.monotonic()
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        """0 (unknown: the gateway assumes a typical speed) when nothing ran for CAPACITY_STALE_S, so
+        a figure taken under other load does not keep an idle worker from being picked."""
+        if self.seconds <= 0 or time.monotonic() - self.last > CAPACITY_STALE_S:
+            return 0.0
+        return self.tokens / self.seconds
 
 
 class WorkerProc:
