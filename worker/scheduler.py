@@ -140,7 +140,8 @@ class Scheduler:
             self._add(batch, request, num_tokens)
 
     def _add(self, batch: ScheduledBatch, request: Request, num_tokens: int) -> None:
-        if request.events is not None and request.num_tokens - request.num_computed_tokens > 1:
+        computed = request.num_computed_tokens
+        if request.events is not None and (computed < request.num_prompt_tokens or request.num_tokens - computed > 1):
             request.record("prefill_chunk", start=request.num_computed_tokens, tokens=num_tokens)
         batch.add(request, num_tokens)
         self._charge(request, num_tokens)
