@@ -16,15 +16,12 @@ gateway goes silent, as a real worker does.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import heapq
 import logging
 import random
 import signal
-import tempfile
 import time
 import uuid
-import zlib
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -60,8 +57,9 @@ class FakeEngine:
     max_num_seqs = 4096
     blocks = SimpleNamespace(capacity_tokens=10**7, block_size=16)
 
-    def __init__(self, step_s: float) -> None:
+    def __init__(self, step_s: float, token_s: float = 0.0) -> None:
         self.step_s = step_s
+        self.token_s = token_s  # and this much more per running request: a speed that does not grow with the batch
         self.running: dict[str, list[int]] = {}  # id -> [prompt tokens, tokens left, produced]
         self.steps = 0
 
@@ -79,8 +77,8 @@ class FakeEngine:
         return bool(self.running)
 
     def step(self, sleep: bool = True) -> StepOutputs:
-        if self.step_s and sleep:
-            time.sleep(self.step_s)
+        if (self.step_s or self.token_s) and sleep:
+            time.sleep(self.step_s + self.token_s * len(self.running))
         self.steps += 1
         outputs = []
         for request_id, state in list(self.running.items()):
@@ -112,21 +110,14 @@ class FakeEngine:
 
 
 def build_model_info(model: str = DEFAULT_MODEL) -> ModelInfo:
-    """The model's tokenizer as a worker describes it: its saved files as zlib(msgpack({name: bytes}))
-    and a digest of those files and the chat template. Loads the real tokenizer (seconds): build once."""
+    """The model's tokenizer as a worker describes it (common.model_source's bundle). Loads the real
+    tokenizer (seconds): build once."""
     from common.config import CACHE_DIR
-    from common.model_source import load_tokenizer, resolve_model
+    from common.model_source import bundle_tokenizer, load_tokenizer, read_chat_template, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(model), CACHE_DIR.env_default())
-    with tempfile.TemporaryDirectory() as folder:
-        tokenizer.save_pretrained(folder)
-        files = {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file()}
-    template = getattr(tokenizer, "chat_template", None)
-    digest = hashlib.sha256()
-    for name, data in files.items():
-        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-    digest.update((template or "").encode())
-    return ModelInfo(model, digest.hexdigest()[:32], zlib.compress(msgspec.msgpack.encode(files)), template)
+    bundle = bundle_tokenizer(tokenizer, read_chat_template(None, getattr(tokenizer, "chat_template", None)))
+    return ModelInfo(model, bundle.digest, bundle.packed, bundle.chat_template)
 
 
 def load_model_info(path: str | None, model: str) -> ModelInfo:
@@ -357,6 +348,7 @@ def main() -> None:
     parser.add_argument("--gateway-address", default="tcp://127.0.0.1:5555", help="comma-separated: every worker connects to each")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the name to register under")
     parser.add_argument("--step-ms", type=float, default=0.0)
+    parser.add_argument("--token-ms", type=float, default=0.0, help="single worker: step time grows by this per running request")
     parser.add_argument("--count", type=int, default=1, help="simulated workers in this process (more than 1: the fleet loop)")
     parser.add_argument("--name", default="fake-worker", help="worker name (a fleet's are NAME-0, NAME-1, ...)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
@@ -366,23 +358,25 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging("fake-worker")
     addresses = [a.strip() for a in args.gateway_address.split(",") if a.strip()]
-    if args.count == 1 and len(addresses) == 1:
+    info = None if args.no_model_info else load_model_info(args.model_info, args.model)
+    if args.count == 1:
+        from common.model_source import TokenizerBundle
         from worker.proc import WorkerProc
 
         proc = WorkerProc(
-            FakeEngine(args.step_ms / 1000),
-            addresses[0],
+            FakeEngine(args.step_ms / 1000, args.token_ms / 1000),
+            ",".join(addresses),
             args.name,
             args.model,
             "none",
             "none",
             args.heartbeat_interval,
             args.heartbeat_liveness,
+            tokenizer=TokenizerBundle(info.files, info.chat_template or "", info.tokenizer_digest) if info else None,
         )
         proc.install_signal_handlers()
         proc.run()
         return
-    info = None if args.no_model_info else load_model_info(args.model_info, args.model)
     fleet = Fleet(addresses, args.count, args.name, args.model, args.step_ms / 1000, args.heartbeat_interval, args.heartbeat_liveness, info)
     fleet.install_signal_handlers()
     log.info("%d simulated workers connecting to %s", args.count, ", ".join(addresses))

@@ -97,9 +97,6 @@ class WorkerClient:
         self._attempts: dict[str, RequestStream] = {}  # resumed requests by their current wire id
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
-        # The same socket without futures: a send with NOBLOCK succeeds or fails at once, and a message
-        # that is already waiting can be read at once, so neither needs a future per message.
-        self._sync: zmq.Socket | None = None
         self._identity_of: dict[str, bytes] = {}  # worker name -> its registered identity (one per name)
         self._tasks: list[asyncio.Task] = []
         self._flush_scheduled = False
@@ -114,7 +111,6 @@ class WorkerClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.bind_address)
         self._socket = sock
-        self._sync = zmq.Socket.shadow(sock.underlying)
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._heartbeat_loop())]
         if self.curve_secret_key:
             self._tasks.append(asyncio.create_task(self._watch_handshakes(sock.get_monitor_socket(protocol.HANDSHAKE_EVENT_MASK))))
@@ -258,23 +254,34 @@ class WorkerClient:
 
     def _send_raw(self, identity: bytes, msg: protocol.Message) -> bool:
         """Send to a peer that is not (yet) a registered worker; False if it can't be reached."""
-        assert self._sync is not None
+        assert self._socket is not None
         try:
-            self._sync.send_multipart([identity, *protocol.encode(msg)], zmq.NOBLOCK)
+            sent = self._socket.send_multipart([identity, *protocol.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:
             return False
-        return True
+        return not (sent.done() and sent.exception() is not None)
 
     def _send(self, worker: WorkerInfo, msg: protocol.Message | list[bytes]) -> None:
         """Send without blocking (a message, or frames encoded already); a send that fails
         (EHOSTUNREACH under ROUTER_MANDATORY, or EAGAIN when the peer's queue is full) purges the
-        worker. With NOBLOCK the outcome is known at once, so the send goes through the plain socket:
-        no future and no callback per message."""
-        assert self._sync is not None
+        worker; zmq.asyncio reports it through the future. (Everything goes through the asyncio
+        socket: a send on a plain shadow of it can take the wake-up its receive waits for, and the
+        receive loop then slept for seconds while messages waited.)"""
+        assert self._socket is not None
         frames = msg if isinstance(msg, list) else protocol.encode(msg)
         try:
-            self._sync.send_multipart([worker.identity, *frames], zmq.NOBLOCK)
+            sent = self._socket.send_multipart([worker.identity, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
+            self._unreachable(worker, exc)
+            return
+        if sent.done():
+            self._check_sent(worker, sent)
+        else:
+            sent.add_done_callback(lambda future: self._check_sent(worker, future))
+
+    def _check_sent(self, worker: WorkerInfo, future: asyncio.Future) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None:
             self._unreachable(worker, exc)
 
     def _unreachable(self, worker: WorkerInfo, exc: BaseException) -> None:
@@ -282,14 +289,14 @@ class WorkerClient:
         self._purge(worker, f"worker {worker.ready.worker_name} is unreachable ({reason})")
 
     async def _receive_loop(self) -> None:
-        """Await one message, then handle every message already waiting without awaiting (a burst of
-        heartbeats or step outputs costs one wake-up, not one future each)."""
-        assert self._socket is not None and self._sync is not None
+        """Await one message, then handle the messages already waiting (NOBLOCK reads finish at once)
+        before letting other tasks run: a burst of heartbeats or step outputs costs one wake-up."""
+        assert self._socket is not None
         while True:
             self._handle(await self._socket.recv_multipart(copy=False))
             for _ in range(self.RECEIVE_BATCH):
                 try:
-                    frames = self._sync.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = await self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 self._handle(frames)

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from launcher.cli import make_keys
-from tests.conftest import MODEL, free_port, spawn, stop, wait_until
+from tests.conftest import MODEL, Server, free_port, spawn, stop, wait_until
 
 API_KEY = "fleet-key"
 # Default heartbeats (1 s, 5 missed): three model workers share two cores here, and a step may take seconds.
@@ -188,3 +188,38 @@ def test_a_gateway_killed_mid_load_leaves_the_other_serving_and_relearns_the_poo
     assert ask(fleet.sdk(0), "smol").model == "smol"
     # Workers back off at most a few seconds while a gateway is down; plus the gateway's own start.
     assert relearned < 40, f"the restarted gateway took {relearned:.0f} s to learn the pool"
+
+
+def test_a_worker_twice_as_fast_gets_about_twice_the_requests(tmp_path):
+    """Two model-less workers (bench/fake_worker.py) whose steps cost 0.5 ms and 1 ms per running
+    request (2,000 and 1,000 tokens/s at any batch), behind a real gateway under 48 concurrent
+    streams: routing weighs each worker's outstanding work by the speed it measures itself, so the
+    fast one ends up with about twice the requests."""
+    server = Server(free_port(), free_port())
+    server.processes.append(spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "speed-gateway"))
+    for name, token_ms in (("fast", "0.5"), ("slow", "1.0")):
+        args = ["bench.fake_worker", "--gateway-address", server.zmq_address, "--name", name, "--token-ms", token_ms]
+        server.processes.append(spawn([*args, "--model-info", str(tmp_path / "model-info.msgpack")], f"speed-{name}"))
+    try:
+        server.wait_for_workers(2, timeout=120)
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 15
+        failures: list[Exception] = []
+
+        def user() -> None:
+            while time.monotonic() < deadline:
+                try:
+                    ask(client, MODEL, max_tokens=24, extra_body={"ignore_eos": True})
+                except Exception as exc:
+                    failures.append(exc)
+
+        users = [threading.Thread(target=user) for _ in range(48)]
+        for thread in users:
+            thread.start()
+        for thread in users:
+            thread.join(60)
+        assigned = {w["name"]: w["requests_assigned"] for w in server.workers()}
+        assert not failures and assigned["slow"] > 0
+        assert 1.5 <= assigned["fast"] / assigned["slow"] <= 2.7, assigned
+    finally:
+        server.stop()
