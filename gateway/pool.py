@@ -115,7 +115,11 @@ class ModelPool:
     def choose(self, cost: int) -> WorkerInfo:
         """The worker expected to finish ``cost`` more tokens of work soonest."""
         available = self.available()
-        candidates = available if len(available) <= self.SCAN_LIMIT else random.sample(available, self.SCAN_LIMIT)
+        candidates = available
+        if len(available) > self.SCAN_LIMIT:  # a window at a random place: O(SCAN_LIMIT), unlike random.sample's bookkeeping
+            start = random.randrange(len(available))
+            candidates = available[start : start + self.SCAN_LIMIT]
+            candidates += available[: self.SCAN_LIMIT - len(candidates)]
         median = self._median_speed
         scored = [((w.outstanding_tokens + cost) / (w.load.capacity_tokens_per_s or median), w) for w in candidates]
         best = min(score for score, _ in scored)
