@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from launcher.cli import make_keys
-from tests.conftest import MODEL, Server, free_port, spawn, stop, wait_until
+from tests.conftest import MODEL, Server, free_port, spawn, start_serve, stop, wait_until
 
 API_KEY = "fleet-key"
 # Default heartbeats (1 s, 5 missed): three model workers share two cores here, and a step may take seconds.
@@ -221,5 +221,18 @@ def test_a_worker_twice_as_fast_gets_about_twice_the_requests(tmp_path):
         assigned = {w["name"]: w["requests_assigned"] for w in server.workers()}
         assert not failures and assigned["slow"] > 0
         assert 1.5 <= assigned["fast"] / assigned["slow"] <= 2.7, assigned
+    finally:
+        server.stop()
+
+
+def test_serve_starts_workers_of_several_models_on_one_machine():
+    """``llmpool serve --models NAME=MODEL,...``: one gateway, --workers N workers of each model."""
+    server = start_serve("serve-models", 2, "--models", f"alpha={MODEL},beta={MODEL}", "--workers", "1")
+    try:
+        models = {m["id"]: m for m in server.get("/v1/models").json()["data"]}
+        assert set(models) == {"alpha", "beta"} and all(m["workers"] == 1 for m in models.values())
+        assert sorted(w["name"] for w in server.workers()) == ["alpha-worker-0", "beta-worker-0"]
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert ask(client, "beta").model == "beta"
     finally:
         server.stop()
