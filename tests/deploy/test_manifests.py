@@ -8,6 +8,7 @@ import base64
 import os
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -216,7 +217,7 @@ def test_multi_model_overlay_serves_two_names_from_separate_workers():
 
 
 def make_secrets(tmp_path: Path) -> dict[str, dict[str, bytes]]:
-    environment = {**os.environ, "DRY_RUN": "1", "LLMPOOL": "python -m launcher", "LLMPOOL_API_KEY": "k1,k2", "TMPDIR": str(tmp_path)}
+    environment = {**os.environ, "DRY_RUN": "1", "LLMPOOL": f"{sys.executable} -m launcher", "LLMPOOL_API_KEY": "k1,k2", "TMPDIR": str(tmp_path)}
     result = subprocess.run([str(KUBE / "make-secrets.sh")], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     docs = [d for d in yaml.safe_load_all(result.stdout) if d]

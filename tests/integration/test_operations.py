@@ -32,15 +32,22 @@ def test_metrics_count_requests_latencies_and_the_pool(server):
     server.post("/v1/chat/completions", json={"model": MODEL})  # a 400
     text = server.get("/metrics").text
     assert text.count("# TYPE") > 10
-    finished = sample(text, "llmpool_generations_total", outcome="length") + sample(text, "llmpool_generations_total", outcome="stop")
-    finished_before = sample(before, "llmpool_generations_total", outcome="length") + sample(before, "llmpool_generations_total", outcome="stop")
+    labels = {"model": MODEL}  # every generation metric names its model
+    finished = sample(text, "llmpool_generations_total", **labels, outcome="length") + sample(
+        text, "llmpool_generations_total", **labels, outcome="stop"
+    )
+    finished_before = sample(before, "llmpool_generations_total", **labels, outcome="length") + sample(
+        before, "llmpool_generations_total", **labels, outcome="stop"
+    )
     assert finished - finished_before == 3
-    assert sample(text, "llmpool_time_to_first_token_seconds_count") >= sample(before, "llmpool_time_to_first_token_seconds_count") + 3
-    assert sample(text, "llmpool_inter_token_latency_seconds_count") > sample(before, "llmpool_inter_token_latency_seconds_count")
+    ttft = "llmpool_time_to_first_token_seconds_count"
+    assert sample(text, ttft, **labels) >= sample(before, ttft, **labels) + 3
+    itl = "llmpool_inter_token_latency_seconds_count"
+    assert sample(text, itl, **labels) > sample(before, itl, **labels)
     assert sample(text, "llmpool_http_requests_total", path="/v1/chat/completions", status="400") >= 1
     assert sample(text, "llmpool_workers", state="ready") + sample(text, "llmpool_workers", state="busy") == 2
     for worker in server.workers():
-        assert f'llmpool_worker_kv_cache_usage_ratio{{worker="{worker["name"]}"}}' in text
+        assert f'llmpool_worker_kv_cache_usage_ratio{{model="{MODEL}",worker="{worker["name"]}"}}' in text
     assert "llmpool_queue_length" in text and "llmpool_running_batch_size" in text
     assert "llmpool_worker_prefix_cache_hit_tokens_total" in text
 
