@@ -122,11 +122,18 @@ class ModelPool:
             candidates += available[: self.SCAN_LIMIT - len(candidates)]
         median = self._median_speed
         scored = [((w.outstanding_tokens + cost) / (w.load.capacity_tokens_per_s or median), w) for w in candidates]
+        # Idle workers tie among themselves (at their best score): a speed figure is throughput at
+        # the batch a worker ran lately (one that ran 32 streams reports 6x one that ran a single
+        # stream), not how fast it serves one request.
+        idle = [score for score, w in scored if not w.inflight]
+        if idle:
+            scored = [(score if w.inflight else min(idle), w) for score, w in scored]
         best = min(score for score, _ in scored)
         # Speeds are measurements: two like workers differ by noise, and the one measured a little
         # faster would take every request at low load (and the other's figure would never refresh).
         # Within NEAR_TIE of the best, the one holding the fewest requests gets it.
-        return min((w for score, w in scored if score <= best * self.NEAR_TIE), key=lambda w: (len(w.inflight), w.requests_assigned))
+        tied = [w for score, w in scored if score <= best * self.NEAR_TIE]
+        return min(tied, key=lambda w: (len(w.inflight), w.requests_assigned))
 
 
 class RequestStream:
