@@ -26,18 +26,20 @@ def reference_attention(q, k_cache, v_cache, tables, lengths, scale):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
-    "rows, heads, kv_heads, head_dim, lengths",
+    "rows, heads, kv_heads, head_dim, lengths, block_size",
     [
-        (1, 9, 3, 64, [1]),
-        (2, 4, 2, 48, [40, 7]),  # a head_dim that is not a multiple of 32
-        (1, 9, 3, 64, [4099]),  # long context: split across threads, a partial last block
-        (3, 8, 8, 32, [17, 5, 300]),  # no GQA, rows of different lengths
-        (20, 16, 2, 128, [33] * 10 + [130] * 10),
+        (1, 9, 3, 64, [1], 16),
+        (2, 4, 2, 48, [40, 7], 16),  # a head_dim that is not a multiple of 32
+        (1, 9, 3, 64, [4099], 16),  # long context: split across threads, a partial last block
+        (3, 8, 8, 32, [17, 5, 300], 16),  # no GQA, rows of different lengths
+        (20, 16, 2, 128, [33] * 10 + [130] * 10, 16),
+        (2, 9, 3, 64, [1001, 37], 8),  # tiles of 16 positions span two blocks
+        (2, 9, 3, 64, [1001, 37], 32),  # two tiles a block
     ],
 )
-def test_paged_decode_attention_matches_gathered_attention(dtype, rows, heads, kv_heads, head_dim, lengths):
+def test_paged_decode_attention_matches_gathered_attention(dtype, rows, heads, kv_heads, head_dim, lengths, block_size):
     torch.manual_seed(0)
-    block_size, num_blocks = 16, 700
+    num_blocks = 700
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
     max_blocks = max(-(-n // block_size) for n in lengths)

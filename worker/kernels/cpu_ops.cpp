@@ -266,6 +266,10 @@ void q4_range(const float* x, const float* xsum, int64_t rows, int64_t K, const 
 // to unsigned (+128), which adds 128 * (sum of the group's weights) to every group's dot product;
 // the quantizer stores those sums next to each row's scale, so the kernel subtracts them exactly.
 constexpr int64_t VNNI_GROUP = 64;
+// The quantized kernels stream their weights from DRAM once per step; the hardware prefetcher alone
+// left them at about half this machine's read bandwidth. Each tile asks for the same lines of the
+// tile this many tiles further on, one line per weight load, so the requests are spread out.
+constexpr int64_t WEIGHT_PREFETCH_TILES = 1;
 
 void quantize_activations(const float* x, int64_t rows, int64_t K, uint8_t* xu, float* xs) {
   for (int64_t r = 0; r < rows; ++r)
@@ -300,6 +304,7 @@ void vnni_tile(const uint8_t* xu, const float* xs, int64_t K, const int8_t* w, c
       sv[r] = V16::splat(xs[r * groups + g]);
     }
     for (int j = 0; j < NR; ++j) {
+      __builtin_prefetch(w + (n0 + WEIGHT_PREFETCH_TILES * NR + j) * K + g * VNNI_GROUP);  // see WEIGHT_PREFETCH_TILES
       const __m512i wv = _mm512_loadu_si512(w + (n0 + j) * K + g * VNNI_GROUP);
       const float wsum = scale[(n0 + j) * scale_stride + 1 + g];
       for (int r = 0; r < R; ++r) {
@@ -372,6 +377,7 @@ void q4_vnni_tile(const int8_t* xp, const float* xs, const float* xsum, int64_t 
     for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_si512(xp + r * K + c * VNNI_GROUP);
     for (int j = 0; j < NR; ++j) {
       const int64_t n = n0 + j;
+      __builtin_prefetch(w + (n + WEIGHT_PREFETCH_TILES * NR) * (K / 2) + c * 32);  // see WEIGHT_PREFETCH_TILES
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * (K / 2) + c * 32));
       const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, mask)),
                                            _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), 1);
@@ -534,36 +540,15 @@ void attend_split(const float* q, const C* k_cache, const C* v_cache, const int6
       }
     }
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-#if defined(__AVX512BF16__)
-      const bool pairs = std::is_same_v<C, c10::BFloat16> && D % 32 == 0;  // bf16 keys: vdpbf16ps, 32 products an instruction
-#else
-      const bool pairs = false;
-#endif
-      if (!pairs) {
-        for (int64_t i = 0; i < 16; ++i)
-          for (int64_t d = 0; d < D16; ++d) keys[i][d] = load16(k_cache + slots[i] * slot_size + kvh * D + d * 16);
-      }
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t d = 0; d < D16; ++d) keys[i][d] = load16(k_cache + slots[i] * slot_size + kvh * D + d * 16);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
         const V16* qh = qv.data() + h * D16;
-        if (pairs) {
-#if defined(__AVX512BF16__)
-          __m512bh qb[MAX_HEAD_DIM / 32];
-          for (int64_t c = 0; c < D / 32; ++c) qb[c] = _mm512_cvtne2ps_pbh(qh[2 * c + 1].v, qh[2 * c].v);
-          for (int64_t i = 0; i < 16; ++i) {
-            const C* k_row = k_cache + slots[i] * slot_size + kvh * D;
-            __m512 dot = _mm512_setzero_ps();
-            for (int64_t c = 0; c < D / 32; ++c)
-              dot = _mm512_dpbf16_ps(dot, qb[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k_row + c * 32)));
-            dots[i] = {dot};
-          }
-#endif
-        } else {
-          for (int64_t i = 0; i < 16; ++i) {
-            V16 dot = mul(qh[0], keys[i][0]);
-            for (int64_t d = 1; d < D16; ++d) dot = fma(qh[d], keys[i][d], dot);
-            dots[i] = dot;
-          }
+        for (int64_t i = 0; i < 16; ++i) {
+          V16 dot = mul(qh[0], keys[i][0]);
+          for (int64_t d = 1; d < D16; ++d) dot = fma(qh[d], keys[i][d], dot);
+          dots[i] = dot;
         }
         alignas(64) float scores[16];
         store16(scores, reduce16(dots));
@@ -596,6 +581,122 @@ void attend_split(const float* q, const C* k_cache, const C* v_cache, const int6
   }
 }
 
+#if defined(__AVX512BF16__)
+constexpr int64_t PREFETCH_TILES = 1;  // how far ahead (in tiles of 16 positions) K and V rows are fetched
+
+// The slots of positions [t, t + 16) (a short tile repeats its last position, masked by the caller).
+inline int64_t tile_slots(const int64_t* table, int64_t t, int64_t end, int64_t BS, int64_t* slots) {
+  const int64_t n = std::min<int64_t>(16, end - t);
+  int64_t block = t / BS, offset = t % BS;  // walk the blocks: no division per position
+  for (int64_t i = 0; i < 16; ++i) {
+    if (i < n) {
+      slots[i] = table[block] * BS + offset;
+      if (++offset == BS) offset = 0, ++block;
+    } else {
+      slots[i] = slots[n - 1];
+    }
+  }
+  return n;
+}
+
+// attend_split for bf16 caches (the default), where vdpbf16ps does 32 bf16 products an instruction.
+// Per tile of 16 positions: the scores of every head from the K rows, then the V rows two positions
+// at a time, their rows interleaved (unpack lo/hi of 16-bit elements) against the pair of their
+// probabilities rounded to bf16, so no V element is widened to float. The unpacks permute d within
+// each 32-wide chunk (vector 2c holds d = 32c + 8L + e, vector 2c + 1 holds d = 32c + 8L + 4 + e, at
+// lane 4L + e); the output is put back in order at the end. The rows PREFETCH_TILES ahead are asked
+// for while a tile computes, a few lines at a time: this loop is bound by memory latency otherwise
+// (one burst per tile, or the hardware prefetcher alone, left it waiting on loads).
+void attend_split_bf16(const float* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table,
+                       int64_t begin, int64_t end, const AttnShape& s, float* part) {
+  using C = c10::BFloat16;
+  const int64_t H = s.heads, KVH = s.kv_heads, G = H / KVH, D = s.head_dim, BS = s.block_size;
+  const int64_t D16 = D / 16, D32 = D / 32, slot_size = KVH * D, row_bytes = slot_size * static_cast<int64_t>(sizeof(C));
+  std::vector<V16> acc(H * D16, V16::zero());
+  std::vector<__m512bh> qb(H * D32);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t c = 0; c < D32; ++c)
+      qb[h * D32 + c] = _mm512_cvtne2ps_pbh(mul(load16(q + h * D + 32 * c + 16), V16::splat(s.scale)).v,
+                                            mul(load16(q + h * D + 32 * c), V16::splat(s.scale)).v);
+  std::vector<float> m(H, NEG_INF), l(H, 0.f);
+  std::vector<uint32_t> prob_pairs(H * 8);
+  V16 dots[16];
+  int64_t slots[PREFETCH_TILES + 1][16];
+  int64_t counts[PREFETCH_TILES + 1];
+  for (int64_t k = 0; k <= PREFETCH_TILES; ++k) counts[k] = begin + 16 * k < end ? tile_slots(table, begin + 16 * k, end, BS, slots[k]) : 0;
+  for (int64_t tile = 0, t0 = begin; t0 < end; ++tile, t0 += 16) {
+    const int64_t* cur = slots[tile % (PREFETCH_TILES + 1)];
+    const int64_t n = counts[tile % (PREFETCH_TILES + 1)];
+    const int64_t* ahead = slots[(tile + PREFETCH_TILES) % (PREFETCH_TILES + 1)];
+    const int64_t n_ahead = counts[(tile + PREFETCH_TILES) % (PREFETCH_TILES + 1)];
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kvh * G + g;
+        const __m512bh* qh = qb.data() + h * D32;
+        for (int64_t i = 0; i < 16; ++i) {
+          const C* k_row = k_cache + cur[i] * slot_size + kvh * D;
+          __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k_row)));
+          for (int64_t c = 1; c < D32; ++c)
+            dot = _mm512_dpbf16_ps(dot, qh[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k_row + c * 32)));
+          dots[i] = {dot};
+        }
+        alignas(64) float scores[16];
+        store16(scores, reduce16(dots));
+        for (int64_t i = n; i < 16; ++i) scores[i] = NEG_INF;
+        const V16 sv = load16(scores);
+        const float new_m = std::max(m[h], hmax(sv));
+        const float correction = std::exp(m[h] - new_m);  // 0 on the first tile (m = -inf)
+        const V16 p = exp16(sub(sv, V16::splat(new_m)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob_pairs.data() + h * 8), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p.v)));
+        l[h] = l[h] * correction + hsum(p);
+        m[h] = new_m;
+        if (correction != 1.f)
+          for (int64_t d = 0; d < D16; ++d) acc[h * D16 + d] = mul(acc[h * D16 + d], V16::splat(correction));
+      }
+    }
+    for (int64_t i = 0; i < n; i += 2) {  // an odd tile's last pair borrows a masked position (probability 0)
+      if (i < n_ahead) {
+        for (int64_t j = i; j < std::min(i + 2, n_ahead); ++j) {
+          const char* kp = reinterpret_cast<const char*>(k_cache + ahead[j] * slot_size);
+          const char* vp = reinterpret_cast<const char*>(v_cache + ahead[j] * slot_size);
+          for (int64_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(kp + b);
+            __builtin_prefetch(vp + b);
+          }
+        }
+      }
+      const C* a = v_cache + cur[i] * slot_size;
+      const C* b = v_cache + cur[i + 1] * slot_size;
+      for (int64_t kvh = 0; kvh < KVH; ++kvh)
+        for (int64_t c = 0; c < D32; ++c) {
+          const __m512i va = _mm512_loadu_si512(a + kvh * D + c * 32), vb = _mm512_loadu_si512(b + kvh * D + c * 32);
+          const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(va, vb));
+          const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(va, vb));
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = kvh * G + g;
+            const __m512bh pg = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(prob_pairs[h * 8 + i / 2])));
+            V16* ah = acc.data() + h * D16 + 2 * c;
+            ah[0] = {_mm512_dpbf16_ps(ah[0].v, lo, pg)};
+            ah[1] = {_mm512_dpbf16_ps(ah[1].v, hi, pg)};
+          }
+        }
+    }
+    const int64_t next = t0 + 16 * (PREFETCH_TILES + 1);  // this tile's buffer now takes the tile after the prefetched ones
+    counts[tile % (PREFETCH_TILES + 1)] = next < end ? tile_slots(table, next, end, BS, slots[tile % (PREFETCH_TILES + 1)]) : 0;
+  }
+  alignas(64) float lanes[16];
+  for (int64_t h = 0; h < H; ++h) {
+    float* out = part + h * (D + 2);
+    for (int64_t j = 0; j < D16; ++j) {
+      store16(lanes, acc[h * D16 + j]);
+      for (int64_t k = 0; k < 16; ++k) out[32 * (j / 2) + 8 * (k / 4) + 4 * (j % 2) + k % 4] = lanes[k];
+    }
+    out[D] = m[h];
+    out[D + 1] = l[h];
+  }
+}
+#endif
+
 int64_t pick_splits(int64_t rows, int64_t max_len, int64_t block_size) {
   const int64_t wanted = (4 * at::get_num_threads() + rows - 1) / rows;
   const int64_t most = std::max<int64_t>(1, max_len / (8 * block_size));  // at least 8 blocks a split
@@ -615,6 +716,14 @@ void decode_attention(const float* q, const C* k_cache, const C* v_cache, const 
       const int64_t len = lengths[row];
       const int64_t chunk = ((len + s.splits - 1) / s.splits + s.block_size - 1) / s.block_size * s.block_size;
       const int64_t begin = std::min(len, split * chunk), end = std::min(len, begin + chunk);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<C, c10::BFloat16>) {
+        if (D % 32 == 0) {
+          attend_split_bf16(q + row * H * D, k_cache, v_cache, tables + row * s.max_blocks, begin, end, s, parts.data() + item * part_size);
+          continue;
+        }
+      }
+#endif
       attend_split(q + row * H * D, k_cache, v_cache, tables + row * s.max_blocks, begin, end, s, parts.data() + item * part_size);
     }
   });
