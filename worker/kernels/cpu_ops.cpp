@@ -335,10 +335,13 @@ void vnni_range(const uint8_t* xu, const float* xs, int64_t rows, int64_t K, con
 // unsigned bytes [g0 q0-15 | g1 q0-15 | g0 q16-31 | g1 q16-31]; the activations, quantized to int8
 // per 64 inputs, are laid out in that same order once per call, so vpdpbusd multiplies matching
 // pairs and each 32-bit lane belongs to one group (lanes 0-3 and 8-11 to g0, 4-7 and 12-15 to g1).
-// The minimum term m * sum(x) uses the float activations' group sums, exactly as in q4_tile.
+// The minimum term m * sum(x) uses the float activations' group sums, exactly as in q4_tile: they
+// are stored as (0, s0, 0, s1) per chunk, beside a row's scales and minimums (d0, m0, d1, m1), so
+// one dot product of the two gives a row's whole minimum term.
 void quantize_activations_q4(const float* x, int64_t rows, int64_t K, int8_t* xp, float* xs, float* xsum) {
+  const int64_t chunks = K / VNNI_GROUP;
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < K / VNNI_GROUP; ++c) {
+    for (int64_t c = 0; c < chunks; ++c) {
       const float* src = x + r * K + c * VNNI_GROUP;
       float amax = 0.f, s0 = 0.f, s1 = 0.f;
       for (int64_t k = 0; k < VNNI_GROUP; ++k) amax = std::max(amax, std::fabs(src[k]));
@@ -354,59 +357,74 @@ void quantize_activations_q4(const float* x, int64_t rows, int64_t K, int8_t* xp
         dst[32 + k] = static_cast<int8_t>(std::nearbyint(src[16 + k] * inv));  // g0 q16-31
         dst[48 + k] = static_cast<int8_t>(std::nearbyint(src[48 + k] * inv));  // g1 q16-31
       }
-      xs[r * (K / VNNI_GROUP) + c] = scale;
-      xsum[(r * (K / VNNI_GROUP) + c) * 2] = s0;
-      xsum[(r * (K / VNNI_GROUP) + c) * 2 + 1] = s1;
+      xs[r * chunks + c] = scale;
+      float* sums = xsum + (r * chunks + c) * 4;
+      sums[0] = 0.f, sums[1] = s0, sums[2] = 0.f, sums[3] = s1;
     }
 }
 
+// Per column tile: each row's float16 (d, m) pairs widened to float once (16 an instruction) into
+// `dmf`; per chunk the nibbles unpack with one variable shift of the 32 bytes broadcast to both
+// halves, and the two groups' scales come from one in-lane permute of that row's (d0, m0, d1, m1).
 template <int R, int NR>
 void q4_vnni_tile(const int8_t* xp, const float* xs, const float* xsum, int64_t K, const uint8_t* w, const c10::Half* dm,
-                  int64_t n0, float* out, int64_t out_stride, const float* bias) {
-  const int64_t chunks = K / VNNI_GROUP;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  V16 acc[R][NR];
-  float macc[R][NR];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NR; ++j) {
-      acc[r][j] = V16::zero();
-      macc[r][j] = 0.f;
+                  int64_t n0, float* out, int64_t out_stride, const float* bias, float* dmf) {
+  const int64_t chunks = K / VNNI_GROUP, per_row = chunks * 4;
+  for (int j = 0; j < NR; ++j) {
+    const c10::Half* src = dm + (n0 + j) * per_row;
+    float* dst = dmf + j * per_row;
+    for (int64_t i = 0; i < per_row; i += 16) {
+      const __mmask16 mask = per_row - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (per_row - i)) - 1);
+      _mm512_mask_storeu_ps(dst + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src + i)));
     }
+  }
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // low nibbles, then high
+  const __m512i pick_d = _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);       // d0 in lanes 0-3, 8-11
+  V16 acc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = V16::zero();
   for (int64_t c = 0; c < chunks; ++c) {
     __m512i xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_si512(xp + r * K + c * VNNI_GROUP);
+    V16 sv[R];
+    for (int r = 0; r < R; ++r) {
+      xv[r] = _mm512_loadu_si512(xp + r * K + c * VNNI_GROUP);
+      sv[r] = V16::splat(xs[r * chunks + c]);
+    }
     for (int j = 0; j < NR; ++j) {
       const int64_t n = n0 + j;
       __builtin_prefetch(w + (n + WEIGHT_PREFETCH_TILES * NR) * (K / 2) + c * 32);  // see WEIGHT_PREFETCH_TILES
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * (K / 2) + c * 32));
-      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, mask)),
-                                           _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), 1);
-      const c10::Half* g = dm + (n * chunks + c) * 4;  // d0, m0, d1, m1
-      const float d0 = static_cast<float>(g[0]), m0 = static_cast<float>(g[1]);
-      const float d1 = static_cast<float>(g[2]), m1 = static_cast<float>(g[3]);
-      const __m512 dv = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+      const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * (K / 2) + c * 32)));
+      const __m512i q = _mm512_and_si512(_mm512_srlv_epi16(packed, shifts), low_mask);
+      const __m512 dv = _mm512_permutevar_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(dmf + j * per_row + c * 4)), pick_d);
       for (int r = 0; r < R; ++r) {
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[r]);
-        const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xs[r * chunks + c]));
-        acc[r][j] = {_mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][j].v)};
-        macc[r][j] += m0 * xsum[(r * chunks + c) * 2] + m1 * xsum[(r * chunks + c) * 2 + 1];
+        acc[r][j] = {_mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, sv[r].v), acc[r][j].v)};
       }
     }
   }
   for (int j = 0; j < NR; ++j)
-    for (int r = 0; r < R; ++r) out[r * out_stride + n0 + j] = hsum(acc[r][j]) + macc[r][j] + (bias ? bias[n0 + j] : 0.f);
+    for (int r = 0; r < R; ++r) {
+      V16 mins = V16::zero();  // sum over chunks of m0 * s0 + m1 * s1
+      for (int64_t i = 0; i < per_row; i += 16) {
+        const __mmask16 mask = per_row - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (per_row - i)) - 1);
+        mins = {_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, dmf + j * per_row + i), _mm512_maskz_loadu_ps(mask, xsum + r * per_row + i), mins.v)};
+      }
+      out[r * out_stride + n0 + j] = hsum(acc[r][j]) + hsum(mins) + (bias ? bias[n0 + j] : 0.f);
+    }
 }
 
 template <int R>
 void q4_vnni_rows(const int8_t* xp, const float* xs, const float* xsum, int64_t K, const uint8_t* w, const c10::Half* dm,
                   int64_t n_begin, int64_t n_end, float* out, int64_t N, const float* bias) {
-  for_column_tiles<R>(n_begin, n_end, [&](auto NR, int64_t n) { q4_vnni_tile<R, decltype(NR)::value>(xp, xs, xsum, K, w, dm, n, out, N, bias); });
+  std::vector<float> dmf(8 * (K / VNNI_GROUP) * 4);
+  for_column_tiles<R>(n_begin, n_end, [&](auto NR, int64_t n) { q4_vnni_tile<R, decltype(NR)::value>(xp, xs, xsum, K, w, dm, n, out, N, bias, dmf.data()); });
 }
 
 void q4_vnni_range(const int8_t* xp, const float* xs, const float* xsum, int64_t rows, int64_t K, const uint8_t* w,
                    const c10::Half* dm, int64_t n_begin, int64_t n_end, float* out, int64_t N, const float* bias) {
   const int64_t chunks = K / VNNI_GROUP;
-  for_row_groups(rows, [&](auto R, int64_t r) { q4_vnni_rows<decltype(R)::value>(xp + r * K, xs + r * chunks, xsum + r * chunks * 2, K, w, dm, n_begin, n_end, out + r * N, N, bias); });
+  for_row_groups(rows, [&](auto R, int64_t r) { q4_vnni_rows<decltype(R)::value>(xp + r * K, xs + r * chunks, xsum + r * chunks * 4, K, w, dm, n_begin, n_end, out + r * N, N, bias); });
 }
 #endif
 
@@ -460,7 +478,7 @@ void run_linear(const float* x, int64_t rows, const Weight& w, float* out) {
 #if defined(__AVX512VNNI__)
   if (w.type == at::kByte && w.K % VNNI_GROUP == 0) {
     std::vector<int8_t> xp(rows * w.K);
-    std::vector<float> xs(rows * (w.K / VNNI_GROUP)), sums(rows * (w.K / VNNI_GROUP) * 2);
+    std::vector<float> xs(rows * (w.K / VNNI_GROUP)), sums(rows * (w.K / VNNI_GROUP) * 4);
     quantize_activations_q4(x, rows, w.K, xp.data(), xs.data(), sums.data());
     at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
       q4_vnni_range(xp.data(), xs.data(), sums.data(), rows, w.K, static_cast<const uint8_t*>(w.data), w.dm, n0, n1, out, w.N, w.bias);
