@@ -191,25 +191,64 @@ def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits
 
 
+# How many of a row's largest logits a top-p nucleus is first looked for in. Sorting the whole
+# vocabulary took 5.4 ms a step for one row (49k tokens); a nucleus is nearly always a few hundred
+# tokens (0.28 ms). If the candidates cannot be shown to hold it, the whole row is sorted.
+NUCLEUS_CANDIDATES = 256
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask to -inf everything outside each row's top-k and top-p nucleus (one sort for the batch)."""
-    use_k = any(p.top_k > 0 for p in params)
-    use_p = any(p.top_p < 1.0 for p in params)
-    if not (use_k or use_p):
-        return logits
+    """Mask to -inf everything outside each row's top-k and top-p nucleus.
+
+    Only the rows that ask, and only their largest logits: the ``c`` best of each row (``c`` at
+    least every row's ``top_k``), in one stable order (ties: lowest id as the most likely, so a tiny
+    top_p keeps the token argmax picks; bf16 logits tie at the top often). For a top-p row without
+    top_k the tokens left out must be excluded anyway: their mass must be within ``1 - top_p`` and
+    strictly smaller than every candidate's, or the whole vocabulary is sorted.
+    """
     vocab = logits.shape[-1]
-    # A stable descending sort, flipped: among tied logits the lowest id ends up last, i.e. kept by
-    # a tiny top_p, which is the token argmax (greedy) picks; bf16 logits tie at the top often.
-    descending, order = logits.sort(dim=-1, descending=True, stable=True)
-    ascending, order = descending.flip(-1), order.flip(-1)
-    if use_k:
-        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
-        kth_largest = ascending.gather(1, (vocab - k).unsqueeze(1))
-        ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
-    if use_p:
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if not rows:
+        return logits
+    chosen = [params[i] for i in rows]
+    sub = logits[rows]
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in chosen], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in chosen], device=logits.device)
+    unbounded = k == vocab  # top-p rows whose nucleus is not capped by a top_k
+    lse = sub.logsumexp(dim=-1, keepdim=True)
+    size = max(k[~unbounded].tolist(), default=0)
+    if bool(unbounded.any()):
+        size = max(size, NUCLEUS_CANDIDATES)
+    size = min(size, vocab)
+    ascending = ids = None
+    if size < vocab:
+        values, ids = sub.topk(size + 1, dim=-1)
+        tail_mass = 1.0 - (values[:, :size] - lse).exp().sum(dim=-1)
+        separated = values[:, size - 1] > values[:, size]
+        if bool((~unbounded | ((tail_mass <= 1.0 - top_p) & separated)).all()):
+            # Ascending by value, ties by descending id (stable sorts), so the lowest id of a tie comes last.
+            ids, by_id = ids[:, :size].sort(dim=-1, descending=True)
+            ascending, order = values[:, :size].gather(1, by_id).sort(dim=-1, stable=True)
+            ids = ids.gather(1, order)
+    if ascending is None:  # the whole row: one stable descending sort, flipped
+        size = vocab
+        descending, ids = sub.sort(dim=-1, descending=True, stable=True)
+        ascending, ids = descending.flip(-1), ids.flip(-1)
+    if bool((k < vocab).any()):
+        kth = ascending.gather(1, (size - k.clamp(max=size)).unsqueeze(1))
+        ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    if bool((top_p < 1.0).any()):
+        # Probabilities over what top-k left: the candidates alone for top-k rows, the whole row
+        # (the candidates plus a tail that is all excluded) for the others.
+        total = torch.where(unbounded.unsqueeze(1), lse, ascending.logsumexp(dim=-1, keepdim=True))
+        probs = (ascending - total).exp()
+        tail = (1.0 - probs.sum(dim=-1, keepdim=True)).clamp(min=0.0) * unbounded.unsqueeze(1)
+        cumulative = tail + probs.cumsum(dim=-1)
         outside = cumulative <= (1.0 - top_p).unsqueeze(1)
         outside[:, -1] = False  # the most likely token always stays
         ascending = ascending.masked_fill(outside, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, ascending)
+    kept = torch.full_like(sub, float("-inf")).scatter_(1, ids, ascending)
+    if len(rows) == len(params):
+        return kept
+    logits[rows] = kept
+    return logits

@@ -1,10 +1,11 @@
 """Batched sampling with per-row settings."""
 
+import pytest
 import torch
 
 from common.protocol import SamplingParams
 from worker.request import Request
-from worker.sampler import Sampler
+from worker.sampler import Sampler, _apply_top_k_top_p
 
 
 class TokensOnly(Sampler):
@@ -44,6 +45,25 @@ def test_tiny_top_p_breaks_a_tie_at_the_top_as_argmax_does():
     sampler = TokensOnly(torch.device("cpu"))
     picks = {sampler(x, reqs(["a"], [SamplingParams(temperature=1.0, top_p=1e-6)]))[0] for _ in range(20)}
     assert picks == {x[0].float().argmax().item()} == {7}
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (whole-row sort) to peaked (a few hundred candidates)
+def test_top_k_and_top_p_keep_what_a_full_sort_keeps(scale):
+    torch.manual_seed(int(scale * 10))
+    x = torch.randn(4, 49152) * scale
+    x[0, :3] = x[0].max()  # a tie at the top
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=40), SamplingParams(top_k=7), SamplingParams(top_p=0.99)]
+    kept = ~_apply_top_k_top_p(x.clone(), params).isinf()
+    for row, p in enumerate(params):
+        order = x[row].sort(descending=True, stable=True).indices  # ties: lowest id first (most likely)
+        k = p.top_k or x.shape[1]
+        probs = x[row, order[:k]].softmax(-1)
+        # A token stays while its mass plus that of the less likely ones exceeds 1 - top_p.
+        at_or_after = probs.flip(0).cumsum(0).flip(0)
+        n = k if p.top_p >= 1.0 else max(1, int((at_or_after > 1.0 - p.top_p).sum()))
+        want = torch.zeros_like(kept[row])
+        want[order[:n]] = True
+        assert torch.equal(kept[row], want), f"row {row}: kept {int(kept[row].sum())}, want {n}"
 
 
 def test_rows_mix_greedy_and_sampled():
