@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 
 from common.config import add_flags, from_namespace
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> None:
         bundle,
     )
     proc.install_signal_handlers()
+    # Everything loaded so far (model modules, tokenizer, torch's own objects) lives as long as the
+    # process: keep it out of the collector's scans. A full collection walked it all, costing 263 ms
+    # over 128 batch-1 decode steps (2 ms a token on average, in pauses of tens of ms); after
+    # freezing, 4 ms.
+    gc.freeze()
     logging.getLogger(__name__).info("worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks)
     proc.run()
 
