@@ -830,6 +830,22 @@ void rms_norm_rows(const float* x, const float* weight, float* out, int64_t rows
   }
 }
 
+// a = silu(g) * u = g / (1 + e^-g) * u, 16 at a time: a libm exp per element was ~0.7 ms of a
+// batch-1 step (46k calls) and grew with every row.
+void silu_mul(const float* g, const float* u, float* a, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const V16 x = load16(g + i);
+    const V16 e = exp16(sub(V16::zero(), x));
+#if defined(__AVX512F__)
+    store16(a + i, mul(V16{_mm512_div_ps(x.v, _mm512_add_ps(_mm512_set1_ps(1.f), e.v))}, load16(u + i)));
+#else
+    for (int j = 0; j < 16; ++j) a[i + j] = x.v[j] / (1.f + e.v[j]) * u[i + j];
+#endif
+  }
+  for (; i < n; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
 // rotate_half rotary embedding of `n_heads` heads of one row, in place.
 void rotary(float* x, int64_t n_heads, int64_t D, const float* cos, const float* sin) {
   const int64_t half = D / 2;
@@ -910,7 +926,7 @@ Tensor llama_decode(const Tensor& hidden, const Tensor& cos, const Tensor& sin, 
       const float* g = gup + r * inter2;
       const float* u = g + inter;
       float* a = actp + r * inter;
-      for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      silu_mul(g, u, a, inter);
     }
     run_linear(actp, rows, as_weight(down[layer], opt_at(down_scale, layer), {}), dp);
     for (int64_t i = 0; i < rows * H; ++i) hp[i] += dp[i];
