@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker import kernels
 from worker.attention import AttentionMetadata, paged_attention
-from worker.quantization import quantize_int8, quantize_q4
+from worker.quantization import pack_int8, quantize_int8, quantize_q4
 
 SUPPORTED = {"llama", "qwen2"}
 
@@ -103,13 +104,18 @@ class DecodeWeights:
     lm_head_scale: torch.Tensor | None
 
 
-def _decode_weights(model: torch.nn.Module, quantization: str) -> DecodeWeights:
-    """Fused (and, with ``int8``, quantized) copies of the weights for the small-batch decode kernel."""
+def _decode_weights(model: torch.nn.Module, quantization: str, packed: bool) -> DecodeWeights:
+    """Fused (and, with ``int8``, quantized) copies of the weights for the decode kernel; ``packed``:
+    int8 in the VNNI block layout (worker/quantization.py: pack_int8)."""
+
+    def int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = quantize_int8(weight)
+        return pack_int8(q, scale) if packed else (q, scale)
 
     def matrix(*parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = torch.cat([p.detach() for p in parts]) if len(parts) > 1 else parts[0].detach()
         if quantization == "int8":
-            return quantize_int8(weight)
+            return int8(weight)
         if quantization == "q4":
             return quantize_q4(weight)
         return weight.contiguous(), None
@@ -134,7 +140,7 @@ def _decode_weights(model: torch.nn.Module, quantization: str) -> DecodeWeights:
     # The head (tied to the embeddings in small models) is int8 under q4 too: GGUF files keep it at
     # 8 bits (Q8_0 in the default model), and 4 bits there cost the most accuracy per byte saved.
     head = model.lm_head.weight.detach()
-    w.lm_head, w.lm_head_scale = quantize_int8(head) if quantization != "none" else (head.contiguous(), None)
+    w.lm_head, w.lm_head_scale = int8(head) if quantization != "none" else (head.contiguous(), None)
     return w
 
 
@@ -142,7 +148,9 @@ class LlamaForward:
     """Holds fused weights taken from a loaded transformers model; ``__call__`` runs one step.
 
     With ``fast_decode`` it also keeps the weights the C++ decode kernel reads (``decode``): a whole
-    small-batch decode step in one call, int8 weights with ``quantization="int8"``.
+    decode step in one call, int8 weights with ``quantization="int8"``. With int8 on a CPU with VNNI
+    they are packed for its GEMM kernel, which beats oneDNN's bf16 matmuls at every batch size
+    measured (``decode_any_batch``); otherwise the kernel's matrix-vector loops are for a few rows.
     """
 
     def __init__(self, model: torch.nn.Module, fast_decode: bool = False, quantization: str = "none") -> None:
@@ -156,7 +164,8 @@ class LlamaForward:
         self.final_norm = decoder.norm.weight
         self.lm_head = _Linear(model.lm_head.weight)
         self.rotary = decoder.rotary_emb
-        self.decode_weights = _decode_weights(model, quantization) if fast_decode else None
+        self.decode_any_batch = fast_decode and quantization == "int8" and kernels.has_vnni()
+        self.decode_weights = _decode_weights(model, quantization, self.decode_any_batch) if fast_decode else None
         self.layers = [self._fuse(i, block) for i, block in enumerate(decoder.layers)]
         decoder.layers = torch.nn.ModuleList()  # the fused copies replace them; free the originals
 

@@ -31,6 +31,22 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), torch.cat(columns, dim=1).contiguous()
 
 
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_int8``'s pair in the C++ kernel's VNNI block layout, where the shapes allow it
+    (N a multiple of 16, K of 64); otherwise unchanged.
+
+    Weights ``[N / 16, K / 4, 16, 4]``: per block of 16 output rows, 4 consecutive inputs of each
+    (one 64-byte load feeds one vpdpbusd). Scales ``[N / 16, 1 + K / 64, 16]``: the block's row
+    scales, then each group of 64 inputs' weight sums (see worker/kernels/cpu_ops.cpp, packed_tile).
+    """
+    n, k = q.shape
+    if n % 16 or k % 64 or scale.shape[1] != 1 + k // 64:
+        return q, scale
+    packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    meta = scale.view(n // 16, 16, 1 + k // 64).permute(0, 2, 1).contiguous()
+    return packed, meta
+
+
 def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` -> (uint8 ``[N, K / 2]``, float16 ``[N, K / 32, 2]`` scale and minimum per group).
 

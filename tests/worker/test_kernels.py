@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from worker import kernels
-from worker.quantization import quantize_int8
+from worker.quantization import pack_int8, quantize_int8
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"C++ kernels did not build: {kernels.unavailable_reason()}")
 
@@ -79,20 +79,34 @@ def test_int8_quantization_error_is_bounded_by_half_a_step():
     assert torch.equal(scale[:, 1:], q.view(64, 4, 64).sum(-1).float())  # weight sums per group of 64
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 7])
-def test_int8_with_int8_activations_stays_within_activation_rounding(rows):
-    """K a multiple of 64: the VNNI path quantizes activations per group of 64; the result is the
-    int8-weight product up to that rounding (half a step of max|x|/127 per input)."""
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 13])
+@pytest.mark.parametrize("layout", ["rows", "packed"])
+def test_int8_with_int8_activations_stays_within_activation_rounding(rows, layout):
+    """K a multiple of 64: the VNNI paths quantize activations per group of 64; the result is the
+    int8-weight product up to that rounding (half a step of max|x|/127 per input). ``packed``: the
+    VNNI block layout (6 blocks of 16 outputs: tiles of 4 and 2 blocks, or 2 and single ones)."""
     torch.manual_seed(rows)
     w = torch.randn(96, 192) * 0.1
     x = torch.randn(rows, 192)
     q, scale = quantize_int8(w)
     dense = q.float() * scale[:, :1]
-    got = torch.ops.llmpool.linear(x, q, scale, None)
+    weight, meta = pack_int8(q, scale) if layout == "packed" else (q, scale)
+    assert weight.dim() == (4 if layout == "packed" else 2)
+    got = torch.ops.llmpool.linear(x, weight, meta, None)
     step = x.view(rows, 3, 64).abs().amax(-1, keepdim=True) / 127
     bound = (step.unsqueeze(1) / 2 * dense.view(96, 3, 64).abs().unsqueeze(0)).sum((-1, -2))  # [rows, 96]
     assert ((got - x @ dense.T).abs() <= bound + 1e-4).all()
     assert (got - x @ dense.T).abs().max() > 0  # activations really were quantized (the VNNI path ran)
+
+
+def test_packed_int8_adds_the_bias_and_keeps_unpackable_shapes():
+    torch.manual_seed(0)
+    q, scale = quantize_int8(torch.randn(48, 128) * 0.1)
+    weight, meta = pack_int8(q, scale)
+    x, bias = torch.randn(2, 128), torch.randn(48)
+    assert torch.allclose(torch.ops.llmpool.linear(x, weight, meta, bias), torch.ops.llmpool.linear(x, q, scale, bias), atol=1e-5)
+    odd = quantize_int8(torch.randn(40, 128))  # 40 rows: not whole blocks of 16
+    assert pack_int8(*odd)[0] is odd[0]
 
 
 def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeypatch):

@@ -54,3 +54,8 @@ def load(verbose: bool = False) -> bool:
 
 def unavailable_reason() -> str | None:
     return _error
+
+
+def has_vnni() -> bool:
+    """Whether the loaded kernels have the int8 VNNI paths (AVX512-VNNI at build time)."""
+    return load() and bool(torch.ops.llmpool.has_vnni())

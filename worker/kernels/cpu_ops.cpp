@@ -271,18 +271,32 @@ constexpr int64_t VNNI_GROUP = 64;
 // tile this many tiles further on, one line per weight load, so the requests are spread out.
 constexpr int64_t WEIGHT_PREFETCH_TILES = 1;
 
+// Per row and group of 64 inputs: xs = max|x| / 127, xu = round(x / xs) + 128 (unsigned for
+// vpdpbusd). 16 lanes at a time, rows split across threads when there are many (at 64 rows the
+// scalar loop was a third of the step).
 void quantize_activations(const float* x, int64_t rows, int64_t K, uint8_t* xu, float* xs) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < K / VNNI_GROUP; ++g) {
-      const float* src = x + r * K + g * VNNI_GROUP;
-      float amax = 0.f;
-      for (int64_t k = 0; k < VNNI_GROUP; ++k) amax = std::max(amax, std::fabs(src[k]));
-      const float scale = amax > 0.f ? amax / 127.f : 1.f;
-      const float inv = 1.f / scale;
-      uint8_t* dst = xu + r * K + g * VNNI_GROUP;
-      for (int64_t k = 0; k < VNNI_GROUP; ++k) dst[k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(src[k] * inv)) + 128);
-      xs[r * (K / VNNI_GROUP) + g] = scale;
-    }
+  const int64_t groups = K / VNNI_GROUP;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src = x + r * K + g * VNNI_GROUP;
+        __m512 v[4];
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm512_loadu_ps(src + 16 * i);
+          amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+        }
+        const float m = _mm512_reduce_max_ps(amax);
+        const float scale = m > 0.f ? m / 127.f : 1.f;
+        const __m512 inv = _mm512_set1_ps(1.f / scale);
+        uint8_t* dst = xu + r * K + g * VNNI_GROUP;
+        for (int i = 0; i < 4; ++i) {
+          const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv)), _mm512_set1_epi32(128));  // round to nearest even
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * i), _mm512_cvtepi32_epi8(q));
+        }
+        xs[r * groups + g] = scale;
+      }
+  });
 }
 
 template <int R, int NR>
@@ -331,6 +345,90 @@ void vnni_range(const uint8_t* xu, const float* xs, int64_t rows, int64_t K, con
   const int64_t groups = K / VNNI_GROUP;
   for_row_groups(rows, [&](auto R, int64_t r) { vnni_rows<decltype(R)::value>(xu + r * K, xs + r * groups, K, w, scale, scale_stride, n_begin, n_end, out + r * N, N, bias); });
 }
+// int8 weights packed for VNNI (``worker/quantization.py: pack_int8``): blocks of 16 output
+// columns, [N / 16][K / 4][16][4], so one 64-byte load holds 4 consecutive inputs of 16 columns and
+// feeds one vpdpbusd against those 4 activations broadcast; a tile of R rows and NB blocks keeps
+// R * NB int32 accumulators for a group of 64 inputs, then folds them into float with the group's
+// activation scale and the block's weight sums (the +128 shift): 3 instructions per group per
+// accumulator instead of 3 per 64 products. The scales live beside each block, [N / 16][1 + K / 64][16]:
+// the columns' scales, then each group's weight sums. One layout for every batch size; at large
+// batches a panel of PANEL_BLOCKS blocks is reused from cache by every group of rows.
+constexpr int64_t PANEL_BLOCKS = 4;
+
+template <int R, int NB>
+void packed_tile(const uint8_t* xu, const float* xs, int64_t K, const int8_t* w, const float* meta, int64_t b0, float* out,
+                 int64_t out_stride, const float* bias) {
+  const int64_t G = K / VNNI_GROUP, block_bytes = K * 16, meta_block = (1 + G) * 16;
+  __m512 facc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) facc[r][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i iacc[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) iacc[r][b] = _mm512_setzero_si512();
+    for (int64_t k4 = g * 16; k4 < (g + 1) * 16; ++k4) {
+      __m512i wv[NB];
+      for (int b = 0; b < NB; ++b) {
+        const int8_t* src = w + (b0 + b) * block_bytes + k4 * 64;
+        __builtin_prefetch(src + WEIGHT_PREFETCH_TILES * NB * block_bytes);  // see WEIGHT_PREFETCH_TILES
+        wv[b] = _mm512_loadu_si512(src);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xu + r * K + k4 * 4, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int b = 0; b < NB; ++b) iacc[r][b] = _mm512_dpbusd_epi32(iacc[r][b], xb, wv[b]);
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const __m512 shift = _mm512_mul_ps(_mm512_loadu_ps(meta + (b0 + b) * meta_block + (1 + g) * 16), _mm512_set1_ps(128.f));
+      for (int r = 0; r < R; ++r)
+        facc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * G + g]), _mm512_sub_ps(_mm512_cvtepi32_ps(iacc[r][b]), shift), facc[r][b]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n = (b0 + b) * 16;
+    const __m512 scale = _mm512_loadu_ps(meta + (b0 + b) * meta_block);
+    const __m512 add = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + n, _mm512_fmadd_ps(facc[r][b], scale, add));
+  }
+}
+
+template <int R>
+void packed_rows(const uint8_t* xu, const float* xs, int64_t K, const int8_t* w, const float* meta, int64_t b_begin, int64_t b_end,
+                 float* out, int64_t N, const float* bias) {
+  constexpr int NB = R <= 2 ? 4 : 2;  // R * NB * 2 accumulators stay within the 32 registers
+  int64_t b = b_begin;
+  for (; b + NB <= b_end; b += NB) packed_tile<R, NB>(xu, xs, K, w, meta, b, out, N, bias);
+  for (; b < b_end; ++b) packed_tile<R, 1>(xu, xs, K, w, meta, b, out, N, bias);
+}
+
+void packed_range(const uint8_t* xu, const float* xs, int64_t rows, int64_t K, const int8_t* w, const float* meta,
+                  int64_t b_begin, int64_t b_end, float* out, int64_t N, const float* bias) {
+  const int64_t G = K / VNNI_GROUP;
+  for (int64_t p0 = b_begin; p0 < b_end; p0 += PANEL_BLOCKS) {
+    const int64_t p1 = std::min(b_end, p0 + PANEL_BLOCKS);
+    for_row_groups(rows, [&](auto R, int64_t r) {
+      packed_rows<decltype(R)::value>(xu + r * K, xs + r * G, K, w, meta, p0, p1, out + r * N, N, bias);
+    });
+  }
+}
+#endif
+
+// The packed int8 layout without VNNI (other CPUs): plain loops, correct but slow.
+void packed_reference(const float* x, int64_t rows, int64_t K, const int8_t* w, const float* meta, int64_t b_begin, int64_t b_end,
+                      float* out, int64_t N, const float* bias) {
+  const int64_t G = K / 64, meta_block = (1 + G) * 16;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = b_begin; b < b_end; ++b)
+      for (int64_t c = 0; c < 16; ++c) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k) acc += x[r * K + k] * static_cast<float>(w[b * K * 16 + (k / 4) * 64 + c * 4 + k % 4]);
+        out[r * N + b * 16 + c] = acc * meta[b * meta_block + c] + (bias ? bias[b * 16 + c] : 0.f);
+      }
+}
+
+#if defined(__AVX512VNNI__)
 // q4 weights with VNNI: the nibbles of two groups (64 weights, 32 bytes) widen to one vector of
 // unsigned bytes [g0 q0-15 | g1 q0-15 | g0 q16-31 | g1 q16-31]; the activations, quantized to int8
 // per 64 inputs, are laid out in that same order once per call, so vpdpbusd multiplies matching
@@ -437,11 +535,26 @@ struct Weight {
   int64_t scale_stride;   // floats per row in `scale`
   const c10::Half* dm;    // q4: [N, K / 32, 2] scale and minimum per group, else nullptr
   const float* bias;      // nullptr when none
+  bool packed;            // int8 in the VNNI block layout (see packed_tile); `scale` is its [N / 16][1 + K / 64][16]
 };
 
 Weight as_weight(const Tensor& w, const c10::optional<Tensor>& scale, const c10::optional<Tensor>& bias) {
+  if (w.dim() == 4) {  // packed int8: [N / 16, K / 4, 16, 4]
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.size(2) == 16 && w.size(3) == 4 && w.size(1) % 16 == 0,
+                "packed int8 weights must be contiguous [N / 16, K / 4, 16, 4] with K a multiple of 64");
+    Weight out{w.data_ptr(), at::kChar, w.size(0) * 16, w.size(1) * 4, nullptr, 0, nullptr, nullptr, true};
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                    scale->numel() == w.size(0) * (1 + out.K / 64) * 16,
+                "packed int8 weights need float32 [N / 16, 1 + K / 64, 16] scales and group sums");
+    out.scale = scale->data_ptr<float>();
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out.N, "bias must be float32 [N]");
+      out.bias = bias->data_ptr<float>();
+    }
+    return out;
+  }
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous matrix");
-  Weight out{w.data_ptr(), w.scalar_type(), w.size(0), w.size(1), nullptr, 1, nullptr, nullptr};
+  Weight out{w.data_ptr(), w.scalar_type(), w.size(0), w.size(1), nullptr, 1, nullptr, nullptr, false};
   if (w.scalar_type() == at::kByte) {  // q4: two weights a byte
     out.K = w.size(1) * 2;
     TORCH_CHECK(out.K % Q4_GROUP == 0, "q4 weights need inputs in groups of 32");
@@ -464,6 +577,22 @@ Weight as_weight(const Tensor& w, const c10::optional<Tensor>& scale, const c10:
 // out [rows, N] = x [rows, K] @ w.T, split over output columns across threads.
 void run_linear(const float* x, int64_t rows, const Weight& w, float* out) {
   const int64_t grain = std::max<int64_t>(16, w.N / (4 * at::get_num_threads()));
+  if (w.packed) {
+    const int64_t blocks = w.N / 16, block_grain = std::max<int64_t>(1, blocks / (4 * at::get_num_threads()));
+#if defined(__AVX512VNNI__)
+    std::vector<uint8_t> xu(rows * w.K);
+    std::vector<float> xs(rows * (w.K / VNNI_GROUP));
+    quantize_activations(x, rows, w.K, xu.data(), xs.data());
+    at::parallel_for(0, blocks, block_grain, [&](int64_t b0, int64_t b1) {
+      packed_range(xu.data(), xs.data(), rows, w.K, static_cast<const int8_t*>(w.data), w.scale, b0, b1, out, w.N, w.bias);
+    });
+#else
+    at::parallel_for(0, blocks, block_grain, [&](int64_t b0, int64_t b1) {
+      packed_reference(x, rows, w.K, static_cast<const int8_t*>(w.data), w.scale, b0, b1, out, w.N, w.bias);
+    });
+#endif
+    return;
+  }
 #if defined(__AVX512VNNI__)
   if (w.type == at::kChar && w.K % VNNI_GROUP == 0 && w.scale_stride == 1 + w.K / VNNI_GROUP) {
     std::vector<uint8_t> xu(rows * w.K);
@@ -821,13 +950,21 @@ Tensor linear(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>
 }
 
 void rms_norm_rows(const float* x, const float* weight, float* out, int64_t rows, int64_t H, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * H;
-    double ss = 0.0;
-    for (int64_t i = 0; i < H; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float inv = 1.f / std::sqrt(static_cast<float>(ss / H) + eps);
-    for (int64_t i = 0; i < H; ++i) out[r * H + i] = xr[i] * inv * weight[i];
-  }
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * H;
+      V16 ss = V16::zero();
+      int64_t i = 0;
+      for (; i + 16 <= H; i += 16) {
+        const V16 v = load16(xr + i);
+        ss = fma(v, v, ss);
+      }
+      double total = hsum(ss);
+      for (; i < H; ++i) total += static_cast<double>(xr[i]) * xr[i];
+      const float inv = 1.f / std::sqrt(static_cast<float>(total / H) + eps);
+      for (int64_t j = 0; j < H; ++j) out[r * H + j] = xr[j] * inv * weight[j];
+    }
+  });
 }
 
 // a = silu(g) * u = g / (1 + e^-g) * u, 16 at a time: a libm exp per element was ~0.7 ms of a
@@ -882,7 +1019,10 @@ Tensor llama_decode(const Tensor& hidden, const Tensor& cos, const Tensor& sin, 
   Tensor qkv_out = at::empty({rows, q_size + 2 * kv_size}, opt);
   Tensor q = at::empty({rows, q_size}, opt);
   Tensor attn = at::empty({rows, q_size}, opt);
-  const int64_t inter2 = gate_up[0].size(0), inter = inter2 / 2;
+  auto opt_at = [](at::TensorList list, int64_t i) -> c10::optional<Tensor> {
+    return list.empty() ? c10::optional<Tensor>() : c10::optional<Tensor>(list[i]);
+  };
+  const int64_t inter2 = as_weight(gate_up[0], opt_at(gate_up_scale, 0), {}).N, inter = inter2 / 2;
   Tensor gu = at::empty({rows, inter2}, opt);
   Tensor act = at::empty({rows, inter}, opt);
   Tensor delta = at::empty({rows, H}, opt);
@@ -890,13 +1030,18 @@ Tensor llama_decode(const Tensor& hidden, const Tensor& cos, const Tensor& sin, 
   float *ap = attn.data_ptr<float>(), *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>(), *dp = delta.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  auto opt_at = [](at::TensorList list, int64_t i) -> c10::optional<Tensor> {
-    return list.empty() ? c10::optional<Tensor>() : c10::optional<Tensor>(list[i]);
-  };
   const float feps = static_cast<float>(eps);
   for (int64_t layer = 0; layer < layers; ++layer) {
+    // Every projection's shape is checked against the buffers it writes before anything runs.
+    const Weight w_qkv = as_weight(qkv[layer], opt_at(qkv_scale, layer), opt_at(qkv_bias, layer));
+    const Weight w_o = as_weight(o_proj[layer], opt_at(o_scale, layer), {});
+    const Weight w_gate_up = as_weight(gate_up[layer], opt_at(gate_up_scale, layer), {});
+    const Weight w_down = as_weight(down[layer], opt_at(down_scale, layer), {});
+    TORCH_CHECK(w_qkv.N == q_size + 2 * kv_size && w_qkv.K == H && w_o.N == H && w_o.K == q_size && w_gate_up.N == inter2 &&
+                    w_gate_up.K == H && w_down.N == H && w_down.K == inter,
+                "layer ", layer, ": projection shapes do not match the model's sizes");
     rms_norm_rows(hp, input_norms[layer].data_ptr<float>(), xp, rows, H, feps);
-    run_linear(xp, rows, as_weight(qkv[layer], opt_at(qkv_scale, layer), opt_at(qkv_bias, layer)), qkvp);
+    run_linear(xp, rows, w_qkv, qkvp);
     const Tensor& kc = k_caches[layer];
     const Tensor& vc = v_caches[layer];
     dispatch_cache(kc.scalar_type(), [&](auto tag) {
@@ -918,26 +1063,36 @@ Tensor llama_decode(const Tensor& hidden, const Tensor& cos, const Tensor& sin, 
       decode_attention(qp, static_cast<const C*>(kcache), static_cast<const C*>(vcache), block_tables.data_ptr<int64_t>(),
                        lengths.data_ptr<int64_t>(), s, ap);
     });
-    run_linear(ap, rows, as_weight(o_proj[layer], opt_at(o_scale, layer), {}), dp);
+    run_linear(ap, rows, w_o, dp);
     for (int64_t i = 0; i < rows * H; ++i) hp[i] += dp[i];
     rms_norm_rows(hp, post_norms[layer].data_ptr<float>(), xp, rows, H, feps);
-    run_linear(xp, rows, as_weight(gate_up[layer], opt_at(gate_up_scale, layer), {}), gup);
+    run_linear(xp, rows, w_gate_up, gup);
     for (int64_t r = 0; r < rows; ++r) {
       const float* g = gup + r * inter2;
       const float* u = g + inter;
       float* a = actp + r * inter;
       silu_mul(g, u, a, inter);
     }
-    run_linear(actp, rows, as_weight(down[layer], opt_at(down_scale, layer), {}), dp);
+    run_linear(actp, rows, w_down, dp);
     for (int64_t i = 0; i < rows * H; ++i) hp[i] += dp[i];
   }
   rms_norm_rows(hp, final_norm.data_ptr<float>(), xp, rows, H, feps);
   return x;
 }
 
+// Whether the int8 VNNI kernels were compiled in (the packed int8 layout is only worth using then).
+bool has_vnni() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmpool, m) {
+  m.def("has_vnni() -> bool", &has_vnni);
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, int max_len, float scale) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
   m.def(
