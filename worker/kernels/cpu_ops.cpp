@@ -61,6 +61,7 @@ inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline V16 add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 sub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline float hmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
+inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 // e^x for 16 floats: 2^(x log2 e) split into an integer power (scalef) and a degree-6 polynomial
 // of the fraction (relative error ~1e-7); anything below -100 gives 0.
 inline V16 exp16(V16 x) {
@@ -105,6 +106,7 @@ inline void store16(float* p, V16 a) { for (int i = 0; i < 16; ++i) p[i] = a.v[i
 inline V16 add(V16 a, V16 b) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
 inline V16 sub(V16 a, V16 b) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] - b.v[i]; return r; }
 inline float hmax(V16 a) { float m = a.v[0]; for (int i = 1; i < 16; ++i) m = std::max(m, a.v[i]); return m; }
+inline V16 vmax(V16 a, V16 b) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::max(a.v[i], b.v[i]); return r; }
 inline V16 exp16(V16 x) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::exp(x.v[i]); return r; }
 inline V16 reduce16(const V16* r) { V16 o; for (int i = 0; i < 16; ++i) o.v[i] = hsum(r[i]); return o; }
 #endif
@@ -938,6 +940,56 @@ Tensor paged_decode_attention(const Tensor& query, const Tensor& k_cache, const 
   return out.to(query.scalar_type());
 }
 
+// Temperature sampling of each row of float32 logits at its uniform number: the first token whose
+// cumulative e^((x - max) / T) exceeds u times the total (the inverse CDF the torch sampler uses,
+// sums in double as torch's cumsum does). Three passes over a row in one call instead of about
+// ten torch ops (0.4-0.6 ms a batch-1 step in the worker; this is tens of microseconds).
+Tensor sample_temperature(const Tensor& logits, const Tensor& temperature, const Tensor& uniform) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(), "logits: contiguous float32 [rows, vocab]");
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.numel() == rows, "temperature: float32 [rows]");
+  TORCH_CHECK(uniform.scalar_type() == at::kFloat && uniform.numel() == rows, "uniform: float32 [rows]");
+  Tensor t = temperature.contiguous(), u = uniform.contiguous();
+  Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  const float *tp = t.data_ptr<float>(), *up = u.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    const int64_t blocks = (V + 15) / 16;
+    std::vector<float> probs(blocks * 16, 0.f);
+    std::vector<double> block_sums(blocks);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = lp + r * V;
+      V16 mv = V16::splat(NEG_INF);
+      int64_t i = 0;
+      for (; i + 16 <= V; i += 16) mv = vmax(mv, load16(x + i));
+      float m = hmax(mv);
+      for (; i < V; ++i) m = std::max(m, x[i]);
+      const float inv_t = 1.f / tp[r];
+      for (i = 0; i + 16 <= V; i += 16) store16(probs.data() + i, exp16(mul(sub(load16(x + i), V16::splat(m)), V16::splat(inv_t))));
+      for (; i < V; ++i) probs[i] = std::exp((x[i] - m) * inv_t);
+      // Sums per block of 16, then the block where u * total falls, then the token within it.
+      double total = 0.0;
+      for (int64_t blk = 0; blk < blocks; ++blk) total += block_sums[blk] = hsum(load16(probs.data() + blk * 16));
+      const double target = static_cast<double>(up[r]) * total;
+      double running = 0.0;
+      int64_t blk = 0;
+      while (blk + 1 < blocks && running + block_sums[blk] <= target) running += block_sums[blk++];
+      int64_t pick = -1;
+      for (int64_t j = blk * 16; j < std::min(V, blk * 16 + 16); ++j) {
+        if (probs[j] <= 0.f) continue;
+        pick = j;  // rounding may leave the walk short of the target: then the block's last token
+        running += probs[j];
+        if (running > target) break;
+      }
+      for (int64_t j = V - 1; pick < 0 && j >= 0; --j)  // a block without probability (only when all are 0)
+        if (probs[j] > 0.f) pick = j;
+      op[r] = std::max<int64_t>(pick, 0);
+    }
+  });
+  return out;
+}
+
 Tensor linear(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& scale, const c10::optional<Tensor>& bias) {
   Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
   const Weight w = as_weight(weight, scale, bias);
@@ -1095,6 +1147,7 @@ TORCH_LIBRARY(llmpool, m) {
   m.def("has_vnni() -> bool", &has_vnni);
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, int max_len, float scale) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("sample_temperature(Tensor logits, Tensor temperature, Tensor uniform) -> Tensor");
   m.def(
       "llama_decode(Tensor hidden, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] qkv, Tensor[] qkv_scale, "
       "Tensor[] qkv_bias, Tensor[] o_proj, Tensor[] o_scale, Tensor[] post_norms, Tensor[] gate_up, Tensor[] gate_up_scale, "
@@ -1105,5 +1158,6 @@ TORCH_LIBRARY(llmpool, m) {
 TORCH_LIBRARY_IMPL(llmpool, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("linear", &linear);
+  m.impl("sample_temperature", &sample_temperature);
   m.impl("llama_decode", &llama_decode);
 }
