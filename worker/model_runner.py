@@ -168,6 +168,14 @@ class ModelRunner:
             return self._execute_verify(batch.requests[0])
         if self._fits_fast_decode(batch):
             return self._execute_fast_decode(batch)
+        decodes, prompts = self._split_decodes(batch)
+        if decodes:  # the decode rows in the C++ step, the prompt chunks in the torch path
+            sampled, logprobs = self._execute_fast_decode(decodes)
+            more_sampled, more_logprobs = self._execute_torch(prompts)
+            return sampled | more_sampled, logprobs | more_logprobs
+        return self._execute_torch(batch)
+
+    def _execute_torch(self, batch: ScheduledBatch) -> Sampled:
         inputs = self._prepare(batch)
         logits = self._forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
         self._record_prompt_logprobs(logits[len(inputs.sampled_requests) :], inputs.prompt_spans)
@@ -217,6 +225,19 @@ class ModelRunner:
             and all(n == 1 for n in batch.num_new_tokens)
             and all(r.num_computed_tokens + 1 == r.num_tokens for r in batch.requests)
         )
+
+    def _split_decodes(self, batch: ScheduledBatch) -> tuple[ScheduledBatch | None, ScheduledBatch]:
+        """With packed int8 weights, a step that mixes decodes and prompt chunks runs its decodes in
+        the C++ step (any number of rows) and only the chunks through the torch path: run whole, the
+        torch path made every decode row pay bf16 matmuls (16 decodes: 15 ms alone, 60-80 ms mixed
+        with a 64-token chunk; see tests/integration/test_engine_behaviour.py)."""
+        if not (self.fast_decode and self.native is not None and self.native.decode_any_batch):
+            return None, batch
+        decodes, prompts = ScheduledBatch(), ScheduledBatch()
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            is_decode = n == 1 and request.num_computed_tokens + 1 == request.num_tokens and not request.draft_token_ids
+            (decodes if is_decode else prompts).add(request, n)
+        return (decodes if decodes and prompts else None), (prompts if decodes and prompts else batch)
 
     def _execute_fast_decode(self, batch: ScheduledBatch) -> Sampled:
         """A few single-token rows: one C++ call for the whole model (worker/kernels)."""

@@ -38,7 +38,13 @@ def one_worker() -> Server:
 
 def test_a_long_prompt_does_not_freeze_running_streams(one_worker):
     """A 2,000-token prompt arrives while 16 streams decode: their inter-token p99 over the time the
-    prompt is being prefilled stays within 3x of their median inter-token latency."""
+    prompt is being prefilled stays within 5x of their median inter-token latency (no stream waits
+    for the whole prefill, about 2 s here).
+
+    The bound was 3x while decode steps ran through the torch path (16 rows: 30 ms). With packed
+    int8 weights they take 11-16 ms in the C++ step, and a step that carries a prompt chunk runs the
+    chunk through the torch path besides (bf16 weights streamed a second time, the chunk's context
+    gathered): 45-65 ms, so 3.5-4.5x, though each gap is shorter than before."""
     url = one_worker.base_url + "/v1/chat/completions"
 
     async def scenario() -> tuple[list[list[float]], tuple[float, float], dict]:
@@ -90,10 +96,10 @@ def test_a_long_prompt_does_not_freeze_running_streams(one_worker):
     # One stall of this shared 2-core machine hits all 16 streams at once and so the p99: a noisy
     # first measurement is repeated once; the bound is the same for both.
     attempts = [p99_and_median()]
-    if attempts[0][0] > 3 * attempts[0][1]:
+    if attempts[0][0] > 5 * attempts[0][1]:
         attempts.append(p99_and_median())
     p99, median = attempts[-1]
-    assert p99 <= 3 * median, "inter-token p99 vs median during the prefill, per attempt: " + ", ".join(
+    assert p99 <= 5 * median, "inter-token p99 vs median during the prefill, per attempt: " + ", ".join(
         f"{p * 1000:.0f} ms vs {m * 1000:.0f} ms" for p, m in attempts
     )
 

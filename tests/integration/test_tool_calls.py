@@ -157,9 +157,15 @@ def test_a_tool_result_goes_back_into_the_conversation(client, server):
         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees"},
     ]
     reply = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], temperature=0, max_tokens=30)
-    assert reply.choices[0].message.content and reply.usage.prompt_tokens > first.usage.prompt_tokens
-    tokens = server.post("/tokenize", json={"messages": history}).json()["tokens"]
-    assert len(tokens) > 10
+    # What a 135M model says next (an answer, or the same call again) turns on near-ties that any
+    # kernel change moves; what must hold is that the call and its result are in the prompt it saw.
+    message = reply.choices[0].message
+    assert message.content or message.tool_calls
+    assert reply.usage.prompt_tokens > first.usage.prompt_tokens
+    tokens = server.post("/tokenize", json={"model": MODEL, "messages": history, "tools": [WEATHER]}).json()["tokens"]
+    assert len(tokens) == reply.usage.prompt_tokens
+    rendered = server.post("/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
+    assert "Sunny, 21 degrees" in rendered and "get_weather" in rendered and "Oslo" in rendered
     bad = server.post(
         "/v1/chat/completions",
         json={"model": MODEL, "messages": ask("Hi"), "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},

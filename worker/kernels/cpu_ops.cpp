@@ -3,12 +3,15 @@
 // Why they exist (worker/kernels/__init__.py has the measurements):
 // - paged_decode_attention: one query token per row attends to its context straight out of the
 //   paged KV cache (no copy), each KV head read once for all the query heads that share it (GQA),
-//   online softmax, and the context split across threads when there are few rows (flash-decoding).
-// - linear: a matrix-vector product for a handful of rows, with int8 (per-output-row scale) or
-//   bf16/fp16/fp32 weights; at batch 1 it reads each weight once at close to memory speed.
-// - llama_decode: a whole decode step of a Llama-family model for a few rows in one call: norms,
-//   projections, rotary embedding, cache writes, attention and MLP of every layer, with no Python
-//   and no per-op dispatch in between (that dispatch was ~3 ms of a 13 ms step).
+//   online softmax, and the context split across threads when there are few rows (flash-decoding);
+//   bf16 caches use vdpbf16ps for both the scores and the V accumulation (attend_split_bf16).
+// - linear: int8 weights packed for a VNNI GEMM (any number of rows; packed_tile), or row-major
+//   int8 / q4 / bf16 / fp16 / fp32 weights in matrix-vector loops for a handful of rows.
+// - llama_decode: a whole decode step of a Llama-family model in one call: norms, projections,
+//   rotary embedding, cache writes, attention and MLP of every layer, with no Python and no per-op
+//   dispatch in between (that dispatch was ~3 ms of a 13 ms step).
+// - sample_temperature: plain temperature sampling of each row in one call (the sampler's torch
+//   ops took 0.13-0.6 ms of a batch-1 step).
 //
 // Vectors of 16 floats (AVX-512 where the compiler targets it, plain loops that compilers
 // auto-vectorize elsewhere); all maths in float32.
