@@ -654,6 +654,24 @@ struct AttnShape {
 constexpr int MAX_GROUP = 16;   // query heads per KV head
 constexpr int MAX_HEAD_DIM = 256;
 
+// Online softmax over one tile of 16 positions for one head: the tile's dot products (lanes of
+// `dots`, those from n on masked) update the running max `m` and sum `l` and rescale the head's
+// accumulator; returns the tile's unnormalised weights.
+inline V16 softmax_tile(const V16* dots, int64_t n, float& m, float& l, V16* acc, int64_t D16) {
+  alignas(64) float scores[16];
+  store16(scores, reduce16(dots));
+  for (int64_t i = n; i < 16; ++i) scores[i] = NEG_INF;
+  const V16 sv = load16(scores);
+  const float new_m = std::max(m, hmax(sv));
+  const float correction = std::exp(m - new_m);  // 0 on the first tile (m = -inf)
+  const V16 p = exp16(sub(sv, V16::splat(new_m)));
+  l = l * correction + hsum(p);
+  m = new_m;
+  if (correction != 1.f)
+    for (int64_t d = 0; d < D16; ++d) acc[d] = mul(acc[d], V16::splat(correction));
+  return p;
+}
+
 // One (row, context split) for every head: partial max, sum and unnormalised output per query head.
 // All KV heads of a position are read together, so the cache is walked front to back once.
 // `part` holds [heads][head_dim + 2] floats: acc..., max, sum.
@@ -702,18 +720,7 @@ void attend_split(const float* q, const C* k_cache, const C* v_cache, const int6
           for (int64_t d = 1; d < D16; ++d) dot = fma(qh[d], keys[i][d], dot);
           dots[i] = dot;
         }
-        alignas(64) float scores[16];
-        store16(scores, reduce16(dots));
-        for (int64_t i = n; i < 16; ++i) scores[i] = NEG_INF;
-        const V16 sv = load16(scores);
-        const float new_m = std::max(m[h], hmax(sv));
-        const float correction = std::exp(m[h] - new_m);  // 0 on the first tile (m = -inf)
-        const V16 p = exp16(sub(sv, V16::splat(new_m)));
-        store16(probs[g], p);
-        l[h] = l[h] * correction + hsum(p);
-        m[h] = new_m;
-        if (correction != 1.f)
-          for (int64_t d = 0; d < D16; ++d) acc[h * D16 + d] = mul(acc[h * D16 + d], V16::splat(correction));
+        store16(probs[g], softmax_tile(dots, n, m[h], l[h], acc.data() + h * D16, D16));
       }
       V16* acc_kv = acc.data() + kvh * G * D16;
       for (int64_t i = 0; i < n; ++i) {
@@ -792,18 +799,8 @@ void attend_split_bf16(const float* q, const c10::BFloat16* k_cache, const c10::
             dot = _mm512_dpbf16_ps(dot, qh[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k_row + c * 32)));
           dots[i] = {dot};
         }
-        alignas(64) float scores[16];
-        store16(scores, reduce16(dots));
-        for (int64_t i = n; i < 16; ++i) scores[i] = NEG_INF;
-        const V16 sv = load16(scores);
-        const float new_m = std::max(m[h], hmax(sv));
-        const float correction = std::exp(m[h] - new_m);  // 0 on the first tile (m = -inf)
-        const V16 p = exp16(sub(sv, V16::splat(new_m)));
+        const V16 p = softmax_tile(dots, n, m[h], l[h], acc.data() + h * D16, D16);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob_pairs.data() + h * 8), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p.v)));
-        l[h] = l[h] * correction + hsum(p);
-        m[h] = new_m;
-        if (correction != 1.f)
-          for (int64_t d = 0; d < D16; ++d) acc[h * D16 + d] = mul(acc[h * D16 + d], V16::splat(correction));
       }
     }
     for (int64_t i = 0; i < n; i += 2) {  // an odd tile's last pair borrows a masked position (probability 0)
