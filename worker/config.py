@@ -32,7 +32,8 @@ WORKER_FLAGS = [
     Flag(
         "quantization",
         "auto",
-        "Weights of the small-batch decode kernel: int8 (weight-only, a scale per output row), none (the model's dtype), or auto (int8 on the CPU unless --dtype float32)",
+        "Weights of the C++ decode kernel: int8 (weight-only, a scale per output row), q4 (4 bits, a scale and minimum per 32 inputs), none (the model's dtype), "
+        "or auto (on the CPU unless --dtype float32: q4 for a model that came as 4-bit weights, like the default Q4_1 GGUF, on a CPU with VNNI; else int8)",
     ),
     Flag(
         "speculate",

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from worker import kernels
 from worker.attention import AttentionMetadata, paged_attention
-from worker.quantization import pack_int8, quantize_int8, quantize_q4
+from worker.quantization import pack_int8, pack_q4, quantize_int8, quantize_q4
 
 SUPPORTED = {"llama", "qwen2"}
 
@@ -105,8 +105,8 @@ class DecodeWeights:
 
 
 def _decode_weights(model: torch.nn.Module, quantization: str, packed: bool) -> DecodeWeights:
-    """Fused (and, with ``int8``, quantized) copies of the weights for the decode kernel; ``packed``:
-    int8 in the VNNI block layout (worker/quantization.py: pack_int8)."""
+    """Fused (and, with ``int8`` or ``q4``, quantized) copies of the weights for the decode kernel;
+    ``packed``: in the VNNI block layouts (worker/quantization.py: pack_int8, pack_q4)."""
 
     def int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, scale = quantize_int8(weight)
@@ -117,7 +117,7 @@ def _decode_weights(model: torch.nn.Module, quantization: str, packed: bool) -> 
         if quantization == "int8":
             return int8(weight)
         if quantization == "q4":
-            return quantize_q4(weight)
+            return pack_q4(*quantize_q4(weight)) if packed else quantize_q4(weight)
         return weight.contiguous(), None
 
     w = DecodeWeights(*([] for _ in range(11)), final_norm=model.model.norm.weight.detach().float(), lm_head=None, lm_head_scale=None)
@@ -144,6 +144,11 @@ def _decode_weights(model: torch.nn.Module, quantization: str, packed: bool) -> 
     return w
 
 
+def _all_packed(w: DecodeWeights) -> bool:
+    """Every projection in pack_int8's block layout (4-D), so the GEMM kernel takes any batch."""
+    return all(t.dim() == 4 for t in (*w.qkv, *w.o_proj, *w.gate_up, *w.down, w.lm_head))
+
+
 class LlamaForward:
     """Holds fused weights taken from a loaded transformers model; ``__call__`` runs one step.
 
@@ -164,8 +169,11 @@ class LlamaForward:
         self.final_norm = decoder.norm.weight
         self.lm_head = _Linear(model.lm_head.weight)
         self.rotary = decoder.rotary_emb
-        self.decode_any_batch = fast_decode and quantization == "int8" and kernels.has_vnni()
-        self.decode_weights = _decode_weights(model, quantization, self.decode_any_batch) if fast_decode else None
+        packed = fast_decode and quantization in ("int8", "q4") and kernels.has_vnni()
+        self.decode_weights = _decode_weights(model, quantization, packed) if fast_decode else None
+        # pack_int8 leaves a shape it cannot block (N % 16, K % 64) in the row layout, whose
+        # matrix-vector loops are slower than the torch path beyond a few rows.
+        self.decode_any_batch = packed and _all_packed(self.decode_weights)
         self.layers = [self._fuse(i, block) for i, block in enumerate(decoder.layers)]
         decoder.layers = torch.nn.ModuleList()  # the fused copies replace them; free the originals
 

@@ -25,6 +25,7 @@ from worker.guided import GuidedDecoding
 from worker.llama import LlamaForward, supports
 from worker.loader import load_model
 from worker.quantization import CHOICES as QUANTIZATION_CHOICES
+from worker.quantization import on_4bit_grid
 from worker.request import Request
 from worker.sampler import Sampler, prompt_logprobs
 from worker.scheduler import ScheduledBatch
@@ -115,7 +116,9 @@ class ModelRunner:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {choice!r}")
         usable = self.device.type == "cpu" and kernels.load()
         if choice == "auto":
-            choice = "int8" if usable and self.dtype != torch.float32 else "none"
+            choice = "none" if not usable or self.dtype == torch.float32 else "int8"
+            if choice == "int8" and kernels.has_vnni() and on_4bit_grid(self.model):
+                choice = "q4"  # the model came as 4-bit weights: q4 keeps them as they are, at 0.6x int8's bytes
         if choice != "none" and not usable:
             raise ValueError(f"--quantization {choice} needs the C++ CPU kernels: {kernels.unavailable_reason() or 'not on the CPU'}")
         fast = usable and (choice != "none" or self.dtype != torch.float32)
@@ -222,8 +225,7 @@ class ModelRunner:
             self.fast_decode
             and self.native is not None
             and (self.native.decode_any_batch or len(batch.requests) <= FAST_DECODE_MAX_ROWS)
-            and all(n == 1 for n in batch.num_new_tokens)
-            and all(r.num_computed_tokens + 1 == r.num_tokens for r in batch.requests)
+            and all(map(_is_decode_row, batch.requests, batch.num_new_tokens))
         )
 
     def _split_decodes(self, batch: ScheduledBatch) -> tuple[ScheduledBatch | None, ScheduledBatch]:
@@ -235,9 +237,10 @@ class ModelRunner:
             return None, batch
         decodes, prompts = ScheduledBatch(), ScheduledBatch()
         for request, n in zip(batch.requests, batch.num_new_tokens):
-            is_decode = n == 1 and request.num_computed_tokens + 1 == request.num_tokens and not request.draft_token_ids
-            (decodes if is_decode else prompts).add(request, n)
-        return (decodes if decodes and prompts else None), (prompts if decodes and prompts else batch)
+            (decodes if _is_decode_row(request, n) else prompts).add(request, n)
+        if not decodes or not prompts:
+            return None, batch
+        return decodes, prompts
 
     def _execute_fast_decode(self, batch: ScheduledBatch) -> Sampled:
         """A few single-token rows: one C++ call for the whole model (worker/kernels)."""
@@ -351,6 +354,11 @@ class ModelRunner:
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _is_decode_row(request: Request, num_new_tokens: int) -> bool:
+    """One new token after a fully computed context, and no drafts to verify: a plain decode row."""
+    return num_new_tokens == 1 and request.num_computed_tokens + 1 == request.num_tokens and not request.draft_token_ids
 
 
 def _eos_ids(model: object) -> frozenset[int]:

@@ -4,7 +4,7 @@ A batch-1 decode step is bound by the bytes of weights it reads, so fewer bytes 
 - int8: one float32 scale per output row (symmetric, round to nearest); half of bf16's bytes.
 - q4: 4 bits with a float16 scale and minimum per group of 32 inputs (GGUF's Q4_1 layout, 5 bits a
   weight); a model shipped as Q4_1, like the default one, loses nothing to it, since its de-quantized
-  weights land back on the same grid.
+  weights land back on the same grid. ``auto`` picks it for such models (``on_4bit_grid``).
 The kernel multiplies in float32. Accuracy on the default model is in README's "Quantization" section.
 """
 
@@ -14,6 +14,20 @@ import torch
 
 CHOICES = ("auto", "none", "int8", "q4")
 Q4_GROUP = 32
+
+
+def on_4bit_grid(model: torch.nn.Module, sample: int = 4) -> bool:
+    """Whether the model's first ``sample`` projections hold at most 16 distinct values in every
+    group of 32 inputs: weights de-quantized from a 4-bit file (GGUF Q4_0, Q4_1, Q4_K), which q4
+    stores again without loss, while int8's per-row scale would round them once more."""
+    linears = [m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name][:sample]
+    for weight in linears:
+        if weight.shape[1] % Q4_GROUP:
+            return False
+        groups = weight.detach().float().reshape(-1, Q4_GROUP).sort(dim=-1).values
+        if (1 + (groups.diff(dim=-1) != 0).sum(dim=-1)).amax() > 16:
+            return False
+    return bool(linears)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +77,25 @@ def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.where(step > 0, (groups - m.float().unsqueeze(-1)) / step.clamp(min=1e-30), 0.0).round_().clamp_(0, 15).to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)
     return packed.reshape(n, k // 2).contiguous(), torch.stack([d, m], dim=-1).contiguous()
+
+
+def pack_q4(packed: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_q4``'s pair in the C++ kernel's VNNI block layout, where N is a multiple of 16;
+    otherwise unchanged.
+
+    Weights ``[N / 16, K / 8, 16, 4]`` uint8: per block of 16 output rows and 8 inputs, byte i of a
+    row's 4 holds input i in its low nibble and input 4 + i in its high one (one 64-byte load gives
+    two vpdpbusd operands). Scales and minimums ``[N / 16, K / 32, 2, 16]`` float16: one 64-byte line
+    per block and group (see worker/kernels/cpu_ops.cpp, packed_q4_tile).
+    """
+    n = packed.shape[0]
+    if n % 16:
+        return packed, dm
+    nibbles = packed.view(n, -1, Q4_GROUP // 2)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).view(n // 16, 16, -1, 2, 4)  # [block, row, k/8, half, i]
+    blocked = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+    meta = dm.view(n // 16, 16, -1, 2).permute(0, 2, 3, 1).contiguous()
+    return blocked, meta
 
 
 def dequantize_q4(packed: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:

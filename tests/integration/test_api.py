@@ -126,7 +126,7 @@ GREEDY_PROMPTS = [
 def test_greedy_output_passes_the_closeness_test_against_transformers_generate(client, tokenizer):
     """Same weights (loaded independently from the GGUF file), bf16 ``generate`` as the reference.
 
-    The server runs its fast paths (the C++ decode kernel with int8 weights by default), so the rule
+    The server runs its fast paths (the C++ decode kernel with q4 weights by default), so the rule
     is vLLM's closeness test instead of identity: greedy texts agree token for token until they
     diverge, and where they do, each side's token is among the other's top-5 logprobs.
     """

@@ -221,3 +221,61 @@ def test_fused_temperature_sampling_inverts_the_same_cdf_as_torch():
     draws = torch.stack([torch.ops.llmpool.sample_temperature(small, torch.tensor([1.0]), torch.rand(1)) for _ in range(4000)])
     freq = torch.bincount(draws.flatten(), minlength=4).float() / 4000
     torch.testing.assert_close(freq, torch.softmax(small[0], -1), atol=0.03, rtol=0)
+
+
+@pytest.mark.skipif(not kernels.has_vnni(), reason="the packed layouts need a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize(
+    "quantization, intermediate, any_batch",
+    [("int8", 128, True), ("int8", 40, False), ("int8", 96, False), ("q4", 128, True), ("q4", 96, True)],
+)
+def test_any_batch_decode_needs_every_projection_packed(quantization, intermediate, any_batch):
+    """An MLP width a packer cannot block (down_proj's K: int8 packs groups of 64, q4 of 32) stays
+    in the row layout, whose matrix-vector loops only suit a few rows: such a model keeps large
+    batches on the torch path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from worker.llama import LlamaForward
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+    )
+    forward = LlamaForward(LlamaForCausalLM(config).eval(), fast_decode=True, quantization=quantization)
+    assert forward.decode_any_batch is any_batch
+    assert forward.decode_weights.qkv[0].dim() == 4  # the shapes that do block are packed either way
+
+
+@pytest.mark.skipif(not kernels.has_vnni(), reason="packed q4 needs a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17])
+def test_packed_q4_stays_within_activation_rounding(rows):
+    """The packed q4 GEMM (any rows, activations int8 per group of 32) against its de-quantized weights."""
+    from worker.quantization import dequantize_q4, pack_q4, quantize_q4
+
+    torch.manual_seed(rows)
+    w = torch.randn(80, 160) * 0.1
+    x, bias = torch.randn(rows, 160), torch.randn(80)
+    dense = dequantize_q4(*quantize_q4(w))
+    weight, meta = pack_q4(*quantize_q4(w))
+    assert weight.shape == (5, 20, 16, 4) and meta.shape == (5, 5, 2, 16)
+    got = torch.ops.llmpool.linear(x, weight, meta, bias)
+    step = x.view(rows, 5, 32).abs().amax(-1, keepdim=True) / 127
+    bound = (step.unsqueeze(1) / 2 * dense.view(80, 5, 32).abs().unsqueeze(0)).sum((-1, -2))  # [rows, 80]
+    exact = x @ dense.T + bias
+    assert ((got - exact).abs() <= bound + 1e-4).all()
+    assert (got - exact).abs().max() > 0  # activations really were quantized (the VNNI path ran)
+    odd = quantize_q4(torch.randn(40, 64))  # 40 rows: not whole blocks of 16
+    assert pack_q4(*odd)[0] is odd[0]
+
+
+def test_auto_quantization_recognises_weights_on_a_4bit_grid():
+    """A model whose projections were de-quantized from 4 bits (at most 16 values per group of 32)
+    is told apart from one with ordinary weights, in bf16 as in float32."""
+    from worker.quantization import dequantize_q4, on_4bit_grid, quantize_q4
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(96, 32))  # shapes only: never run
+    assert not on_4bit_grid(model)
+    with torch.no_grad():
+        for layer in model:
+            layer.weight.copy_(dequantize_q4(*quantize_q4(layer.weight.data)))
+    assert on_4bit_grid(model) and on_4bit_grid(model.to(torch.bfloat16))
+    assert not on_4bit_grid(torch.nn.Sequential(torch.nn.Linear(40, 8)))  # inputs not in groups of 32

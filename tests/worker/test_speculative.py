@@ -151,10 +151,14 @@ def test_seeded_sampled_requests_decode_without_drafts_and_unseeded_ones_specula
 
 
 def test_greedy_output_is_the_same_through_the_cpp_decode_step():
-    """bf16 with int8 weights: the verify step runs as rows of ``llama_decode`` sharing one block table."""
+    """The default settings (bf16, q4 weights for this Q4_1 model where VNNI is there, else int8):
+    the verify step runs as rows of ``llama_decode`` sharing one block table."""
+    from worker import kernels
+
     engine = Engine(resolve_model(MODEL), WorkerConfig(kv_cache_memory="64MiB"))
     if not engine.runner.fast_decode:
         pytest.skip("the C++ kernels are not available here")
+    assert engine.runner.quantization == ("q4" if kernels.has_vnni() else "int8")
     prompt = _prompt(f"Repeat this text exactly, word for word:\n\n{TEXT}")
     plain = tokens(run(engine, 0, [greedy("p", prompt)])["p"])
     spec = tokens(run(engine, 5, [greedy("s", prompt)])["s"])
