@@ -145,7 +145,7 @@ def _decode_weights(model: torch.nn.Module, quantization: str, packed: bool) -> 
 
 
 def _all_packed(w: DecodeWeights) -> bool:
-    """Every projection in pack_int8's block layout (4-D), so the GEMM kernel takes any batch."""
+    """Every projection in a packed block layout (4-D), so the GEMM kernels take any batch."""
     return all(t.dim() == 4 for t in (*w.qkv, *w.o_proj, *w.gate_up, *w.down, w.lm_head))
 
 
@@ -153,8 +153,8 @@ class LlamaForward:
     """Holds fused weights taken from a loaded transformers model; ``__call__`` runs one step.
 
     With ``fast_decode`` it also keeps the weights the C++ decode kernel reads (``decode``): a whole
-    decode step in one call, int8 weights with ``quantization="int8"``. With int8 on a CPU with VNNI
-    they are packed for its GEMM kernel, which beats oneDNN's bf16 matmuls at every batch size
+    decode step in one call, with int8 or q4 weights when ``quantization`` says so. On a CPU with
+    VNNI those are packed for its GEMM kernels, which beat oneDNN's bf16 matmuls at every batch size
     measured (``decode_any_batch``); otherwise the kernel's matrix-vector loops are for a few rows.
     """
 
@@ -171,8 +171,8 @@ class LlamaForward:
         self.rotary = decoder.rotary_emb
         packed = fast_decode and quantization in ("int8", "q4") and kernels.has_vnni()
         self.decode_weights = _decode_weights(model, quantization, packed) if fast_decode else None
-        # pack_int8 leaves a shape it cannot block (N % 16, K % 64) in the row layout, whose
-        # matrix-vector loops are slower than the torch path beyond a few rows.
+        # The packers leave a shape they cannot block (int8: N % 16 or K % 64; q4: N % 16) in the
+        # row layout, whose matrix-vector loops are slower than the torch path beyond a few rows.
         self.decode_any_batch = packed and _all_packed(self.decode_weights)
         self.layers = [self._fuse(i, block) for i, block in enumerate(decoder.layers)]
         decoder.layers = torch.nn.ModuleList()  # the fused copies replace them; free the originals
