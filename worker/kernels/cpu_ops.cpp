@@ -5,8 +5,9 @@
 //   paged KV cache (no copy), each KV head read once for all the query heads that share it (GQA),
 //   online softmax, and the context split across threads when there are few rows (flash-decoding);
 //   bf16 caches use vdpbf16ps for both the scores and the V accumulation (attend_split_bf16).
-// - linear: int8 weights packed for a VNNI GEMM (any number of rows; packed_tile), or row-major
-//   int8 / q4 / bf16 / fp16 / fp32 weights in matrix-vector loops for a handful of rows.
+// - linear: int8 or q4 weights packed for a VNNI GEMM (any number of rows; packed_tile,
+//   packed_q4_tile), or row-major int8 / q4 / bf16 / fp16 / fp32 weights in matrix-vector loops
+//   for a handful of rows.
 // - llama_decode: a whole decode step of a Llama-family model in one call: norms, projections,
 //   rotary embedding, cache writes, attention and MLP of every layer, with no Python and no per-op
 //   dispatch in between (that dispatch was ~3 ms of a 13 ms step).
