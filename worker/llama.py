@@ -228,8 +228,10 @@ class LlamaForward:
         block_tables: torch.Tensor,
         lengths: torch.Tensor,
         max_len: int,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One decode step of ``[rows]`` single tokens through the C++ kernel; float32 logits ``[rows, vocab]``."""
+        """One step of ``[rows]`` single tokens (each with its own position, block table and context
+        length) through the C++ kernel; float32 logits ``[rows, vocab]``, or of the ``keep`` rows."""
         w = self.decode_weights
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(hidden.new_empty(0, dtype=torch.float32), positions.unsqueeze(0))
@@ -260,4 +262,6 @@ class LlamaForward:
             self.eps,
             self.head_dim**-0.5,
         )
+        if keep is not None:
+            normed = normed[keep]
         return torch.ops.llmpool.linear(normed, w.lm_head, w.lm_head_scale, None)

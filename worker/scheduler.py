@@ -4,9 +4,9 @@ Every step has a token budget (``max_num_batched_tokens``). Running requests go 
 each when decoding, or the next chunk of a prompt that did not fit in earlier steps (chunked
 prefill). Waiting requests are admitted in arrival order while the budget, the batch-size limit
 and free KV blocks allow. While any request is decoding, prompt tokens in a step are further capped
-at ``max_prefill_chunk``: on the CPU a step of 16 decodes takes 11-16 ms (the C++ step), and one
-that also carries 64 prompt tokens 45-65 ms (the chunk runs through the torch path), more with
-larger chunks, so a small cap keeps streaming requests' inter-token latency steady when a
+at ``max_prefill_chunk``: on the CPU a step of 16 decodes takes 9-16 ms (the C++ step), and one
+that also carries up to 64 prompt tokens 44-67 ms (each chunk token one more row of that step),
+more with larger chunks, so a small cap keeps streaming requests' inter-token latency steady when a
 long prompt arrives (TGI's ``max_batch_prefill_tokens`` and vLLM's chunked prefill play this role).
 A chunk's attention also grows with the context before it (64 tokens over a 2,000-token prefix took
 75 ms of attention alone), so past ``PREFILL_REFERENCE_CONTEXT`` tokens the cap shrinks in proportion. When a running request needs a block and none is free, the most

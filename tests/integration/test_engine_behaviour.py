@@ -42,9 +42,9 @@ def test_a_long_prompt_does_not_freeze_running_streams(one_worker):
     for the whole prefill, about 2 s here).
 
     The bound was 3x while decode steps ran through the torch path (16 rows: 30 ms). With packed
-    int8 weights they take 11-16 ms in the C++ step, and a step that carries a prompt chunk runs the
-    chunk through the torch path besides (bf16 weights streamed a second time, the chunk's context
-    gathered): 45-65 ms, so 3.5-4.5x, though each gap is shorter than before."""
+    weights they take 9-16 ms in the C++ step, and a step that also carries a prompt chunk (each
+    chunk token a row of the same C++ step) 44-67 ms, so 3.5-4.5x, though each gap is shorter
+    than before. (With the chunks in the torch path beside the decode rows it reached 6-7x.)"""
     url = one_worker.base_url + "/v1/chat/completions"
 
     async def scenario() -> tuple[list[list[float]], tuple[float, float], dict]:

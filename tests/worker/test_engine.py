@@ -170,3 +170,41 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_admission(engine32, bad
     (refused,) = out["bad"]
     assert refused.finish_reason == "error" and refused.bad_request and "vocabulary" in refused.error
     assert len(tokens(out["good"])) == 4 and out["good"][-1].finish_reason == "length"
+
+
+def test_prompt_chunks_computed_beside_decodes_give_the_prefills_distribution():
+    """Default settings (packed quantized weights): a prompt that arrives while another request
+    decodes runs as rows of the C++ step, one row per prompt token, each with its own context
+    length. Its first token's distribution must be the one the plain prefill (torch path, when
+    nothing else runs) gives, within quantization noise: a chunk whose tokens did not see each
+    other causally, or saw later ones, would give a different distribution."""
+    engine = Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(kv_cache_memory="64MiB", max_prefill_chunk=16, prefix_caching=False))
+    if not (engine.runner.fast_decode and engine.runner.native.decode_any_batch):
+        pytest.skip("needs the C++ kernels with packed weights (a CPU with VNNI)")
+    prompt = [1, 4093, 198] + [1403 + (i * 7) % 500 for i in range(300)] + [2, 198, 1, 520, 9531, 198]
+    execute, mixed = engine.runner.execute, []
+
+    def watch(batch):  # noqa: ANN001, ANN202 - records the steps that put prompt tokens beside decodes
+        mixed.append(any(n > 1 for n in batch.num_new_tokens) and engine.runner._fits_rows(batch))
+        return execute(batch)
+
+    engine.runner.execute = watch
+
+    def first_token(request_id: str) -> object:
+        engine.add_request(NewRequest(request_id, prompt, 1, SamplingParams(temperature=0, logprobs=5)))
+        while True:
+            for o in engine.step().outputs:
+                if o.request_id == request_id and o.new_token_ids:
+                    return o.logprobs[0]
+
+    alone = first_token("alone")
+    assert not any(mixed)
+    engine.add_request(NewRequest("a", prompt[:20], 400, SamplingParams(temperature=0), ignore_eos=True))
+    engine.step()
+    beside = first_token("beside")
+    assert sum(mixed) >= 300 // 16, "the prompt should have been computed beside a's decodes"
+    assert beside.top_ids[0] == alone.top_ids[0]
+    assert len(set(beside.top_ids) & set(alone.top_ids)) >= 4
+    alone_lp = dict(zip(alone.top_ids, alone.top_logprobs))
+    diffs = {t: abs(lp - alone_lp[t]) for t, lp in zip(beside.top_ids, beside.top_logprobs) if t in alone_lp}
+    assert max(diffs.values()) < 0.25, diffs

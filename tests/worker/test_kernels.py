@@ -133,10 +133,10 @@ def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeyp
         calls = 0
         decode = engine.runner.native.decode
 
-        def counted(*args: object) -> torch.Tensor:
+        def counted(*args: object, **kwargs: object) -> torch.Tensor:
             nonlocal calls
             calls += 1
-            return decode(*args)
+            return decode(*args, **kwargs)
 
         engine.runner.native.decode = counted
         for i, ids in enumerate(prompts):
