@@ -295,8 +295,6 @@ class WorkerClient:
         while True:
             self._handle(await self._socket.recv_multipart(copy=False))
             for _ in range(self.RECEIVE_BATCH):
-                if not self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    break  # asking first is cheaper than the zmq.Again a read of an empty socket raises
                 try:
                     frames = await self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
