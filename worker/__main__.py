@@ -22,12 +22,13 @@ def main(argv: list[str] | None = None) -> None:
     config = from_namespace(WorkerConfig, build_parser().parse_args(argv))
     setup_logging("worker", config.log_level, config.log_format)
     from worker.engine import Engine  # heavy imports (torch) after argument parsing
-    from worker.proc import WorkerProc
+    from worker.proc import StepThread, WorkerProc
 
     source = resolve_model(config.model, config.served_model_name)
     tokenizer = load_tokenizer(source, config.cache_dir)  # cached after the first run (GGUF: about 3 s once)
     bundle = bundle_tokenizer(tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None)))
-    engine = Engine(source, config)
+    stepper = StepThread()  # steps run off the socket thread, on the thread that loads the model
+    engine = stepper.call(Engine, source, config)
     runner = engine.runner
     proc = WorkerProc(
         engine,
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         config.drain_timeout,
         (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None,
         bundle,
+        stepper,
     )
     proc.install_signal_handlers()
     # Everything loaded so far (model modules, tokenizer, torch's own objects) lives as long as the

@@ -6,11 +6,16 @@ resolved again in the background, so gateways that come and go are found and dro
 gets the worker's whole load in its heartbeats, and each request's outputs go back to the gateway
 that sent it.
 
-The loop schedules its own steps (no round trip to a gateway per token): drain whatever arrived on
-any link, run one engine step, send each gateway its part of the step's outputs, heartbeat when due.
+The worker schedules its own steps (no round trip to a gateway per token), and its steps overlap
+the socket work (async scheduling, vLLM's engine-core split): the engine thread steps whenever the
+engine has work, without waiting for anyone, and posts each step's outputs; the socket loop sends
+them while the next step runs, and reads what arrives. To hand the engine new requests and aborts,
+read its load for a heartbeat, or drop a silent gateway's requests, the socket loop takes the engine
+between two steps, without waiting for the running one to end (``StepThread.want``).
+
 Any message from a gateway counts as its heartbeat; when one has been silent for ``liveness``
-intervals the worker aborts that gateway's requests (it has moved them already) and reconnects to it
-with backoff from 1 s to 32 s, while it goes on serving the others. So workers survive gateway
+intervals the worker aborts that gateway's requests (it has moved them already) and reconnects to
+it with backoff from 1 s to 32 s, while it goes on serving the others. So workers survive gateway
 restarts, and a dead gateway costs only its own requests.
 
 SIGTERM (or SIGINT) drains: the worker tells every gateway at once (``draining`` in its heartbeat),
@@ -24,6 +29,7 @@ import ipaddress
 import logging
 import math
 import os
+import queue
 import re
 import signal
 import socket
@@ -31,6 +37,9 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import NamedTuple, TypeVar
 
 import zmq
 import zmq.auth
@@ -42,6 +51,7 @@ from common.protocol import Abort, AddRequests, DescribeModel, Goodbye, Heartbea
 from worker.engine import Engine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_BACKOFF_S = 32.0
 CAPACITY_WINDOW_S = 5.0  # seconds of busy step time the capacity figure averages over
@@ -96,6 +106,108 @@ class GatewayLink:
         self.resolved = True  # False once its address no longer resolves: dropped when it goes silent
 
 
+class Refused(NamedTuple):
+    """Requests of an AddRequests that did not decode, to be answered with these errors."""
+
+    request_ids_and_reasons: list[tuple[str, str]]
+
+
+Inbox = list[tuple[GatewayLink, AddRequests | Abort | Refused]]
+
+
+class StepThread:
+    """The one thread that runs the engine: its model loading (``call``), then every step (``start``).
+
+    One thread for both because torch's CPU ops run on an OpenMP team that belongs to the thread
+    calling them. A model loaded on the main thread and stepped on another leaves two teams; libgomp,
+    then managing more threads than there are CPUs, lets idle workers sleep almost at once, and
+    each of a step's many parallel regions waits for a wake-up: batch-1 steps took 9.5 ms, not 2.9.
+
+    Once started it steps on its own while there is work, with no handoff between two steps. The
+    socket loop takes the engine between two steps without waiting for one to end: ``want`` asks,
+    and says whether it is granted; if not, the end of the running step is signalled on
+    ``fileno()`` (it is in the loop's poller) and the next step waits for ``release``.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future, Callable[..., object], tuple] | None] = queue.SimpleQueue()
+        self._turn = threading.Condition()
+        self._stepping = False  # a step runs: the engine is the step's
+        self.wanted = False  # the socket loop asked for the engine: no new step starts
+        self._stopped = False
+        self._ended_r, self._ended_w = os.pipe()  # a byte at the end of each step
+        os.set_blocking(self._ended_r, False)
+        self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn`` on the engine thread and wait for its result (before ``start``)."""
+        future: Future[T] = Future()
+        self._jobs.put((future, fn, args))
+        return future.result()
+
+    def start(self, step: Callable[[], None], has_work: Callable[[], bool]) -> None:
+        """Call ``step`` again and again while ``has_work()``; sleep while not (a ``release``, after
+        which there may be new requests, wakes it)."""
+        self._jobs.put((Future(), self._loop, (step, has_work)))
+
+    def fileno(self) -> int:
+        return self._ended_r
+
+    def clear(self) -> None:
+        """Forget the ends signalled so far (the outputs of those steps are posted already)."""
+        try:
+            while os.read(self._ended_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def want(self) -> bool:
+        """Ask for the engine; True when it is granted (no step runs, and none starts until
+        ``release``). Not granted: the running step's end is signalled on ``fileno()``."""
+        with self._turn:
+            self.wanted = True
+            return not self._stepping
+
+    def release(self) -> None:
+        with self._turn:
+            self.wanted = False
+            self._turn.notify_all()
+
+    def stop(self) -> None:
+        """Let the step that runs end, then end the thread."""
+        with self._turn:
+            self._stopped = True
+            self._turn.notify_all()
+        self._jobs.put(None)
+        self._thread.join()
+        os.close(self._ended_r)
+        os.close(self._ended_w)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller of ``call``
+                future.set_exception(exc)
+
+    def _loop(self, step: Callable[[], None], has_work: Callable[[], bool]) -> None:
+        while True:
+            with self._turn:
+                while not self._stopped and (self.wanted or not has_work()):
+                    self._turn.wait()
+                if self._stopped:
+                    return
+                self._stepping = True
+            try:
+                step()
+            finally:
+                with self._turn:
+                    self._stepping = False
+                os.write(self._ended_w, b".")
+
+
 class CapacityMeter:
     """Tokens per second of busy step time, averaged over the last CAPACITY_WINDOW_S of steps. The
     gateways weigh a worker's outstanding work by it, so a worker twice as fast gets twice the work."""
@@ -136,7 +248,9 @@ class WorkerProc:
         drain_timeout: float = 30.0,
         curve_keys: tuple[str, str] | None = None,
         tokenizer: TokenizerBundle | None = None,
+        stepper: StepThread | None = None,
     ) -> None:
+        """``stepper``: the thread the engine was built on (see StepThread); a new one otherwise."""
         self.curve_keys = curve_keys  # (own secret key file, gateway public key file)
         self.engine = engine
         self.addresses = address
@@ -164,6 +278,9 @@ class WorkerProc:
         self.capacity = CapacityMeter()
         self._resolved = resolve_gateways(address)
         self._resolver: threading.Thread | None = None
+        self._inbox: Inbox = []  # what arrived for the engine, applied between steps
+        self._stepper = stepper or StepThread()
+        self._outbox: deque[StepOutputs] = deque()  # outputs of the steps that ended, to send
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -172,9 +289,8 @@ class WorkerProc:
     def drain(self) -> None:
         """First call: finish the current requests, take no new ones, then leave. Second: leave now."""
         if self.draining_since is None:
-            self.draining_since = time.monotonic()
-            load = self.engine.load()
-            log.info("draining: finishing %d requests, taking no new ones", load.running + load.waiting)
+            self.draining_since = time.monotonic()  # a step may be running: read no engine state here
+            log.info("draining: finishing %d requests, taking no new ones", len(self.owner))
         else:
             self.stopping = True
 
@@ -184,10 +300,13 @@ class WorkerProc:
         """Serve every gateway until stopped; reconnect each one that goes silent, with backoff."""
         self._resolver = threading.Thread(target=self._resolve_loop, name="resolve-gateways", daemon=True)
         self._resolver.start()
+        self._stepper.start(self._step, self.engine.has_work)
         try:
             while not self.stopping:
                 self._serve_once()
         finally:
+            self._stepper.stop()
+            self._send_outputs()
             for link in list(self.links.values()):
                 if link.sock is not None:
                     self._send(link, Goodbye("shutting down"))
@@ -197,11 +316,24 @@ class WorkerProc:
                 log.warning("stopped with %d requests unfinished", len(dropped))
 
     def _serve_once(self) -> None:
-        """One turn: (re)connect links, wait for messages (not at all while there is work), read
-        them, run a step, heartbeat, and judge each gateway's silence."""
+        """One turn: (re)connect links; send the outputs of the steps that ended; when there is
+        something for the engine (requests, aborts, a heartbeat due, a silent gateway, a drain),
+        take it between two steps, or ask for it at the running step's end; then wait for messages,
+        a step's end or a timer, and read the messages (answering what needs no engine)."""
         now = time.monotonic()
         self._update_links(now)
+        self._stepper.clear()
+        self._send_outputs()
+        if (self._stepper.wanted or self._needs_engine(now)) and self._stepper.want():
+            try:
+                self._tend_engine()
+            finally:
+                self._stepper.release()
+            if self.stopping:
+                return
+        now = time.monotonic()
         poller = zmq.Poller()
+        poller.register(self._stepper, zmq.POLLIN)
         wait_s = self.interval
         for link in self.links.values():
             if link.sock is None:
@@ -210,11 +342,10 @@ class WorkerProc:
             self._flush(link)
             poller.register(link.sock, zmq.POLLIN)
             poller.register(link.monitor, zmq.POLLIN)
-            wait_s = min(wait_s, max(0.0, link.next_heartbeat - now))
+            if not self._stepper.wanted:  # else the engine is asked for already: its step's end wakes us
+                wait_s = min(wait_s, max(0.0, link.next_heartbeat - now))
             if link.unsent:
                 wait_s = min(wait_s, 0.01)
-        if self.engine.has_work():
-            wait_s = 0.0
         events = dict(poller.poll(int(wait_s * 1000)))
         for link in list(self.links.values()):
             if link.sock is not None and (link.sock in events or link.monitor in events):
@@ -222,21 +353,34 @@ class WorkerProc:
                 if self._drain_socket(link) and not link.heard:  # the gateway only talks to workers it registered
                     log.info("registered with the gateway at %s as %s", link.address, self.name)
                     link.heard = True
-        if self.engine.has_work():
-            self._deliver(self._step())
+
+    def _needs_engine(self, now: float) -> bool:
+        return bool(self._inbox) or self.draining_since is not None or self._heartbeat_due(now) or self._silent(now)
+
+    def _tend_engine(self) -> None:
+        """The engine is ours between two steps: hand it what arrived, end a drain that is done,
+        drop silent gateways' requests, and send the heartbeats that are due."""
+        self._send_outputs()  # every step that ended, before any heartbeat
+        for link, msg in self._apply_inbox():
+            self._send(link, msg)
         now = time.monotonic()
-        if self.draining_since is not None:
-            if not self.engine.has_work() or now - self.draining_since > self.drain_timeout:
-                self.stopping = True
-                return
+        if self.draining_since is not None and (not self.engine.has_work() or now - self.draining_since > self.drain_timeout):
+            self.stopping = True
+            return
+        self._judge_silences(now)
+        self._send_heartbeats(now)
+
+    def _heartbeat_due(self, now: float) -> bool:
+        return any(link.sock is not None and now >= link.next_heartbeat for link in self.links.values())
+
+    def _silent(self, now: float) -> bool:
+        return any(link.sock is not None and now - link.last_heard > self.interval * self.liveness for link in self.links.values())
+
+    def _judge_silences(self, now: float) -> None:
+        """Engine held: drop every gateway silent for too long (its requests are aborted)."""
         for link in list(self.links.values()):
             if link.sock is None:
                 continue
-            if self.draining_since is not None and not link.announced_drain:
-                link.announced_drain, link.next_heartbeat = True, now  # tell the gateway right away
-            if now >= link.next_heartbeat:
-                self._send(link, self._load())
-                link.next_heartbeat = now + self.interval
             if now - link.last_heard > self.interval * self.liveness:
                 self._drain_socket(link)  # a long step leaves its messages unread: read them before judging
                 now = time.monotonic()
@@ -244,23 +388,42 @@ class WorkerProc:
                 log.warning("no word from the gateway at %s for %.1f s", link.address, now - link.last_heard)
                 self._disconnect(link, now)
 
+    def _send_heartbeats(self, now: float) -> None:
+        """Engine held, its outputs sent: the load figures of every gateway whose heartbeat is due
+        (a gateway must never see a heartbeat before the outputs that came before it: it would take
+        a finished request for a lost one)."""
+        for link in self.links.values():
+            if link.sock is None:
+                continue
+            if self.draining_since is not None and not link.announced_drain:
+                link.announced_drain, link.next_heartbeat = True, now  # tell the gateway right away
+            if now >= link.next_heartbeat:
+                self._send(link, self._load())
+                link.next_heartbeat = now + self.interval
+
     def _load(self) -> Heartbeat:
         load = self.engine.load()
         load.draining = self.draining_since is not None
         load.capacity_tokens_per_s = round(self.capacity.tokens_per_s, 1)
         return load
 
-    def _step(self) -> StepOutputs:
+    def _step(self) -> None:
+        """On the engine thread: one step, its outputs posted for the socket loop to send."""
         start = time.perf_counter()
         try:
             step = self.engine.step()
         except Exception as exc:  # a failed step must not kill the worker or leak blocks
             log.exception("step failed")
-            return StepOutputs(self.engine.fail_all(f"step failed: {type(exc).__name__}: {exc}"))
+            step = StepOutputs(self.engine.fail_all(f"step failed: {type(exc).__name__}: {exc}"))
         tokens = sum(len(o.new_token_ids) for o in step.outputs)
         if tokens:
             self.capacity.add(tokens, time.perf_counter() - start)
-        return step
+        self._outbox.append(step)
+
+    def _send_outputs(self) -> None:
+        """Send the outputs of every step that ended so far, in order."""
+        while self._outbox:
+            self._deliver(self._outbox.popleft())
 
     def _deliver(self, step: StepOutputs) -> None:
         """Send each gateway the outputs of its own requests (all in one message per gateway)."""
@@ -359,7 +522,8 @@ class WorkerProc:
     # ---- messages ------------------------------------------------------------------------------
 
     def _drain_socket(self, link: GatewayLink) -> bool:
-        """Handle every message waiting on a link; True if anything valid arrived."""
+        """Read every message waiting on a link (a step may be running: what is for the engine
+        waits in the inbox); True if anything valid arrived."""
         got = False
         while True:
             try:
@@ -374,20 +538,36 @@ class WorkerProc:
                     continue
             got = True
             link.last_heard = time.monotonic()
-            if isinstance(msg, AddRequests):
-                for new in msg.requests:
-                    self._own(link, new.request_id)
-                    self.engine.add_request(new)
-            elif isinstance(msg, Abort):
-                self._send(link, StepOutputs(self.engine.abort(msg.request_ids)))
-                for request_id in msg.request_ids:
-                    if self.owner.get(request_id) is link:
-                        del self.owner[request_id]
-                    link.requests.discard(request_id)
+            if isinstance(msg, AddRequests | Abort):
+                self._inbox.append((link, msg))
             elif isinstance(msg, DescribeModel):
                 self._describe(link)
             elif not isinstance(msg, Heartbeat):
                 log.warning("unexpected %s from the gateway at %s", type(msg).__name__, link.address)
+
+    def _apply_inbox(self) -> list[tuple[GatewayLink, StepOutputs]]:
+        """Between steps: hand the engine what arrived, in order. Returns the aborted requests'
+        final outputs for the gateways that asked, to go after the step that ended before them."""
+        inbox, self._inbox = self._inbox, []
+        aborted: list[tuple[GatewayLink, StepOutputs]] = []
+        for link, msg in inbox:
+            if link.sock is None:
+                continue  # the link closed since: its gateway has moved those requests
+            if isinstance(msg, AddRequests):
+                for new in msg.requests:
+                    self._own(link, new.request_id)
+                    self.engine.add_request(new)
+            elif isinstance(msg, Refused):
+                for request_id, why in msg.request_ids_and_reasons:
+                    self._own(link, request_id)
+                    self.engine.reject(request_id, why, bad_request=True)
+            else:
+                aborted.append((link, StepOutputs(self.engine.abort(msg.request_ids))))
+                for request_id in msg.request_ids:
+                    if self.owner.get(request_id) is link:
+                        del self.owner[request_id]
+                    link.requests.discard(request_id)
+        return aborted
 
     def _own(self, link: GatewayLink, request_id: str) -> None:
         self.owner[request_id] = link
@@ -411,9 +591,7 @@ class WorkerProc:
             return None
         good, bad = salvaged
         log.warning("an AddRequests did not decode (%s): %d of its requests run, %d are refused", exc, len(good), len(bad))
-        for request_id, why in bad:
-            self._own(link, request_id)
-            self.engine.reject(request_id, why, bad_request=True)
+        self._inbox.append((link, Refused(bad)))
         return AddRequests(good)
 
     def _send(self, link: GatewayLink, msg: protocol.Message) -> None:

@@ -9,7 +9,7 @@ import zmq
 
 from common import protocol
 from common.protocol import Abort, AddRequests, Goodbye, Heartbeat, NewRequest, Ready, RequestOutput, StepOutputs
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 from worker.proc import GatewayLink, WorkerProc, resolve_gateways
 
 
@@ -215,3 +215,43 @@ def test_messages_the_socket_cannot_take_wait_in_order_instead_of_being_dropped(
     assert not link.sock.sent
     proc._flush(link)
     assert [protocol.decode(frames) for frames in link.sock.sent] == steps
+
+
+def test_socket_work_overlaps_the_step_in_flight():
+    """Async scheduling: step N's outputs go out while step N+1 runs, and a message that arrives
+    during a step is answered before the step ends (the socket loop does not wait for the model)."""
+
+    class SlowEngine(StubEngine):
+        step_s = 0.8
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.started = self.finished = 0
+
+        def has_work(self) -> bool:
+            return bool(self.pending)
+
+        def step(self) -> StepOutputs:
+            self.started += 1
+            time.sleep(self.step_s)
+            self.finished += 1
+            return StepOutputs([RequestOutput(r.request_id, [self.finished], seq=self.finished) for r in self.pending], batch_size=len(self.pending))
+
+    gateway = FakeGateway()
+    engine = SlowEngine()
+    proc = WorkerProc(engine, gateway.address, "w-test", "m", "cpu", "float32", heartbeat_interval=0.1, heartbeat_liveness=50)
+    thread = threading.Thread(target=proc.run, daemon=True)
+    thread.start()
+    try:
+        identity, _ = gateway.receive(Ready)
+        gateway.send(identity, AddRequests([NewRequest("long", [1], 100)]))
+        _, first = gateway.receive(StepOutputs)
+        assert first.outputs[0].new_token_ids == [1]
+        wait_until(lambda: engine.started == 2, 0.5, "step 2")  # the engine went on to step 2 on its own
+        gateway.send(identity, protocol.DescribeModel())
+        gateway.receive(protocol.WorkerError)  # no tokenizer bundle here: answered with an error, mid-step
+        assert engine.finished == 1
+    finally:
+        proc.stopping = True
+        thread.join(5)
+        gateway.close()
