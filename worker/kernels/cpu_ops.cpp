@@ -361,17 +361,22 @@ void vnni_range(const uint8_t* xu, const float* xs, int64_t rows, int64_t K, con
 // batches a panel of PANEL_BLOCKS blocks is reused from cache by every group of rows.
 constexpr int64_t PANEL_BLOCKS = 4;
 
+// Every accumulator of an R x NB tile set to `value` (zero, at a tile's or a group's start).
+template <int R, int NB, typename T>
+inline void fill_tile(T (&acc)[R][NB], T value) {
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = value;
+}
+
 template <int R, int NB>
 void packed_tile(const uint8_t* xu, const float* xs, int64_t K, const int8_t* w, const float* meta, int64_t b0, float* out,
                  int64_t out_stride, const float* bias) {
   const int64_t G = K / VNNI_GROUP, block_bytes = K * 16, meta_block = (1 + G) * 16;
   __m512 facc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) facc[r][b] = _mm512_setzero_ps();
+  fill_tile(facc, _mm512_setzero_ps());
   for (int64_t g = 0; g < G; ++g) {
     __m512i iacc[R][NB];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < NB; ++b) iacc[r][b] = _mm512_setzero_si512();
+    fill_tile(iacc, _mm512_setzero_si512());
     for (int64_t k4 = g * 16; k4 < (g + 1) * 16; ++k4) {
       __m512i wv[NB];
       for (int b = 0; b < NB; ++b) {
@@ -459,12 +464,10 @@ void packed_q4_tile(const int8_t* xq, const float* xs, const float* xsum, int64_
   const int64_t G = K / Q4_GROUP, block_bytes = K * 8;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 facc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) facc[r][b] = _mm512_setzero_ps();
+  fill_tile(facc, _mm512_setzero_ps());
   for (int64_t g = 0; g < G; ++g) {
     __m512i iacc[R][NB];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < NB; ++b) iacc[r][b] = _mm512_setzero_si512();
+    fill_tile(iacc, _mm512_setzero_si512());
     for (int64_t k8 = g * 4; k8 < (g + 1) * 4; ++k8) {
       __m512i lo[NB], hi[NB];
       for (int b = 0; b < NB; ++b) {
