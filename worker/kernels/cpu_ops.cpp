@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -983,9 +984,14 @@ void attend_split_bf16(const float* q, const c10::BFloat16* k_cache, const c10::
 }
 #endif
 
+// The fewest context splits that give every thread as many (row, split) items as the others: a
+// thread streams long runs of the cache best (a lone row on 2 threads: 2 splits took 0.95-0.99x the
+// step time of 8), and equal shares keep any thread from waiting. From 4 rows a thread on, rows are
+// not split (evening out one row more took 1.02-1.05x at 33 rows). At least 8 blocks a split.
 int64_t pick_splits(int64_t rows, int64_t max_len, int64_t block_size) {
-  const int64_t wanted = (4 * at::get_num_threads() + rows - 1) / rows;
-  const int64_t most = std::max<int64_t>(1, max_len / (8 * block_size));  // at least 8 blocks a split
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted = rows >= 4 * threads ? 1 : threads / std::gcd(rows, threads);
+  const int64_t most = std::max<int64_t>(1, max_len / (8 * block_size));
   return std::max<int64_t>(1, std::min(wanted, most));
 }
 
