@@ -360,9 +360,8 @@ class WorkerProc:
     def _tend_engine(self) -> None:
         """The engine is ours between two steps: hand it what arrived, end a drain that is done,
         drop silent gateways' requests, and send the heartbeats that are due."""
-        self._send_outputs()  # every step that ended, before any heartbeat
-        for link, msg in self._apply_inbox():
-            self._send(link, msg)
+        self._send_outputs()  # every step that ended: before any abort's outputs or heartbeat
+        self._apply_inbox()
         now = time.monotonic()
         if self.draining_since is not None and (not self.engine.has_work() or now - self.draining_since > self.drain_timeout):
             self.stopping = True
@@ -373,20 +372,20 @@ class WorkerProc:
     def _heartbeat_due(self, now: float) -> bool:
         return any(link.sock is not None and now >= link.next_heartbeat for link in self.links.values())
 
-    def _silent(self, now: float) -> bool:
-        return any(link.sock is not None and now - link.last_heard > self.interval * self.liveness for link in self.links.values())
+    def _silent(self, now: float, link: GatewayLink | None = None) -> bool:
+        """Whether a connected gateway (``link``, or any) has been silent past its liveness."""
+        links = self.links.values() if link is None else [link]
+        return any(one.sock is not None and now - one.last_heard > self.interval * self.liveness for one in links)
 
     def _judge_silences(self, now: float) -> None:
         """Engine held: drop every gateway silent for too long (its requests are aborted)."""
         for link in list(self.links.values()):
-            if link.sock is None:
-                continue
-            if now - link.last_heard > self.interval * self.liveness:
-                self._drain_socket(link)  # a long step leaves its messages unread: read them before judging
+            if self._silent(now, link):
+                self._drain_socket(link)  # read what is waiting before judging
                 now = time.monotonic()
-            if now - link.last_heard > self.interval * self.liveness:
-                log.warning("no word from the gateway at %s for %.1f s", link.address, now - link.last_heard)
-                self._disconnect(link, now)
+                if self._silent(now, link):
+                    log.warning("no word from the gateway at %s for %.1f s", link.address, now - link.last_heard)
+                    self._disconnect(link, now)
 
     def _send_heartbeats(self, now: float) -> None:
         """Engine held, its outputs sent: the load figures of every gateway whose heartbeat is due
@@ -545,11 +544,10 @@ class WorkerProc:
             elif not isinstance(msg, Heartbeat):
                 log.warning("unexpected %s from the gateway at %s", type(msg).__name__, link.address)
 
-    def _apply_inbox(self) -> list[tuple[GatewayLink, StepOutputs]]:
-        """Between steps: hand the engine what arrived, in order. Returns the aborted requests'
-        final outputs for the gateways that asked, to go after the step that ended before them."""
+    def _apply_inbox(self) -> None:
+        """Engine held: hand it what arrived, in order; aborted requests' final outputs go back to
+        the gateways that asked."""
         inbox, self._inbox = self._inbox, []
-        aborted: list[tuple[GatewayLink, StepOutputs]] = []
         for link, msg in inbox:
             if link.sock is None:
                 continue  # the link closed since: its gateway has moved those requests
@@ -562,12 +560,11 @@ class WorkerProc:
                     self._own(link, request_id)
                     self.engine.reject(request_id, why, bad_request=True)
             else:
-                aborted.append((link, StepOutputs(self.engine.abort(msg.request_ids))))
+                self._send(link, StepOutputs(self.engine.abort(msg.request_ids)))
                 for request_id in msg.request_ids:
                     if self.owner.get(request_id) is link:
                         del self.owner[request_id]
                     link.requests.discard(request_id)
-        return aborted
 
     def _own(self, link: GatewayLink, request_id: str) -> None:
         self.owner[request_id] = link
