@@ -1,0 +1,193 @@
+"""worker/triton_attention.py against a pure-torch reference, and inside a captured CUDA graph.
+
+On CUDA the kernel runs on the GPU in bf16 and float32; without CUDA it runs under Triton's
+interpreter on CPU tensors (float32 only there: the interpreter's numpy has no bfloat16, and it is
+slow, so the CPU cases stay short). Skipped where triton is not installed (CI).
+"""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: its jit reads it at decoration
+
+pytest.importorskip("triton")
+
+from worker import triton_attention  # noqa: E402
+
+
+def _interpreter_scalars_for_numpy_24() -> None:
+    """triton 3.6's interpreter calls int() on a 1-element array for a runtime loop bound, which numpy
+    2.4 refuses (triton-lang/triton#9171, fixed upstream by squeezing it): do that here too."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def squeezed(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    interpreter._patch_lang_tensor = squeezed
+
+
+if not CUDA:
+    _interpreter_scalars_for_numpy_24()
+
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def reference(query, k_cache, v_cache, block_tables, lengths, scaling):
+    """Gather each row's context, expand the KV heads, softmax in float32."""
+    rows, heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.zeros(rows, heads, head_dim, dtype=torch.float32, device=query.device)
+    for row in range(rows):
+        length = int(lengths[row])
+        if length == 0:
+            continue
+        blocks = block_tables[row, : -(-length // block_size)]
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:length].float().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:length].float().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", query[row].float(), k) * scaling
+        out[row] = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+    return out.to(query.dtype)
+
+
+def make_case(lengths, heads, kv_heads, head_dim, block_size, dtype, pad_blocks=2, spare_blocks=4, seed=0):
+    """Random caches with spare NaN-filled blocks, and shuffled block tables padded with block 0 (NaN too)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in lengths]
+    max_blocks = max(per_row) + pad_blocks
+    num_blocks = 1 + sum(per_row) + spare_blocks
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 is the padding entry
+    tables = torch.zeros(len(lengths), max_blocks, dtype=torch.int64)
+    used = 0
+    for row, count in enumerate(per_row):
+        tables[row, :count] = order[used : used + count]
+        used += count
+    for spare in [0, *order[used:]]:  # never-written blocks (0 pads the tables): read unmasked, they make NaN
+        k_cache[spare] = float("nan")
+        v_cache[spare] = float("nan")
+    query = torch.randn(len(lengths), heads, head_dim, generator=gen)
+    to = dict(device=DEVICE, dtype=dtype)
+    return (
+        query.to(**to),
+        k_cache.to(**to),
+        v_cache.to(**to),
+        tables.to(DEVICE),
+        torch.tensor(lengths, dtype=torch.int64, device=DEVICE),
+    )
+
+
+def check(lengths, heads, kv_heads, head_dim, block_size, dtype, splits, seed=0):
+    query, k_cache, v_cache, tables, lens = make_case(lengths, heads, kv_heads, head_dim, block_size, dtype, seed=seed)
+    scaling = head_dim**-0.5
+    got = triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, scaling, splits=splits)
+    want = reference(query, k_cache, v_cache, tables, lens, scaling)
+    assert got.shape == query.shape and got.dtype == query.dtype
+    assert not got.isnan().any()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+# (lengths, heads, kv_heads, head_dim, block_size): lengths of 1, exact block multiples, partial blocks.
+CASES = {
+    "smollm2-1row": ([37], 9, 3, 64, 16),
+    "smollm2-3rows": ([1, 16, 600], 9, 3, 64, 16),
+    "llama-8rows": ([1, 5, 16, 17, 64, 100, 129, 250], 32, 8, 64, 16),
+    "hd128-3rows": ([33, 1, 160], 8, 2, 128, 16),
+    "block8": ([9, 1, 40], 9, 3, 64, 8),
+    "block64": ([64, 1, 130], 32, 8, 64, 64),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_reference(case, splits, dtype):
+    check(*case, dtype=dtype, splits=splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_more_splits_than_a_short_row_has_blocks(dtype):
+    """Rows of 1 and 3 blocks under 7 splits: the empty splits must weigh nothing and make no NaN."""
+    check([3, 40, 1], 9, 3, 64, 16, dtype, splits=7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_default_splits(dtype):
+    check([20, 300], 32, 8, 64, 16, dtype, splits=None)
+
+
+def test_zero_length_row_gives_zeros():
+    """Graph-padding rows of length 0 come out as zeros, not NaN, with and without splits."""
+    query, k_cache, v_cache, tables, lens = make_case([0, 20], 9, 3, 64, 16, torch.float32)
+    for splits in (1, 3):
+        got = triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, splits=splits)
+        assert torch.equal(got[0], torch.zeros_like(got[0]))
+        torch.testing.assert_close(got[1:], reference(query, k_cache, v_cache, tables, lens, 0.125)[1:], atol=1e-4, rtol=1e-4)
+
+
+def test_num_splits():
+    assert triton_attention.num_splits(1, 3, 1000) == 88  # 3 programs -> 264 / 3 splits
+    assert triton_attention.num_splits(1, 8, 5) == 5  # never more splits than table blocks
+    assert triton_attention.num_splits(64, 8, 1000) == 1  # 512 programs already fill the GPU
+    assert triton_attention.num_splits(0, 8, 0) == 1
+
+
+def test_available():
+    assert triton_attention.available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_batch_on_gpu(dtype):
+    lengths = [1 + (i * 97) % 2000 for i in range(33)]
+    check(lengths, 32, 8, 64, 16, dtype, splits=None)
+    check(lengths, 9, 3, 64, 16, dtype, splits=3, seed=1)
+    check(lengths[:9], 8, 2, 128, 32, dtype, splits=16, seed=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replay_with_new_lengths_and_tables(dtype):
+    """Captured once; new lengths and block tables copied into the static inputs must be honoured."""
+    rows, heads, kv_heads, head_dim, block_size = 4, 9, 3, 64, 16
+    first = make_case([1, 17, 300, 64], heads, kv_heads, head_dim, block_size, dtype, pad_blocks=30, spare_blocks=30, seed=3)
+    query, k_cache, v_cache, tables, lens = (t.clone() for t in first)
+    splits = triton_attention.num_splits(rows, kv_heads, tables.shape[1])
+    assert splits > 1
+    scaling = head_dim**-0.5
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, scaling)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, scaling)
+    graph.replay()
+    torch.testing.assert_close(out.float(), reference(*first, scaling).float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+    # Same shapes, other contexts: longer, shorter, one row emptied to length 1, other blocks.
+    second = make_case([500, 1, 16, 129], heads, kv_heads, head_dim, block_size, dtype, pad_blocks=0, seed=4)
+    new_query, new_k, new_v, new_tables, new_lens = second
+    assert new_tables.shape[1] <= tables.shape[1] and new_k.shape[0] <= k_cache.shape[0]
+    query.copy_(new_query)
+    k_cache[: new_k.shape[0]].copy_(new_k)
+    v_cache[: new_v.shape[0]].copy_(new_v)
+    tables.zero_()
+    tables[:, : new_tables.shape[1]].copy_(new_tables)
+    lens.copy_(new_lens)
+    graph.replay()
+    want = reference(query, k_cache, v_cache, tables, lens, scaling)
+    torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
