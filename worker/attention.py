@@ -9,7 +9,8 @@ as a registered attention implementation. Each layer writes its new keys/values 
   all the query heads sharing it, with an online softmax and the context split across threads when
   rows are few. Per layer, CPU time on one thread (bf16, 9 heads / 3 KV heads): 64 rows x 300 tokens
   2.6 ms (inductor-compiled gather+matmul 5.4, eager 19.9); 1 row x 4,096 tokens 0.20 ms (0.96, 1.88).
-  Without the extension (or on CUDA) an eager batched matmul over the gathered context does it.
+  On CUDA the Triton kernel (worker/triton_attention.py) does the same in place, and can be captured
+  in a CUDA graph. Without either, an eager batched matmul over the gathered context does it.
   A lone float32 row keeps transformers' SDPA call, so float32 greedy output equals ``generate``.
 - prompt chunks use SDPA: a first chunk exactly as ``generate`` does, a later one over the cached
   prefix gathered from the cache.
@@ -23,9 +24,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from worker import kernels
+from worker import triton_attention
 
 ATTENTION_NAME = "llmpool_paged"
+# Who computes the decode rows' attention (ModelRunner picks one per worker): the C++ CPU kernel,
+# the Triton CUDA kernel, or the eager gather + matmul that runs anywhere.
+DECODE_BACKENDS = ("cpu", "triton", "eager")
 
 
 @dataclass(slots=True)
@@ -59,6 +63,7 @@ class AttentionMetadata:
     num_decode: int  # the first num_decode tokens are single-token steps of num_decode sequences
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    decode_backend: str = "eager"  # one of DECODE_BACKENDS
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -76,16 +81,19 @@ def decode_rows_attention(
     lengths: torch.Tensor,
     max_len: int,
     scaling: float,
+    backend: str = "eager",
 ) -> torch.Tensor:
-    """Attention for one query token per row over each row's paged context: the C++ kernel when it
-    is loaded (CPU), else an eager batched matmul over the gathered context (CUDA, no compiler).
+    """Attention for one query token per row over each row's paged context: the C++ kernel (CPU),
+    the Triton kernel (CUDA), or an eager batched matmul over the gathered context (``backend``).
 
     ``query`` is ``[rows, heads, head_dim]``; the caches are ``[num_blocks, block_size, kv_heads,
     head_dim]``; row r attends to its first ``lengths[r]`` positions. Heads sharing a KV head sit
     next to each other (head h reads KV head h // groups).
     """
-    if query.device.type == "cpu" and kernels.load():
+    if backend == "cpu":
         return torch.ops.llmpool.paged_decode_attention(query, k_cache, v_cache, block_tables, lengths, max_len, scaling)
+    if backend == "triton":
+        return triton_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, lengths, scaling)
     rows, heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     keys = _gather(k_cache, block_tables, max_len)  # [rows, kv_heads, max_len, head_dim]
@@ -128,7 +136,9 @@ def paged_attention(
             outputs.append(out.reshape(1, heads, head_dim))
         else:
             scale = scaling or head_dim**-0.5
-            outputs.append(decode_rows_attention(q.contiguous(), k_cache, v_cache, group.block_tables, group.lengths, group.max_len, scale))
+            outputs.append(
+                decode_rows_attention(q.contiguous(), k_cache, v_cache, group.block_tables, group.lengths, group.max_len, scale, meta.decode_backend)
+            )
     for span in meta.prefills:
         end = span.start + span.num_tokens
         q = query[:, :, span.start : end]

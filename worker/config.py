@@ -36,6 +36,18 @@ WORKER_FLAGS = [
         "or auto (on the CPU unless --dtype float32: q4 for a model that came as 4-bit weights, like the default Q4_1 GGUF, on a CPU with VNNI; else int8)",
     ),
     Flag(
+        "cuda-graphs",
+        "auto",
+        "CUDA graphs for decode steps, one per batch-size bucket (worker/cuda_graphs.py): on, off, or auto (on for a CUDA worker in bfloat16 or "
+        "float16 with the Triton attention kernel; float32 keeps the eager path, token-identical to generate)",
+    ),
+    Flag(
+        "cuda-attention",
+        "auto",
+        "Decode attention on CUDA: triton (worker/triton_attention.py: reads the paged cache in place, split over the context), eager "
+        "(a batched matmul over the gathered context), or auto (triton when it imports, except in float32)",
+    ),
+    Flag(
         "speculate",
         0,
         "Speculative decoding: up to N draft tokens per step for a lone request, looked up in its own prompt and output (n-grams), "
@@ -66,6 +78,8 @@ class WorkerConfig(SharedConfig):
     max_model_len: int = 0
     model_impl: str = "auto"
     quantization: str = "auto"
+    cuda_graphs: str = "auto"
+    cuda_attention: str = "auto"
     threads: int = 0
     speculate: int = 0
     drain_timeout: float = 30.0

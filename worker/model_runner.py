@@ -18,9 +18,10 @@ import torch
 from common.config import parse_size
 from common.model_source import ModelSource, load_tokenizer
 from common.protocol import TokenLogprobs
-from worker import kernels
+from worker import kernels, triton_attention
 from worker.attention import ATTENTION_NAME, AttentionMetadata, DecodeGroup, PrefillSpan
 from worker.config import WorkerConfig
+from worker.cuda_graphs import DecodeGraphs
 from worker.guided import GuidedDecoding
 from worker.llama import LlamaForward, supports
 from worker.loader import load_model
@@ -86,15 +87,25 @@ class ModelRunner:
         self.model = model.to(self.device).eval()
         self.quantization, self.fast_decode = self._pick_decode_path(config.quantization)
         self.native = self._pick_impl(config.model_impl)
+        self.decode_backend = self._pick_attention(config.cuda_attention)
+        use_graphs = self._use_graphs(config.cuda_graphs)
         model_config = model.config.get_text_config()
         limit = model_config.max_position_embeddings
         self.max_model_len = min(limit, config.max_model_len) if config.max_model_len > 0 else limit
         self.eos_token_ids = _eos_ids(model)
         self.vocab_size = model_config.vocab_size
-        self.kv_caches = self._allocate_kv_cache(model_config, config.kv_cache_memory)
-        self.num_blocks = self.kv_caches[0][0].shape[0]
+        self.kv_caches = self._allocate_kv_cache(model_config, config.kv_cache_memory, scratch=use_graphs)
+        # With graphs the last block is the padding rows' scratch, outside the block manager's blocks.
+        self.num_blocks = self.kv_caches[0][0].shape[0] - use_graphs
         self.guided = GuidedDecoding(lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(self.device, self.guided)
+        if self.decode_backend == "triton":  # compile its kernels now, not in the middle of a step
+            triton_attention.warm_up(*self.kv_caches[0], heads=model_config.num_attention_heads)
+        self.graphs = None
+        if use_graphs:
+            max_blocks = -(-self.max_model_len // self.block_size)
+            pad_slot = self.num_blocks * self.block_size
+            self.graphs = DecodeGraphs(self.native, self.kv_caches, self.block_size, max_blocks, pad_slot, config.max_num_seqs)
 
     def _pick_impl(self, choice: str) -> LlamaForward | None:
         if choice not in ("auto", "native", "transformers"):
@@ -107,6 +118,29 @@ class ModelRunner:
         if not use_native:
             return None
         return LlamaForward(self.model, fast_decode=self.fast_decode, quantization=self.quantization)
+
+    def _pick_attention(self, choice: str) -> str:
+        """The decode rows' attention (worker/attention.py): the C++ kernel on the CPU; on CUDA the
+        Triton kernel, except in float32, where the eager path keeps output equal to ``generate``."""
+        if choice not in ("auto", "triton", "eager"):
+            raise ValueError(f"--cuda-attention must be auto, triton or eager; got {choice!r}")
+        if self.device.type == "cpu":
+            return "cpu" if kernels.load() else "eager"
+        if choice == "auto":
+            choice = "triton" if triton_attention.available() and self.dtype != torch.float32 else "eager"
+        if choice == "triton" and not triton_attention.available():
+            raise ValueError("--cuda-attention triton needs the triton package and a CUDA device")
+        log.info("decode attention on %s: %s", self.device, choice)
+        return choice
+
+    def _use_graphs(self, choice: str) -> bool:
+        """CUDA graphs need the native forward and the Triton attention (its launch shape is static)."""
+        if choice not in ("auto", "on", "off"):
+            raise ValueError(f"--cuda-graphs must be auto, on or off; got {choice!r}")
+        possible = self.device.type == "cuda" and self.native is not None and self.decode_backend == "triton"
+        if choice == "on" and not possible:
+            raise ValueError("--cuda-graphs on needs a CUDA device, a Llama-family model (--model-impl native) and --cuda-attention triton")
+        return possible and choice != "off"
 
     def _pick_decode_path(self, choice: str) -> tuple[str, bool]:
         """(weights, whether the C++ decode step runs): it runs on the CPU in bf16/fp16, or in any
@@ -125,8 +159,9 @@ class ModelRunner:
         log.info("small-batch decode: %s, weights %s", "C++ kernel" if fast else "torch", choice)
         return choice, fast
 
-    def _allocate_kv_cache(self, model_config: object, budget: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer a K and a V tensor of ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    def _allocate_kv_cache(self, model_config: object, budget: str, scratch: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer a K and a V tensor of ``[num_blocks, block_size, kv_heads, head_dim]``, plus one
+        block with ``scratch`` (where CUDA graphs' padding rows write)."""
         layers = model_config.num_hidden_layers
         kv_heads = model_config.num_key_value_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
@@ -136,7 +171,7 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {budget} is less than one block ({bytes_per_block} bytes)")
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * bytes_per_block / 2**30)
-        shape = (num_blocks, self.block_size, kv_heads, head_dim)
+        shape = (num_blocks + scratch, self.block_size, kv_heads, head_dim)
         return [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(layers)
@@ -169,6 +204,8 @@ class ModelRunner:
         that asked for them."""
         if len(batch) == 1 and batch.requests[0].draft_token_ids:
             return self._execute_verify(batch.requests[0])
+        if self.graphs is not None and len(batch) <= self.graphs.max_rows and all(map(_is_decode_row, batch.requests, batch.num_new_tokens)):
+            return self._execute_graph(batch)
         if self._fits_rows(batch):
             return self._execute_rows(batch)
         return self._execute_torch(batch)
@@ -210,7 +247,7 @@ class ModelRunner:
             tables = self._tensor([request.block_ids] * n)
             logits = self.native.decode(self._tensor(ids), positions, self.kv_caches, slots, tables, positions + 1, start + n)
         else:
-            metadata = AttentionMetadata(self.kv_caches, slots, 0, [], [self._prefill_span(request, 0, n)])
+            metadata = AttentionMetadata(self.kv_caches, slots, 0, [], [self._prefill_span(request, 0, n)], self.decode_backend)
             logits = self._forward(self._tensor(ids).unsqueeze(0), positions.unsqueeze(0), metadata, torch.arange(n, device=self.device))
         tokens, logprobs = self.sampler.verify(logits, request, request.draft_token_ids)
         return {request.request_id: tokens}, ({} if logprobs is None else {request.request_id: logprobs})
@@ -269,6 +306,20 @@ class ModelRunner:
         )
         return self._sample(logits, sampled) if sampled else ({}, {})
 
+    def _execute_graph(self, batch: ScheduledBatch) -> Sampled:
+        """Decode rows only: replay the CUDA graph of the batch's bucket (worker/cuda_graphs.py)."""
+        bs = self.block_size
+        requests = batch.requests
+        positions = [r.num_computed_tokens for r in requests]
+        logits = self.graphs.run(
+            [r.token_ids[p] for r, p in zip(requests, positions)],
+            positions,
+            [r.block_ids[p // bs] * bs + p % bs for r, p in zip(requests, positions)],
+            [r.block_ids for r in requests],
+            [p + 1 for p in positions],
+        )
+        return self._sample(logits, requests)
+
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         """One token per row (row i is requests[i]), and the logprobs of the rows that asked."""
         tokens, logprobs = self.sampler(logits, requests)
@@ -319,6 +370,7 @@ class ModelRunner:
             num_decode=num_decode,
             decode_groups=self._decode_groups(decode_rows),
             prefills=prefills,
+            decode_backend=self.decode_backend,
         )
         return StepInputs(
             input_ids=self._tensor(input_ids).unsqueeze(0),
@@ -330,13 +382,13 @@ class ModelRunner:
         )
 
     def _decode_groups(self, rows: list[Request]) -> list[DecodeGroup]:
-        """Single-token rows in groups: one for the C++ kernel, which reads each row's own length.
+        """Single-token rows in groups: one for the C++ or Triton kernel, which read each row's own length.
 
         The eager fallback pads every row to its group's longest context (at batch 64, 40% slower
         than equal lengths), so there a new group starts when the next row (sorted by length) is
         more than a quarter longer than the group's first, and groups have at least MIN_GROUP rows.
         """
-        if rows and self.device.type == "cpu" and kernels.load():
+        if rows and self.decode_backend != "eager":
             return [self._decode_group(rows, 0)]
         groups = []
         start = 0

@@ -33,6 +33,7 @@ except ImportError:  # CI and the CPU-only install have no triton
 SM_COUNT = 132  # H100 / H200; num_splits aims at two waves of programs over this many SMs
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows: the query heads of a KV head are padded to it
 MIN_TILE_TOKENS = 64  # tokens per loop step; a whole number of cache blocks (block sizes 8..64)
+MAX_SPLITS = 64
 
 
 def available() -> bool:
@@ -43,22 +44,38 @@ def available() -> bool:
         return False
 
 
-def num_splits(rows: int, kv_heads: int, max_blocks: int, sm_count: int = SM_COUNT) -> int:
+def num_splits(rows: int, kv_heads: int, sm_count: int = SM_COUNT) -> int:
     """Static split count: enough (row, KV head, split) programs to cover the SMs twice when rows are few.
 
     One split once ``rows * kv_heads`` alone reaches the SM count (splitting then only adds the
-    combine pass); never more splits than blocks in the table, so no split is empty for the longest
-    row. It depends only on shapes, so a captured CUDA graph keeps it.
+    combine pass). A power of two up to MAX_SPLITS, and independent of the table's width, so a
+    worker meets a handful of kernel variants, all compiled by ``warm_up`` at its start rather than
+    in the middle of a step (a Triton compile takes about half a second). Splits past a short row's
+    blocks are empty and exit at once.
     """
-    programs = max(1, rows * kv_heads)
-    if programs >= sm_count:
+    programs = rows * kv_heads
+    if programs == 0 or programs >= sm_count:
         return 1
-    return max(1, min(math.ceil(2 * sm_count / programs), max_blocks))
+    target = min(MAX_SPLITS, (2 * sm_count) // programs)
+    return 1 << (target.bit_length() - 1) if target > 1 else 1
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> None:
+    """Compile every variant ``paged_decode_attention`` can launch for these caches (one per split
+    count), with one row of length 1 reading block 0."""
+    _, _, kv_heads, head_dim = k_cache.shape
+    query = torch.zeros(1, heads, head_dim, dtype=k_cache.dtype, device=k_cache.device)
+    table = torch.zeros(1, 1, dtype=torch.long, device=k_cache.device)
+    length = torch.ones(1, dtype=torch.long, device=k_cache.device)
+    splits = 1
+    while splits <= MAX_SPLITS:
+        paged_decode_attention(query, k_cache, v_cache, table, length, 1.0, splits)
+        splits *= 2
 
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_table"])  # the table's width changes from step to step
     def _decode_split_kernel(
         query,  # [rows, heads, head_dim]
         k_cache,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -207,14 +224,13 @@ def paged_decode_attention(
     """
     rows, heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    max_blocks = block_tables.shape[1]
     if heads % kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"query {tuple(query.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     if block_size & (block_size - 1) or query.dtype != k_cache.dtype or query.dtype != v_cache.dtype:
         raise ValueError(f"block size {block_size} must be a power of two and dtypes must match ({query.dtype}, {k_cache.dtype})")
     if query.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or block_tables.stride(1) != 1:
         raise ValueError("query, caches and block tables need a contiguous last dimension")
-    splits = splits or num_splits(rows, kv_heads, max_blocks)
+    splits = splits or num_splits(rows, kv_heads)
     group = heads // kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)

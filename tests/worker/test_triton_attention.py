@@ -136,10 +136,17 @@ def test_zero_length_row_gives_zeros():
 
 
 def test_num_splits():
-    assert triton_attention.num_splits(1, 3, 1000) == 88  # 3 programs -> 264 / 3 splits
-    assert triton_attention.num_splits(1, 8, 5) == 5  # never more splits than table blocks
-    assert triton_attention.num_splits(64, 8, 1000) == 1  # 512 programs already fill the GPU
-    assert triton_attention.num_splits(0, 8, 0) == 1
+    assert triton_attention.num_splits(1, 3) == 64  # 3 programs -> 88 splits for two waves, rounded down to a power of two
+    assert triton_attention.num_splits(1, 8) == 32  # 33 -> 32
+    assert triton_attention.num_splits(8, 3) == 8  # 11 -> 8
+    assert triton_attention.num_splits(64, 8) == 1  # 512 programs already fill the GPU
+    assert triton_attention.num_splits(0, 8) == 1
+    assert {triton_attention.num_splits(rows, kv) for rows in range(1, 300) for kv in (1, 2, 3, 8)} <= {1, 2, 4, 8, 16, 32, 64}
+
+
+def test_warm_up_runs_every_split_count():
+    _, k_cache, v_cache, _, _ = make_case([5], 9, 3, 64, 16, torch.float32)
+    triton_attention.warm_up(k_cache, v_cache, heads=9)
 
 
 def test_available():
@@ -164,7 +171,7 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(dtype):
     rows, heads, kv_heads, head_dim, block_size = 4, 9, 3, 64, 16
     first = make_case([1, 17, 300, 64], heads, kv_heads, head_dim, block_size, dtype, pad_blocks=30, spare_blocks=30, seed=3)
     query, k_cache, v_cache, tables, lens = (t.clone() for t in first)
-    splits = triton_attention.num_splits(rows, kv_heads, tables.shape[1])
+    splits = triton_attention.num_splits(rows, kv_heads)
     assert splits > 1
     scaling = head_dim**-0.5
     stream = torch.cuda.Stream()

@@ -1,0 +1,107 @@
+"""``python -m bench.gpu_decode MODEL [MODEL...] --out FILE``: batch-1 decode time per token on a
+CUDA GPU against the HBM bandwidth limit, with CUDA graphs on and off (in-process engine, no HTTP).
+
+The limit is the bytes a decode step must read (every weight once, the embedding matrix as the
+LM head included, plus the context's keys and values) over the memory bandwidth: the H100 SXM's
+datasheet 3.35 TB/s, and what a device-to-device copy reaches here (read + write bytes / time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from common.model_source import resolve_model
+from common.protocol import NewRequest, SamplingParams
+from worker.config import WorkerConfig
+from worker.engine import Engine
+
+DATASHEET_TBPS = {"H100": 3.35, "H200": 4.8}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s a device-to-device copy of 1 GiB moves, counting the bytes read and written."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 20 / (time.perf_counter() - start)
+
+
+def step_bytes(engine: Engine, context: int) -> int:
+    """Weights read once per step (tied embeddings once, as the LM head) plus the context's K and V."""
+    runner = engine.runner
+    native = runner.native
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}
+    if native is not None:  # the fused copies replaced the layers' own weights
+        for layer in native.layers:
+            for t in (layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight, layer.input_norm, layer.post_norm):
+                params[t.data_ptr()] = t.numel() * t.element_size()
+    k, v = runner.kv_caches[0]
+    per_token = 2 * len(runner.kv_caches) * k[0, 0].numel() * k.element_size()
+    return sum(params.values()) + context * per_token
+
+
+def decode_ms(engine: Engine, prompt_len: int, new_tokens: int) -> float:
+    """Median wall time of the decode steps of one request (prompt of ``prompt_len`` tokens)."""
+    prompt = [1] + [1000 + (7 * i) % 30000 for i in range(prompt_len - 1)]
+    engine.add_request(NewRequest("d", prompt, new_tokens, SamplingParams(temperature=0)))
+    times = []
+    while engine.has_work():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[1:])  # the first step is the prefill
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    name = torch.cuda.get_device_name()
+    measured = copy_bandwidth()
+    datasheet = next((tbps * 1e12 for key, tbps in DATASHEET_TBPS.items() if key in name), measured)
+    results = {"gpu": name, "copy_bandwidth_tbps": measured / 1e12, "datasheet_tbps": datasheet / 1e12, "runs": []}
+    for model in args.models:
+        for graphs in ("on", "off"):
+            config = WorkerConfig(model=model, device="cuda", dtype="bfloat16", kv_cache_memory="4GiB", cuda_graphs=graphs, max_num_seqs=8)
+            engine = Engine(resolve_model(model), config)
+            decode_ms(engine, 32, 16)  # warm-up
+            ms = decode_ms(engine, args.prompt_len, args.new_tokens)
+            nbytes = step_bytes(engine, args.prompt_len + args.new_tokens // 2)
+            run = {
+                "model": model,
+                "cuda_graphs": graphs,
+                "context": args.prompt_len + args.new_tokens // 2,
+                "step_ms": round(ms, 3),
+                "tokens_per_s": round(1000 / ms, 1),
+                "step_mb": round(nbytes / 1e6, 1),
+                "limit_ms_datasheet": round(1000 * nbytes / datasheet, 3),
+                "limit_ms_copy": round(1000 * nbytes / measured, 3),
+                "share_of_datasheet_limit": round(nbytes / datasheet * 1000 / ms, 3),
+                "share_of_copy_limit": round(nbytes / measured * 1000 / ms, 3),
+            }
+            print(json.dumps(run), flush=True)
+            results["runs"].append(run)
+            del engine
+            torch.cuda.empty_cache()
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
