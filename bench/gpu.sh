@@ -27,8 +27,8 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
-served_args() {  # a GPU worker: room for 256 streams, prompts prefilled whole
-    echo "--model $1 --device cuda --max-num-seqs 256 --max-num-batched-tokens 8192 --max-prefill-chunk 2048 $2"
+served_args() {  # a GPU worker with its defaults (256 sequences, an 8,192-token step budget)
+    echo "--model $1 --device cuda $2"
 }
 label() { basename "$1"; }
 

@@ -11,7 +11,7 @@ from common.model_source import ModelSource
 from common.protocol import FinishReason, Heartbeat, NewRequest, RequestOutput, StepOutputs, TokenLogprobs, WorkerEvent
 from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, pick_device
 from worker.request import Request, RequestStatus
 from worker.scheduler import ScheduledBatch, Scheduler
 from worker.speculative import Speculator
@@ -23,6 +23,7 @@ class Engine:
     """Continuous batching over a paged KV cache: ``add_request``/``abort`` between steps, ``step`` to run."""
 
     def __init__(self, source: ModelSource, config: WorkerConfig) -> None:
+        config = config.for_device(pick_device(config.device).type)
         self.runner = ModelRunner(source, config)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self.max_model_len = self.runner.max_model_len
