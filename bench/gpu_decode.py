@@ -42,20 +42,19 @@ def step_bytes(engine: Engine, context: int) -> int:
     """Weights read once per step (tied embeddings once, as the LM head) plus the context's K and V."""
     runner = engine.runner
     native = runner.native
-    params = {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}
+    tensors = list(runner.model.parameters())  # tied embeddings and LM head are one parameter
     if native is not None:  # the fused copies replaced the layers' own weights
         for layer in native.layers:
-            for t in (layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight, layer.input_norm, layer.post_norm):
-                params[t.data_ptr()] = t.numel() * t.element_size()
+            tensors += [layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight, layer.input_norm, layer.post_norm]
     k, v = runner.kv_caches[0]
     per_token = 2 * len(runner.kv_caches) * k[0, 0].numel() * k.element_size()
-    return sum(params.values()) + context * per_token
+    return sum(t.numel() * t.element_size() for t in tensors) + context * per_token
 
 
 def decode_ms(engine: Engine, prompt_len: int, new_tokens: int) -> float:
     """Median wall time of the decode steps of one request (prompt of ``prompt_len`` tokens)."""
     prompt = [1] + [1000 + (7 * i) % 30000 for i in range(prompt_len - 1)]
-    engine.add_request(NewRequest("d", prompt, new_tokens, SamplingParams(temperature=0)))
+    engine.add_request(NewRequest("d", prompt, new_tokens, SamplingParams(temperature=0), ignore_eos=True))
     times = []
     while engine.has_work():
         torch.cuda.synchronize()
