@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker import kernels
+from worker import kernels, triton_attention, triton_rope
 from worker.attention import AttentionMetadata, paged_attention
 from worker.quantization import pack_int8, pack_q4, quantize_int8, quantize_q4
 
@@ -202,25 +202,39 @@ class LlamaForward:
         """``input_ids``/``positions`` are ``[1, num_tokens]``; returns logits of the selected rows."""
         hidden = F.embedding(input_ids, self.embed)  # [1, T, hidden]
         cos, sin = self.rotary(hidden, positions)  # [1, T, head_dim]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads: [1, 1, T, head_dim]
         num_tokens = input_ids.shape[1]
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        fused = metadata.decode_backend == "triton" and not metadata.prefills  # decode rows only, on CUDA
         for layer in self.layers:
             x = _rms_norm(hidden, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
-            qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
-            # Rotary on queries and keys at once: the same arithmetic per element, half the ops.
-            qk = qk.view(1, num_tokens, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
-            qk = qk * cos + _rotate_half(qk) * sin
-            q, k = qk.split([self.heads, self.kv_heads], dim=1)
-            v = v.view(1, num_tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-            attn, _ = paged_attention(layer, q, k, v, None, scaling=self.head_dim**-0.5, paged_metadata=metadata)
+            attn = self._decode_attention(layer, qkv, cos, sin, metadata) if fused else self._attention(layer, qkv, cos, sin, metadata)
             hidden = hidden + layer.o_proj(attn.reshape(1, num_tokens, -1))
             x = _rms_norm(hidden, layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
         hidden = _rms_norm(hidden[0, logits_indices], self.final_norm, self.eps)
         return self.lm_head(hidden)
+
+    def _attention(self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Rotary in torch, then ``paged_attention`` (cache writes, decode rows, prompt chunks)."""
+        num_tokens = qkv.shape[1]
+        qk, v = qkv.split([(self.heads + self.kv_heads) * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        # Rotary on queries and keys at once: the same arithmetic per element, half the ops.
+        qk = qk.view(1, num_tokens, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads: [1, 1, T, head_dim]
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)
+        v = v.view(1, num_tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+        attn, _ = paged_attention(layer, q, k, v, None, scaling=self.head_dim**-0.5, paged_metadata=metadata)
+        return attn
+
+    def _decode_attention(self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Decode rows on CUDA: two Triton launches, rotary with the cache writes (worker/triton_rope.py)
+        and the paged attention, where the torch path takes about ten (a launch-bound step on a GPU)."""
+        k_cache, v_cache = metadata.kv_caches[layer.layer_idx]
+        q = triton_rope.rope_and_cache(qkv[0], cos[0], sin[0], metadata.slot_mapping, k_cache, v_cache, self.heads, self.kv_heads)
+        (group,) = metadata.decode_groups
+        return triton_attention.paged_decode_attention(q, k_cache, v_cache, group.block_tables, group.lengths, self.head_dim**-0.5)
 
     @torch.inference_mode()
     def decode(
