@@ -27,9 +27,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from worker import triton_attention
 
 ATTENTION_NAME = "llmpool_paged"
-# Who computes the decode rows' attention (ModelRunner picks one per worker): the C++ CPU kernel,
-# the Triton CUDA kernel, or the eager gather + matmul that runs anywhere.
-DECODE_BACKENDS = ("cpu", "triton", "eager")
 
 
 @dataclass(slots=True)
@@ -63,7 +60,9 @@ class AttentionMetadata:
     num_decode: int  # the first num_decode tokens are single-token steps of num_decode sequences
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
-    decode_backend: str = "eager"  # one of DECODE_BACKENDS
+    # Who computes the decode rows' attention (ModelRunner picks it once per worker): "cpu" (the C++
+    # kernel), "triton" (the CUDA kernel) or "eager" (gather + matmul, anywhere).
+    decode_backend: str = "eager"
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
