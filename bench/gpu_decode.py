@@ -1,5 +1,6 @@
 """``python -m bench.gpu_decode MODEL [MODEL...] --out FILE``: batch-1 decode time per token on a
-CUDA GPU against the HBM bandwidth limit, with CUDA graphs on and off (in-process engine, no HTTP).
+CUDA GPU against the HBM bandwidth limit, with CUDA graphs on and off, for each decode attention
+backend (the Triton kernel, and FlashInfer where it is installed); in-process engine, no HTTP.
 
 The limit is the bytes a decode step must read (every weight once, the embedding matrix as the
 LM head included, plus the context's keys and values) over the memory bandwidth: the H100 SXM's
@@ -18,6 +19,7 @@ import torch
 
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
+from worker import flashinfer_attention
 from worker.config import WorkerConfig
 from worker.engine import Engine
 
@@ -71,20 +73,25 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--attention", default="triton,flashinfer", help="decode attention backends to time (flashinfer only where it is installed)")
     args = parser.parse_args()
+    attentions = [a for a in args.attention.split(",") if a != "flashinfer" or flashinfer_attention.available()]
     name = torch.cuda.get_device_name()
     measured = copy_bandwidth()
     datasheet = next((tbps * 1e12 for key, tbps in DATASHEET_TBPS.items() if key in name), measured)
     results = {"gpu": name, "copy_bandwidth_tbps": measured / 1e12, "datasheet_tbps": datasheet / 1e12, "runs": []}
+    runs = [(attention, graphs) for attention in attentions for graphs in ("on", "off")]
     for model in args.models:
-        for graphs in ("on", "off"):
-            config = WorkerConfig(model=model, device="cuda", dtype="bfloat16", kv_cache_memory="4GiB", cuda_graphs=graphs, max_num_seqs=8)
+        for attention, graphs in runs:
+            settings = {"cuda_graphs": graphs, "cuda_attention": attention}
+            config = WorkerConfig(model=model, device="cuda", dtype="bfloat16", kv_cache_memory="4GiB", max_num_seqs=8, **settings)
             engine = Engine(resolve_model(model), config)
             decode_ms(engine, 32, 16)  # warm-up
             ms = decode_ms(engine, args.prompt_len, args.new_tokens)
             nbytes = step_bytes(engine, args.prompt_len + args.new_tokens // 2)
             run = {
                 "model": model,
+                "cuda_attention": attention,
                 "cuda_graphs": graphs,
                 "context": args.prompt_len + args.new_tokens // 2,
                 "step_ms": round(ms, 3),

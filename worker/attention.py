@@ -9,8 +9,9 @@ as a registered attention implementation. Each layer writes its new keys/values 
   all the query heads sharing it, with an online softmax and the context split across threads when
   rows are few. Per layer, CPU time on one thread (bf16, 9 heads / 3 KV heads): 64 rows x 300 tokens
   2.6 ms (inductor-compiled gather+matmul 5.4, eager 19.9); 1 row x 4,096 tokens 0.20 ms (0.96, 1.88).
-  On CUDA the Triton kernel (worker/triton_attention.py) does the same in place, and can be captured
-  in a CUDA graph. Without either, an eager batched matmul over the gathered context does it.
+  On CUDA FlashInfer's paged decode (worker/flashinfer_attention.py) or, where it is not installed,
+  the Triton kernel (worker/triton_attention.py) does the same in place; both can be captured in a
+  CUDA graph. Without any of them, an eager batched matmul over the gathered context does it.
   A lone float32 row keeps transformers' SDPA call, so float32 greedy output equals ``generate``.
 - prompt chunks use SDPA: a first chunk exactly as ``generate`` does, a later one over the cached
   prefix gathered from the cache.
@@ -19,6 +20,7 @@ as a registered attention implementation. Each layer writes its new keys/values 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface
@@ -26,7 +28,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from worker import triton_attention
 
+if TYPE_CHECKING:
+    from worker.flashinfer_attention import FlashInferDecode
+
 ATTENTION_NAME = "llmpool_paged"
+# The decode backends that read the cache in place on a GPU; steps of decode rows only then run the
+# rotary and cache writes as one Triton kernel too (worker/llama.py), and can be CUDA graphs.
+CUDA_KERNELS = ("flashinfer", "triton")
 
 
 @dataclass(slots=True)
@@ -49,6 +57,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [num_rows, max_blocks]
     lengths: torch.Tensor  # [num_rows]: context length of each row, this step's token included
     max_len: int
+    planned: FlashInferDecode | None = None  # the "flashinfer" backend's schedule of these rows, made once per step
 
 
 @dataclass(slots=True)
@@ -61,7 +70,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     # Who computes the decode rows' attention (ModelRunner picks it once per worker): "cpu" (the C++
-    # kernel), "triton" (the CUDA kernel) or "eager" (gather + matmul, anywhere).
+    # kernel), "flashinfer" or "triton" (CUDA kernels) or "eager" (gather + matmul, anywhere).
     decode_backend: str = "eager"
 
 
@@ -76,21 +85,23 @@ def decode_rows_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    lengths: torch.Tensor,
-    max_len: int,
+    group: DecodeGroup,
     scaling: float,
     backend: str = "eager",
 ) -> torch.Tensor:
     """Attention for one query token per row over each row's paged context: the C++ kernel (CPU),
-    the Triton kernel (CUDA), or an eager batched matmul over the gathered context (``backend``).
+    FlashInfer or the Triton kernel (CUDA), or an eager batched matmul over the gathered context
+    (``backend``).
 
     ``query`` is ``[rows, heads, head_dim]``; the caches are ``[num_blocks, block_size, kv_heads,
-    head_dim]``; row r attends to its first ``lengths[r]`` positions. Heads sharing a KV head sit
-    next to each other (head h reads KV head h // groups).
+    head_dim]``; row r attends to its first ``group.lengths[r]`` positions. Heads sharing a KV head
+    sit next to each other (head h reads KV head h // groups).
     """
+    block_tables, lengths, max_len = group.block_tables, group.lengths, group.max_len
     if backend == "cpu":
         return torch.ops.llmpool.paged_decode_attention(query, k_cache, v_cache, block_tables, lengths, max_len, scaling)
+    if backend == "flashinfer":
+        return group.planned(query, k_cache, v_cache, scaling)
     if backend == "triton":
         return triton_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, lengths, scaling)
     rows, heads, head_dim = query.shape
@@ -135,9 +146,7 @@ def paged_attention(
             outputs.append(out.reshape(1, heads, head_dim))
         else:
             scale = scaling or head_dim**-0.5
-            outputs.append(
-                decode_rows_attention(q.contiguous(), k_cache, v_cache, group.block_tables, group.lengths, group.max_len, scale, meta.decode_backend)
-            )
+            outputs.append(decode_rows_attention(q.contiguous(), k_cache, v_cache, group, scale, meta.decode_backend))
     for span in meta.prefills:
         end = span.start + span.num_tokens
         q = query[:, :, span.start : end]

@@ -10,9 +10,10 @@ one call.
 What it needs: every launch shape must depend on tensor shapes only. The rows of a bucket are padded
 (token 0 at position 0, context length 1, writing its key and value to a scratch slot outside the
 block manager's blocks), block tables are as wide as the longest sequence allowed, and attention is
-the Triton kernel, which reads each row's context length from a tensor (worker/triton_attention.py).
-Prompt chunks and mixed steps keep the eager path, as do float32 workers (token-identical to
-``generate`` there).
+the Triton kernel, which reads each row's context length from a tensor (worker/triton_attention.py),
+or FlashInfer with one fixed-buffer schedule per bucket, planned on the host before each replay
+(worker/flashinfer_attention.py). Prompt chunks and mixed steps keep the eager path, as do float32
+workers (token-identical to ``generate`` there).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from worker.attention import AttentionMetadata, DecodeGroup
+from worker.flashinfer_attention import FlashInferDecode
 
 log = logging.getLogger(__name__)
 
@@ -36,26 +38,35 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]
 
 
 class DecodeGraphs:
-    """Captured decode steps of up to ``max_rows`` rows over ``kv_caches``."""
+    """Captured decode steps of up to ``max_rows`` rows over ``kv_caches``, whose block ``num_blocks``
+    (one past the block manager's) is the padding rows' scratch. Attention is FlashInfer when a
+    ``workspace`` for it is given, else the Triton kernel."""
 
     def __init__(
         self,
         forward: Forward,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_size: int,
+        heads: int,
         max_blocks: int,
-        pad_slot: int,
+        num_blocks: int,
         max_rows: int,
+        workspace: torch.Tensor | None = None,
     ) -> None:
         device = kv_caches[0][0].device
+        block_size = kv_caches[0][0].shape[1]
         self.buckets = sorted({b for b in BUCKETS if b < max_rows} | {max_rows})
         self.max_rows = max_rows
-        self.pad_slot = pad_slot
+        self.pad_block = num_blocks
+        self.pad_slot = num_blocks * block_size
         n = self.buckets[-1]
         # One tensor for the per-row inputs, so a step fills them with one copy: ids, positions, slots, lengths.
         self.inputs = torch.zeros(4, n, dtype=torch.long, device=device)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.long, device=device)
         self.rows = torch.arange(n, device=device)
+        # FlashInfer: a schedule per bucket, its buffers fixed at capture and refilled by plan() before a replay.
+        self.schedules: dict[int, FlashInferDecode] = {}
+        if workspace is not None:
+            self.schedules = {b: FlashInferDecode(kv_caches[0][0], heads, workspace, rows=b, max_blocks=max_blocks) for b in self.buckets}
         self._graphs: dict[int, tuple[torch.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps run from a graph (tests and metrics read it)
         self._capture(forward, kv_caches, block_size * max_blocks)
@@ -67,8 +78,10 @@ class DecodeGraphs:
         slots.fill_(self.pad_slot)
         lengths.fill_(1)
         pool = None
+        backend = "flashinfer" if self.schedules else "triton"
         for b in reversed(self.buckets):  # largest first, so the smaller ones reuse its memory pool
-            meta = AttentionMetadata(kv_caches, slots[:b], b, [DecodeGroup(0, b, self.tables[:b], lengths[:b], max_len)], [], "triton")
+            group = DecodeGroup(0, b, self.tables[:b], lengths[:b], max_len, self._plan(b, [], []))
+            meta = AttentionMetadata(kv_caches, slots[:b], b, [group], [], backend)
             args = (ids[:b].unsqueeze(0), positions[:b].unsqueeze(0), meta, self.rows[:b])
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -81,7 +94,21 @@ class DecodeGraphs:
             pool = graph.pool()
             self._graphs[b] = (graph, logits)
         torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs of decode steps (1 to %d rows) in %.1f s", len(self.buckets), self.max_rows, time.perf_counter() - start)
+        log.info(
+            "captured %d CUDA graphs of decode steps (1 to %d rows, %s attention) in %.1f s",
+            len(self.buckets),
+            self.max_rows,
+            backend,
+            time.perf_counter() - start,
+        )
+
+    def _plan(self, bucket: int, tables: list[list[int]], lengths: list[int]) -> FlashInferDecode | None:
+        """FlashInfer's schedule of the bucket for these rows, the padding rows reading the scratch block."""
+        schedule = self.schedules.get(bucket)
+        if schedule is not None:
+            pad = bucket - len(lengths)
+            schedule.plan(tables + [[self.pad_block]] * pad, lengths + [1] * pad)
+        return schedule
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of one decode step; valid until the next ``run``."""
@@ -90,9 +117,10 @@ class DecodeGraphs:
         pad = bucket - rows
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, lengths + [1] * pad], dtype=torch.long)
         self.inputs[:, :bucket].copy_(host)
-        # Columns past the widest table keep older ids: a row reads only its first lengths[r] positions.
-        width = max(map(len, tables))
-        self.tables[:rows, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long))
+        if self._plan(bucket, tables, lengths) is None:  # the Triton kernel reads the block tables from the graph's input
+            # Columns past the widest table keep older ids: a row reads only its first lengths[r] positions.
+            width = max(map(len, tables))
+            self.tables[:rows, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long))
         graph, logits = self._graphs[bucket]
         graph.replay()
         self.replays += 1

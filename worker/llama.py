@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker import kernels, triton_attention, triton_rope
-from worker.attention import AttentionMetadata, paged_attention
+from worker import kernels, triton_rope
+from worker.attention import CUDA_KERNELS, AttentionMetadata, decode_rows_attention, paged_attention
 from worker.quantization import pack_int8, pack_q4, quantize_int8, quantize_q4
 
 SUPPORTED = {"llama", "qwen2"}
@@ -203,7 +203,7 @@ class LlamaForward:
         hidden = F.embedding(input_ids, self.embed)  # [1, T, hidden]
         cos, sin = self.rotary(hidden, positions)  # [1, T, head_dim]
         num_tokens = input_ids.shape[1]
-        fused = metadata.decode_backend == "triton" and not metadata.prefills  # decode rows only, on CUDA
+        fused = metadata.decode_backend in CUDA_KERNELS and not metadata.prefills  # decode rows only, on CUDA
         for layer in self.layers:
             x = _rms_norm(hidden, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
@@ -229,12 +229,12 @@ class LlamaForward:
         return attn
 
     def _decode_attention(self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Decode rows on CUDA: two Triton launches, rotary with the cache writes (worker/triton_rope.py)
-        and the paged attention, where the torch path takes about ten (a launch-bound step on a GPU)."""
+        """Decode rows on CUDA: two launches, rotary with the cache writes (worker/triton_rope.py) and
+        the paged attention, where the torch path takes about ten (a launch-bound step on a GPU)."""
         k_cache, v_cache = metadata.kv_caches[layer.layer_idx]
         q = triton_rope.rope_and_cache(qkv[0], cos[0], sin[0], metadata.slot_mapping, k_cache, v_cache, self.heads, self.kv_heads)
         (group,) = metadata.decode_groups
-        return triton_attention.paged_decode_attention(q, k_cache, v_cache, group.block_tables, group.lengths, self.head_dim**-0.5)
+        return decode_rows_attention(q, k_cache, v_cache, group, self.head_dim**-0.5, metadata.decode_backend)
 
     @torch.inference_mode()
     def decode(

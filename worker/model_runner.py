@@ -18,8 +18,8 @@ import torch
 from common.config import parse_size
 from common.model_source import ModelSource, load_tokenizer
 from common.protocol import TokenLogprobs
-from worker import kernels, triton_attention
-from worker.attention import ATTENTION_NAME, AttentionMetadata, DecodeGroup, PrefillSpan
+from worker import flashinfer_attention, kernels, triton_attention
+from worker.attention import ATTENTION_NAME, CUDA_KERNELS, AttentionMetadata, DecodeGroup, PrefillSpan
 from worker.config import WorkerConfig
 from worker.cuda_graphs import DecodeGraphs
 from worker.guided import GuidedDecoding
@@ -42,6 +42,7 @@ MIN_GROUP = 8  # fewest decode rows worth a separate attention call
 FAST_DECODE_MAX_ROWS = 8
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CPU_DEFAULT_KV_BYTES = 2**30
+ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "eager")
 # A step's new tokens of each request that produced any, and the logprobs of those that asked (one per token).
 Sampled = tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]
 
@@ -87,9 +88,9 @@ class ModelRunner:
         self.model = model.to(self.device).eval()
         self.quantization, self.fast_decode = self._pick_decode_path(config.quantization)
         self.native = self._pick_impl(config.model_impl)
-        self.decode_backend = self._pick_attention(config.cuda_attention)
-        use_graphs = self._use_graphs(config.cuda_graphs)
         model_config = model.config.get_text_config()
+        self.decode_backend = self._pick_attention(config.cuda_attention, model_config)
+        use_graphs = self._use_graphs(config.cuda_graphs)
         limit = model_config.max_position_embeddings
         self.max_model_len = min(limit, config.max_model_len) if config.max_model_len > 0 else limit
         self.eos_token_ids = _eos_ids(model)
@@ -99,13 +100,18 @@ class ModelRunner:
         self.num_blocks = self.kv_caches[0][0].shape[0] - use_graphs
         self.guided = GuidedDecoding(lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(self.device, self.guided)
+        heads = model_config.num_attention_heads
         if self.decode_backend == "triton":  # compile its kernels now, not in the middle of a step
-            triton_attention.warm_up(*self.kv_caches[0], heads=model_config.num_attention_heads)
+            triton_attention.warm_up(*self.kv_caches[0], heads=heads)
+        self.flashinfer = None  # the "flashinfer" backend: the schedule of eager steps' decode rows
+        workspace = None
+        if self.decode_backend == "flashinfer":
+            workspace = flashinfer_attention.make_workspace(self.device)
+            self.flashinfer = flashinfer_attention.FlashInferDecode(self.kv_caches[0][0], heads, workspace)
         self.graphs = None
         if use_graphs:
             max_blocks = -(-self.max_model_len // self.block_size)
-            pad_slot = self.num_blocks * self.block_size
-            self.graphs = DecodeGraphs(self.native, self.kv_caches, self.block_size, max_blocks, pad_slot, config.max_num_seqs)
+            self.graphs = DecodeGraphs(self.native, self.kv_caches, heads, max_blocks, self.num_blocks, config.max_num_seqs, workspace)
 
     def _pick_impl(self, choice: str) -> LlamaForward | None:
         if choice not in ("auto", "native", "transformers"):
@@ -119,27 +125,59 @@ class ModelRunner:
             return None
         return LlamaForward(self.model, fast_decode=self.fast_decode, quantization=self.quantization)
 
-    def _pick_attention(self, choice: str) -> str:
-        """The decode rows' attention (worker/attention.py): the C++ kernel on the CPU; on CUDA the
-        Triton kernel, except in float32, where the eager path keeps output equal to ``generate``."""
-        if choice not in ("auto", "triton", "eager"):
-            raise ValueError(f"--cuda-attention must be auto, triton or eager; got {choice!r}")
+    def _pick_attention(self, choice: str, model_config: object) -> str:
+        """The decode rows' attention (worker/attention.py): the C++ kernel on the CPU; on CUDA what
+        ``choice`` names, or for auto the first that runs of FlashInfer, the Triton kernel and the
+        eager gather. float32 keeps the eager path under auto, so that output equals ``generate``."""
+        if choice not in ATTENTION_CHOICES:
+            raise ValueError(f"--cuda-attention must be one of {', '.join(ATTENTION_CHOICES)}; got {choice!r}")
         if self.device.type == "cpu":
             return "cpu" if kernels.load() else "eager"
         if choice == "auto":
-            choice = "triton" if triton_attention.available() and self.dtype != torch.float32 else "eager"
-        if choice == "triton" and not triton_attention.available():
+            choice = self._auto_attention(model_config)
+        elif choice == "flashinfer":
+            if not self._flashinfer_usable():
+                raise ValueError(
+                    "--cuda-attention flashinfer needs the flashinfer-python package, triton, a CUDA device and --dtype float16 or bfloat16"
+                )
+            problem = self._check_flashinfer(model_config)
+            if problem is not None:
+                raise ValueError(f"--cuda-attention flashinfer: FlashInfer failed its check: {problem}")
+        elif choice == "triton" and not triton_attention.available():
             raise ValueError("--cuda-attention triton needs the triton package and a CUDA device")
         log.info("decode attention on %s: %s", self.device, choice)
         return choice
 
+    def _auto_attention(self, model_config: object) -> str:
+        if self.dtype == torch.float32:
+            return "eager"
+        if self._flashinfer_usable():
+            problem = self._check_flashinfer(model_config)
+            if problem is None:
+                return "flashinfer"
+            log.warning("FlashInfer is installed but failed its check (%s): decode attention falls back to the Triton kernel", problem)
+        return "triton" if triton_attention.available() else "eager"
+
+    def _flashinfer_usable(self) -> bool:
+        """Installed, on a GPU, in one of its dtypes, and with triton beside it (decode steps run rotary
+        and the cache writes in a Triton kernel, worker/triton_rope.py)."""
+        return flashinfer_attention.available() and triton_attention.available() and self.dtype in flashinfer_attention.DTYPES
+
+    def _check_flashinfer(self, model_config: object) -> str | None:
+        """FlashInfer against the eager gather on this model's head shapes (compiling its kernels)."""
+        page = (self.block_size, model_config.num_key_value_heads, _head_dim(model_config))
+        return flashinfer_attention.check(model_config.num_attention_heads, page, self.dtype, self.device)
+
     def _use_graphs(self, choice: str) -> bool:
-        """CUDA graphs need the native forward and the Triton attention (its launch shape is static)."""
+        """CUDA graphs need the native forward and an attention kernel whose launches a graph can hold
+        (Triton's launch shape is static; FlashInfer's is, with a schedule per batch-size bucket)."""
         if choice not in ("auto", "on", "off"):
             raise ValueError(f"--cuda-graphs must be auto, on or off; got {choice!r}")
-        possible = self.device.type == "cuda" and self.native is not None and self.decode_backend == "triton"
+        possible = self.device.type == "cuda" and self.native is not None and self.decode_backend in CUDA_KERNELS
         if choice == "on" and not possible:
-            raise ValueError("--cuda-graphs on needs a CUDA device, a Llama-family model (--model-impl native) and --cuda-attention triton")
+            raise ValueError(
+                "--cuda-graphs on needs a CUDA device, a Llama-family model (--model-impl native) and --cuda-attention flashinfer or triton"
+            )
         return possible and choice != "off"
 
     def _pick_decode_path(self, choice: str) -> tuple[str, bool]:
@@ -164,7 +202,7 @@ class ModelRunner:
         block with ``scratch`` (where CUDA graphs' padding rows write)."""
         layers = model_config.num_hidden_layers
         kv_heads = model_config.num_key_value_heads
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+        head_dim = _head_dim(model_config)
         bytes_per_block = 2 * layers * self.block_size * kv_heads * head_dim * self.dtype.itemsize
         num_bytes = self._kv_budget_bytes(budget)
         num_blocks = num_bytes // bytes_per_block
@@ -388,7 +426,7 @@ class ModelRunner:
         than equal lengths), so there a new group starts when the next row (sorted by length) is
         more than a quarter longer than the group's first, and groups have at least MIN_GROUP rows.
         """
-        if rows and self.decode_backend != "eager":
+        if rows and self.decode_backend != "eager":  # one group: also FlashInfer's, which has one schedule a step
             return [self._decode_group(rows, 0)]
         groups = []
         start = 0
@@ -403,7 +441,11 @@ class ModelRunner:
         lengths = [r.num_computed_tokens + 1 for r in rows]
         max_blocks = max(len(r.block_ids) for r in rows)
         tables = self._tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in rows])
-        return DecodeGroup(start, len(rows), tables, self._tensor(lengths), max(lengths))
+        group = DecodeGroup(start, len(rows), tables, self._tensor(lengths), max(lengths))
+        if self.flashinfer is not None:  # its schedule is made on the host, once for all layers
+            self.flashinfer.plan([r.block_ids for r in rows], lengths)
+            group.planned = self.flashinfer
+        return group
 
     def _prefill_span(self, request: Request, first: int, n: int) -> PrefillSpan:
         computed = request.num_computed_tokens
@@ -421,6 +463,10 @@ class ModelRunner:
 def _is_decode_row(request: Request, num_new_tokens: int) -> bool:
     """One new token after a fully computed context, and no drafts to verify: a plain decode row."""
     return num_new_tokens == 1 and request.num_computed_tokens + 1 == request.num_tokens and not request.draft_token_ids
+
+
+def _head_dim(model_config: object) -> int:
+    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
 
 
 def _eos_ids(model: object) -> frozenset[int]:

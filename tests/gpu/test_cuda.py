@@ -1,7 +1,8 @@
 """The worker on a CUDA device, with the default model and a 1B-class Llama with random weights
 (bench/random_llama.py): float32 greedy output equals transformers' ``generate`` under batching,
-chunked prefill, prefix caching and preemption; bf16 with CUDA graphs and the Triton attention
-passes vLLM's closeness test; a SIGKILLed GPU worker's stream resumes on another worker.
+chunked prefill, prefix caching and preemption; bf16 with CUDA graphs and the Triton attention or
+FlashInfer (where it is installed) passes vLLM's closeness test; a SIGKILLed GPU worker's stream
+resumes on another worker.
 
 Skipped without a GPU (CI has none); bench/gpu.sh runs them on a GPU machine.
 """
@@ -19,6 +20,7 @@ from common.config import CACHE_DIR
 from common.model_source import DEFAULT_MODEL, resolve_model
 from common.protocol import NewRequest, SamplingParams, TokenLogprobs
 from tests.conftest import MODEL, Server, free_port, spawn
+from worker import flashinfer_attention
 from worker.config import WorkerConfig
 from worker.engine import Engine
 
@@ -136,10 +138,17 @@ def close(ours: tuple[list[int], list[TokenLogprobs]], theirs: tuple[list[int], 
     return len(our_tokens) == len(ref_tokens)
 
 
+def needs(attention: str) -> None:
+    if attention == "flashinfer" and not flashinfer_attention.available():
+        pytest.skip("FlashInfer is not installed here")
+
+
+@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
 @pytest.mark.parametrize("graphs", ["on", "off"])
-def test_bf16_decode_with_cuda_graphs_is_close_to_generate(model_path, reference, graphs):
-    eng = engine(model_path, dtype="bfloat16", kv_cache_memory="2GiB", cuda_graphs=graphs)
-    assert eng.runner.decode_backend == "triton"
+def test_bf16_decode_with_cuda_graphs_is_close_to_generate(model_path, reference, graphs, attention):
+    needs(attention)
+    eng = engine(model_path, dtype="bfloat16", kv_cache_memory="2GiB", cuda_graphs=graphs, cuda_attention=attention)
+    assert eng.runner.decode_backend == attention
     out = run(eng, PROMPTS * 2, logprobs=TOP)  # 8 rows at once: the graph of the 8-row bucket
     if graphs == "on":
         assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0
@@ -148,17 +157,28 @@ def test_bf16_decode_with_cuda_graphs_is_close_to_generate(model_path, reference
     refs = reference[str(torch.bfloat16)] * 2
     results = [close(out[f"r{i}"], refs[i]) for i in range(len(refs))]
     exact = sum(out[f"r{i}"][0] == refs[i][0] for i in range(len(refs)))
-    print(f"{model_path} bf16 graphs={graphs}: {exact}/{len(refs)} identical, {sum(results)}/{len(refs)} close")
+    print(f"{model_path} bf16 {attention} graphs={graphs}: {exact}/{len(refs)} identical, {sum(results)}/{len(refs)} close")
     assert all(results)
 
 
-def test_eager_and_triton_attention_agree_in_bf16(model_path, reference):
-    """The eager gather + matmul and the Triton kernel read the same cache: close outputs."""
+@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
+def test_eager_and_kernel_attention_agree_in_bf16(model_path, reference, attention):
+    """The eager gather + matmul and the Triton kernel or FlashInfer read the same cache: close outputs."""
+    needs(attention)
     eager = run(engine(model_path, dtype="bfloat16", kv_cache_memory="2GiB", cuda_graphs="off", cuda_attention="eager"), PROMPTS, logprobs=TOP)
-    triton = run(engine(model_path, dtype="bfloat16", kv_cache_memory="2GiB"), PROMPTS, logprobs=TOP)
+    kernel = run(engine(model_path, dtype="bfloat16", kv_cache_memory="2GiB", cuda_attention=attention), PROMPTS, logprobs=TOP)
     for i in range(len(PROMPTS)):
         ref = (eager[f"r{i}"][0], [lp.top_ids for lp in eager[f"r{i}"][1]])
-        assert close(triton[f"r{i}"], ref)
+        assert close(kernel[f"r{i}"], ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 64), (32, 8, 128)], ids=["smollm2", "llama-1b", "llama-8b"])
+def test_flashinfer_passes_its_start_up_check(heads, dtype):
+    """The check a worker runs before it uses FlashInfer (random pages, against the eager gather)."""
+    needs("flashinfer")
+    query_heads, kv_heads, head_dim = heads
+    assert flashinfer_attention.check(query_heads, (16, kv_heads, head_dim), dtype, torch.device("cuda")) is None
 
 
 def test_a_sigkilled_cuda_worker_stream_resumes_on_the_other_worker(model_path):

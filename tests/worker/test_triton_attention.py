@@ -6,6 +6,7 @@ slow, so the CPU cases stay short). Skipped where triton is not installed (CI).
 """
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -232,13 +233,19 @@ def test_rope_and_cache_matches_torch(dtype):
     torch.testing.assert_close(v_cache.view(-1, kv_heads, head_dim), v_expected, atol=0, rtol=0)
 
 
-def test_the_fused_decode_step_matches_the_torch_path():
-    """LlamaForward with the Triton decode path (rotary + cache write, then paged attention) gives the
-    logits and cache contents of its torch path (rotary in torch, index_copy_, eager attention)."""
+def test_the_fused_decode_step_matches_the_torch_path(monkeypatch):
+    """LlamaForward with the Triton decode path (rotary + cache write, then paged attention: the Triton
+    kernel, or FlashInfer's schedule, here its stand-in) gives the logits and cache contents of its
+    torch path (rotary in torch, index_copy_, eager attention)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tests.worker.test_flashinfer_attention import ContractWrapper
+    from worker import flashinfer_attention
     from worker.attention import AttentionMetadata, DecodeGroup
     from worker.llama import LlamaForward
+
+    # The stand-in also on a GPU: the path here is float32, which FlashInfer's decode kernels do not take.
+    monkeypatch.setattr(flashinfer_attention, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=ContractWrapper))
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -252,13 +259,18 @@ def test_the_fused_decode_step_matches_the_torch_path():
     caches = [(torch.randn(6, 16, 2, 16, device=DEVICE), torch.randn(6, 16, 2, 16, device=DEVICE)) for _ in range(2)]
     ids = torch.tensor([[7, 11, 13]], device=DEVICE)
     results = {}
-    for backend in ("triton", "eager"):
+    for backend in ("triton", "flashinfer", "eager"):
         kv = [(k.clone(), v.clone()) for k, v in caches]
         group = DecodeGroup(0, 3, tables, torch.tensor(lengths, device=DEVICE), 32)
+        if backend == "flashinfer":
+            group.planned = flashinfer_attention.FlashInferDecode(kv[0][0], 4, torch.zeros(16, dtype=torch.uint8, device=DEVICE))
+            group.planned.plan(tables.tolist(), lengths)
         meta = AttentionMetadata(kv, slots, 3, [group], [], backend)
         results[backend] = (forward(ids, positions[None], meta, torch.arange(3, device=DEVICE)), kv)
-    (fused_logits, fused_kv), (torch_logits, torch_kv) = results["triton"], results["eager"]
-    torch.testing.assert_close(fused_logits, torch_logits, atol=1e-4, rtol=1e-4)
-    for (fk, fv), (tk, tv) in zip(fused_kv, torch_kv):
-        torch.testing.assert_close(fk, tk, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5)  # layer 2 sees layer 1's attention, summed in another order
+    torch_logits, torch_kv = results["eager"]
+    for backend in ("triton", "flashinfer"):
+        fused_logits, fused_kv = results[backend]
+        torch.testing.assert_close(fused_logits, torch_logits, atol=1e-4, rtol=1e-4)
+        for (fk, fv), (tk, tv) in zip(fused_kv, torch_kv):
+            torch.testing.assert_close(fk, tk, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5)  # layer 2 sees layer 1's attention, summed in another order
