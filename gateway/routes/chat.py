@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 from litestar import Controller, Request, Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from gateway import core
 from gateway.core import (
@@ -94,7 +96,7 @@ class ChatController(Controller):
     path = "/v1/chat/completions"
 
     @post("/", status_code=200, responses=documented(ChatCompletion, "the completion (with `stream`: chat.completion.chunk events)"))
-    async def create(self, request: Request, data: ChatCompletionRequest, models: ModelRegistry) -> Response:
+    async def create(self, request: Request, data: JSONBody[ChatCompletionRequest], models: NamedDependency[ModelRegistry]) -> Response:
         req = data
         generator = models.get(req.model)
         check_supported(req)

@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 
 import msgspec
 from litestar import Controller, Request, Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from gateway import core, tracing
 from gateway.core import LENGTH, Finish, GenerationRequest, PromptLogprobs, Text, Usage
@@ -60,7 +62,7 @@ class CompletionsController(Controller):
     path = "/v1/completions"
 
     @post("/", status_code=200, responses=documented(Completion, "the completion (with `stream`: text_completion chunks)"))
-    async def create(self, request: Request, data: CompletionRequest, models: ModelRegistry) -> Response:
+    async def create(self, request: Request, data: JSONBody[CompletionRequest], models: NamedDependency[ModelRegistry]) -> Response:
         req = data
         generator = models.get(req.model)
         check_supported(req)

@@ -4,6 +4,7 @@ as JSON), /metrics (Prometheus)."""
 from __future__ import annotations
 
 from litestar import Response, get
+from litestar.di import NamedDependency
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.model_registry import ModelRegistry
@@ -16,7 +17,7 @@ async def health() -> Response:
 
 
 @get("/ready")
-async def ready(models: ModelRegistry) -> Response:
+async def ready(models: NamedDependency[ModelRegistry]) -> Response:
     """200 when at least one worker takes requests and makes progress on those it holds."""
     workers = len([w for w in models.client.ready_workers() if w.ready.model in models.generators])
     response = json_response({"status": "ready" if workers else "no worker ready", "workers": workers})
@@ -25,10 +26,10 @@ async def ready(models: ModelRegistry) -> Response:
 
 
 @get("/workers")
-async def workers(models: ModelRegistry) -> Response:
+async def workers(models: NamedDependency[ModelRegistry]) -> Response:
     return json_response(models.client.snapshot())
 
 
 @get("/metrics")
-async def metrics(models: ModelRegistry) -> Response:
+async def metrics(models: NamedDependency[ModelRegistry]) -> Response:
     return Response(content=models.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 from litestar import Controller, Request, Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from gateway import core
 from gateway.core import (
@@ -148,7 +150,7 @@ class MessagesController(Controller):
     path = "/v1/messages"
 
     @post("/", status_code=200, responses=documented(MessageResponse, "the message (with `stream`: Anthropic's events)", AnthropicErrorBody))
-    async def create(self, request: Request, data: MessagesRequest, models: ModelRegistry) -> Response:
+    async def create(self, request: Request, data: JSONBody[MessagesRequest], models: NamedDependency[ModelRegistry]) -> Response:
         req = data
         generator = models.get(req.model)
         prompt, plan = await _prompt(generator, req)
@@ -181,7 +183,7 @@ class MessagesController(Controller):
         return json_response(body, generation.request_id)
 
     @post("/count_tokens", status_code=200, responses=documented(CountTokensResponse, "the prompt's length in tokens", AnthropicErrorBody))
-    async def count_tokens(self, data: CountTokensRequest, models: ModelRegistry) -> Response:
+    async def count_tokens(self, data: JSONBody[CountTokensRequest], models: NamedDependency[ModelRegistry]) -> Response:
         prompt, _ = await _prompt(models.get(data.model), data)
         return json_response(CountTokensResponse(len(prompt)))
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import msgspec
 from litestar import Controller, Request, Response, delete, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
 
 from gateway import core
 from gateway.core import LENGTH, Finish, GenerationRequest, Text, ToolCallDelta
@@ -144,7 +146,7 @@ class ResponsesController(Controller):
     path = "/"
 
     @post(["/v1/responses", "/responses"], status_code=200, responses=documented(ResponseObject, "the response (with `stream`: typed events)"))
-    async def create(self, request: Request, data: ResponsesRequest, models: ModelRegistry) -> Response:
+    async def create(self, request: Request, data: JSONBody[ResponsesRequest], models: NamedDependency[ModelRegistry]) -> Response:
         req = data
         store: ResponseStore = request.app.state.response_store
         generator = models.get(req.model)
@@ -188,7 +190,7 @@ class ResponsesController(Controller):
         return json_response(response, generation.request_id)
 
     @get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], responses=documented(ResponseObject, "a stored response"))
-    async def retrieve(self, request: Request, response_id: str) -> Response:
+    async def retrieve(self, request: Request, response_id: FromPath[str]) -> Response:
         return json_response(_stored(request, response_id).body)
 
     @delete(
@@ -196,13 +198,13 @@ class ResponsesController(Controller):
         status_code=200,
         responses=documented(DeletedResponse, "the response is forgotten"),
     )
-    async def remove(self, request: Request, response_id: str) -> Response:
+    async def remove(self, request: Request, response_id: FromPath[str]) -> Response:
         _stored(request, response_id)
         request.app.state.response_store.delete(response_id)
         return json_response(DeletedResponse(response_id))
 
 
-def _stored(request: Request, response_id: str) -> StoredResponse:
+def _stored(request: Request, response_id: FromPath[str]) -> StoredResponse:
     found = request.app.state.response_store.get(response_id)
     if found is None:
         raise NotFound(f"No response with id {response_id!r} is stored here", param="response_id", code="not_found")

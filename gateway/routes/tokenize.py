@@ -4,6 +4,8 @@ exactly what prompt a chat request becomes (the same template, tools and bounds 
 from __future__ import annotations
 
 from litestar import Controller, Request, Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from gateway import core
 from gateway.errors import InvalidRequest
@@ -36,7 +38,7 @@ class TokenizeController(Controller):
     path = "/"
 
     @post("/tokenize", status_code=200, responses=documented(None))
-    async def tokenize(self, request: Request, data: TokenizeRequest, models: ModelRegistry) -> Response:
+    async def tokenize(self, request: Request, data: JSONBody[TokenizeRequest], models: NamedDependency[ModelRegistry]) -> Response:
         req = data
         generator = models.get(req.model)
         ids = await _tokenize(request, generator, req)
@@ -46,7 +48,7 @@ class TokenizeController(Controller):
         return json_response(body)
 
     @post("/detokenize", status_code=200, responses=documented(None))
-    async def detokenize(self, data: DetokenizeRequest, models: ModelRegistry) -> Response:
+    async def detokenize(self, data: JSONBody[DetokenizeRequest], models: NamedDependency[ModelRegistry]) -> Response:
         req = data
         generator = models.get(req.model)
         check_token_ids(req.tokens, generator.vocab_size, "tokens")

@@ -25,3 +25,20 @@ def test_each_dialects_request_and_response_bodies_are_in_the_served_openapi_doc
     assert {"get", "delete"} <= set(document["paths"]["/v1/responses/{response_id}"])
     for name in ("OutputMessage", "FunctionCallItem", "ToolUseBlock", "TextBlock", "AssistantMessage"):
         assert name in document["components"]["schemas"], name
+
+
+def test_the_routes_declare_bodies_dependencies_and_path_parameters_as_litestar_3_wants():
+    """Litestar 2.23+ warns (and 3.0 will refuse) handlers whose ``data``, dependencies or path
+    parameters are inferred from bare annotations; building the app must raise none of those."""
+    import warnings
+
+    from litestar.exceptions import LitestarWarning
+    from litestar.utils.deprecation import LitestarDeprecationWarning
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        create_app(GatewayConfig()).openapi_schema  # noqa: B018 - builds every handler's signature model
+    assert [str(w.message) for w in caught if issubclass(w.category, (LitestarDeprecationWarning, LitestarWarning))] == []
