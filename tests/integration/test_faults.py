@@ -187,8 +187,9 @@ def test_workers_rejoin_a_restarted_gateway(pool):
     report(test="gateway-restart", served=1, disconnected=0, faults=1, lost=0)
 
 
-def test_malformed_frames_on_the_router_port_are_dropped(pool):
-    server, _ = pool
+def test_malformed_frames_on_the_router_port_are_dropped(server):
+    """Runs on the shared server (it harms no worker): junk from a stranger is counted and dropped."""
+    dropped = server.get("/workers").json()["dropped_frames"]
     context = zmq.Context()
     stranger = context.socket(zmq.DEALER)
     stranger.setsockopt(zmq.LINGER, 2000)  # deliver what was sent before closing
@@ -205,17 +206,17 @@ def test_malformed_frames_on_the_router_port_are_dropped(pool):
         stranger.send_multipart(frames)
     stranger.close()
     context.term()
-    wait_until(lambda: server.get("/workers").json()["dropped_frames"] >= len(junk) - 1, 10, "the junk to be counted")
+    wait_until(lambda: server.get("/workers").json()["dropped_frames"] >= dropped + len(junk) - 1, 10, "the junk to be counted")
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
     assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3).choices
     assert len(server.workers()) == 2
     report(test="malformed-frames", served=1, disconnected=0, faults=len(junk), lost=0)
 
 
-def test_200_streaming_clients_with_random_disconnects(pool):
+def test_200_streaming_clients_with_random_disconnects(server):
     """200 concurrent streams; about a third hang up early. Every other stream completes with correct
-    framing, and afterwards no KV block is left allocated anywhere."""
-    server, _ = pool
+    framing, and afterwards no KV block is left allocated anywhere. (On the shared server: it ends
+    with the workers as it found them.)"""
     rng = random.Random(7)
     plan = [rng.random() < 0.33 for _ in range(200)]  # True: hang up after a few chunks
 

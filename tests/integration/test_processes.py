@@ -100,10 +100,10 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_launcher_stops_everything_on_signal(sig):
-    server = start_serve(f"launcher-{sig.name}", 2)
+    server = start_serve(f"launcher-{sig.name}", 1)
     launcher = server.processes[0]
     children = _children(launcher.pid)
-    assert len(children) >= 3, "gateway and two workers expected"
+    assert len(children) >= 2, "a gateway and a worker expected"
     launcher.send_signal(sig)
     launcher.wait(timeout=30)
     wait_until(lambda: not any(_alive(pid) for pid in children), 15, "every child to exit")
