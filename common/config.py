@@ -104,7 +104,7 @@ SERVED_MODEL_NAME = Flag("served-model-name", None, "Name clients use for the mo
 CACHE_DIR = Flag(
     "cache-dir",
     os.path.join(os.path.expanduser("~"), ".cache", "llmpool"),
-    "Where converted GGUF weights and tokenizers are cached",
+    "Where converted GGUF weights (and their quantized decode copies) and tokenizers are cached",
 )
 CHAT_TEMPLATE = Flag("chat-template", None, "Chat template: a name from chat_templates/ (e.g. chatml) or a .jinja path; default: the tokenizer's")
 MODEL_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, CHAT_TEMPLATE]

@@ -10,13 +10,17 @@ greedy output stays token-identical to ``generate``. Other architectures use tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import shutil
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from worker import kernels, triton_rope
 from worker.attention import CUDA_KERNELS, AttentionMetadata, decode_rows_attention, paged_attention
+from worker.loader import cached_tensors
 from worker.quantization import pack_int8, pack_q4, quantize_int8, quantize_q4
 
 SUPPORTED = {"llama", "qwen2"}
@@ -107,6 +111,28 @@ class DecodeWeights:
     lm_head: torch.Tensor
     lm_head_scale: torch.Tensor | None
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Flat names (``qkv.3``, ``lm_head``) for a safetensors file; ``from_tensors`` reverses it."""
+        flat = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, list):
+                flat.update((f"{field.name}.{i}", t) for i, t in enumerate(value))
+            elif value is not None:
+                flat[field.name] = value
+        return flat
+
+    @classmethod
+    def from_tensors(cls, flat: dict[str, torch.Tensor]) -> DecodeWeights:
+        values = {}
+        for field in fields(cls):
+            if field.type.startswith("list"):
+                count = sum(name.rsplit(".", 1)[0] == field.name for name in flat)
+                values[field.name] = [flat[f"{field.name}.{i}"] for i in range(count)]
+            else:
+                values[field.name] = flat.get(field.name)
+        return cls(**values)
+
 
 def _decode_weights(model: torch.nn.Module, quantization: str, packed: bool) -> DecodeWeights:
     """Fused (and, with ``int8`` or ``q4``, quantized) copies of the weights for the decode kernel;
@@ -148,6 +174,20 @@ def _decode_weights(model: torch.nn.Module, quantization: str, packed: bool) -> 
     return w
 
 
+def _decode_cache(cache: Path | None, quantization: str, packed: bool) -> Path | None:
+    """Where one model's decode weights in this layout are kept: the folder names the quantization
+    and a digest of the code that lays them out (this file and worker/quantization.py), so a change
+    to either never reads an old layout; older layouts of the same kind are removed."""
+    if cache is None or quantization == "none":  # unquantized weights are the model's own: nothing to keep
+        return None
+    code = hashlib.sha256(Path(__file__).read_bytes() + Path(__file__).with_name("quantization.py").read_bytes()).hexdigest()[:12]
+    kind = f"{quantization}-{'packed' if packed else 'rows'}"
+    for old in cache.glob(f"{kind}-*"):
+        if old.name != f"{kind}-{code}":
+            shutil.rmtree(old, ignore_errors=True)
+    return cache / f"{kind}-{code}"
+
+
 def _all_packed(w: DecodeWeights) -> bool:
     """Every projection in a packed block layout (4-D), so the GEMM kernels take any batch."""
     return all(t.dim() == 4 for t in (*w.qkv, *w.o_proj, *w.gate_up, *w.down, w.lm_head))
@@ -162,7 +202,7 @@ class LlamaForward:
     measured (``decode_any_batch``); otherwise the kernel's matrix-vector loops are for a few rows.
     """
 
-    def __init__(self, model: torch.nn.Module, fast_decode: bool = False, quantization: str = "none") -> None:
+    def __init__(self, model: torch.nn.Module, fast_decode: bool = False, quantization: str = "none", cache: Path | None = None) -> None:
         config = model.config
         decoder = model.model
         self.eps = config.rms_norm_eps
@@ -174,7 +214,10 @@ class LlamaForward:
         self.lm_head = _Linear(model.lm_head.weight)
         self.rotary = decoder.rotary_emb
         packed = fast_decode and quantization in ("int8", "q4") and kernels.has_vnni()
-        self.decode_weights = _decode_weights(model, quantization, packed) if fast_decode else None
+        self.decode_weights = None
+        if fast_decode:  # made once per model and layout, then read from ``cache`` (see _decode_cache)
+            build = lambda: _decode_weights(model, quantization, packed).tensors()  # noqa: E731
+            self.decode_weights = DecodeWeights.from_tensors(cached_tensors(_decode_cache(cache, quantization, packed), build))
         # The packers leave a shape they cannot block (int8: N % 16 or K % 64; q4: N % 16) in the
         # row layout, whose matrix-vector loops are slower than the torch path beyond a few rows.
         self.decode_any_batch = packed and _all_packed(self.decode_weights)

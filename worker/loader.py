@@ -2,15 +2,18 @@
 
 De-quantizing the default GGUF model takes about 10 s on the CPU; loading the cached safetensors
 takes about 0.15 s and gives bit-identical weights, so every worker start after the first is fast.
+``cached_tensors`` does the same for tensors derived from them (the decode kernel's quantized copies).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import load_file, save_file, save_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from common.model_source import ModelSource, save_to_cache
@@ -31,6 +34,25 @@ def load_model(source: ModelSource, dtype: torch.dtype, cache_root: str) -> PreT
         except OSError as exc:  # a read-only cache costs speed, not correctness
             log.warning("could not cache converted weights in %s: %s", cached, exc)
     return model
+
+
+def cached_tensors(folder: Path | None, build: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``build()``'s tensors, kept in ``folder`` the first time and read from there after (the decode
+    kernel's quantized weights: 1.35 s to make for the default model on one core, 0.06 s to read).
+    Without a folder (a model that needs no conversion cache) or where it cannot be written, ``build()``."""
+    if folder is not None and (folder / "tensors.safetensors").is_file():
+        try:
+            return load_file(folder / "tensors.safetensors")
+        except Exception as exc:  # noqa: BLE001 - a damaged file costs a rebuild, not the worker
+            log.warning("could not read %s (%s); building them again", folder, exc)
+            shutil.rmtree(folder, ignore_errors=True)  # else the new copy could not take its place
+    tensors = build()
+    if folder is not None:
+        try:
+            save_to_cache(folder, lambda tmp: save_file(tensors, str(tmp / "tensors.safetensors")))
+        except Exception as exc:  # noqa: BLE001 - a full disk or a read-only cache costs speed, not the worker
+            log.warning("could not cache tensors in %s: %s", folder, exc)
+    return tensors
 
 
 def _save_converted(model: PreTrainedModel, target: Path) -> None:

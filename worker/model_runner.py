@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -87,7 +88,7 @@ class ModelRunner:
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model.to(self.device).eval()
         self.quantization, self.fast_decode = self._pick_decode_path(config.quantization)
-        self.native = self._pick_impl(config.model_impl)
+        self.native = self._pick_impl(config.model_impl, source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}"))
         model_config = model.config.get_text_config()
         self.decode_backend = self._pick_attention(config.cuda_attention, model_config)
         use_graphs = self._use_graphs(config.cuda_graphs)
@@ -113,7 +114,7 @@ class ModelRunner:
             max_blocks = -(-self.max_model_len // self.block_size)
             self.graphs = DecodeGraphs(self.native, self.kv_caches, heads, max_blocks, self.num_blocks, config.max_num_seqs, workspace)
 
-    def _pick_impl(self, choice: str) -> LlamaForward | None:
+    def _pick_impl(self, choice: str, cache: Path | None) -> LlamaForward | None:
         if choice not in ("auto", "native", "transformers"):
             raise ValueError(f"--model-impl must be auto, native or transformers; got {choice!r}")
         native_ok = supports(self.model)
@@ -123,7 +124,7 @@ class ModelRunner:
         log.info("model implementation: %s", "native (worker/llama.py)" if use_native else "transformers classes")
         if not use_native:
             return None
-        return LlamaForward(self.model, fast_decode=self.fast_decode, quantization=self.quantization)
+        return LlamaForward(self.model, fast_decode=self.fast_decode, quantization=self.quantization, cache=cache)
 
     def _pick_attention(self, choice: str, model_config: object) -> str:
         """The decode rows' attention (worker/attention.py): the C++ kernel on the CPU; on CUDA what

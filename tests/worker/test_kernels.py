@@ -279,3 +279,43 @@ def test_auto_quantization_recognises_weights_on_a_4bit_grid():
             layer.weight.copy_(dequantize_q4(*quantize_q4(layer.weight.data)))
     assert on_4bit_grid(model) and on_4bit_grid(model.to(torch.bfloat16))
     assert not on_4bit_grid(torch.nn.Sequential(torch.nn.Linear(40, 8)))  # inputs not in groups of 32
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_quantized_decode_weights_are_made_once_then_read_from_the_cache(quantization, tmp_path, monkeypatch):
+    """The second worker start of a model reads the decode kernel's weights from the conversion
+    cache, equal to the ones it made; a folder from an older layout of the same kind is removed."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from worker import llama
+
+    config = Qwen2Config(  # QKV bias: every kind of tensor the decode weights hold
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    stale = tmp_path / f"{quantization}-{'packed' if kernels.has_vnni() else 'rows'}-000000000000"
+    stale.mkdir()
+    made = llama.LlamaForward(model, fast_decode=True, quantization=quantization, cache=tmp_path).decode_weights
+    assert not stale.exists()
+    (folder,) = tmp_path.iterdir()
+    assert (folder / "tensors.safetensors").is_file()
+
+    def fail(*_: object) -> None:
+        raise AssertionError("the decode weights were made again")
+
+    monkeypatch.setattr(llama, "_decode_weights", fail)
+    read = llama.LlamaForward(model, fast_decode=True, quantization=quantization, cache=tmp_path).decode_weights
+    assert made.tensors().keys() == read.tensors().keys() and len(read.qkv_bias) == 2
+    for name, tensor in made.tensors().items():
+        assert torch.equal(tensor, read.tensors()[name]), name
+
+
+def test_a_damaged_tensor_cache_is_rebuilt_and_replaced(tmp_path):
+    from worker.loader import cached_tensors
+
+    folder = tmp_path / "q4-packed-0"
+    folder.mkdir()
+    (folder / "tensors.safetensors").write_bytes(b"not a safetensors file")
+    want = {"w": torch.arange(6.0).view(2, 3)}
+    assert torch.equal(cached_tensors(folder, lambda: want)["w"], want["w"])
+    assert torch.equal(cached_tensors(folder, lambda: {})["w"], want["w"])  # the second read is the new file
