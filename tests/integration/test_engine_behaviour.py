@@ -168,42 +168,48 @@ def test_a_repeated_long_system_prompt_is_served_from_the_prefix_cache(one_worke
     assert one_worker.workers()[0]["prefix_hit_tokens"] >= 960
 
 
-def _shared_prompt_run(extra: tuple[str, ...]) -> tuple[float, int, int]:
-    """Three long system prompts, each used by four requests (interleaved), on two workers: returns
-    (mean TTFT, requests that found their prompt cached, affinity hits)."""
-    server = start_serve("serve-affinity" + "-".join(extra), 2, *extra)
+def _shared_prompt_run(server: Server, tag: str) -> tuple[float, int]:
+    """Three system prompts of ~370 tokens (new to ``server``: ``tag`` is in their first tokens), each used by
+    four requests (interleaved), on two workers: returns (mean TTFT, requests that found their
+    prompt cached)."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    systems = [f"You are assistant {tag} {k}. " + " ".join(f"Rule {i}: be helpful in way {k}." for i in range(30)) for k in range(3)]
+    ttfts, cached = [], 0
+    for turn in range(4):
+        for k, system in enumerate(systems):
+            start = time.perf_counter()
+            first = None
+            usage = None
+            for chunk in client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}?"}],
+                max_tokens=2,
+                stream=True,
+                stream_options={"include_usage": True},
+            ):
+                if first is None and chunk.choices and chunk.choices[0].delta.content is not None and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - start
+                usage = chunk.usage or usage
+            ttfts.append(first if first is not None else time.perf_counter() - start)
+            cached += usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 32  # all but the question's blocks
+    return statistics.mean(ttfts), cached
+
+
+def test_prefix_affinity_routes_shared_prompts_to_their_cache(server: Server):
+    """With affinity (the shared server: two workers, the default slack) against a server started
+    with it off."""
+    hits = server.get("/workers").json()["affinity_hits"]
+    on_ttft, on_cached = _shared_prompt_run(server, "alpha")
+    hits = server.get("/workers").json()["affinity_hits"] - hits
+    off = start_serve("serve-affinity-off", 2, "--prefix-affinity-slack", "-1")
     try:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        systems = [f"You are assistant number {k}. " + " ".join(f"Rule {i}: be helpful in way {k}." for i in range(110)) for k in range(3)]
-        ttfts, cached = [], 0
-        for turn in range(4):
-            for k, system in enumerate(systems):
-                start = time.perf_counter()
-                first = None
-                usage = None
-                for chunk in client.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}?"}],
-                    max_tokens=2,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                ):
-                    if first is None and chunk.choices and chunk.choices[0].delta.content is not None and chunk.choices[0].delta.content:
-                        first = time.perf_counter() - start
-                    usage = chunk.usage or usage
-                ttfts.append(first if first is not None else time.perf_counter() - start)
-                cached += usage.prompt_tokens_details.cached_tokens >= 900
-        return statistics.mean(ttfts), cached, server.get("/workers").json()["affinity_hits"]
+        off_ttft, off_cached = _shared_prompt_run(off, "beta")
     finally:
-        server.stop()
-
-
-def test_prefix_affinity_routes_shared_prompts_to_their_cache():
-    on_ttft, on_cached, hits = _shared_prompt_run(())
-    off_ttft, off_cached, _ = _shared_prompt_run(("--prefix-affinity-slack", "-1"))
+        off.stop()
     print(
         f"\nprefix affinity: mean TTFT {on_ttft * 1000:.0f} ms with, {off_ttft * 1000:.0f} ms without; "
-        f"cached prompts {on_cached}/12 with, {off_cached}/12 without"
+        f"cached prompts {on_cached}/12 with, {off_cached}/12 without; {hits} requests moved to their prefix's worker"
     )
     assert on_cached == 9, "with affinity only each prompt's first use is cold"
+    assert hits > 0, "least-loaded routing alone would have sent some of them elsewhere"
     assert off_cached < on_cached and on_ttft < off_ttft
