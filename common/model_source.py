@@ -43,13 +43,15 @@ class ModelSource:
     gguf_file: str | None = None
 
     def cache_dir(self, cache_root: str, part: str) -> Path | None:
-        """Where the converted ``part`` ("tokenizer", "weights-bfloat16", ...) of a GGUF model lives."""
+        """Where the converted ``part`` ("tokenizer", "weights-bfloat16", ...) of a GGUF model lives:
+        named after the file, not the served name, so one file served under several names
+        (``--served-model-name``, ``--models a=...,b=...``) is converted once."""
         if self.gguf_file is None:
             return None
         gguf = Path(self.path) / self.gguf_file
         stat = gguf.stat()
         key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-        return Path(cache_root) / f"{self.name}-{key}" / part
+        return Path(cache_root) / f"{gguf.stem}-{key}" / part
 
 
 def resolve_model(spec: str, served_name: str | None = None) -> ModelSource:
