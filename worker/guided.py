@@ -77,13 +77,15 @@ class GuidedDecoding:
         rows = [(i, m) for i, r in enumerate(requests) if (m := self._matchers.get(r.request_id)) is not None and not m.is_error()]
         if not rows:
             return logits
-        import llguidance.torch as llt
+        # llguidance.numpy, not llguidance.torch: importing the latter imports torch's compiler
+        # (3.4 s here, inside the first guided step) for a kernel this module does not use.
+        import llguidance.numpy as lln
 
-        bitmask = llt.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = lln.allocate_token_bitmask(len(rows), self.vocab_size)
         for j, (_, matcher) in enumerate(rows):
-            llt.fill_next_token_bitmask(matcher, bitmask, j)
+            lln.fill_next_token_bitmask(matcher, bitmask, j)
         index = torch.tensor([i for i, _ in rows], device=logits.device)
-        allowed = _unpack(bitmask, logits.shape[-1]).to(logits.device)
+        allowed = _unpack(torch.from_numpy(bitmask), logits.shape[-1]).to(logits.device)
         guided = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
         return logits.index_copy(0, index, guided)
 

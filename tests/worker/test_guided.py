@@ -3,6 +3,9 @@ guided and free requests share a step, a free row's logits are untouched, and a 
 grammar picks up where the dead worker left it."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -102,3 +105,30 @@ def test_an_invalid_grammar_is_an_error_for_that_request_only(engine):
     tokens, errors, _ = drain(engine)
     assert "bad" in errors and "grammar" in errors["bad"]
     assert len(tokens["good"]) == 8
+
+
+GUIDED_STEP_IMPORTS = """
+import sys
+from types import SimpleNamespace
+import torch
+from common.config import CACHE_DIR
+from common.model_source import load_tokenizer, resolve_model
+from common.protocol import Guide, GuideKind
+from worker.guided import GuidedDecoding
+
+guided = GuidedDecoding(lambda: load_tokenizer(resolve_model("SmolLM2-135M-Instruct"), CACHE_DIR.env_default()), 49152, frozenset([2]))
+request = SimpleNamespace(request_id="r", guide=Guide(GuideKind.JSON_OBJECT), generated_token_ids=[])
+guided.add(request)
+masked = guided.mask(torch.zeros(1, 49152), [request])
+print(int(torch.isinf(masked).sum()), "torch._dynamo" in sys.modules)
+"""
+
+
+def test_the_first_guided_step_imports_no_compiler():
+    """llguidance.torch imports torch's compiler (3.4 s on the test machine): inside the first guided
+    step it stalled every request of the batch. The mask is filled through llguidance.numpy."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", GUIDED_STEP_IMPORTS], cwd=root, capture_output=True, text=True, timeout=120, check=True)
+    masked, dynamo = out.stdout.split()
+    assert int(masked) > 0, "the mask should forbid tokens"
+    assert dynamo == "False", "the guided step imported torch._dynamo"
