@@ -34,7 +34,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.num_steps = 0
         self.peak_batch_size = 0
-        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self._recent_tokens: deque[tuple[float, int]] = deque()  # (when, tokens) of the steps in the last 10 s
+        self._recent_sum = 0  # their tokens: load() is read at every hand-over of the engine, so O(1)
 
     def add_request(self, new: NewRequest) -> None:
         """Queue a request; one that can never fit, or names tokens the model does not have, is
@@ -247,19 +248,22 @@ class Engine:
         self.peak_batch_size = max(self.peak_batch_size, batch_size)
         now = time.monotonic()
         self._recent_tokens.append((now, num_sampled))
+        self._recent_sum += num_sampled
+        self._forget_old_steps(now)
+
+    def _forget_old_steps(self, now: float) -> None:
         while self._recent_tokens and self._recent_tokens[0][0] < now - 10.0:
-            self._recent_tokens.popleft()
+            self._recent_sum -= self._recent_tokens.popleft()[1]
 
     def load(self) -> Heartbeat:
         """Load figures for the gateway: queue lengths, free KV blocks, recent tokens/s."""
-        now = time.monotonic()
-        recent = sum(n for t, n in self._recent_tokens if t >= now - 10.0)
+        self._forget_old_steps(time.monotonic())
         return Heartbeat(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             free_blocks=self.blocks.num_free_blocks,
             total_blocks=self.blocks.num_blocks,
-            tokens_per_s=recent / 10.0,
+            tokens_per_s=self._recent_sum / 10.0,
             steps=self.num_steps,
             peak_batch_size=self.peak_batch_size,
             preemptions=self.scheduler.num_preemptions,

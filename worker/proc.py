@@ -11,7 +11,10 @@ the socket work (async scheduling, vLLM's engine-core split): the engine thread 
 engine has work, without waiting for anyone, and posts each step's outputs; the socket loop sends
 them while the next step runs, and reads what arrives. To hand the engine new requests and aborts,
 read its load for a heartbeat, or drop a silent gateway's requests, the socket loop takes the engine
-between two steps, without waiting for the running one to end (``StepThread.want``).
+between two steps, without waiting for the running one to end (``StepThread.want``). A step may
+run for longer than the gateways' liveness (a long prefill chunk on a CPU, a first-use import):
+heartbeats go on meanwhile, with the load read at the last hand-over, so a busy worker is never
+taken for a dead one (a step that never ends is the gateway's hung-worker check to catch).
 
 Any message from a gateway counts as its heartbeat; when one has been silent for ``liveness``
 intervals the worker aborts that gateway's requests (it has moved them already) and reconnects to
@@ -25,6 +28,7 @@ drain early; the gateways then move the requests that were left to other workers
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import math
@@ -281,6 +285,7 @@ class WorkerProc:
         self._inbox: Inbox = []  # what arrived for the engine, applied between steps
         self._stepper = stepper or StepThread()
         self._outbox: deque[StepOutputs] = deque()  # outputs of the steps that ended, to send
+        self._held_load = Heartbeat()  # the engine's load when the socket loop last held it
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -331,6 +336,8 @@ class WorkerProc:
                 self._stepper.release()
             if self.stopping:
                 return
+        elif self._heartbeat_due(now):  # a step runs (it may be long): say we are alive meanwhile
+            self._send_heartbeats(now, self._load_during_step())
         now = time.monotonic()
         poller = zmq.Poller()
         poller.register(self._stepper, zmq.POLLIN)
@@ -342,8 +349,7 @@ class WorkerProc:
             self._flush(link)
             poller.register(link.sock, zmq.POLLIN)
             poller.register(link.monitor, zmq.POLLIN)
-            if not self._stepper.wanted:  # else the engine is asked for already: its step's end wakes us
-                wait_s = min(wait_s, max(0.0, link.next_heartbeat - now))
+            wait_s = min(wait_s, max(0.0, link.next_heartbeat - now))
             if link.unsent:
                 wait_s = min(wait_s, 0.01)
         events = dict(poller.poll(int(wait_s * 1000)))
@@ -367,7 +373,8 @@ class WorkerProc:
             self.stopping = True
             return
         self._judge_silences(now)
-        self._send_heartbeats(now)
+        self._held_load = self._with_own_figures(self.engine.load())
+        self._send_heartbeats(now, self._held_load)
 
     def _heartbeat_due(self, now: float) -> bool:
         return any(link.sock is not None and now >= link.next_heartbeat for link in self.links.values())
@@ -387,21 +394,29 @@ class WorkerProc:
                     log.warning("no word from the gateway at %s for %.1f s", link.address, now - link.last_heard)
                     self._disconnect(link, now)
 
-    def _send_heartbeats(self, now: float) -> None:
-        """Engine held, its outputs sent: the load figures of every gateway whose heartbeat is due
-        (a gateway must never see a heartbeat before the outputs that came before it: it would take
-        a finished request for a lost one)."""
+    def _send_heartbeats(self, now: float, load: Heartbeat) -> None:
+        """The outputs of the steps that ended sent: ``load`` to every gateway whose heartbeat is
+        due (a gateway must never see a heartbeat before the outputs that came before it: it would
+        take a finished request for a lost one)."""
         for link in self.links.values():
             if link.sock is None:
                 continue
             if self.draining_since is not None and not link.announced_drain:
                 link.announced_drain, link.next_heartbeat = True, now  # tell the gateway right away
             if now >= link.next_heartbeat:
-                self._send(link, self._load())
+                self._send(link, load)
                 link.next_heartbeat = now + self.interval
 
-    def _load(self) -> Heartbeat:
-        load = self.engine.load()
+    def _load_during_step(self) -> Heartbeat:
+        """The load while a step runs (the engine is not ours to read): as at the last hand-over,
+        with the requests that arrived since counted as waiting. It may count requests that have
+        finished since, never fewer than the worker holds: a gateway resumes elsewhere the
+        requests a worker says it does not hold."""
+        arrived = sum(len(msg.requests) for _, msg in self._inbox if isinstance(msg, AddRequests))
+        return self._with_own_figures(dataclasses.replace(self._held_load, waiting=self._held_load.waiting + arrived))
+
+    def _with_own_figures(self, load: Heartbeat) -> Heartbeat:
+        """``load`` with the figures the socket side keeps: whether it drains, and its speed."""
         load.draining = self.draining_since is not None
         load.capacity_tokens_per_s = round(self.capacity.tokens_per_s, 1)
         return load

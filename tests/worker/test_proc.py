@@ -255,3 +255,43 @@ def test_socket_work_overlaps_the_step_in_flight():
         proc.stopping = True
         thread.join(5)
         gateway.close()
+
+
+def test_heartbeats_go_on_through_a_step_longer_than_the_liveness():
+    """A step may outlast the liveness (a long prefill chunk on a CPU, a first-use import): the worker
+    says it is alive meanwhile, with the requests it holds (those that arrived during the step among
+    them), so the gateway neither takes it for dead nor resumes its requests elsewhere."""
+
+    class OneLongStep(StubEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps = 0
+
+        def step(self) -> StepOutputs:
+            self.steps += 1
+            time.sleep(1.5 if self.steps == 1 else 0.01)
+            return StepOutputs([])  # holds its requests
+
+    gateway = FakeGateway()
+    engine = OneLongStep()
+    proc, thread = start_worker(gateway.address, engine)  # heartbeats every 0.1 s, dead after 0.3 s
+    try:
+        identity, _ = gateway.receive(Ready)
+        gateway.send(identity, AddRequests([NewRequest("long", [1], 5)]))
+        wait_until(lambda: engine.steps == 1, 2, "the long step")
+        gateway.send(identity, AddRequests([NewRequest("late", [2], 5)]))
+        seen: list[tuple[float, int, int]] = []  # (when, running, waiting) of each heartbeat during the step
+        start = time.monotonic()
+        while engine.steps == 1 and time.monotonic() - start < 3:
+            gateway.send(identity, Heartbeat())  # the gateway's own, so the worker hears it too
+            _, beat = gateway.receive(Heartbeat, timeout=0.3)
+            if engine.steps == 1:
+                seen.append((time.monotonic() - start, beat.running, beat.waiting))
+        assert len(seen) >= 8 and all(b - a < 0.3 for (a, *_), (b, *_) in zip(seen, seen[1:])), seen
+        assert seen[-1][1:] == (1, 1), "the running request, and the one that arrived during the step"
+        wait_until(lambda: [r.request_id for r in engine.pending] == ["long", "late"], 1, "the next step")
+        assert set(proc.owner) == {"long", "late"}, "no gateway was judged silent"
+    finally:
+        proc.stopping = True
+        thread.join(5)
+        gateway.close()
