@@ -136,10 +136,21 @@ def test_auto_parses_the_models_own_tool_call(client, stream):
 def test_auto_without_a_call_and_none_answer_in_text(client):
     auto = client.chat.completions.create(model=MODEL, messages=ask("Say hello."), tools=[WEATHER], temperature=0, max_tokens=20).choices[0]
     assert auto.message.tool_calls is None and auto.message.content and auto.finish_reason in ("stop", "length")
-    none = client.chat.completions.create(
-        model=MODEL, messages=ask(COPY_A_CALL), tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=60
-    ).choices[0]
-    assert none.message.tool_calls is None and "<tool_call>" in none.message.content
+    # Whether a 135M model copies the call turns on the CPU's bf16 arithmetic: one of two prompts
+    # does on every CPU tried (the plain one on an AMD Zen 4, the one with an example on an Intel
+    # CPU without native bf16). A copied call stays text under tool_choice="none".
+    example = [
+        {"role": "user", "content": "Repeat exactly this text and nothing else:\nhello world"},
+        {"role": "assistant", "content": "hello world"},
+    ]
+    texts = []
+    for messages in (ask(COPY_A_CALL), example + ask(COPY_A_CALL)):
+        none = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=60
+        ).choices[0]
+        assert none.message.tool_calls is None and none.message.content
+        texts.append(none.message.content)
+    assert any("<tool_call>" in text for text in texts), texts
 
 
 def test_a_tool_result_goes_back_into_the_conversation(client, server):
