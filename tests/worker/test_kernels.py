@@ -319,3 +319,14 @@ def test_a_damaged_tensor_cache_is_rebuilt_and_replaced(tmp_path):
     want = {"w": torch.arange(6.0).view(2, 3)}
     assert torch.equal(cached_tensors(folder, lambda: want)["w"], want["w"])
     assert torch.equal(cached_tensors(folder, lambda: {})["w"], want["w"])  # the second read is the new file
+
+
+def test_the_build_folder_is_one_per_source_and_cpu_and_holds_its_own_source(tmp_path, monkeypatch):
+    """Checkouts with the same source share a build (its source copied to one path, so nothing
+    rebuilds after another checkout), and another CPU's build (``-march=native``) is never loaded."""
+    monkeypatch.setenv("LLMPOOL_KERNEL_DIR", str(tmp_path))
+    here = kernels._build_dir()
+    assert here == kernels._build_dir() and (here / "cpu_ops.cpp").read_bytes() == kernels._SOURCE.read_bytes()
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : sse2 avx2")
+    other_cpu = kernels._build_dir()
+    assert other_cpu != here and other_cpu.parent == here.parent == tmp_path

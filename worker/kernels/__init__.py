@@ -8,8 +8,10 @@ it (``python -m worker.kernels``); a worker that cannot load it logs why and run
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -17,14 +19,37 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 _loaded: bool | None = None
 _error: str | None = None
 
 
+def _cpu_flags() -> str:
+    """The instruction sets ``-march=native`` compiles for (Linux; elsewhere the machine's name)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return os.uname().machine
+
+
 def _build_dir() -> Path:
+    """One folder per source, flags, torch installation and CPU, holding its own copy of the source.
+
+    The build's commands name the source and torch's headers: one folder shared by two checkouts or
+    two virtual environments was rebuilt (~30 s) by each after the other. Now checkouts that share
+    an environment share a build, and each environment keeps its own. A cache that moves to another
+    CPU (a worker pod's volume on a new node) never loads code built for other instruction sets
+    (``-march=native``: SIGILL)."""
     root = os.environ.get("LLMPOOL_KERNEL_DIR") or Path.home() / ".cache" / "llmpool" / "kernels"
-    path = Path(root) / f"torch-{torch.__version__}"
+    source = _SOURCE.read_bytes()
+    parts = [source, " ".join(_CFLAGS).encode(), _cpu_flags().encode(), str(Path(torch.__file__).parent).encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
+    path = Path(root) / f"torch-{torch.__version__}-{key}"
     path.mkdir(parents=True, exist_ok=True)
+    copy = path / _SOURCE.name
+    if not copy.is_file() or copy.read_bytes() != source:
+        shutil.copyfile(_SOURCE, copy)
     return path
 
 
@@ -36,12 +61,13 @@ def load(verbose: bool = False) -> bool:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
+        build = _build_dir()
         load_extension(
             name="llmpool_cpu_ops",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
+            sources=[str(build / _SOURCE.name)],
+            extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
-            build_directory=str(_build_dir()),
+            build_directory=str(build),
             is_python_module=False,
             verbose=verbose,
         )
