@@ -23,7 +23,7 @@ from litestar import Request
 from common.protocol import Guide, NewRequest, TokenLogprobs
 from gateway import tracing
 from gateway.admission import Slot
-from gateway.errors import ClientGone, GatewayError, Overloaded
+from gateway.errors import ClientGone, GatewayError, RequestTimeout
 from gateway.generation import Generator, TextDelta
 from gateway.logprobs import TokenLogprob
 from gateway.schemas import SamplingOptions
@@ -58,6 +58,7 @@ class GenerationRequest:
     guide: Guide | None = None  # a grammar for the output (response formats); tools bring their own
     tools: ToolPlan | None = None
     n: int = 1  # generations per prompt
+    n_param: str = "n"  # the field ``n`` came from (``best_of`` in legacy completions), for errors
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     prompt_logprobs: int | None = None
 
@@ -170,12 +171,18 @@ async def chat_prompt(
 NO_TOOLS = tool_plan(None, None, None)
 
 
-async def start(generator: Generator, req: GenerationRequest) -> Generation:
-    """Check the request against the workers' limits and admit it: errors (400, 429, 503) come
-    now, before a response starts. One wire request per choice, ``n`` per prompt."""
+async def start(generator: Generator, req: GenerationRequest, request: Request | None = None) -> Generation:
+    """Check the request against the workers' limits and admit it: errors (400, 429, 503, 504) come
+    now, before a response starts. One wire request per choice, ``n`` per prompt, admitted all
+    together or not at all. The admission wait counts toward ``--request-timeout`` and ends when
+    ``request``'s client hangs up."""
+    deadline = asyncio.get_running_loop().time() + generator.timeout_s
     limits = generator.client.limits(generator.model_name)
     tools = req.tools or NO_TOOLS
     guide = checked_guide(tools.guide(), "tools") or req.guide
+    count = len(req.prompts) * req.n
+    what = f"{len(req.prompts)} prompts × `{req.n_param}` {req.n}" if len(req.prompts) > 1 else f"`{req.n_param}` {req.n}"
+    generator.admission.check_fits(count, req.n_param if req.n > 1 else "prompt", what)
     news = []
     for p, ids in enumerate(req.prompts):
         rid = f"{req.request_id}-p{p}" if len(req.prompts) > 1 else req.request_id
@@ -185,23 +192,32 @@ async def start(generator: Generator, req: GenerationRequest) -> Generation:
             )
             news[-1].sampling.prompt_logprobs = req.prompt_logprobs
     tracing.describe_request(generator.model_name, req)
-    slots = []
-    try:
-        with tracing.span("queue"):
-            for _ in news:
-                slots.append(await generator.admission.acquire())
-    except Overloaded:
-        for slot in slots:
-            slot.release()
-        raise
-    return Generation(generator, req, tools, news, slots)
+    with tracing.span("queue"):
+        slots = await _admit(generator, count, deadline, request)
+    return Generation(generator, req, tools, news, slots, deadline)
+
+
+async def _admit(generator: Generator, count: int, deadline: float, request: Request | None) -> list[Slot]:
+    async def wait() -> list[Slot]:
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await generator.admission.acquire(count)
+        except TimeoutError:
+            raise RequestTimeout(f"the request waited longer than --request-timeout ({generator.timeout_s:g} s) for the server to take it") from None
+
+    if request is None:
+        return await wait()
+    return await unless_disconnected(request, wait())
 
 
 class Generation:
     """An admitted request: its events as they come, or its choices once all are done."""
 
-    def __init__(self, generator: Generator, req: GenerationRequest, tools: ToolPlan, news: list[NewRequest], slots: list[Slot]) -> None:
+    def __init__(
+        self, generator: Generator, req: GenerationRequest, tools: ToolPlan, news: list[NewRequest], slots: list[Slot], deadline: float
+    ) -> None:
         self.generator = generator
+        self.deadline = deadline  # the event loop's clock: --request-timeout from the request's start
         self.req = req
         self.tools = tools
         self.news = news
@@ -262,14 +278,14 @@ class Generation:
         """The deltas of every choice as (choice index, delta), in arrival order."""
         generator, stops, skip = self.generator, self.req.stops, self.req.sampling.skip_special_tokens
         if len(self.news) == 1:
-            async for delta in generator.stream(self.news[0], self.slots[0], stops, skip):
+            async for delta in generator.stream(self.news[0], self.slots[0], self.deadline, stops, skip):
                 yield 0, delta
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int) -> None:
             try:
-                async for delta in generator.stream(self.news[index], self.slots[index], stops, skip):
+                async for delta in generator.stream(self.news[index], self.slots[index], self.deadline, stops, skip):
                     queue.put_nowait((index, delta))
             except GatewayError as exc:
                 queue.put_nowait((index, exc))

@@ -143,22 +143,21 @@ class Generator:
             raise
 
     async def stream(
-        self, request: NewRequest, slot: Slot, stops: list[str] | None = None, skip_special_tokens: bool = True
+        self, request: NewRequest, slot: Slot, deadline: float, stops: list[str] | None = None, skip_special_tokens: bool = True
     ) -> AsyncIterator[TextDelta]:
         """Yield text deltas as the worker produces tokens; the last one carries the finish reason.
 
         ``slot`` (from ``admission.acquire()``) is released when the generation ends; past
-        ``timeout_s`` the request is aborted with a 504.
+        ``deadline`` (the event loop's clock) the request is aborted with a 504.
         """
         try:
-            async for delta in self._stream(request, StopChecker(stops or []), skip_special_tokens):
+            async for delta in self._stream(request, deadline, StopChecker(stops or []), skip_special_tokens):
                 yield delta
         finally:
             slot.release()
 
-    async def _stream(self, request: NewRequest, stop: StopChecker, skip_special_tokens: bool) -> AsyncIterator[TextDelta]:
+    async def _stream(self, request: NewRequest, deadline: float, stop: StopChecker, skip_special_tokens: bool) -> AsyncIterator[TextDelta]:
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes)
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
         trace = tracing.generation(request)  # before the submit: it puts the trace context in the request
         try:
             stream = self.client.submit(request, self.model_name)

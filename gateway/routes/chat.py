@@ -122,6 +122,7 @@ class ChatController(Controller):
                 req.n,
                 logprobs,
             ),
+            request,
         )
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:

@@ -87,9 +87,11 @@ class CompletionsController(Controller):
                 stops=stops,
                 guide=guide,
                 n=copies,
+                n_param="n" if req.best_of is None else "best_of",
                 logprobs=0 if copies > req.n and logprobs is None else logprobs,  # ranking by cumulative logprob needs them
                 prompt_logprobs=req.logprobs if req.echo else None,  # the echoed prompt comes with its logprobs
             ),
+            request,
         )
         echoes = await generator.run_in_pool(_echo_texts, generator, req.prompt, prompts) if req.echo else None
         completion_id = f"cmpl-{uuid.uuid4().hex}"

@@ -18,10 +18,14 @@ async def health() -> Response:
 
 @get("/ready")
 async def ready(models: NamedDependency[ModelRegistry]) -> Response:
-    """200 when at least one worker takes requests and makes progress on those it holds."""
+    """200 when at least one worker takes requests and makes progress on those it holds, and
+    admission makes progress: 503 while requests wait and no slot was granted or released for
+    --hung-timeout seconds."""
     workers = len([w for w in models.client.ready_workers() if w.ready.model in models.generators])
-    response = json_response({"status": "ready" if workers else "no worker ready", "workers": workers})
-    response.status_code = 200 if workers else 503
+    stalled = models.admission.stalled()
+    status = "admission stalled" if stalled else "ready" if workers else "no worker ready"
+    response = json_response({"status": status, "workers": workers, "waiting": models.admission.waiting})
+    response.status_code = 200 if workers and not stalled else 503
     return response
 
 

@@ -164,6 +164,7 @@ class MessagesController(Controller):
                 stops=stop_strings(req.stop_sequences, "stop_sequences"),
                 tools=plan,
             ),
+            request,
         )
         message_id = f"msg_{uuid.uuid4().hex}"
         if req.stream:

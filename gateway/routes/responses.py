@@ -178,6 +178,7 @@ class ResponsesController(Controller):
                 tools=plan,
                 logprobs=req.top_logprobs,
             ),
+            request,
         )
         response = _envelope(generator, req)
         builder = _Output(generator, response, req.top_logprobs is not None)

@@ -1,29 +1,33 @@
-"""Backpressure in the gateway: slots, a bounded queue, and an immediate 429 past both."""
+"""Backpressure in the gateway: slots taken all together or not at all, a bounded first-come queue,
+and an immediate 429 past both."""
 
 import asyncio
+import random
+from types import SimpleNamespace
 
 import pytest
 
 from gateway.admission import Admission
-from gateway.errors import Overloaded
+from gateway.core import _admit
+from gateway.errors import InvalidRequest, Overloaded, RequestTimeout
 
 
 def test_slots_then_queue_then_refusal():
     async def scenario():
         admission = Admission(max_concurrent=2, max_waiting=1)
-        a, b = await admission.acquire(), await admission.acquire()
+        (a,), (b,) = await admission.acquire(), await admission.acquire()
         queued = asyncio.create_task(admission.acquire())
         await asyncio.sleep(0)
         assert admission.waiting == 1 and not queued.done()
         with pytest.raises(Overloaded):
             await admission.acquire()  # refused at once, not after waiting
         a.release()
-        c = await asyncio.wait_for(queued, 1)
+        (c,) = await asyncio.wait_for(queued, 1)
         assert admission.waiting == 0
         for slot in (b, c):
             slot.release()
         b.release()  # releasing twice is harmless
-        assert not admission._slots.locked() and admission.rejected == 1
+        assert admission.free == 2 and admission.rejected == 1
 
     asyncio.run(scenario())
 
@@ -34,5 +38,126 @@ def test_a_slot_that_is_dropped_unreleased_is_given_back():
         slot = await admission.acquire()
         del slot  # e.g. a streaming response that was never iterated
         await asyncio.wait_for(admission.acquire(), 1)
+
+    asyncio.run(scenario())
+
+
+def test_requests_that_each_need_most_slots_never_deadlock():
+    """Two requests of 3 slots each on 4: taken one at a time, each held 2 and waited for the
+    third forever. All-or-nothing admits one, then the other."""
+
+    async def scenario():
+        admission = Admission(max_concurrent=4, max_waiting=8)
+        first = await admission.acquire(3)
+        second = asyncio.create_task(admission.acquire(3))
+        await asyncio.sleep(0)
+        assert not second.done() and admission.free == 1  # it holds nothing while it waits
+        for slot in first:
+            slot.release()
+        got = await asyncio.wait_for(second, 1)
+        assert len(got) == 3 and admission.free == 1
+
+    asyncio.run(scenario())
+
+
+def test_first_come_first_served_a_big_request_is_not_starved():
+    async def scenario():
+        admission = Admission(max_concurrent=4, max_waiting=8)
+        held = await admission.acquire(2)
+        big = asyncio.create_task(admission.acquire(4))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(admission.acquire(1))  # 2 slots are free, but the big one came first
+        await asyncio.sleep(0)
+        assert not small.done() and admission.waiting == 2
+        for slot in held:
+            slot.release()
+        granted = await asyncio.wait_for(big, 1)
+        assert not small.done()
+        for slot in granted:
+            slot.release()
+        await asyncio.wait_for(small, 1)
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_wait_takes_nothing_and_lets_the_next_in():
+    async def scenario():
+        admission = Admission(max_concurrent=2, max_waiting=8)
+        held = await admission.acquire(1)
+        big = asyncio.create_task(admission.acquire(2))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(admission.acquire(1))
+        await asyncio.sleep(0)
+        assert not small.done()  # behind the big one
+        big.cancel()  # its client left
+        await asyncio.wait_for(small, 1)  # the head changed: the small one fits now
+        assert admission.waiting == 0 and admission.free == 0
+        held[0].release()
+        assert admission.free == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_can_never_fit_is_a_400():
+    admission = Admission(max_concurrent=256, max_waiting=8)
+    admission.check_fits(256, "n", "`n` 16")
+    with pytest.raises(InvalidRequest) as refused:
+        admission.check_fits(272, "n", "17 prompts × `n` 16")
+    assert refused.value.param == "n" and "272" in refused.value.message and "256" in refused.value.message
+
+
+def test_stalled_only_while_requests_wait_without_progress():
+    async def scenario():
+        admission = Admission(max_concurrent=1, max_waiting=8, stall_s=0.05)
+        held = await admission.acquire()
+        waiter = asyncio.create_task(admission.acquire())
+        await asyncio.sleep(0.1)
+        assert admission.stalled()  # the wait makes no progress
+        held[0].release()
+        await asyncio.wait_for(waiter, 1)
+        assert not admission.stalled()  # nobody waits
+
+    asyncio.run(scenario())
+
+
+def test_random_mixes_all_end_and_every_slot_comes_back():
+    """Many concurrent requests of 1-6 slots on 8, holding them briefly, with some cancelled while
+    they wait: every request ends, and all slots are free again at the end."""
+
+    async def scenario():
+        rng = random.Random(7)
+        admission = Admission(max_concurrent=8, max_waiting=1000)
+        done = 0
+
+        async def client(count: int) -> None:
+            nonlocal done
+            slots = await admission.acquire(count)
+            await asyncio.sleep(rng.random() * 0.002)
+            for slot in slots:
+                slot.release()
+            done += 1
+
+        tasks = [asyncio.create_task(client(rng.randint(1, 6))) for _ in range(300)]
+        for task in rng.sample(tasks, 30):
+            task.cancel()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 20)
+        cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
+        assert done + cancelled == 300 and cancelled == 30
+        assert admission.free == 8 and admission.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_admission_wait_counts_toward_the_request_timeout():
+    async def scenario():
+        admission = Admission(max_concurrent=1, max_waiting=8)
+        generator = SimpleNamespace(admission=admission, timeout_s=0.05)
+        held = await admission.acquire()
+        deadline = asyncio.get_running_loop().time() + 0.05
+        with pytest.raises(RequestTimeout):
+            await asyncio.wait_for(_admit(generator, 1, deadline, None), 5)
+        assert admission.waiting == 0
+        held[0].release()
+        assert len(await _admit(generator, 1, asyncio.get_running_loop().time() + 5, None)) == 1
 
     asyncio.run(scenario())
