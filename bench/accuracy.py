@@ -95,15 +95,15 @@ def run_engine(mode: str, prompts: list[list[int]]) -> list[Generation]:
     """The worker's engine in-process, one request at a time."""
     from common.model_source import resolve_model
     from common.protocol import NewRequest, SamplingParams
-    from worker import model_runner
+    from worker.build import build_engine
     from worker.config import WorkerConfig
-    from worker.engine import Engine
+    from worker.runner import paths
 
     fields, rows = MODES[mode]
-    saved = model_runner.FAST_DECODE_MAX_ROWS
-    model_runner.FAST_DECODE_MAX_ROWS = saved if rows is None else rows
+    saved = paths.FAST_DECODE_MAX_ROWS
+    paths.FAST_DECODE_MAX_ROWS = saved if rows is None else rows
     try:
-        engine = Engine(
+        engine = build_engine(
             resolve_model("SmolLM2-135M-Instruct"),
             WorkerConfig(kv_cache_memory="256MiB", **fields),
         )
@@ -121,7 +121,7 @@ def run_engine(mode: str, prompts: list[list[int]]) -> list[Generation]:
             out.append(gen)
         return out
     finally:
-        model_runner.FAST_DECODE_MAX_ROWS = saved
+        paths.FAST_DECODE_MAX_ROWS = saved
 
 
 def chat_prompts() -> list[list[int]]:

@@ -1,6 +1,6 @@
 """``python -m bench.attention_kernels --out FILE``: the decode attention backends of a CUDA worker,
 side by side on the same paged caches: the eager gather + matmul, the Triton kernel, and FlashInfer
-where it is installed (worker/attention.py's ``decode_rows_attention``, one layer's call).
+where it is installed (the backends of worker/attention, one layer's call).
 
 Each figure is the median of timed calls (CUDA events) after warm-up; FlashInfer's host-side
 ``plan``, made once per step rather than per layer, is timed apart. The bandwidth column counts the
@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from worker import flashinfer_attention, triton_attention
-from worker.attention import DecodeGroup, decode_rows_attention
+from worker.attention import DecodeGroup, EagerDecode, flashinfer_decode, triton_decode
 
 # (rows, context tokens per row): one long row, a mid batch, a full batch
 SHAPES = [(1, 4096), (1, 32768), (32, 1024), (256, 1024)]
@@ -52,21 +51,21 @@ def measure(rows: int, context: int, heads: tuple[int, int, int], dtype: torch.d
     scale = head_dim**-0.5
     kv_bytes = 2 * rows * context * kv_heads * head_dim * k_cache.element_size()
     result: dict = {"rows": rows, "context": context, "heads": heads, "dtype": str(dtype).removeprefix("torch."), "kv_mb": round(kv_bytes / 1e6, 1)}
-    backends = ["eager", "triton"]
-    if flashinfer_attention.available():
-        backends.append("flashinfer")
-        group.planned = flashinfer_attention.FlashInferDecode(k_cache, query_heads, flashinfer_attention.make_workspace(device))
+    backends = {"eager": EagerDecode(), "triton": triton_decode.TritonDecode()}
+    if flashinfer_decode.available():
+        backends["flashinfer"] = flashinfer = flashinfer_decode.FlashInferBackend(device)
+        flashinfer.prepare([(k_cache, v_cache)], query_heads)
         start = time.perf_counter()
         for _ in range(20):
-            group.planned.plan(tables, lengths)
+            flashinfer.plan(group, tables, lengths)
         result["flashinfer_plan_us"] = round((time.perf_counter() - start) / 20 * 1e6, 1)
-    want = decode_rows_attention(query, k_cache, v_cache, group, scale, "eager").float()
-    for backend in backends:
-        if backend == "eager" and rows * context > 256 * 1024:
+    want = backends["eager"](query, k_cache, v_cache, group, scale).float()
+    for name, backend in backends.items():
+        if name == "eager" and rows * context > 256 * 1024:
             continue  # the gathered copy alone would take gigabytes
-        out = decode_rows_attention(query, k_cache, v_cache, group, scale, backend).float()
-        us = time_us(lambda: decode_rows_attention(query, k_cache, v_cache, group, scale, backend))  # noqa: B023
-        result[backend] = {"us": round(us, 1), "tb_per_s": round(kv_bytes / us / 1e6, 2), "max_error": round((out - want).abs().max().item(), 4)}
+        out = backend(query, k_cache, v_cache, group, scale).float()
+        us = time_us(lambda: backend(query, k_cache, v_cache, group, scale))  # noqa: B023
+        result[name] = {"us": round(us, 1), "tb_per_s": round(kv_bytes / us / 1e6, 2), "max_error": round((out - want).abs().max().item(), 4)}
     return result
 
 
@@ -75,9 +74,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--models", default="llama-1b,smollm2", help=f"head shapes, of {', '.join(HEADS)}")
     args = parser.parse_args()
-    report = {"gpu": torch.cuda.get_device_name(), "flashinfer": flashinfer_attention.available(), "triton": triton_attention.available(), "runs": []}
+    report = {"gpu": torch.cuda.get_device_name(), "flashinfer": flashinfer_decode.available(), "triton": triton_decode.available(), "runs": []}
     if report["flashinfer"]:
-        report["flashinfer_version"] = flashinfer_attention.flashinfer.__version__
+        report["flashinfer_version"] = flashinfer_decode.flashinfer.__version__
     for model in args.models.split(","):
         for rows, context in SHAPES:
             run = {"model": model, **measure(rows, context, HEADS[model], torch.bfloat16)}

@@ -19,7 +19,8 @@ import torch
 
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
-from worker import flashinfer_attention
+from worker.attention import flashinfer_decode
+from worker.build import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
 
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--attention", default="triton,flashinfer", help="decode attention backends to time (flashinfer only where it is installed)")
     args = parser.parse_args()
-    attentions = [a for a in args.attention.split(",") if a != "flashinfer" or flashinfer_attention.available()]
+    attentions = [a for a in args.attention.split(",") if a != "flashinfer" or flashinfer_decode.available()]
     name = torch.cuda.get_device_name()
     measured = copy_bandwidth()
     datasheet = next((tbps * 1e12 for key, tbps in DATASHEET_TBPS.items() if key in name), measured)
@@ -85,7 +86,7 @@ def main() -> None:
         for attention, graphs in runs:
             settings = {"cuda_graphs": graphs, "cuda_attention": attention}
             config = WorkerConfig(model=model, device="cuda", dtype="bfloat16", kv_cache_memory="4GiB", max_num_seqs=8, **settings)
-            engine = Engine(resolve_model(model), config)
+            engine = build_engine(resolve_model(model), config)
             decode_ms(engine, 32, 16)  # warm-up
             ms = decode_ms(engine, args.prompt_len, args.new_tokens)
             nbytes = step_bytes(engine, args.prompt_len + args.new_tokens // 2)

@@ -40,4 +40,22 @@ def test_import_direction(package):
 
 def test_zmq_is_confined_to_the_socket_modules():
     users = {str(p.relative_to(REPO)) for pkg in ("gateway", "worker") for p in (REPO / pkg).rglob("*.py") if "zmq" in imported_modules(p)}
-    assert users == {"gateway/worker_client.py", "worker/proc.py"}
+    assert users == {"gateway/worker_client.py", "worker/proc.py", "worker/gateways.py", "worker/handshake.py"}
+
+
+MAX_LINES = 350
+# Modules still over the bound, each with the most lines it may have until it is split (issue 26's
+# gateway items: the dispatch state machine leaves worker_client.py, the Responses store leaves
+# routes/responses.py). Lower a figure when a module shrinks; remove it once under the bound.
+OVER_THE_BOUND = {"gateway/worker_client.py": 644, "gateway/routes/responses.py": 384}
+
+
+def test_modules_stay_small():
+    """A newcomer reads a module in one sitting: about 350 lines at most (C++ kernels aside)."""
+    sizes = {
+        str(path.relative_to(REPO)): len(path.read_text().splitlines())
+        for package in ("gateway", "worker", "common", "launcher")
+        for path in (REPO / package).rglob("*.py")
+    }
+    over = {name: lines for name, lines in sizes.items() if lines > OVER_THE_BOUND.get(name, MAX_LINES)}
+    assert not over, f"split these modules (at most {MAX_LINES} lines): {over}"

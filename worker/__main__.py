@@ -21,14 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     config = from_namespace(WorkerConfig, build_parser().parse_args(argv))
     setup_logging("worker", config.log_level, config.log_format)
-    from worker.engine import Engine  # heavy imports (torch) after argument parsing
-    from worker.proc import StepThread, WorkerProc
+    from worker.build import build_engine  # heavy imports (torch) after argument parsing
+    from worker.proc import WorkerProc
+    from worker.stepper import StepThread
 
     source = resolve_model(config.model, config.served_model_name)
     tokenizer = load_tokenizer(source, config.cache_dir)  # cached after the first run (GGUF: about 3 s once)
     bundle = bundle_tokenizer(tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None)))
     stepper = StepThread()  # steps run off the socket thread, on the thread that loads the model
-    engine = stepper.call(Engine, source, config)
+    engine = stepper.call(build_engine, source, config)
     runner = engine.runner
     proc = WorkerProc(
         engine,

@@ -43,14 +43,14 @@ WORKER_FLAGS = [
     Flag(
         "cuda-graphs",
         "auto",
-        "CUDA graphs for decode steps, one per batch-size bucket (worker/cuda_graphs.py): on, off, or auto (on for a CUDA worker in bfloat16 or "
+        "CUDA graphs for decode steps, one per batch-size bucket (worker/runner/cuda_graphs.py): on, off, or auto (on for a CUDA worker in bfloat16 or "
         "float16 with FlashInfer or the Triton attention kernel; float32 keeps the eager path, token-identical to generate)",
     ),
     Flag(
         "cuda-attention",
         "auto",
-        "Decode attention on CUDA: flashinfer (FlashInfer's paged decode, worker/flashinfer_attention.py; pip install '.[flashinfer]'), "
-        "triton (worker/triton_attention.py: reads the paged cache in place, split over the context), eager (a batched matmul over the "
+        "Decode attention on CUDA: flashinfer (FlashInfer's paged decode, worker/attention/flashinfer_decode.py; pip install '.[flashinfer]'), "
+        "triton (worker/attention/triton_decode.py: reads the paged cache in place, split over the context), eager (a batched matmul over the "
         "gathered context), or auto (except in float32, which stays eager: flashinfer where it is installed and passes its check at "
         "start, else triton)",
     ),

@@ -1,34 +1,51 @@
-"""The engine: requests in, one step at a time, token deltas out. No sockets here (see worker.proc)."""
+"""The engine: requests in, one step at a time, token deltas out. No sockets (worker/proc.py has them)
+and no tensors (its runner has them: worker/runner, or a fake one in tests)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
+from typing import Protocol
 
 from common.grammar import GrammarError
-from common.model_source import ModelSource
 from common.protocol import FinishReason, Heartbeat, NewRequest, RequestOutput, StepOutputs, TokenLogprobs, WorkerEvent
 from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
-from worker.model_runner import ModelRunner, pick_device
+from worker.isolation import run_isolating
 from worker.request import Request, RequestStatus
-from worker.scheduler import ScheduledBatch, Scheduler
+from worker.scheduler import RunOutput, ScheduledBatch, Scheduler
 from worker.speculative import Speculator
 
 log = logging.getLogger(__name__)
 
 
+class Runner(Protocol):
+    """What the engine needs of a model runner (worker/runner; tests use one without a model)."""
+
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    device_type: str
+
+    def add_request(self, request: Request) -> None: ...
+    def remove_request(self, request: Request) -> None: ...
+    def execute(self, batch: ScheduledBatch) -> RunOutput: ...
+
+
 class Engine:
     """Continuous batching over a paged KV cache: ``add_request``/``abort`` between steps, ``step`` to run."""
 
-    def __init__(self, source: ModelSource, config: WorkerConfig) -> None:
-        config = config.for_device(pick_device(config.device).type)
-        self.runner = ModelRunner(source, config)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
-        self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.max_prefill_chunk)
+    def __init__(self, runner: Runner, config: WorkerConfig) -> None:
+        config = config.for_device(runner.device_type)
+        self.runner = runner
+        self.blocks = BlockManager(runner.num_blocks, config.block_size, config.prefix_caching)
+        self.max_model_len = runner.max_model_len
         self.speculator = Speculator(config.speculate, self.blocks, self.max_model_len, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.max_prefill_chunk, self.speculator
+        )
         self.max_num_seqs = config.max_num_seqs
         self._rejected: list[RequestOutput] = []
         self._requests: dict[str, Request] = {}
@@ -137,61 +154,32 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutputs(outputs)
-        self.speculator.draft(batch)
         size, num_tokens = len(batch), batch.total_tokens
-        try:
-            sampled, logprobs = self.runner.execute(batch)
-        except Exception as exc:  # noqa: BLE001 - one request's bad state must not fail the others
-            sampled, logprobs, batch = self._isolate(batch, exc, outputs)
+        result, culprits = run_isolating(self.runner.execute, batch)
+        outputs += self._fail_alone(culprits, size)
+        batch = batch.without(culprits)
         before = [r.num_tokens for r in batch.requests]
-        for request in batch.requests:
-            if request.draft_token_ids:
-                self.speculator.verified(len(sampled[request.request_id]))
-        finished = set(self.scheduler.update(batch, sampled))
+        finished = set(self.scheduler.update(batch, result.sampled))
+        outputs += self._outputs(batch, before, finished, result)
+        self._count_step(size, result.num_tokens)
+        return StepOutputs(outputs, batch_size=size, num_tokens=num_tokens)
+
+    def _outputs(self, batch: ScheduledBatch, before: list[int], finished: set[Request], result: RunOutput) -> list[RequestOutput]:
+        """Each request's new tokens (a stop or the length limit may cut a verified run short)."""
+        outputs = []
         for request, start in zip(batch.requests, before):
-            new_tokens = request.token_ids[start:]  # a stop or the length limit may cut a verified run short
-            lp = logprobs.get(request.request_id)
+            new_tokens = request.token_ids[start:]
+            lp = result.logprobs.get(request.request_id)
             lp = None if lp is None else lp[: len(new_tokens)]
             if request in finished:
                 outputs.append(self._finish_output(request, new_tokens, lp))
             elif new_tokens:
                 outputs.append(self._output(request, new_tokens, lp))
-        self._count_step(size, sum(len(t) for t in sampled.values()))
-        return StepOutputs(outputs, batch_size=size, num_tokens=num_tokens)
+        return outputs
 
-    def _isolate(
-        self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]
-    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]], ScheduledBatch]:
-        """A step failed: find the rows that make it fail, end only those, and keep the rest's results.
-
-        The batch runs again in halves, a failing half in halves again, until a failing part is a
-        single row: that request is the culprit. Every other row's token comes from a part that ran
-        cleanly. Rerunning is safe for the cache: a step writes only the slots of the tokens it
-        computes, beyond each request's computed (and prefix-cached) blocks, so a part that runs
-        again rewrites the same slots, and a culprit's blocks are freed with it. If every row fails
-        alone, the fault is the step's, not a request's: re-raise (the caller then fails them all).
-        """
-        log.warning("step of %d requests failed (%s: %s); rerunning it in parts to find the request at fault", len(batch), type(exc).__name__, exc)
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        culprits: dict[str, Exception] = {}
-        parts = _halves(batch) if len(batch) > 1 else []
-        if not parts:
-            culprits[batch.requests[0].request_id] = exc
-        while parts:
-            part = parts.pop()
-            try:
-                part_sampled, part_logprobs = self.runner.execute(part)
-            except Exception as part_exc:  # noqa: BLE001 - narrowing down to the failing row
-                if len(part) == 1:
-                    culprits[part.requests[0].request_id] = part_exc
-                else:
-                    parts.extend(_halves(part))
-                continue
-            sampled.update(part_sampled)
-            logprobs.update(part_logprobs)
-        if len(culprits) == len(batch):
-            raise exc
+    def _fail_alone(self, culprits: dict[str, Exception], batch_size: int) -> list[RequestOutput]:
+        """End the requests whose rows failed the step alone (worker/isolation.py); the rest go on."""
+        outputs = []
         for request in self.scheduler.finish(set(culprits), RequestStatus.FINISHED_ERROR):
             failure = culprits[request.request_id]
             request.error = f"step failed: {type(failure).__name__}: {failure}"
@@ -199,15 +187,11 @@ class Engine:
                 "request %s failed its step alone (%s); ended it, %d others go on",
                 request.request_id,
                 request.error,
-                len(batch) - len(culprits),
+                batch_size - len(culprits),
                 extra={"request_id": request.request_id},
             )
             outputs.append(self._finish_output(request, []))
-        survivors = ScheduledBatch()
-        for request, num_tokens in zip(batch.requests, batch.num_new_tokens):
-            if request.request_id not in culprits:
-                survivors.add(request, num_tokens)
-        return sampled, logprobs, survivors
+        return outputs
 
     def _output(self, request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         prompt = None
@@ -272,15 +256,3 @@ class Engine:
             spec_proposed_tokens=self.speculator.proposed_tokens,
             spec_accepted_tokens=self.speculator.accepted_tokens,
         )
-
-
-def _halves(batch: ScheduledBatch) -> list[ScheduledBatch]:
-    """Split a batch into two (the first half last, so it runs first off a stack)."""
-    middle = len(batch) // 2
-    halves = []
-    for rows in (range(middle, len(batch)), range(middle)):
-        half = ScheduledBatch()
-        for i in rows:
-            half.add(batch.requests[i], batch.num_new_tokens[i])
-        halves.append(half)
-    return halves

@@ -19,8 +19,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from common.protocol import TokenLogprobs
 from worker.block_manager import BlockManager
 from worker.request import Request, RequestStatus
+from worker.speculative import Speculator
 
 PREFILL_REFERENCE_CONTEXT = 512  # context up to which a prompt chunk may use the whole max_prefill_chunk
 MIN_PREFILL_CHUNK = 8
@@ -41,8 +43,31 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def subset(self, rows: range | list[int]) -> ScheduledBatch:
+        return ScheduledBatch([self.requests[i] for i in rows], [self.num_new_tokens[i] for i in rows])
+
+    def without(self, request_ids: set[str] | dict) -> ScheduledBatch:
+        return self.subset([i for i, r in enumerate(self.requests) if r.request_id not in request_ids])
+
     def __len__(self) -> int:
         return len(self.requests)
+
+
+@dataclass(slots=True)
+class RunOutput:
+    """What the runner gives back for a batch: the new tokens of each request that produced any
+    (one, or after drafts the accepted ones plus one), and the logprobs of those that asked."""
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+    def update(self, other: RunOutput) -> None:
+        self.sampled.update(other.sampled)
+        self.logprobs.update(other.logprobs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.sampled.values()))
 
 
 class Scheduler:
@@ -55,8 +80,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_prefill_chunk: int | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.blocks = blocks
+        self.speculator = speculator  # drafts for a lone decoding request, when speculation is on
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
@@ -74,7 +101,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's batch: running requests first, then newly admitted ones."""
+        """Pick this step's batch: running requests first, then newly admitted ones; a lone decoding
+        request may get drafts to verify (worker/speculative.py)."""
         batch = ScheduledBatch()
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         self._budget = self.max_num_batched_tokens
@@ -82,6 +110,8 @@ class Scheduler:
         preempted = self._schedule_running(batch)
         if not preempted:
             self._schedule_waiting(batch)
+        if self.speculator is not None and batch:
+            self.speculator.draft(batch)
         return batch
 
     def _take(self, request: Request) -> int:
@@ -170,6 +200,8 @@ class Scheduler:
             if request.draft_token_ids:
                 num_tokens = len(tokens)
                 request.draft_token_ids = []
+                if tokens and self.speculator is not None:
+                    self.speculator.verified(len(tokens))
             for token in tokens:
                 request.append_token(token, self.max_model_len)
                 if request.status.is_finished:

@@ -21,11 +21,15 @@ how many drafts were accepted, so output would no longer follow from the seed al
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from worker.block_manager import BlockManager
 from worker.request import Request
-from worker.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from worker.scheduler import ScheduledBatch
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1

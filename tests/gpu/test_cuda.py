@@ -20,7 +20,8 @@ from common.config import CACHE_DIR
 from common.model_source import DEFAULT_MODEL, resolve_model
 from common.protocol import NewRequest, SamplingParams, TokenLogprobs
 from tests.conftest import MODEL, Server, free_port, spawn
-from worker import flashinfer_attention
+from worker.attention import flashinfer_decode
+from worker.build import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
 
@@ -80,7 +81,7 @@ def reference(model_path: str) -> dict[str, list]:
 
 
 def engine(model_path: str, **settings: object) -> Engine:
-    return Engine(resolve_model(model_path), WorkerConfig(model=model_path, device="cuda", **settings))
+    return build_engine(resolve_model(model_path), WorkerConfig(model=model_path, device="cuda", **settings))
 
 
 def run(eng: Engine, prompts: list[list[int]], logprobs: int | None = None, tag: str = "r") -> dict[str, tuple[list[int], list[TokenLogprobs]]]:
@@ -115,7 +116,7 @@ def test_float32_greedy_output_matches_generate_on_cuda(model_path, reference, s
     if setting == "preemption":
         settings |= {"block_size": 4, "kv_cache_memory": blocks_budget(model_path, 18, 4)}
     eng = engine(model_path, **settings)
-    assert eng.runner.graphs is None and eng.runner.decode_backend == "eager", "float32 keeps the exact eager path"
+    assert eng.runner.paths.graphs is None and eng.runner.decode_backend == "eager", "float32 keeps the exact eager path"
     expected = [tokens for tokens, _ in reference[str(torch.float32)]]
     out = run(eng, PROMPTS)
     assert [out[f"r{i}"][0] for i in range(len(PROMPTS))] == expected
@@ -139,7 +140,7 @@ def close(ours: tuple[list[int], list[TokenLogprobs]], theirs: tuple[list[int], 
 
 
 def needs(attention: str) -> None:
-    if attention == "flashinfer" and not flashinfer_attention.available():
+    if attention == "flashinfer" and not flashinfer_decode.available():
         pytest.skip("FlashInfer is not installed here")
 
 
@@ -151,9 +152,9 @@ def test_bf16_decode_with_cuda_graphs_is_close_to_generate(model_path, reference
     assert eng.runner.decode_backend == attention
     out = run(eng, PROMPTS * 2, logprobs=TOP)  # 8 rows at once: the graph of the 8-row bucket
     if graphs == "on":
-        assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0
+        assert eng.runner.paths.graphs is not None and eng.runner.paths.graphs.replays > 0
     else:
-        assert eng.runner.graphs is None
+        assert eng.runner.paths.graphs is None
     refs = reference[str(torch.bfloat16)] * 2
     results = [close(out[f"r{i}"], refs[i]) for i in range(len(refs))]
     exact = sum(out[f"r{i}"][0] == refs[i][0] for i in range(len(refs)))
@@ -178,7 +179,7 @@ def test_flashinfer_passes_its_start_up_check(heads, dtype):
     """The check a worker runs before it uses FlashInfer (random pages, against the eager gather)."""
     needs("flashinfer")
     query_heads, kv_heads, head_dim = heads
-    assert flashinfer_attention.check(query_heads, (16, kv_heads, head_dim), dtype, torch.device("cuda")) is None
+    assert flashinfer_decode.check(query_heads, (16, kv_heads, head_dim), dtype, torch.device("cuda")) is None
 
 
 def test_a_sigkilled_cuda_worker_stream_resumes_on_the_other_worker(model_path):

@@ -1,7 +1,8 @@
-"""Small builders for the scheduler's pure-Python tests."""
+"""Small builders for the worker's tests: schedulers and requests, and an engine driven until idle."""
 
-from common.protocol import SamplingParams
+from common.protocol import NewRequest, SamplingParams
 from worker.block_manager import BlockManager
+from worker.engine import Engine
 from worker.request import Request
 from worker.scheduler import Scheduler
 
@@ -17,3 +18,20 @@ def make_request(request_id: str, num_tokens: int, max_new_tokens: int = 8, toke
     base = 1000 * sum(map(ord, request_id))
     tokens = token_ids if token_ids is not None else list(range(base + 1, base + num_tokens + 1))
     return Request(request_id, tokens, len(tokens), max_new_tokens, SamplingParams(), frozenset({0}))
+
+
+def drain(engine: Engine, news: list[NewRequest] = ()) -> dict[str, list]:
+    """Add ``news``, then every output of every request, by request id, until the engine is idle;
+    checks that no KV block leaked."""
+    for new in news:
+        engine.add_request(new)
+    out: dict[str, list] = {}
+    while engine.has_work():
+        for o in engine.step().outputs:
+            out.setdefault(o.request_id, []).append(o)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
+    return out
+
+
+def tokens(outputs: list) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]

@@ -8,6 +8,8 @@ import torch
 from common.config import CACHE_DIR
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
+from tests.worker.factories import drain, tokens
+from worker.build import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.loader import load_model
@@ -50,23 +52,15 @@ def reference() -> list[list[int]]:
 )
 def test_greedy_output_matches_generate_in_float32(settings, impl, reference):
     config = WorkerConfig(dtype="float32", model_impl=impl, **settings)
-    engine = Engine(resolve_model("SmolLM2-135M-Instruct"), config)
+    engine = build_engine(resolve_model("SmolLM2-135M-Instruct"), config)
     out = run(engine, PROMPTS)
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == reference
     if "block_size" in settings:
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_a_request_that_can_never_fit_is_rejected_not_stuck():
-    engine = Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(kv_cache_memory="2MiB", block_size=4))
-    engine.add_request(NewRequest("big", list(range(1, 400)), 100, SamplingParams(temperature=0)))
-    outputs = engine.step().outputs
-    assert outputs[0].finish_reason == "error" and "KV cache" in outputs[0].error
-    assert not engine.has_work()
-
-
 def test_a_prefix_cache_hit_gives_the_same_answer_as_a_cold_run():
-    engine = Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
+    engine = build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
     prompt = PROMPTS[2] + PROMPTS[1] + PROMPTS[2]  # 50 tokens: 3 full blocks of 16 can be reused
     cold = run(engine, [prompt])["r0"]
     assert engine.blocks.hit_tokens == 0
@@ -84,7 +78,7 @@ def test_prompt_logprobs_match_a_full_forward(budget):
     """echo + logprobs: every prompt token after the first gets its logprob (and the top k), the
     same whether the prompt is computed at once or in chunks, and a warm prefix cache is bypassed."""
     source = resolve_model("SmolLM2-135M-Instruct")
-    engine = Engine(source, WorkerConfig(dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=budget))
+    engine = build_engine(source, WorkerConfig(dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=budget))
     prompt = PROMPTS[1]
     engine.add_request(NewRequest("warm", prompt, 2, SamplingParams(temperature=0)))  # fills the prefix cache
     engine.add_request(NewRequest("p", prompt, 2, SamplingParams(temperature=0, prompt_logprobs=2)))
@@ -103,21 +97,7 @@ def test_prompt_logprobs_match_a_full_forward(budget):
 
 @pytest.fixture(scope="module")
 def engine32() -> Engine:
-    return Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
-
-
-def drain(engine: Engine) -> dict[str, list]:
-    """Every output of every request, by request id, until the engine is idle."""
-    out: dict[str, list] = {}
-    while engine.has_work():
-        for o in engine.step().outputs:
-            out.setdefault(o.request_id, []).append(o)
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
-    return out
-
-
-def tokens(outputs: list) -> list[int]:
-    return [t for o in outputs for t in o.new_token_ids]
+    return build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
 
 
 def test_a_row_that_fails_inside_a_batch_of_16_ends_alone_and_the_others_read_the_same(engine32):
@@ -126,7 +106,7 @@ def test_a_row_that_fails_inside_a_batch_of_16_ends_alone_and_the_others_read_th
     so the step really fails: only that request ends, with the error; the other 15 finish with the
     very tokens they produce without it (float32), and no KV block leaks."""
     news = [NewRequest(f"r{i}", PROMPTS[i % 3] + [28 + i], 12, SamplingParams(temperature=0, min_tokens=12)) for i in range(16)]
-    reference = {rid: tokens(outs) for rid, outs in _run(engine32, [n for n in news if n.request_id != "r5"]).items()}
+    reference = {rid: tokens(outs) for rid, outs in drain(engine32, [n for n in news if n.request_id != "r5"]).items()}
     for new in news:
         engine32.add_request(new)
     first = engine32.step()
@@ -142,50 +122,20 @@ def test_a_row_that_fails_inside_a_batch_of_16_ends_alone_and_the_others_read_th
     assert all(outs[-1].finish_reason == "length" for rid, outs in out.items() if rid != "r5")
 
 
-def _run(engine: Engine, news: list[NewRequest]) -> dict[str, list]:
-    for new in news:
-        engine.add_request(new)
-    return drain(engine)
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"prompt_token_ids": [1, 999999]},
-        {"prompt_token_ids": [1, -1]},
-        {"stop_token_ids": [999999], "sampling": SamplingParams(temperature=0, min_tokens=2)},
-        {"stop_token_ids": [2**63], "sampling": SamplingParams(temperature=0, min_tokens=2)},
-        {"sampling": SamplingParams(temperature=0, logit_bias={999999: 1.0})},
-        {"sampling": SamplingParams(temperature=0, logprobs=10**6)},
-    ],
-    ids=["prompt", "negative-prompt", "stop-token-ids", "stop-token-ids-2**63", "logit-bias", "top-logprobs"],
-)
-def test_token_ids_outside_the_vocabulary_are_refused_at_admission(engine32, bad):
-    """Refused with an error of the request's own (a 400 at the gateway), before any step; a good
-    request admitted alongside runs normally."""
-    fields = {"prompt_token_ids": PROMPTS[0], "sampling": SamplingParams(temperature=0), **bad}
-    engine32.add_request(NewRequest(request_id="bad", max_new_tokens=4, **fields))
-    engine32.add_request(NewRequest("good", PROMPTS[1], 4, SamplingParams(temperature=0)))
-    out = drain(engine32)
-    (refused,) = out["bad"]
-    assert refused.finish_reason == "error" and refused.bad_request and "vocabulary" in refused.error
-    assert len(tokens(out["good"])) == 4 and out["good"][-1].finish_reason == "length"
-
-
 def test_prompt_chunks_computed_beside_decodes_give_the_prefills_distribution():
     """Default settings (packed quantized weights): a prompt that arrives while another request
     decodes runs as rows of the C++ step, one row per prompt token, each with its own context
     length. Its first token's distribution must be the one the plain prefill (torch path, when
     nothing else runs) gives, within quantization noise: a chunk whose tokens did not see each
     other causally, or saw later ones, would give a different distribution."""
-    engine = Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(kv_cache_memory="64MiB", max_prefill_chunk=16, prefix_caching=False))
-    if not (engine.runner.fast_decode and engine.runner.native.decode_any_batch):
+    engine = build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(kv_cache_memory="64MiB", max_prefill_chunk=16, prefix_caching=False))
+    if not (engine.runner.paths.fast and engine.runner.native.decode_any_batch):
         pytest.skip("needs the C++ kernels with packed weights (a CPU with VNNI)")
     prompt = [1, 4093, 198] + [1403 + (i * 7) % 500 for i in range(300)] + [2, 198, 1, 520, 9531, 198]
     execute, mixed = engine.runner.execute, []
 
     def watch(batch):  # noqa: ANN001, ANN202 - records the steps that put prompt tokens beside decodes
-        mixed.append(any(n > 1 for n in batch.num_new_tokens) and engine.runner._fits_rows(batch))
+        mixed.append(any(n > 1 for n in batch.num_new_tokens) and engine.runner.paths.takes_rows(batch))
         return execute(batch)
 
     engine.runner.execute = watch

@@ -5,6 +5,7 @@ import pytest
 
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
+from worker.build import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
 
@@ -19,7 +20,7 @@ TRACE = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     """Prompts prefilled in chunks of at most 7 tokens, and so few blocks that requests get preempted."""
-    return Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(kv_cache_memory="2MiB", block_size=4, max_num_batched_tokens=7))
+    return build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(kv_cache_memory="2MiB", block_size=4, max_num_batched_tokens=7))
 
 
 def new(request_id: str, prompt: list[int], max_tokens: int = 30, traced: bool = True) -> NewRequest:

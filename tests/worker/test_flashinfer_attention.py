@@ -1,4 +1,4 @@
-"""worker/flashinfer_attention.py without a GPU: the page layout it hands FlashInfer, its start-up
+"""worker/attention/flashinfer_decode.py without a GPU: the page layout it hands FlashInfer, its start-up
 check, and the model runner's schedule-per-step flow, driven through a stand-in for FlashInfer's
 decode wrapper that computes what FlashInfer's documentation says ``plan`` and ``run`` compute.
 
@@ -15,10 +15,10 @@ import torch
 from common.config import CACHE_DIR
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
-from worker import flashinfer_attention
+from worker.attention import flashinfer_decode
+from worker.attention.flashinfer_decode import FlashInferBackend, FlashInferDecode, check, page_layout
+from worker.build import build_engine
 from worker.config import WorkerConfig
-from worker.engine import Engine
-from worker.flashinfer_attention import FlashInferDecode, check, page_layout
 from worker.loader import load_model
 
 
@@ -67,8 +67,8 @@ class WholePagesWrapper(ContractWrapper):
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     def use(wrapper: type) -> None:
-        monkeypatch.setattr(flashinfer_attention, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=wrapper, __version__="stand-in"))
-        monkeypatch.setattr(flashinfer_attention, "make_workspace", lambda device: torch.zeros(16, dtype=torch.uint8))
+        monkeypatch.setattr(flashinfer_decode, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=wrapper, __version__="stand-in"))
+        monkeypatch.setattr(flashinfer_decode, "make_workspace", lambda device: torch.zeros(16, dtype=torch.uint8))
 
     return use
 
@@ -109,11 +109,12 @@ def test_a_worker_on_the_flashinfer_backend_plans_each_step_and_keeps_generates_
     every layer in the decode group; float32 greedy output equals ``generate``."""
     stand_in(ContractWrapper)
     source = resolve_model("SmolLM2-135M-Instruct")
-    # transformers' classes: their attention goes through worker/attention.py, with no Triton kernel for rotary.
-    engine = Engine(source, WorkerConfig(dtype="float32", model_impl="transformers", kv_cache_memory="64MiB"))
+    # transformers' classes: their attention goes through worker/attention/paged.py, with no Triton kernel for rotary.
+    engine = build_engine(source, WorkerConfig(dtype="float32", model_impl="transformers", kv_cache_memory="64MiB"))
     runner = engine.runner
-    runner.decode_backend = "flashinfer"
-    runner.flashinfer = FlashInferDecode(runner.kv_caches[0][0], runner.model.config.num_attention_heads, torch.zeros(16, dtype=torch.uint8))
+    backend = FlashInferBackend(torch.device("cpu"))
+    backend.prepare(runner.kv_caches, runner.model.config.num_attention_heads)
+    runner.inputs.backend = backend
     prompts = [
         [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
         [1, 4093, 198, 7306, 260, 2400, 282, 24546, 30, 2, 198, 1, 520, 9531, 198],
@@ -138,12 +139,12 @@ def test_a_worker_on_the_flashinfer_backend_plans_each_step_and_keeps_generates_
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not flashinfer_attention.available(), reason="needs FlashInfer and a CUDA device")
+@pytest.mark.skipif(not flashinfer_decode.available(), reason="needs FlashInfer and a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_a_captured_schedule_replays_with_each_new_plan(dtype):
-    """The CUDA-graph variant (worker/cuda_graphs.py's use): captured once, then planned with other
+    """The CUDA-graph variant (worker/runner/cuda_graphs.py's use): captured once, then planned with other
     rows before each replay; every replay must read the new pages and lengths."""
-    from worker.attention import DecodeGroup, decode_rows_attention
+    from worker.attention import DecodeGroup, EagerDecode
 
     rows, heads, kv_heads, head_dim, block_size, max_blocks = 4, 9, 3, 64, 16, 40
     device = torch.device("cuda")
@@ -152,7 +153,7 @@ def test_a_captured_schedule_replays_with_each_new_plan(dtype):
         torch.randn(rows * max_blocks + 1, block_size, kv_heads, head_dim, generator=generator, device=device, dtype=dtype) for _ in range(2)
     )
     query = torch.randn(rows, heads, head_dim, generator=generator, device=device, dtype=dtype)
-    decode = FlashInferDecode(k_cache, heads, flashinfer_attention.make_workspace(device), rows=rows, max_blocks=max_blocks)
+    decode = FlashInferDecode(k_cache, heads, flashinfer_decode.make_workspace(device), rows=rows, max_blocks=max_blocks)
     scale = head_dim**-0.5
 
     def plan(lengths: list[int], seed: int) -> DecodeGroup:
@@ -175,5 +176,5 @@ def test_a_captured_schedule_replays_with_each_new_plan(dtype):
     for seed, lengths in enumerate([[1, 17, 300, 64], [600, 1, 16, 129], [640, 640, 2, 33]], start=1):
         group = plan(lengths, seed)
         graph.replay()
-        want = decode_rows_attention(query, k_cache, v_cache, group, scale, "eager")
+        want = EagerDecode()(query, k_cache, v_cache, group, scale)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)

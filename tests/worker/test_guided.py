@@ -15,6 +15,7 @@ from common.config import CACHE_DIR
 from common.model_source import load_tokenizer, resolve_model
 from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
 from tests.worker.test_engine import PROMPTS
+from worker.build import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
 
@@ -28,7 +29,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
+    return build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
 
 
 @pytest.fixture(scope="module")

@@ -115,21 +115,21 @@ def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeyp
     order differs. (Float32 normally keeps the torch path; the test switches the kernel on.)"""
     from common.model_source import resolve_model
     from common.protocol import NewRequest, SamplingParams
-    from worker import model_runner
+    from worker.build import build_engine
     from worker.config import WorkerConfig
-    from worker.engine import Engine
+    from worker.runner import model_runner, paths
 
     prompts = [
         [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
         [1, 4093, 198, 31530, 253, 1403, 21881, 563, 260, 5304, 30, 2, 198, 1, 520, 9531, 198],
     ]
 
-    def force_kernel(runner: model_runner.ModelRunner, choice: str) -> tuple[str, bool]:
+    def force_kernel(choice: str, *args: object) -> tuple[str, bool]:
         return "none", True
 
     def run(fast_rows: int) -> tuple[dict[str, list[int]], int]:
-        monkeypatch.setattr(model_runner, "FAST_DECODE_MAX_ROWS", fast_rows)
-        engine = Engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
+        monkeypatch.setattr(paths, "FAST_DECODE_MAX_ROWS", fast_rows)
+        engine = build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
         calls = 0
         decode = engine.runner.native.decode
 
@@ -147,7 +147,7 @@ def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeyp
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
         return out, calls
 
-    monkeypatch.setattr(model_runner.ModelRunner, "_pick_decode_path", force_kernel)
+    monkeypatch.setattr(model_runner, "pick_decode_path", force_kernel)
     fused, fused_calls = run(fast_rows=4)
     plain, plain_calls = run(fast_rows=0)
     assert fused_calls >= 20 and plain_calls == 0
@@ -234,7 +234,7 @@ def test_any_batch_decode_needs_every_projection_packed(quantization, intermedia
     batches on the torch path."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from worker.llama import LlamaForward
+    from worker.models.llama import LlamaForward
 
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
@@ -287,7 +287,7 @@ def test_quantized_decode_weights_are_made_once_then_read_from_the_cache(quantiz
     cache, equal to the ones it made; a folder from an older layout of the same kind is removed."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from worker import llama
+    from worker.models import llama
 
     config = Qwen2Config(  # QKV bias: every kind of tensor the decode weights hold
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
@@ -326,7 +326,9 @@ def test_the_build_folder_is_one_per_source_and_cpu_and_holds_its_own_source(tmp
     rebuilds after another checkout), and another CPU's build (``-march=native``) is never loaded."""
     monkeypatch.setenv("LLMPOOL_KERNEL_DIR", str(tmp_path))
     here = kernels._build_dir()
-    assert here == kernels._build_dir() and (here / "cpu_ops.cpp").read_bytes() == kernels._SOURCE.read_bytes()
+    assert here == kernels._build_dir()
+    for name in (*kernels._SOURCES, *kernels._HEADERS):
+        assert (here / name).read_bytes() == (kernels._FOLDER / name).read_bytes(), name
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : sse2 avx2")
     other_cpu = kernels._build_dir()
     assert other_cpu != here and other_cpu.parent == here.parent == tmp_path

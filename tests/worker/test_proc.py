@@ -10,7 +10,8 @@ import zmq
 from common import protocol
 from common.protocol import Abort, AddRequests, Goodbye, Heartbeat, NewRequest, Ready, RequestOutput, StepOutputs
 from tests.conftest import free_port, wait_until
-from worker.proc import GatewayLink, WorkerProc, resolve_gateways
+from worker.handshake import GatewayLink, resolve_gateways
+from worker.proc import WorkerProc
 
 
 class StubEngine:
@@ -204,16 +205,15 @@ def test_messages_the_socket_cannot_take_wait_in_order_instead_of_being_dropped(
                 raise zmq.Again()
             self.sent.append(frames)
 
-    proc = WorkerProc(StubEngine(), "tcp://127.0.0.1:1", "w-test", "m", "cpu", "float32", heartbeat_interval=0.1, heartbeat_liveness=3)
     link = GatewayLink("tcp://127.0.0.1:1")
     link.sock = FullSocket()
     steps = [StepOutputs([RequestOutput("a", [i], seq=i)]) for i in range(3)]
     for step in steps[:2]:
-        proc._send(link, step)
+        link.send(step)
     link.sock.accepting = True
-    proc._send(link, steps[2])  # behind the held ones, never ahead of them
+    link.send(steps[2])  # behind the held ones, never ahead of them
     assert not link.sock.sent
-    proc._flush(link)
+    link.flush()
     assert [protocol.decode(frames) for frames in link.sock.sent] == steps
 
 

@@ -9,7 +9,9 @@ import torch
 from common.config import CACHE_DIR
 from common.model_source import load_tokenizer, resolve_model
 from common.protocol import NewRequest, SamplingParams
+from tests.worker.factories import drain, tokens
 from worker.block_manager import chain_hash
+from worker.build import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.request import Request
@@ -46,24 +48,13 @@ def prompts() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def engine32() -> Engine:
-    return Engine(resolve_model(MODEL), WorkerConfig(dtype="float32", kv_cache_memory="64MiB", speculate=4))
+    return build_engine(resolve_model(MODEL), WorkerConfig(dtype="float32", kv_cache_memory="64MiB", speculate=4))
 
 
 def run(engine: Engine, k: int, news: list[NewRequest]) -> dict[str, list]:
     """Every output of each request with ``k`` drafts a step; checks that no block leaks."""
     engine.speculator.k = k
-    for new in news:
-        engine.add_request(new)
-    out: dict[str, list] = {}
-    while engine.has_work():
-        for o in engine.step().outputs:
-            out.setdefault(o.request_id, []).append(o)
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
-    return out
-
-
-def tokens(outputs: list) -> list[int]:
-    return [t for o in outputs for t in o.new_token_ids]
+    return drain(engine, news)
 
 
 def greedy(name: str, prompt: list[int], max_tokens: int = 40, **sampling) -> NewRequest:
@@ -103,7 +94,7 @@ def test_the_prefix_cache_only_ever_holds_the_tokens_of_the_sequence(engine32, p
     continued = greedy("b", sequence, 8)
     warm = tokens(run(engine32, 4, [continued])["b"])
     cold = tokens(
-        run(Engine(resolve_model(MODEL), WorkerConfig(dtype="float32", kv_cache_memory="64MiB", prefix_caching=False)), 0, [continued])["b"]
+        run(build_engine(resolve_model(MODEL), WorkerConfig(dtype="float32", kv_cache_memory="64MiB", prefix_caching=False)), 0, [continued])["b"]
     )
     assert warm == cold
 
@@ -155,8 +146,8 @@ def test_greedy_output_is_the_same_through_the_cpp_decode_step():
     the verify step runs as rows of ``llama_decode`` sharing one block table."""
     from worker import kernels
 
-    engine = Engine(resolve_model(MODEL), WorkerConfig(kv_cache_memory="64MiB"))
-    if not engine.runner.fast_decode:
+    engine = build_engine(resolve_model(MODEL), WorkerConfig(kv_cache_memory="64MiB"))
+    if not engine.runner.paths.fast:
         pytest.skip("the C++ kernels are not available here")
     assert engine.runner.quantization == ("q4" if kernels.has_vnni() else "int8")
     prompt = _prompt(f"Repeat this text exactly, word for word:\n\n{TEXT}")

@@ -1,4 +1,4 @@
-"""worker/triton_attention.py against a pure-torch reference, and inside a captured CUDA graph.
+"""worker/attention/triton_decode.py against a pure-torch reference, and inside a captured CUDA graph.
 
 On CUDA the kernel runs on the GPU in bf16 and float32; without CUDA it runs under Triton's
 interpreter on CPU tensors (float32 only there: the interpreter's numpy has no bfloat16, and it is
@@ -17,7 +17,7 @@ if not CUDA:
 
 pytest.importorskip("triton")
 
-from worker import triton_attention  # noqa: E402
+from worker.attention import triton_decode  # noqa: E402
 
 
 def _interpreter_scalars_for_numpy_24() -> None:
@@ -90,7 +90,7 @@ def make_case(lengths, heads, kv_heads, head_dim, block_size, dtype, pad_blocks=
 def check(lengths, heads, kv_heads, head_dim, block_size, dtype, splits, seed=0):
     query, k_cache, v_cache, tables, lens = make_case(lengths, heads, kv_heads, head_dim, block_size, dtype, seed=seed)
     scaling = head_dim**-0.5
-    got = triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, scaling, splits=splits)
+    got = triton_decode.paged_decode_attention(query, k_cache, v_cache, tables, lens, scaling, splits=splits)
     want = reference(query, k_cache, v_cache, tables, lens, scaling)
     assert got.shape == query.shape and got.dtype == query.dtype
     assert not got.isnan().any()
@@ -131,27 +131,27 @@ def test_zero_length_row_gives_zeros():
     """Graph-padding rows of length 0 come out as zeros, not NaN, with and without splits."""
     query, k_cache, v_cache, tables, lens = make_case([0, 20], 9, 3, 64, 16, torch.float32)
     for splits in (1, 3):
-        got = triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, splits=splits)
+        got = triton_decode.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, splits=splits)
         assert torch.equal(got[0], torch.zeros_like(got[0]))
         torch.testing.assert_close(got[1:], reference(query, k_cache, v_cache, tables, lens, 0.125)[1:], atol=1e-4, rtol=1e-4)
 
 
 def test_num_splits():
-    assert triton_attention.num_splits(1, 3) == 64  # 3 programs -> 88 splits for two waves, rounded down to a power of two
-    assert triton_attention.num_splits(1, 8) == 32  # 33 -> 32
-    assert triton_attention.num_splits(8, 3) == 8  # 11 -> 8
-    assert triton_attention.num_splits(64, 8) == 1  # 512 programs already fill the GPU
-    assert triton_attention.num_splits(0, 8) == 1
-    assert {triton_attention.num_splits(rows, kv) for rows in range(1, 300) for kv in (1, 2, 3, 8)} <= {1, 2, 4, 8, 16, 32, 64}
+    assert triton_decode.num_splits(1, 3) == 64  # 3 programs -> 88 splits for two waves, rounded down to a power of two
+    assert triton_decode.num_splits(1, 8) == 32  # 33 -> 32
+    assert triton_decode.num_splits(8, 3) == 8  # 11 -> 8
+    assert triton_decode.num_splits(64, 8) == 1  # 512 programs already fill the GPU
+    assert triton_decode.num_splits(0, 8) == 1
+    assert {triton_decode.num_splits(rows, kv) for rows in range(1, 300) for kv in (1, 2, 3, 8)} <= {1, 2, 4, 8, 16, 32, 64}
 
 
 def test_warm_up_runs_every_split_count():
     _, k_cache, v_cache, _, _ = make_case([5], 9, 3, 64, 16, torch.float32)
-    triton_attention.warm_up(k_cache, v_cache, heads=9)
+    triton_decode.warm_up(k_cache, v_cache, heads=9)
 
 
 def test_available():
-    assert triton_attention.available()
+    assert triton_decode.available()
 
 
 @pytest.mark.gpu
@@ -172,17 +172,17 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(dtype):
     rows, heads, kv_heads, head_dim, block_size = 4, 9, 3, 64, 16
     first = make_case([1, 17, 300, 64], heads, kv_heads, head_dim, block_size, dtype, pad_blocks=30, spare_blocks=30, seed=3)
     query, k_cache, v_cache, tables, lens = (t.clone() for t in first)
-    splits = triton_attention.num_splits(rows, kv_heads)
+    splits = triton_decode.num_splits(rows, kv_heads)
     assert splits > 1
     scaling = head_dim**-0.5
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, scaling)
+        triton_decode.paged_decode_attention(query, k_cache, v_cache, tables, lens, scaling)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, scaling)
+        out = triton_decode.paged_decode_attention(query, k_cache, v_cache, tables, lens, scaling)
     graph.replay()
     torch.testing.assert_close(out.float(), reference(*first, scaling).float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -208,8 +208,8 @@ def _rotate_half(x):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_and_cache_matches_torch(dtype):
-    """worker/triton_rope.py: rotated queries out, rotated keys and the values in their cache slots, nothing else written."""
-    from worker import triton_rope
+    """worker/attention/triton_rope.py: rotated queries out, rotated keys and the values in their cache slots, nothing else written."""
+    from worker.attention import triton_rope
 
     gen = torch.Generator().manual_seed(5)
     tokens, heads, kv_heads, head_dim, blocks, block_size = 5, 9, 3, 64, 6, 16
@@ -240,12 +240,11 @@ def test_the_fused_decode_step_matches_the_torch_path(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.worker.test_flashinfer_attention import ContractWrapper
-    from worker import flashinfer_attention
-    from worker.attention import AttentionMetadata, DecodeGroup
-    from worker.llama import LlamaForward
+    from worker.attention import AttentionMetadata, DecodeGroup, EagerDecode, flashinfer_decode
+    from worker.models.llama import LlamaForward
 
     # The stand-in also on a GPU: the path here is float32, which FlashInfer's decode kernels do not take.
-    monkeypatch.setattr(flashinfer_attention, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=ContractWrapper))
+    monkeypatch.setattr(flashinfer_decode, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=ContractWrapper))
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -263,9 +262,10 @@ def test_the_fused_decode_step_matches_the_torch_path(monkeypatch):
         kv = [(k.clone(), v.clone()) for k, v in caches]
         group = DecodeGroup(0, 3, tables, torch.tensor(lengths, device=DEVICE), 32)
         if backend == "flashinfer":
-            group.planned = flashinfer_attention.FlashInferDecode(kv[0][0], 4, torch.zeros(16, dtype=torch.uint8, device=DEVICE))
+            group.planned = flashinfer_decode.FlashInferDecode(kv[0][0], 4, torch.zeros(16, dtype=torch.uint8, device=DEVICE))
             group.planned.plan(tables.tolist(), lengths)
-        meta = AttentionMetadata(kv, slots, 3, [group], [], backend)
+        chosen = {"triton": triton_decode.TritonDecode(), "eager": EagerDecode()}.get(backend) or flashinfer_decode.FlashInferBackend(DEVICE)
+        meta = AttentionMetadata(kv, slots, 3, [group], [], chosen)
         results[backend] = (forward(ids, positions[None], meta, torch.arange(3, device=DEVICE)), kv)
     torch_logits, torch_kv = results["eager"]
     for backend in ("triton", "flashinfer"):

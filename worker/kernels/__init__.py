@@ -1,4 +1,8 @@
-"""The worker's C++ CPU kernels (cpu_ops.cpp), built once and loaded as ``torch.ops.llmpool``.
+"""The worker's C++ CPU kernels, built once into one extension and loaded as ``torch.ops.llmpool``.
+
+One file per op family: ``attention.cpp`` (paged decode attention), ``gemm.cpp`` (int8/q4/bf16
+projections, packed VNNI GEMMs), ``decode_step.cpp`` (a whole decode step in one call),
+``sampling.cpp``; ``ops.cpp`` registers them, ``vec.h`` holds the 16-float vectors they share.
 
 No maintained paged-attention or small-batch quantized kernel installs with this torch on the CPU
 (IPEX and vLLM's CPU build pin other torch versions), so the few kernels the decode path needs are
@@ -18,7 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_FOLDER = Path(__file__).parent
+_SOURCES = ("ops.cpp", "attention.cpp", "gemm.cpp", "decode_step.cpp", "sampling.cpp")
+_HEADERS = ("vec.h", "gemm.h", "attention.h", "ops.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 _loaded: bool | None = None
 _error: str | None = None
@@ -34,7 +40,7 @@ def _cpu_flags() -> str:
 
 
 def _build_dir() -> Path:
-    """One folder per source, flags, torch installation and CPU, holding its own copy of the source.
+    """One folder per sources, flags, torch installation and CPU, holding its own copy of the sources.
 
     The build's commands name the source and torch's headers: one folder shared by two checkouts or
     two virtual environments was rebuilt (~30 s) by each after the other. Now checkouts that share
@@ -42,14 +48,15 @@ def _build_dir() -> Path:
     CPU (a worker pod's volume on a new node) never loads code built for other instruction sets
     (``-march=native``: SIGILL)."""
     root = os.environ.get("LLMPOOL_KERNEL_DIR") or Path.home() / ".cache" / "llmpool" / "kernels"
-    source = _SOURCE.read_bytes()
-    parts = [source, " ".join(_CFLAGS).encode(), _cpu_flags().encode(), str(Path(torch.__file__).parent).encode()]
+    files = {name: (_FOLDER / name).read_bytes() for name in (*_SOURCES, *_HEADERS)}
+    parts = [*files.values(), " ".join(_CFLAGS).encode(), _cpu_flags().encode(), str(Path(torch.__file__).parent).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
     path = Path(root) / f"torch-{torch.__version__}-{key}"
     path.mkdir(parents=True, exist_ok=True)
-    copy = path / _SOURCE.name
-    if not copy.is_file() or copy.read_bytes() != source:
-        shutil.copyfile(_SOURCE, copy)
+    for name, content in files.items():
+        copy = path / name
+        if not copy.is_file() or copy.read_bytes() != content:
+            shutil.copyfile(_FOLDER / name, copy)
     return path
 
 
@@ -64,7 +71,7 @@ def load(verbose: bool = False) -> bool:
         build = _build_dir()
         load_extension(
             name="llmpool_cpu_ops",
-            sources=[str(build / _SOURCE.name)],
+            sources=[str(build / name) for name in _SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),

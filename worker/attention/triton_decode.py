@@ -23,6 +23,9 @@ import os
 
 import torch
 
+from worker.attention.backend import DecodeBackend
+from worker.attention.metadata import DecodeGroup
+
 try:
     import triton
     import triton.language as tl
@@ -289,3 +292,14 @@ def paged_decode_attention(
             HEAD_DIM_PAD=head_dim_pad,
         )
     return out
+
+
+class TritonDecode(DecodeBackend):
+    name = "triton"
+    in_place_cuda = True
+
+    def prepare(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], heads: int) -> None:
+        warm_up(*kv_caches[0], heads=heads)  # compile every variant now, not in the middle of a step
+
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+        return paged_decode_attention(query, k_cache, v_cache, group.block_tables, group.lengths, scale)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.triton_attention import tl, triton
+from worker.attention.triton_decode import tl, triton
 
 if triton is not None:
 

@@ -10,9 +10,9 @@ one call.
 What it needs: every launch shape must depend on tensor shapes only. The rows of a bucket are padded
 (token 0 at position 0, context length 1, writing its key and value to a scratch slot outside the
 block manager's blocks), block tables are as wide as the longest sequence allowed, and attention is
-the Triton kernel, which reads each row's context length from a tensor (worker/triton_attention.py),
+the Triton kernel, which reads each row's context length from a tensor (worker/attention/triton_decode.py),
 or FlashInfer with one fixed-buffer schedule per bucket, planned on the host before each replay
-(worker/flashinfer_attention.py). Prompt chunks and mixed steps keep the eager path, as do float32
+(worker/attention/flashinfer_decode.py). Prompt chunks and mixed steps keep the eager path, as do float32
 workers (token-identical to ``generate`` there).
 """
 
@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from worker.attention import AttentionMetadata, DecodeGroup
-from worker.flashinfer_attention import FlashInferDecode
+from worker.attention import AttentionMetadata, DecodeBackend, DecodeGroup
+from worker.attention.flashinfer_decode import FlashInferDecode
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]
 
 class DecodeGraphs:
     """Captured decode steps of up to ``max_rows`` rows over ``kv_caches``, whose block ``num_blocks``
-    (one past the block manager's) is the padding rows' scratch. Attention is FlashInfer when a
-    ``workspace`` for it is given, else the Triton kernel."""
+    (one past the block manager's) is the padding rows' scratch. Attention is ``backend``: FlashInfer
+    (one schedule per bucket, in its ``workspace``) or the Triton kernel."""
 
     def __init__(
         self,
@@ -50,7 +50,7 @@ class DecodeGraphs:
         max_blocks: int,
         num_blocks: int,
         max_rows: int,
-        workspace: torch.Tensor | None = None,
+        backend: DecodeBackend,
     ) -> None:
         device = kv_caches[0][0].device
         block_size = kv_caches[0][0].shape[1]
@@ -64,7 +64,9 @@ class DecodeGraphs:
         self.tables = torch.zeros(n, max_blocks, dtype=torch.long, device=device)
         self.rows = torch.arange(n, device=device)
         # FlashInfer: a schedule per bucket, its buffers fixed at capture and refilled by plan() before a replay.
+        self.backend = backend
         self.schedules: dict[int, FlashInferDecode] = {}
+        workspace = getattr(backend, "workspace", None)
         if workspace is not None:
             self.schedules = {b: FlashInferDecode(kv_caches[0][0], heads, workspace, rows=b, max_blocks=max_blocks) for b in self.buckets}
         self._graphs: dict[int, tuple[torch.CUDAGraph, torch.Tensor]] = {}
@@ -78,10 +80,9 @@ class DecodeGraphs:
         slots.fill_(self.pad_slot)
         lengths.fill_(1)
         pool = None
-        backend = "flashinfer" if self.schedules else "triton"
         for b in reversed(self.buckets):  # largest first, so the smaller ones reuse its memory pool
             group = DecodeGroup(0, b, self.tables[:b], lengths[:b], max_len, self._plan(b, [], []))
-            meta = AttentionMetadata(kv_caches, slots[:b], b, [group], [], backend)
+            meta = AttentionMetadata(kv_caches, slots[:b], b, [group], [], self.backend)
             args = (ids[:b].unsqueeze(0), positions[:b].unsqueeze(0), meta, self.rows[:b])
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -98,7 +99,7 @@ class DecodeGraphs:
             "captured %d CUDA graphs of decode steps (1 to %d rows, %s attention) in %.1f s",
             len(self.buckets),
             self.max_rows,
-            backend,
+            self.backend.name,
             time.perf_counter() - start,
         )
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker import kernels, triton_rope
-from worker.attention import CUDA_KERNELS, AttentionMetadata, decode_rows_attention, paged_attention
+from worker import kernels
+from worker import quantization as quantization_module
+from worker.attention import AttentionMetadata, paged_attention, triton_rope
 from worker.loader import cached_tensors
 from worker.quantization import pack_int8, pack_q4, quantize_int8, quantize_q4
 
@@ -180,7 +181,7 @@ def _decode_cache(cache: Path | None, quantization: str, packed: bool) -> Path |
     to either never reads an old layout; older layouts of the same kind are removed."""
     if cache is None or quantization == "none":  # unquantized weights are the model's own: nothing to keep
         return None
-    code = hashlib.sha256(Path(__file__).read_bytes() + Path(__file__).with_name("quantization.py").read_bytes()).hexdigest()[:12]
+    code = hashlib.sha256(Path(__file__).read_bytes() + Path(quantization_module.__file__).read_bytes()).hexdigest()[:12]
     kind = f"{quantization}-{'packed' if packed else 'rows'}"
     for old in cache.glob(f"{kind}-*"):
         if old.name != f"{kind}-{code}":
@@ -246,7 +247,7 @@ class LlamaForward:
         hidden = F.embedding(input_ids, self.embed)  # [1, T, hidden]
         cos, sin = self.rotary(hidden, positions)  # [1, T, head_dim]
         num_tokens = input_ids.shape[1]
-        fused = metadata.decode_backend in CUDA_KERNELS and not metadata.prefills  # decode rows only, on CUDA
+        fused = metadata.decode_backend.in_place_cuda and not metadata.prefills  # decode rows only, on CUDA
         for layer in self.layers:
             x = _rms_norm(hidden, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
@@ -272,12 +273,12 @@ class LlamaForward:
         return attn
 
     def _decode_attention(self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Decode rows on CUDA: two launches, rotary with the cache writes (worker/triton_rope.py) and
+        """Decode rows on CUDA: two launches, rotary with the cache writes (worker/attention/triton_rope.py) and
         the paged attention, where the torch path takes about ten (a launch-bound step on a GPU)."""
         k_cache, v_cache = metadata.kv_caches[layer.layer_idx]
         q = triton_rope.rope_and_cache(qkv[0], cos[0], sin[0], metadata.slot_mapping, k_cache, v_cache, self.heads, self.kv_heads)
         (group,) = metadata.decode_groups
-        return decode_rows_attention(q, k_cache, v_cache, group, self.head_dim**-0.5, metadata.decode_backend)
+        return metadata.decode_backend(q, k_cache, v_cache, group, self.head_dim**-0.5)
 
     @torch.inference_mode()
     def decode(

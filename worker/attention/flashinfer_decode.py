@@ -6,7 +6,7 @@ any page size (flash-attn's paged ``flash_attn_with_kvcache`` wants pages of 256
 which is why it is not used). It splits long contexts over the GPU itself (its planner decides
 from the lengths) and shares each KV head among its query heads (GQA groups 1-4, 6, 8, 16).
 
-Its use differs from the Triton kernel's (worker/triton_attention.py) in one way: the work
+Its use differs from the Triton kernel's (worker/attention/triton_decode.py) in one way: the work
 schedule is made on the host, once per step, by ``plan`` (page counts per row, split sizes), and
 each layer then calls ``run``. So a ``FlashInferDecode`` is planned by the model runner when it
 prepares a step, travels in the step's ``DecodeGroup``, and is called by every layer. Under CUDA
@@ -15,8 +15,8 @@ graphs each batch-size bucket has its own, made with fixed buffers (FlashInfer's
 
 The package is optional (pyproject's ``flashinfer`` extra): this module imports without it, and
 ``available()`` says whether it can be tried. It compiles its kernels on first use (nvcc), which
-``check`` does at worker start while comparing one batch against the eager gather; a worker whose
-check fails falls back to the Triton kernel.
+``check`` does at worker start (worker/attention/chooser.py) while comparing one batch against the
+eager gather; a worker whose check fails falls back to the Triton kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ import logging
 import time
 
 import torch
+
+from worker.attention.backend import DecodeBackend
+from worker.attention.eager_decode import EagerDecode
+from worker.attention.metadata import DecodeGroup
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +118,8 @@ def make_workspace(device: torch.device) -> torch.Tensor:
 
 def check(heads: int, page: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> str | None:
     """Run FlashInfer once on random caches of ``page`` shape ``(block_size, kv_heads, head_dim)`` and
-    compare it with the eager gather (worker/attention.py): None when it agrees, else why not.
+    compare it with the eager gather (worker/attention/eager_decode.py): None when it agrees, else why not.
     Compiles its kernels too (the first start on a machine runs nvcc, so it can take a minute)."""
-    from worker.attention import DecodeGroup, decode_rows_attention
-
     block_size, _, head_dim = page
     generator = torch.Generator(device=device).manual_seed(0)
     lengths = [1, block_size, 5 * block_size + 3, 40 * block_size]  # one token, one full page, a partial page, a long row
@@ -144,7 +146,7 @@ def check(heads: int, page: tuple[int, int, int], dtype: torch.dtype, device: to
         decode = FlashInferDecode(keys, heads, make_workspace(device))
         decode.plan(tables, lengths)
         got = decode(query, keys, values, scale).float()
-        want = decode_rows_attention(query, keys, values, group, scale, "eager").float()
+        want = EagerDecode()(query, keys, values, group, scale).float()
         error = (got - want).abs().max().item()
     except Exception as exc:  # an unsupported shape, a failed compile, an API this code does not know
         return f"{type(exc).__name__}: {exc}"
@@ -152,3 +154,25 @@ def check(heads: int, page: tuple[int, int, int], dtype: torch.dtype, device: to
         return f"differs from the eager gather by up to {error:.3g}"
     log.info("FlashInfer %s decode checked against the eager gather in %.1f s", flashinfer.__version__, time.perf_counter() - started)
     return None
+
+
+class FlashInferBackend(DecodeBackend):
+    """Eager steps' decode rows: one schedule, planned once per step (``plan``) and called by every
+    layer; CUDA graphs make one per bucket from ``workspace`` (worker/runner/cuda_graphs.py)."""
+
+    name = "flashinfer"
+    in_place_cuda = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.workspace = make_workspace(device)
+        self._decode: FlashInferDecode | None = None
+
+    def prepare(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], heads: int) -> None:
+        self._decode = FlashInferDecode(kv_caches[0][0], heads, self.workspace)
+
+    def plan(self, group: DecodeGroup, tables: list[list[int]], lengths: list[int]) -> None:
+        self._decode.plan(tables, lengths)
+        group.planned = self._decode
+
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+        return group.planned(query, k_cache, v_cache, scale)

@@ -1,0 +1,131 @@
+"""Runs one model step for a scheduled batch: tensors in, the new tokens of each sampled row out.
+
+Two ways to run the model, both over the same paged cache and attention (worker/attention):
+- ``native`` (Llama-family models, the default where supported): worker/models/llama.py, fused
+  projections and few Python calls per layer; 1.6x transformers' classes at batch 1 on the default
+  model, and the C++ decode step on the CPU.
+- ``transformers``: transformers' own model classes (any causal LM it supports) with our paged
+  attention registered through its attention interface.
+Both give bit-identical numbers to ``generate`` for a lone sequence in float32.
+
+The runner owns the model, the KV cache and the sampler; ``inputs`` turns batches into tensors,
+``paths`` runs them (worker/runner/paths.py), and ``execute`` returns one ``RunOutput``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.model_source import ModelSource, load_tokenizer
+from worker.attention import ATTENTION_NAME, HeadShape, choose_decode_backend
+from worker.config import WorkerConfig
+from worker.guided import GuidedDecoding
+from worker.loader import load_model
+from worker.request import Request
+from worker.runner import kv_cache
+from worker.runner.choices import pick_decode_path, pick_device, pick_dtype, pick_impl, use_graphs
+from worker.runner.cuda_graphs import DecodeGraphs
+from worker.runner.inputs import InputBuilder
+from worker.runner.paths import ExecutionPaths
+from worker.sampler import Sampler, prompt_logprobs
+from worker.scheduler import RunOutput, ScheduledBatch
+
+
+class ModelRunner:
+    """Owns the model, the KV-cache tensors and the sampler."""
+
+    def __init__(self, source: ModelSource, config: WorkerConfig) -> None:
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype)
+        self.block_size = config.block_size
+        model = load_model(source, self.dtype, config.cache_dir)
+        model.set_attn_implementation(ATTENTION_NAME)
+        self.model = model.to(self.device).eval()
+        self.quantization, fast_decode = pick_decode_path(config.quantization, self.device, self.dtype, model)
+        decode_cache = source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}")
+        self.native = pick_impl(config.model_impl, model, fast_decode, self.quantization, decode_cache)
+        text = model.config.get_text_config()
+        heads, kv_heads, head_dim = text.num_attention_heads, text.num_key_value_heads, _head_dim(text)
+        backend = choose_decode_backend(config.cuda_attention, self.device, self.dtype, HeadShape(heads, kv_heads, head_dim, self.block_size))
+        graphs = use_graphs(config.cuda_graphs, self.device, self.native, backend)
+        limit = text.max_position_embeddings
+        self.max_model_len = min(limit, config.max_model_len) if config.max_model_len > 0 else limit
+        self.eos_token_ids = _eos_ids(model)
+        self.vocab_size = text.vocab_size
+        shape = kv_cache.CacheShape(text.num_hidden_layers, kv_heads, head_dim, self.block_size)
+        self.kv_caches = kv_cache.allocate(shape, self.dtype, self.device, config.kv_cache_memory, scratch=graphs)
+        # With graphs the last block is the padding rows' scratch, outside the block manager's blocks.
+        self.num_blocks = self.kv_caches[0][0].shape[0] - graphs
+        self.guided = GuidedDecoding(lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(self.device, self.guided)
+        backend.prepare(self.kv_caches, heads)
+        self.inputs = InputBuilder(self.block_size, self.device, self.kv_caches, backend)
+        decode_graphs = None
+        if graphs:
+            max_blocks = -(-self.max_model_len // self.block_size)
+            decode_graphs = DecodeGraphs(self.native, self.kv_caches, heads, max_blocks, self.num_blocks, config.max_num_seqs, backend)
+        self.paths = ExecutionPaths(self.model, self.native, fast_decode, self.inputs, decode_graphs)
+
+    @property
+    def decode_backend(self) -> str:
+        return self.inputs.backend.name
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def add_request(self, request: Request) -> None:
+        """Per-request sampling state; raises GrammarError for a guided request whose grammar is invalid."""
+        if request.guide is not None:
+            self.guided.add(request)
+        self.sampler.add_request(request.request_id, request.sampling.seed)
+
+    def remove_request(self, request: Request) -> None:
+        self.sampler.remove_request(request.request_id)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> RunOutput:
+        """Run the batch through the model and sample the rows whose prompt is done."""
+        paths = self.paths
+        if len(batch) == 1 and batch.requests[0].draft_token_ids:
+            request = batch.requests[0]
+            tokens, logprobs = self.sampler.verify(paths.verify(request), request, request.draft_token_ids)
+            return RunOutput({request.request_id: tokens}, {} if logprobs is None else {request.request_id: logprobs})
+        if paths.takes_graph(batch):
+            return self._sample(paths.graph(batch), batch.requests)
+        if paths.takes_rows(batch):
+            rows = self.inputs.rows(batch)
+            return self._sample(paths.rows(rows), rows.sampled_requests) if rows.sampled_requests else RunOutput()
+        flat = self.inputs.flat(batch)
+        logits = paths.flat(flat)
+        self._record_prompt_logprobs(logits[len(flat.sampled_requests) :], flat.prompt_spans)
+        return self._sample(logits[: len(flat.sampled_requests)], flat.sampled_requests) if flat.sampled_requests else RunOutput()
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> RunOutput:
+        """One token per row (row i is requests[i]), and the logprobs of the rows that asked."""
+        tokens, logprobs = self.sampler(logits, requests)
+        ids = [r.request_id for r in requests]
+        return RunOutput({rid: [token] for rid, token in zip(ids, tokens)}, {rid: [lp] for rid, lp in zip(ids, logprobs) if lp is not None})
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> None:
+        row = 0
+        for request, first, count in spans:
+            targets = request.token_ids[first + 1 : first + 1 + count]
+            request.prompt_logprobs.extend(prompt_logprobs(logits[row : row + count], targets, request.sampling.prompt_logprobs or 0))
+            row += count
+
+
+def _head_dim(model_config: object) -> int:
+    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+
+
+def _eos_ids(model: object) -> frozenset[int]:
+    """End-of-sequence ids from the generation config, falling back to the model config."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+    return frozenset(ids)

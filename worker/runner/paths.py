@@ -1,0 +1,99 @@
+"""The ways one step runs the model, each returning the logits of the rows that are sampled.
+
+- ``graph``: decode rows only, on CUDA: replay the captured graph of the batch's bucket
+  (worker/runner/cuda_graphs.py).
+- ``rows``: the C++ step (worker/kernels/decode_step.cpp): the whole model in one call, every
+  scheduled token a row. Decode rows (any number with packed weights, else up to
+  FAST_DECODE_MAX_ROWS), and with packed weights also prompt chunks beside them, whose tokens see
+  each other causally because the kernel writes all rows' keys and values of a layer before that
+  layer's attention. With 16 streams decoding (9-11 ms a step) and a 2,000-token prompt arriving,
+  the steps that carry its chunks take 44-48 ms (median) and 62-67 ms (p99) this way; 64 ms and
+  74-88 ms with the chunks in the torch path beside the C++ decode rows.
+- ``flat``: the torch path (the native forward or transformers' classes) over one flat sequence;
+  prefill-only batches (oneDNN's bf16 GEMMs and SDPA do large chunks faster) and prompts that want
+  logprobs always take it.
+- ``verify``: a lone request's drafts (worker/speculative.py), as rows on the C++ path, else as a
+  prompt chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.models.llama import LlamaForward
+from worker.request import Request
+from worker.runner.cuda_graphs import DecodeGraphs
+from worker.runner.inputs import FlatInputs, InputBuilder, RowInputs, is_decode_row
+from worker.scheduler import ScheduledBatch
+
+# Most decode rows for the C++ decode step with its matrix-vector loops (bf16 or q4 weights, or int8
+# without VNNI); beyond this oneDNN's bf16 matmuls beat them (engine CPU time per step on one thread:
+# 8 rows 25.8 vs 32.1 ms, 12 rows 34.7 vs 32.6). Packed int8 (the default) has no limit: its GEMM
+# kernel beat the torch path at every size measured (decode step, 2 threads: 16 rows 15.7 vs 26.7 ms,
+# 64 rows 51.5 vs 75.4, 128 rows 110 vs 137).
+FAST_DECODE_MAX_ROWS = 8
+
+
+class ExecutionPaths:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        native: LlamaForward | None,
+        fast_decode: bool,
+        inputs: InputBuilder,
+        graphs: DecodeGraphs | None,
+    ) -> None:
+        self.model = model
+        self.native = native
+        self.fast = fast_decode and native is not None  # the C++ step can run this model
+        self.inputs = inputs
+        self.graphs = graphs
+
+    def takes_graph(self, batch: ScheduledBatch) -> bool:
+        return self.graphs is not None and len(batch) <= self.graphs.max_rows and all(map(is_decode_row, batch.requests, batch.num_new_tokens))
+
+    def graph(self, batch: ScheduledBatch) -> torch.Tensor:
+        requests, slot = batch.requests, self.inputs.slot
+        positions = [r.num_computed_tokens for r in requests]
+        return self.graphs.run(
+            [r.token_ids[p] for r, p in zip(requests, positions)],
+            positions,
+            [slot(r.block_ids, p) for r, p in zip(requests, positions)],
+            [r.block_ids for r in requests],
+            [p + 1 for p in positions],
+        )
+
+    def takes_rows(self, batch: ScheduledBatch) -> bool:
+        """Whether the C++ step takes the batch (see the module docstring)."""
+        if not self.fast:
+            return False
+        decodes = sum(map(is_decode_row, batch.requests, batch.num_new_tokens))
+        if decodes == len(batch.requests):
+            return self.native.decode_any_batch or decodes <= FAST_DECODE_MAX_ROWS
+        return (
+            self.native.decode_any_batch
+            and decodes > 0
+            and not any(r.draft_token_ids or r.sampling.prompt_logprobs is not None for r in batch.requests)
+        )
+
+    def rows(self, rows: RowInputs) -> torch.Tensor:
+        return self.native.decode(
+            rows.ids, rows.positions, self.inputs.kv_caches, rows.slots, rows.tables, rows.lengths, rows.max_len, keep=rows.keep
+        )
+
+    def flat(self, inputs: FlatInputs) -> torch.Tensor:
+        if self.native is not None:
+            return self.native(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
+        return self.model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.positions,
+            logits_to_keep=inputs.logits_indices,
+            use_cache=False,
+            paged_metadata=inputs.metadata,
+        ).logits[0]
+
+    def verify(self, request: Request) -> torch.Tensor:
+        """Logits of the last token and of each draft after it."""
+        if self.fast and 1 + len(request.draft_token_ids) <= FAST_DECODE_MAX_ROWS:
+            return self.rows(self.inputs.verify_rows(request))
+        return self.flat(self.inputs.verify_flat(request))
