@@ -15,6 +15,7 @@ import mimetypes
 from pathlib import Path
 
 from litestar import get
+from litestar.params import FromPath
 from litestar.response import File
 
 from gateway.errors import NotFound
@@ -29,7 +30,7 @@ async def page() -> File:
 
 
 @get("/static/{name:str}", include_in_schema=False)
-async def static_file(name: str) -> File:
+async def static_file(name: FromPath[str]) -> File:
     path = FILES.get(name)
     if path is None:
         raise NotFound(f"no file /static/{name}")
