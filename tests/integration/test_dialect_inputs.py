@@ -59,6 +59,8 @@ BAD = [  # (path, body, the field the 400 names)
     ("/v1/chat/completions", {"model": MODEL, "messages": [user("hi")], "max_tokens": "5"}, "max_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [user("hi")], "max_tokens": 2, "stream": "true"}, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": "2"}, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [user([])], "max_tokens": 2}, "messages[0].content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 2}, "messages[0].content"),
 ]
 
 
