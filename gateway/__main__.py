@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import uvicorn
 
-from common.config import add_flags, from_namespace
+from common.config import add_flags, from_namespace, parse_size
 from common.logs import setup_logging
 from gateway.app import create_app
 from gateway.config import ALL_GATEWAY_FLAGS, GatewayConfig
+from gateway.http_server import HttpLimits, uvicorn_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,17 +20,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def http_limits(config: GatewayConfig) -> HttpLimits:
+    """The HTTP server's limits from the flags."""
+    return HttpLimits(
+        max_header_bytes=parse_size(config.max_header_size),
+        max_headers=config.max_headers,
+        header_timeout=config.header_timeout,
+        body_timeout=config.body_timeout,
+        keep_alive_timeout=config.keep_alive_timeout,
+        max_connections=config.max_connections,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     config = from_namespace(GatewayConfig, build_parser().parse_args(argv))
     setup_logging("gateway", config.log_level, config.log_format)
-    uvicorn.run(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=config.shutdown_grace,
-    )
+    server = uvicorn.Server(uvicorn_config(create_app(config), config.host, config.port, http_limits(config), config.shutdown_grace))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        sys.exit(3)  # what uvicorn.run exits with when the server could not start (the port is taken)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
+from litestar.types import ASGIApp, Receive, Scope, Send
 
 from common.config import parse_size
 from gateway import tracing
@@ -56,6 +57,19 @@ def _import_tokenizers() -> None:
     imports that otherwise run after the first worker registers (``import transformers`` alone is lazy
     and takes under half of it; ``AutoTokenizer`` pulls in the rest)."""
     importlib.import_module("transformers").AutoTokenizer  # noqa: B018 - the attribute access is the import
+
+
+def head_as_get(handler: ASGIApp) -> ASGIApp:
+    """HEAD is answered wherever GET is (load balancers probe with HEAD; Litestar routes only the
+    methods a handler names, so HEAD /health was a 405): the application sees a GET, and the HTTP
+    server, which knows the request was a HEAD, sends the headers without the body."""
+
+    async def handle(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await handler(scope, receive, send)
+
+    return handle
 
 
 def create_app(config: GatewayConfig) -> Litestar:
@@ -124,4 +138,5 @@ def create_app(config: GatewayConfig) -> Litestar:
         logging_config=None,  # common.logs configures logging, the same way in every process
         openapi_config=openapi_config(keys),
     )
+    app.asgi_handler = head_as_get(app.asgi_handler)  # routing happens inside it: HEAD must become GET first
     return app

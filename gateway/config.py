@@ -12,6 +12,17 @@ GATEWAY_FLAGS = [
     Flag("zmq-bind", "tcp://127.0.0.1:5555", "Address the ROUTER socket binds for workers (tcp:// or ipc://)"),
     Flag("api-key", None, "API key(s), comma-separated: every route but /health then wants `Authorization: Bearer KEY`"),
     Flag("max-body-size", "4MiB", "Largest request body accepted; larger ones get 413"),
+    Flag("max-header-size", "32KiB", "Largest request head (request line and headers); larger ones get 431"),
+    Flag("max-headers", 100, "Most headers in one request; more get 431", int),
+    Flag(
+        "header-timeout",
+        10.0,
+        "Seconds a request's line and headers may take to arrive, from its first byte (a new connection: from its start); then 408",
+        float,
+    ),
+    Flag("body-timeout", 30.0, "Seconds a request's body may take to arrive after its headers; then 408", float),
+    Flag("keep-alive-timeout", 30.0, "Seconds an idle kept-alive connection stays open between requests", float),
+    Flag("max-connections", 2048, "HTTP connections open at once; more are answered 503 and closed", int),
     Flag("cors-allow-origins", None, "Origins allowed to call the API from a browser, comma-separated (* for any); CORS is off by default"),
     Flag("allow-request-chat-template", False, "Let requests bring their own `chat_template` (rendered in the sandbox); refused by default", bool),
     Flag("ui", True, "Serve the playground (/) and operator page (/dashboard)", bool),
@@ -50,6 +61,12 @@ class GatewayConfig(SharedConfig):
     api_key: str | None = None
     ui: bool = True
     max_body_size: str = "4MiB"
+    max_header_size: str = "32KiB"
+    max_headers: int = 100
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 30.0
+    max_connections: int = 2048
     cors_allow_origins: str | None = None
     allow_request_chat_template: bool = False
     max_retries: int = 2

@@ -180,6 +180,9 @@ async def start(generator: Generator, req: GenerationRequest, request: Request |
     limits = generator.client.limits(generator.model_name)
     tools = req.tools or NO_TOOLS
     guide = checked_guide(tools.guide(), "tools") or req.guide
+    if tools.mode in ("auto", "none"):
+        for i, parameters in enumerate(tools.parameter_guides()):
+            checked_guide(parameters, f"tools[{i}]")
     count = len(req.prompts) * req.n
     what = f"{len(req.prompts)} prompts × `{req.n_param}` {req.n}" if len(req.prompts) > 1 else f"`{req.n_param}` {req.n}"
     generator.admission.check_fits(count, req.n_param if req.n > 1 else "prompt", what)

@@ -1,6 +1,10 @@
 """Request bodies are checked for nesting depth before they are decoded: JSON nested thousands of
 levels deep (even in a field nobody reads) made the decoder raise RecursionError, a 500, and
-anything that walks a decoded value (schemas, templates, orjson's 255-level limit) fails on less."""
+anything that walks a decoded value (schemas, templates, orjson's 255-level limit) fails on less.
+
+And their types are checked strictly: Litestar converts a body to its Struct laxly (msgspec's
+``strict=False``, so ``"max_tokens": "5"`` became 5), where OpenAI's and Anthropic's APIs answer 400
+for a number sent as a string."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import re
 from itertools import accumulate
 from typing import Any
 
+import msgspec
 from litestar import Request
 from litestar.types import Empty
 
@@ -58,14 +63,41 @@ def check_depth(body: bytes) -> None:
         )
 
 
+_LOCATION = re.compile(r"^(.*) - at `\$\.?(.*)`$")
+
+
+def check_strict(value: Any, model: type) -> None:
+    """A 400 naming the field if ``value`` fits ``model`` only when converted laxly (a number or a
+    boolean sent as a string); anything that does not fit at all is left to Litestar's own error."""
+    try:
+        msgspec.convert(value, model, strict=True, str_keys=True)
+    except msgspec.ValidationError as strict_error:
+        try:
+            msgspec.convert(value, model, strict=False, str_keys=True)
+        except msgspec.ValidationError:
+            return
+        found = _LOCATION.match(str(strict_error))
+        problem, field = (found.group(1), found.group(2)) if found else (str(strict_error), None)
+        raise InvalidRequest(f"invalid type for `{field}`: {problem}" if field else f"invalid request body: {problem}", param=field) from None
+
+
 class GatewayRequest(Request):
-    """Litestar's request, with the body's nesting depth checked before it is decoded."""
+    """Litestar's request, with the body's nesting depth checked before it is decoded and its types
+    checked strictly after."""
 
     async def json(self) -> Any:
-        if self._json is Empty and self._connection_state.json is Empty:
-            body = await self.body()
+        if self._json is not Empty or self._connection_state.json is not Empty:
+            return await super().json()
+        body = await self.body()
+        if len(body) > _INLINE_BYTES:
+            await asyncio.to_thread(check_depth, body)
+        else:
+            check_depth(body)
+        value = await super().json()
+        data = self.route_handler.parsed_fn_signature.parameters.get("data")
+        if data is not None and isinstance(data.annotation, type) and issubclass(data.annotation, msgspec.Struct):
             if len(body) > _INLINE_BYTES:
-                await asyncio.to_thread(check_depth, body)
+                await asyncio.to_thread(check_strict, value, data.annotation)
             else:
-                check_depth(body)
-        return await super().json()
+                check_strict(value, data.annotation)
+        return value

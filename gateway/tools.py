@@ -15,6 +15,8 @@ assistant tool calls are written back as ``<tool_call>`` text, so the conversati
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +89,11 @@ class ToolPlan:
             return Guide(GuideKind.JSON_SCHEMA, orjson.dumps(schema).decode())
         return None
 
+    def parameter_guides(self) -> list[Guide]:
+        """Each function's parameters as the grammar a forced call would use: ``auto`` and ``none``
+        check that they compile too, so a bad schema is a 400 whatever the tool choice."""
+        return [Guide(GuideKind.JSON_SCHEMA, orjson.dumps(self._parameters(t["name"])).decode()) for t in self.tools]
+
     def _parameters(self, name: str | None) -> dict:
         """The function's parameter schema as OpenAI's strict mode reads it: no properties beyond
         the schema's unless it allows them (else small models invent fields and never close the object)."""
@@ -96,15 +103,22 @@ class ToolPlan:
         return None if self.mode == "none" or not self.tools else ToolOutputParser(self)
 
 
-def tool_plan(tools: list | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None) -> ToolPlan:
-    """Check ``tools`` and ``tool_choice`` (400s name the field) and decide the mode."""
+def tool_plan(
+    tools: list | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None, name_param: str = "tools[{}].function.name"
+) -> ToolPlan:
+    """Check ``tools`` and ``tool_choice`` (400s name the field; ``name_param`` is where a dialect
+    keeps a tool's name) and decide the mode."""
     functions = []
     for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
             raise InvalidRequest(f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}', param=f"tools[{i}]")
         if not isinstance(function.get("name"), str) or not function["name"]:
-            raise InvalidRequest(f"`tools[{i}].function.name` must be a non-empty string", param=f"tools[{i}].function.name")
+            raise InvalidRequest(f"`{name_param.format(i)}` must be a non-empty string", param=name_param.format(i))
+        if any(f["name"] == function["name"] for f in functions):
+            raise InvalidRequest(
+                f"`{name_param.format(i)}` {function['name']!r} names two tools; tool names must be unique", param=name_param.format(i)
+            )
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise InvalidRequest(f"`tools[{i}].function.parameters` must be a JSON Schema object", param=f"tools[{i}].function.parameters")
         functions.append(function)
@@ -225,9 +239,9 @@ class ToolOutputParser:
                 return "", [self.calls[0].delta(0)]
             self.calls[0].arguments = text
             return "", []
-        if self.plan.mode == "required":
-            self.calls = _json_calls(text)
-            return ("" if self.calls else text), [c.delta(i) for i, c in enumerate(self.calls)]
+        if self.plan.mode == "required":  # the array is the grammar's wrapper, never content, even when cut short
+            self.calls = _json_calls(text) or _cut_calls(text)
+            return "", [c.delta(i) for i, c in enumerate(self.calls)]
         if not self._in_calls:
             return self._opener.flush(), []
         self.calls = _hermes_calls(text)[: None if self.plan.parallel else 1]
@@ -238,8 +252,8 @@ class ToolOutputParser:
     def content(self) -> str | None:
         """The whole choice's plain-text content (None when it is only tool calls)."""
         text = "".join(self._text)
-        if self.plan.mode in ("named", "required") and self.calls:
-            return None
+        if self.plan.mode in ("named", "required"):
+            return None if self.calls else ""
         if self.calls:
             text = text[: text.index(TOOL_CALL_OPEN)].strip()
         return text or (None if self.calls else text)
@@ -253,6 +267,28 @@ def _json_calls(text: str) -> list[ToolCall]:
     if not isinstance(items, list):
         return []
     return [ToolCall(i["name"], orjson.dumps(i.get("arguments", {})).decode()) for i in items if isinstance(i, dict) and "name" in i]
+
+
+_CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+def _cut_calls(text: str) -> list[ToolCall]:
+    """``required``'s array of calls cut short by ``max_tokens``: its whole calls, then the cut one
+    with its name and the arguments text it got, as a named call cut the same way is returned."""
+    start = text.find("[")
+    rest, calls, decoder = text[start + 1 :] if start >= 0 else "", [], json.JSONDecoder()
+    while rest := rest.lstrip(" \t\r\n,"):
+        try:
+            item, end = decoder.raw_decode(rest)
+        except json.JSONDecodeError:
+            cut = _CUT_CALL.match(rest)
+            if cut:
+                calls.append(ToolCall(json.loads(cut.group(1)), rest[cut.end() :]))
+            break
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            calls.append(ToolCall(item["name"], orjson.dumps(item.get("arguments", {})).decode()))
+        rest = rest[end:]
+    return calls
 
 
 def _hermes_calls(text: str) -> list[ToolCall]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 
@@ -89,11 +90,20 @@ def check_supported(req: SamplingFields) -> None:
 def checked_guide(guide: Guide | None, param: str) -> Guide | None:
     """The guide, once its grammar is known to compile (a 400 naming ``param`` if not)."""
     if guide is not None:
-        try:
-            check_guide(guide)
-        except GrammarError as exc:
-            raise InvalidRequest(str(exc), param=param) from None
+        problem = _grammar_problem(guide.kind, guide.spec)
+        if problem is not None:
+            raise InvalidRequest(problem, param=param)
     return guide
+
+
+@functools.lru_cache(maxsize=1024)
+def _grammar_problem(kind: str, spec: str) -> str | None:
+    """Why a guide does not compile, or None; cached, since agents send the same tools every turn."""
+    try:
+        check_guide(Guide(kind, spec))
+    except GrammarError as exc:
+        return str(exc)
+    return None
 
 
 def response_guide(response_format: dict | None) -> Guide | None:

@@ -3,7 +3,8 @@
 Workers connect (DEALER) and register with ``Ready``, naming their model. The first worker of a
 model whose tokenizer this gateway does not hold is asked for it (``DescribeModel``; it answers
 ``ModelInfo``); until the gateway has loaded it, that model's workers wait in ``joining``. A worker
-whose tokenizer differs from the one its model name already has here is refused. Requests go only
+whose tokenizer differs from the one its model name already has here is refused, and so is one whose
+name a live worker holds (it is told why, in a ``WorkerError``). Requests go only
 to workers of their model (``ModelPool`` chooses among them). Any message from a worker counts as its
 heartbeat; a worker silent for ``liveness`` intervals, one that says ``Goodbye``, or one the ROUTER
 can no longer reach (ROUTER_MANDATORY makes such sends fail loudly) is purged. Each of its in-flight
@@ -362,13 +363,18 @@ class WorkerClient:
         the gateway learns the tokenizer, or refuse it (protocol, or a different tokenizer under a
         model name that has one)."""
         if ready.protocol_version != protocol.PROTOCOL_VERSION:
-            self._refuse(ready, f"it speaks protocol {ready.protocol_version}; this gateway speaks {protocol.PROTOCOL_VERSION}")
+            self._refuse(identity, ready, f"it speaks protocol {ready.protocol_version}; this gateway speaks {protocol.PROTOCOL_VERSION}")
+            return
+        holder = self._name_holder(ready.worker_name, identity)
+        if holder is not None:
+            why = f"another live worker is registered as {ready.worker_name!r} ({holder.decode(errors='replace')}); give each worker its own --worker-name"
+            self._refuse(identity, ready, why)
             return
         pool = self.models.setdefault(ready.model, ModelPool(ready.model))
         if pool.digest is None and self.learn_model is None:
             pool.digest = ready.tokenizer_digest  # nothing to load: take it on trust
         if pool.digest is not None and ready.tokenizer_digest != pool.digest:
-            self._refuse(ready, f"its tokenizer or chat template for {ready.model!r} differs from the one its other workers brought")
+            self._refuse(identity, ready, f"its tokenizer or chat template for {ready.model!r} differs from the one its other workers brought")
             return
         if pool.digest is None:
             self.joining[identity] = (ready, time.monotonic())
@@ -376,10 +382,26 @@ class WorkerClient:
             return
         self._admit(identity, ready, pool)
 
-    def _refuse(self, ready: Ready, why: str) -> None:
-        if (ready.worker_name, why) not in self._refused:  # it retries every liveness period: say it once
+    def _refuse(self, identity: bytes, ready: Ready, why: str) -> None:
+        """Log it (once: the worker retries every liveness period) and tell the worker why."""
+        if (ready.worker_name, why) not in self._refused:
             self._refused.add((ready.worker_name, why))
             log.error("refused worker %s: %s", ready.worker_name, why)
+        self._send_raw(identity, WorkerError(f"the gateway refused to register this worker: {why}"))
+
+    def _name_holder(self, name: str, identity: bytes) -> bytes | None:
+        """The identity of another live worker, registered or joining, that goes by ``name``: a
+        second process started with the same --worker-name. Admitting it would unregister the first,
+        which re-registers and unregisters the second, endlessly. A worker that restarted or
+        reconnected comes back under a new identity after its old connection closed: the old one is
+        then unreachable (ROUTER_MANDATORY), or silent for two heartbeats, and is replaced."""
+        now, fresh = time.monotonic(), self.interval * (self.liveness - 2)
+        held = self._identity_of.get(name)
+        others = [held] if held is not None and held != identity and held in self.workers and self.workers[held].expiry - now > fresh else []
+        others += [
+            other for other, (r, heard) in self.joining.items() if r.worker_name == name and other != identity and now - heard < 2 * self.interval
+        ]
+        return next((other for other in others if self._send_raw(other, Heartbeat())), None)
 
     def _admit(self, identity: bytes, ready: Ready, pool: ModelPool) -> None:
         self.joining.pop(identity, None)
@@ -451,7 +473,7 @@ class WorkerClient:
                 self._admit(joiner, ready, pool)
             else:
                 del self.joining[joiner]
-                self._refuse(ready, f"its tokenizer or chat template for {ready.model!r} differs from the one its other workers brought")
+                self._refuse(joiner, ready, f"its tokenizer or chat template for {ready.model!r} differs from the one its other workers brought")
 
     def _on_step(self, worker: WorkerInfo, step: StepOutputs) -> None:
         worker.last_progress = time.monotonic()

@@ -278,6 +278,9 @@ class WorkerProc:
                 msg = self._salvage(link, frames, exc)
                 if msg is None:
                     continue
+            if isinstance(msg, WorkerError):  # a refusal (a live worker has our name): the link stays silent and retries
+                log.error("the gateway at %s: %s", link.address, msg.message)
+                continue
             got = True
             link.last_heard = time.monotonic()
             if isinstance(msg, AddRequests | Abort):

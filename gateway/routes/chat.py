@@ -59,6 +59,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if message.role not in ROLES:
             raise InvalidRequest(f"`messages[{i}].role` must be one of {', '.join(ROLES)}; got {message.role!r}", param=f"messages[{i}].role")
         content = message.content
+        if message.role == "user" and (content is None or content == []):  # as OpenAI: a user message says something
+            raise InvalidRequest(f"`messages[{i}].content` is empty: a user message needs content", param=f"messages[{i}].content")
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
                 raise InvalidRequest(f"`messages[{i}].content` may only hold text parts", param=f"messages[{i}].content")

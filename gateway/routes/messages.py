@@ -21,6 +21,7 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from gateway import core
+from gateway.conversation_checks import ToolCallLedger, not_empty, required_text
 from gateway.core import (
     LENGTH,
     STOP_SEQUENCE,
@@ -67,33 +68,48 @@ def _text(blocks: str | list[ContentBlock] | None, param: str) -> str:
 
 def chat_messages(system: str | list[SystemBlock] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
     """The conversation as chat messages: tool results become tool messages, tool uses an
-    assistant's tool calls."""
+    assistant's tool calls. As Anthropic's API: every message but a final assistant one has content,
+    a ``tool_use`` has its ``id`` and ``name``, a ``tool_result`` answers an earlier ``tool_use``."""
     if not messages:
         raise InvalidRequest("`messages` must hold at least one message", param="messages")
     out: list[dict[str, Any]] = []
     if system:
-        out.append({"role": "system", "content": system if isinstance(system, str) else "\n".join(b.text for b in system)})
+        out.append({"role": "system", "content": system if isinstance(system, str) else _system_text(system)})
+    calls = ToolCallLedger()
     for i, message in enumerate(messages):
         if message.role not in ("user", "assistant"):
             raise InvalidRequest(f"`messages[{i}].role` must be user or assistant; got {message.role!r}", param=f"messages[{i}].role")
+        if message.role == "user" or i < len(messages) - 1:
+            not_empty(message.content, f"messages[{i}].content")
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
-        text, calls = "", []
+        text, tool_calls = "", []
         for j, block in enumerate(message.content):
             param = f"messages[{i}].content[{j}]"
             if block.type == "text":
                 text += block.text or ""
             elif block.type == "tool_use" and message.role == "assistant":
+                calls.call(block.id, f"{param}.id")
                 arguments = orjson.dumps(block.input or {}).decode()
-                calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+                tool_calls.append(
+                    {"id": block.id, "type": "function", "function": {"name": required_text(block.name, f"{param}.name"), "arguments": arguments}}
+                )
             elif block.type == "tool_result" and message.role == "user":
+                calls.result(block.tool_use_id, f"{param}.tool_use_id", "tool_use")
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content, f"{param}.content")})
             elif block.type not in _SKIPPED:
                 raise InvalidRequest(f"`{param}`: {block.type} blocks are not supported in a {message.role} message on this server", param=param)
-        if text or calls or message.role == "assistant":
-            out.append({"role": message.role, "content": text, **({"tool_calls": calls} if calls else {})})
+        if text or tool_calls or message.role == "assistant":
+            out.append({"role": message.role, "content": text, **({"tool_calls": tool_calls} if tool_calls else {})})
     return out
+
+
+def _system_text(blocks: list[SystemBlock]) -> str:
+    for k, block in enumerate(blocks):
+        if block.type != "text":
+            raise InvalidRequest(f"`system[{k}].type` must be text; got {block.type!r}", param=f"system[{k}].type")
+    return "\n".join(block.text for block in blocks)
 
 
 def _tools(req: CountTokensRequest) -> ToolPlan:
@@ -118,7 +134,7 @@ def _tools(req: CountTokensRequest) -> ToolPlan:
         if choice.type not in modes:
             raise InvalidRequest(f"`tool_choice.type` must be auto, any, tool or none; got {choice.type!r}", param="tool_choice.type")
         mode = modes[choice.type]
-    return tool_plan(functions, mode, parallel)
+    return tool_plan(functions, mode, parallel, "tools[{}].name")
 
 
 async def _prompt(generator: Generator, req: CountTokensRequest) -> tuple[list[int], ToolPlan]:

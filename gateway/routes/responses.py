@@ -29,6 +29,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
 from gateway import core
+from gateway.conversation_checks import ToolCallLedger, json_arguments, not_empty, required_text
 from gateway.core import LENGTH, Finish, GenerationRequest, Text, ToolCallDelta
 from gateway.errors import GatewayError, InvalidRequest, NotFound
 from gateway.generation import Generator
@@ -70,27 +71,32 @@ def _text(content: str | list[InputPart] | None, param: str) -> str:
     return "".join(part.text for part in content)  # type: ignore[misc]
 
 
-def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
-    """The input as chat messages: consecutive function calls join one assistant message."""
+def input_messages(items: str | list[InputItem], history: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
+    """The input as chat messages: consecutive function calls join one assistant message. A
+    ``function_call_output`` must answer a call made earlier (in ``history`` or the input), a
+    ``function_call``'s arguments must be JSON, and a message must have content."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
+    calls = ToolCallLedger(history)
     for i, item in enumerate(items):
         if item.type == "message":
             if item.role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequest(f"`input[{i}].role` must be user, assistant, system or developer; got {item.role!r}", param=f"input[{i}].role")
+            if item.role == "user":
+                not_empty(item.content, f"input[{i}].content")
             messages.append({"role": item.role, "content": _text(item.content, f"input[{i}].content")})
         elif item.type == "function_call":
-            if not item.call_id or not item.name:
-                raise InvalidRequest(f"`input[{i}]` (a function_call) needs `call_id` and `name`", param=f"input[{i}]")
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+            calls.call(item.call_id, f"input[{i}].call_id")
+            name = required_text(item.name, f"input[{i}].name")
+            arguments = json_arguments(item.arguments, f"input[{i}].arguments")
+            call = {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif item.type == "function_call_output":
-            if not item.call_id:
-                raise InvalidRequest(f"`input[{i}].call_id` is required", param=f"input[{i}].call_id")
+            calls.result(item.call_id, f"input[{i}].call_id", "function_call")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input[{i}].output")})
         elif item.type == "reasoning":
             continue  # another model's reasoning: nothing here reads it
@@ -127,7 +133,7 @@ def _tools(req: ResponsesRequest) -> ToolPlan:
         if choice.get("type") != "function":
             raise InvalidRequest('`tool_choice` must be none, auto, required or {"type": "function", "name": ...}', param="tool_choice")
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    plan = tool_plan(functions, choice, req.parallel_tool_calls)
+    plan = tool_plan(functions, choice, req.parallel_tool_calls, "tools[{}].name")
     for tool in plan.tools:  # the template and the Hermes prompt want no null fields
         if tool.get("description") is None:
             tool.pop("description", None)
@@ -161,7 +167,7 @@ class ResponsesController(Controller):
                     code="previous_response_not_found",
                 )
             history = previous.conversation
-        conversation = history + input_messages(req.input)
+        conversation = history + input_messages(req.input, history)
         plan = _tools(req)
         guide = format_guide(msgspec.structs.asdict(req.text.format) if req.text else None, "text.format")
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []

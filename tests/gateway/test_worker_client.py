@@ -18,6 +18,7 @@ from common.protocol import (
     RequestOutput,
     SamplingParams,
     StepOutputs,
+    WorkerError,
 )
 from gateway.errors import GenerationFailed, NoWorkerAvailable
 from gateway.worker_client import WorkerClient
@@ -267,16 +268,36 @@ def test_a_worker_registering_again_replaces_its_old_entry_and_takes_its_request
         await eventually(lambda: client.workers)
         stream = client.submit(request(0), "m")
         await worker.receive(AddRequests)
+        worker.sock.close()  # the old process is gone, and its connection with it
         restarted = FakeWorker(client.bind_address, name=b"fake-restarted")
         try:
-            await restarted.send(READY)  # same worker_name, new identity: the same worker, restarted
-            resent = await restarted.receive(AddRequests)
+            answer = None
+            while not isinstance(answer, AddRequests):  # same worker_name, new identity: the same worker, restarted
+                await restarted.send(READY)  # refused while the ROUTER still routes to the old connection: retry
+                answer = await restarted.receive((AddRequests, WorkerError))
+            resent = answer
             assert [r.request_id for r in resent.requests] == ["r0.1"]  # each attempt has its own wire id
             assert [w.identity for w in client.workers.values()] == [b"fake-restarted"]
             await restarted.send(StepOutputs([RequestOutput("r0.1", [9], "length", 3, 1)]))
             assert (await asyncio.wait_for(stream.queue.get(), 5)).new_token_ids == [9]
         finally:
             restarted.close()
+
+    run(scenario)
+
+
+def test_a_second_live_worker_with_the_same_name_is_refused_and_told_why():
+    async def scenario(client, worker):
+        await worker.send(READY)
+        await eventually(lambda: client.workers)
+        twin = FakeWorker(client.bind_address, name=b"twin")
+        try:
+            await twin.send(READY)  # same worker_name, and the first one's connection is open
+            refusal = await twin.receive(WorkerError)
+            assert "another live worker is registered as 'fake'" in refusal.message
+            assert list(client.workers) == [b"fake"] and not client.departed
+        finally:
+            twin.close()
 
     run(scenario)
 
