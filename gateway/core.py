@@ -45,7 +45,7 @@ LENGTH = "length"  # the token budget (max_tokens) or the context ran out
 TOOL_CALLS = "tool_calls"  # it ended having called tools
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class GenerationRequest:
     """One request in the gateway's own terms: the prompts as token ids and how to continue them."""
 
@@ -58,9 +58,9 @@ class GenerationRequest:
     guide: Guide | None = None  # a grammar for the output (response formats); tools bring their own
     tools: ToolPlan | None = None
     n: int = 1  # generations per prompt
-    n_param: str = "n"  # the field ``n`` came from (``best_of`` in legacy completions), for errors
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     prompt_logprobs: int | None = None
+    n_param: str = "n"  # the field ``n`` came from (``best_of`` in legacy completions), for errors
 
 
 @dataclass(slots=True)
