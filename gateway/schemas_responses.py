@@ -38,7 +38,7 @@ class FunctionTool(msgspec.Struct, kw_only=True):
 
 
 class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
-    type: str = "text"  # text, json_object or json_schema
+    type: str  # text, json_object or json_schema: required (as OpenAI's), so it is always echoed
     name: str | None = None
     schema: dict | None = None
     description: str | None = None
@@ -46,7 +46,7 @@ class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class TextConfig(msgspec.Struct, kw_only=True):
-    format: TextFormat = msgspec.field(default_factory=TextFormat)
+    format: TextFormat = msgspec.field(default_factory=lambda: TextFormat(type="text"))
 
 
 class ResponsesRequest(SamplingOptions, kw_only=True):
@@ -69,8 +69,8 @@ class ResponsesRequest(SamplingOptions, kw_only=True):
     reasoning: dict | None = None
     truncation: str | None = None
     include: list[str] | None = None
+    background: bool | None = None  # run detached from the connection; poll with GET, stop with POST .../cancel
     # Refused with a 400 naming them when set.
-    background: bool | None = None
     conversation: str | dict | None = None
     prompt: dict | None = None
 

@@ -140,7 +140,12 @@ def test_stored_responses_continue_and_can_be_read_and_deleted(client):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"note": "v" * 513}}, "metadata.note"),
+        ({"metadata": {"n": 5}}, "metadata.n"),
+        ({"user": "u" * 65}, "user"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input[0].content[0]"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
