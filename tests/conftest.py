@@ -139,3 +139,15 @@ def tokenizer():  # noqa: ANN201 - a transformers tokenizer
     from common.model_source import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())
+
+
+@pytest.fixture(scope="session")
+def postgres():  # noqa: ANN201 - a tests.postgres.Postgres
+    """A real PostgreSQL server (Debian's package) for the whole session; skipped where none is installed."""
+    from tests.postgres import Postgres, binaries
+
+    if binaries() is None:
+        pytest.skip("PostgreSQL is not installed: scripts/setup.sh --test installs it (apt-get install postgresql)")
+    server = Postgres()
+    yield server
+    server.stop()

@@ -178,6 +178,8 @@ class ResponsesController(Controller):
         builder = _Output(generator, response, req.top_logprobs is not None)
         if req.store and (req.stream or req.background):
             run = start_run(state, response, turn, lambda run: _logged(builder, generation, run))
+            if req.background:  # its row is committed before its id goes out: any gateway can be asked about it
+                await state.store.writer.sync()
             if req.stream:
                 return sse_stream(framed(run, cancel_on_exit=not req.background), generation.request_id)
             return json_response(response, generation.request_id)

@@ -31,7 +31,7 @@ class _Batch:
     waiters: list[asyncio.Future] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.starts or self.events or self.chunks or self.finals or self.dropped)
+        return bool(self.starts or self.events or self.chunks or self.finals or self.dropped or self.waiters)
 
 
 class Writer:
@@ -75,6 +75,14 @@ class Writer:
         self._batch.dropped.append(response_id)
         self._wake.set()
 
+    async def sync(self) -> None:
+        """Returns once everything handed over so far is committed (a background response's first
+        row, before its id goes out: any gateway can be asked about it next)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._batch.waiters.append(waiter)
+        self._wake.set()
+        await waiter
+
     async def final(self, record: ResponseRecord) -> None:
         """The response's one final write; returns once it (and every event before it) is committed."""
         waiter = asyncio.get_running_loop().create_future()
@@ -92,7 +100,7 @@ class Writer:
         last = 0.0
         while True:
             await self._wake.wait()
-            if not self._batch.finals:  # events only: let more gather, up to interval after the last commit
+            if not (self._batch.finals or self._batch.waiters):  # events only: let more gather, up to interval after the last commit
                 delay = last + self.interval - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
