@@ -27,6 +27,7 @@ from gateway.model_registry import ModelRegistry
 from gateway.request_body import GatewayRequest
 from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
+from gateway.routes.conversations import ConversationsController
 from gateway.routes.health import health, metrics, ready, workers
 from gateway.routes.messages import MessagesController
 from gateway.routes.models import ModelsController
@@ -113,6 +114,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             CompletionsController,
             ResponsesController,
             ResponseItemsController,
+            ConversationsController,
             MessagesController,
             ModelsController,
             TokenizeController,

@@ -70,8 +70,8 @@ class ResponsesRequest(SamplingOptions, kw_only=True):
     truncation: str | None = None
     include: list[str] | None = None
     background: bool | None = None  # run detached from the connection; poll with GET, stop with POST .../cancel
-    # Refused with a 400 naming them when set.
-    conversation: str | dict | None = None
+    conversation: str | dict | None = None  # a conversation's id (or {"id": ...}): its items are the history
+    # Refused with a 400 naming it when set.
     prompt: dict | None = None
 
 
@@ -164,6 +164,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     reasoning: Reasoning = msgspec.field(default_factory=Reasoning)
     truncation: str = "disabled"
     background: bool = False
+    conversation: dict | None = None  # {"id": ...} when it belongs to a conversation
 
 
 class DeletedResponse(msgspec.Struct):

@@ -80,6 +80,13 @@ class Turn:
     messages: list[dict]  # its input as chat messages (its output joins them when it ends)
     request: ResponsesRequest
     prompt: list[int]
+    conversation: str | None = None
+
+    async def after(self, state: StateService, response: ResponseObject) -> None:
+        """A response in a conversation adds its input and output items to it once it ended."""
+        if self.conversation is not None and response.status in ("completed", "incomplete"):
+            items = msgspec.json.decode(self.items) + [msgspec.to_builtins(item) for item in response.output]
+            await state.store.conversations.add(self.conversation, self.owner, items)
 
     def size(self, response: ResponseObject) -> int:
         """The bytes it stores before any output: the budget is checked on this."""
@@ -99,6 +106,7 @@ class Turn:
             input_items=self.items,
             messages=msgspec.json.encode(self.messages + (output_messages(response.output) if response.status != "in_progress" else [])),
             previous_id=response.previous_response_id,
+            conversation_id=self.conversation,
             background=response.background,
             input_tokens=usage.input_tokens if usage else 0,
             cached_tokens=usage.input_tokens_details.cached_tokens if usage else 0,
@@ -107,13 +115,20 @@ class Turn:
         )
 
     def takeover_blob(self) -> bytes:
-        return msgspec.json.encode({"request": self.request, "prompt": self.prompt, "messages": self.messages})
+        return msgspec.json.encode({"request": self.request, "prompt": self.prompt, "messages": self.messages, "conversation": self.conversation})
 
 
 def start_run(state: StateService, response: ResponseObject, turn: Turn, source_of, resumed: list[Event] | None = None) -> Run:  # noqa: ANN001
     """Run a streamed or background response here, its events and token chunks logged as they go.
     ``source_of(run)`` gives its events (the run hands the generation its chunk hook)."""
-    run = Run(response.id, response.background, state.store.writer, lambda status: turn.record(response, status), resumed)
+    run = Run(
+        response.id,
+        response.background,
+        state.store.writer,
+        lambda status: turn.record(response, status),
+        resumed,
+        lambda: turn.after(state, response),
+    )
     if resumed is None:
         start = turn.record(response)
         start.request, start.gateway = turn.takeover_blob(), state.store.gateway_id
@@ -183,7 +198,7 @@ async def take_over(app: Litestar, response_id: str, dead_gateway: str) -> bool:
     blob = msgspec.json.decode(row[3])
     req = msgspec.convert(blob["request"], ResponsesRequest)
     response = msgspec.json.decode(row[1], type=ResponseObject)
-    turn = Turn(row[0], bytes(row[2]), blob["messages"], req, blob["prompt"])
+    turn = Turn(row[0], bytes(row[2]), blob["messages"], req, blob["prompt"], blob.get("conversation"))
     chunks = [msgspec.msgpack.decode(c, type=RequestOutput) for c in await state.store.chunks(response_id)]
     logged = [Event(msgspec.json.decode(d, type=_EventType).type, seq, d) for seq, d in await state.store.events_after(response_id, -1)]
     log.warning("taking over response %s from gateway %s (dead): %d events and %d chunks logged", response_id, dead_gateway, len(logged), len(chunks))

@@ -133,9 +133,10 @@ def _tools(req: ResponsesRequest) -> ToolPlan:
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
-    for name, value in (("conversation", req.conversation), ("prompt", req.prompt)):
-        if value:
-            raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
+    if req.prompt:
+        raise InvalidRequest("`prompt` is not supported by this server", param="prompt")
+    if req.conversation is not None and req.previous_response_id is not None:
+        raise InvalidRequest("`conversation` and `previous_response_id` cannot both be given", param="conversation")
     if req.background and not req.store:
         raise InvalidRequest("`background` responses must be stored: send `store: true`", param="background")
     check_metadata(req.metadata)
@@ -163,13 +164,17 @@ class ResponsesController(Controller):
                     f"Previous response with id {req.previous_response_id!r} {what}", param="previous_response_id", code="previous_response_not_found"
                 )
             history = await state.store.history(req.previous_response_id, owner)
+        conversation = _conversation_id(req.conversation)
+        if conversation is not None:
+            history = await _conversation_history(state, conversation, owner)
         turn_messages = input_messages(req.input)
         plan = _tools(req)
         guide = format_guide(msgspec.structs.asdict(req.text.format) if req.text else None, "text.format")
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         prompt = await core.chat_prompt(generator, system + history + turn_messages, plan)
         response = _envelope(generator, req)
-        turn = Turn(owner, msgspec.json.encode(input_items(req.input)), turn_messages, req, prompt)
+        response.conversation = {"id": conversation} if conversation else None
+        turn = Turn(owner, msgspec.json.encode(input_items(req.input)), turn_messages, req, prompt, conversation)
         if req.store:
             check_budget(turn.size(response), state.store.limits.max_response_bytes)
         generation = await core.start(
@@ -190,6 +195,8 @@ class ResponsesController(Controller):
         if req.store:
             await state.store.writer.final(turn.record(response))
             _fit(state, owner, response.id)
+        if conversation is not None:
+            await turn.after(state, response)
         return json_response(response, generation.request_id)
 
     @get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], responses=documented(ResponseObject, "a stored response"))
@@ -220,6 +227,22 @@ async def _stored(request: Request, response_id: str):  # noqa: ANN202 - a Store
     if found is None:
         raise NotFound(f"No response with id {response_id!r} is stored here", param="response_id", code="not_found")
     return found
+
+
+def _conversation_id(conversation: str | dict | None) -> str | None:
+    if conversation is None or isinstance(conversation, str):
+        return conversation
+    if not isinstance(conversation.get("id"), str):
+        raise InvalidRequest('`conversation` must be a conversation\'s id or {"id": ...}', param="conversation")
+    return conversation["id"]
+
+
+async def _conversation_history(state: StateService, conversation: str, owner: str) -> list[dict[str, Any]]:
+    items = await state.store.conversations.items(conversation, owner)
+    if items is None:
+        raise NotFound(f"No conversation with id {conversation!r} is stored here", param="conversation", code="conversation_not_found")
+    usable = [msgspec.convert(item, InputItem) for item in items if item.get("type") in ("message", "function_call", "function_call_output")]
+    return input_messages(usable) if usable else []
 
 
 def _fit(state: StateService, owner: str, keep: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.state.records import ResponseRecord
@@ -40,11 +40,22 @@ class Event:
 
 # The final row as the route builds it, from the state its events left (status: how it ended).
 Finisher = Callable[[str], ResponseRecord]
+# What else happens once the final row is committed (a conversation gets the response's items).
+AfterFinal = Callable[[], Awaitable[None]]
 
 
 class Run:
-    def __init__(self, response_id: str, background: bool, writer: Writer, finisher: Finisher, logged: list[Event] | None = None) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        background: bool,
+        writer: Writer,
+        finisher: Finisher,
+        logged: list[Event] | None = None,
+        after: AfterFinal | None = None,
+    ) -> None:
         self.id = response_id
+        self.after = after
         self.background = background
         self.writer = writer
         self.finisher = finisher
@@ -88,6 +99,8 @@ class Run:
         record.extra_bytes = self._bytes
         try:
             await self.writer.final(record)
+            if self.after is not None:
+                await self.after()
         except Exception as exc:  # the client still gets its answer; the store says why it lacks it
             log.error("response %s could not be stored: %s", self.id, exc)
 

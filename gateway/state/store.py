@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from gateway.state.conversations import Conversations
 from gateway.state.db import Database, connect
 from gateway.state.migrations import migrate
 from gateway.state.records import READ_COLUMNS, TERMINAL, StoredResponse, stored
@@ -41,6 +42,7 @@ class StateStore:
         self.db = db
         self.limits = limits
         self.writer = Writer(db, writer_interval)
+        self.conversations = Conversations(db)
         self.gateway_id = uuid.uuid4().hex  # this process, in the lease table
 
     @classmethod
@@ -133,6 +135,7 @@ class StateStore:
         expired = [row[0] for row in await self.db.fetch("SELECT id FROM responses WHERE created_at < ?", cutoff)]
         if expired:
             await self._delete_ids(expired)
+        await self.conversations.purge(cutoff)
         row = await self.db.fetchone("SELECT COALESCE(SUM(bytes), 0) FROM responses")
         excess = int(row[0]) - self.limits.max_bytes if row else 0
         evicted = await self._drop_oldest(excess, "1 = 1") if excess > 0 else 0
