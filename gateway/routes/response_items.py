@@ -13,8 +13,9 @@ from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath
 
 from gateway.auth import caller_owner
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest
 from gateway.routes.common import documented, json_response
+from gateway.routes.response_runs import not_stored
 from gateway.schemas_responses import ResponseObject
 from gateway.state.service import StateService
 
@@ -54,7 +55,7 @@ class ResponseItemsController(Controller):
     ) -> Response:
         items = await request.app.state.state.store.input_items(response_id, caller_owner(request))
         if items is None:
-            raise NotFound(f"No response with id {response_id!r} is stored here", param="response_id", code="not_found")
+            raise not_stored(response_id)
         return json_response(page(items, limit, order, after))
 
     @post(
@@ -63,11 +64,11 @@ class ResponseItemsController(Controller):
         responses=documented(ResponseObject, "the response, cancelled"),
     )
     async def cancel(self, request: Request, response_id: FromPath[str]) -> Response:
-        state: StateService = request.app.state.state
         owner = caller_owner(request)
+        state: StateService = request.app.state.state
         found = await state.store.get(response_id, owner)
         if found is None:
-            raise NotFound(f"No response with id {response_id!r} is stored here", param="response_id", code="not_found")
+            raise not_stored(response_id)
         if not found.background:
             raise InvalidRequest("Only background responses can be cancelled", param="response_id")
         if found.running:

@@ -39,7 +39,7 @@ from gateway.generation import Generator
 from gateway.logprobs import chat_logprobs
 from gateway.model_registry import ModelRegistry
 from gateway.routes.common import documented, json_response
-from gateway.routes.response_runs import Turn, chunk_hook, follow, framed, input_items, sse_stream, start_run
+from gateway.routes.response_runs import Turn, chunk_hook, follow, framed, input_items, not_stored, sse_stream, start_run
 from gateway.schemas import MAX_LOGPROBS
 from gateway.schemas_responses import (
     DeletedResponse,
@@ -217,7 +217,7 @@ class ResponsesController(Controller):
         state: StateService = request.app.state.state
         state.runs.cancel(response_id, requested=False)
         if not await state.store.delete(response_id, caller_owner(request)):
-            raise NotFound(f"No response with id {response_id!r} is stored here", param="response_id", code="not_found")
+            raise not_stored(response_id)
         return json_response(DeletedResponse(response_id))
 
 
@@ -225,7 +225,7 @@ async def _stored(request: Request, response_id: str):  # noqa: ANN202 - a Store
     """The caller's stored response: another key's is a 404, as an absent one."""
     found = await request.app.state.state.store.get(response_id, caller_owner(request))
     if found is None:
-        raise NotFound(f"No response with id {response_id!r} is stored here", param="response_id", code="not_found")
+        raise not_stored(response_id)
     return found
 
 
