@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 from litestar import Controller, Request, Response, delete, get, post
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.auth import caller_owner
 from gateway.errors import InvalidRequest, NotFound
@@ -50,6 +50,15 @@ def _items(items: list[InputItem] | None) -> list[dict]:
     if items is not None and len(items) > MAX_ITEMS_AT_ONCE:
         raise InvalidRequest(f"`items` may hold at most {MAX_ITEMS_AT_ONCE} items at once; got {len(items)}", param="items")
     return input_items(items) if items else []
+
+
+def conversation_id(conversation: str | dict | None) -> str | None:
+    """The conversation a response names: its id, or {"id": ...}."""
+    if conversation is None or isinstance(conversation, str):
+        return conversation
+    if not isinstance(conversation.get("id"), str):
+        raise InvalidRequest('`conversation` must be a conversation\'s id or {"id": ...}', param="conversation")
+    return conversation["id"]
 
 
 def _missing(conversation_id: str) -> NotFound:
@@ -97,7 +106,12 @@ class ConversationsController(Controller):
 
     @get("/{conversation_id:str}/items", responses=documented(ItemList, "its items"))
     async def list_items(
-        self, request: Request, conversation_id: FromPath[str], limit: int = 20, order: Literal["asc", "desc"] = "desc", after: str | None = None
+        self,
+        request: Request,
+        conversation_id: FromPath[str],
+        limit: FromQuery[int] = 20,
+        order: FromQuery[Literal["asc", "desc"]] = "desc",
+        after: FromQuery[str | None] = None,
     ) -> Response:
         items = await _store(request).items(conversation_id, caller_owner(request))
         if items is None:

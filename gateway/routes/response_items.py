@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 from litestar import Controller, Request, Response, get, post
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 
 from gateway.auth import caller_owner
 from gateway.errors import InvalidRequest
@@ -51,7 +51,12 @@ class ResponseItemsController(Controller):
         ["/v1/responses/{response_id:str}/input_items", "/responses/{response_id:str}/input_items"], responses=documented(ItemList, "its input items")
     )
     async def input_items(
-        self, request: Request, response_id: FromPath[str], limit: int = 20, order: Literal["asc", "desc"] = "desc", after: str | None = None
+        self,
+        request: Request,
+        response_id: FromPath[str],
+        limit: FromQuery[int] = 20,
+        order: FromQuery[Literal["asc", "desc"]] = "desc",
+        after: FromQuery[str | None] = None,
     ) -> Response:
         items = await request.app.state.state.store.input_items(response_id, caller_owner(request))
         if items is None:

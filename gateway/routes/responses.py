@@ -17,7 +17,6 @@ tokens), ``truncation`` (always ``disabled``: a prompt too long is a 400), ``inc
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import msgspec
 from litestar import Controller, Litestar, Request, Response, delete, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 
 from common.protocol import RequestOutput
 from gateway import core
@@ -39,6 +38,7 @@ from gateway.generation import Generator
 from gateway.logprobs import chat_logprobs
 from gateway.model_registry import ModelRegistry
 from gateway.routes.common import documented, json_response
+from gateway.routes.conversations import conversation_id
 from gateway.routes.response_runs import Turn, chunk_hook, follow, framed, input_items, not_stored, sse_stream, start_run
 from gateway.schemas import MAX_LOGPROBS
 from gateway.schemas_responses import (
@@ -164,7 +164,7 @@ class ResponsesController(Controller):
                     f"Previous response with id {req.previous_response_id!r} {what}", param="previous_response_id", code="previous_response_not_found"
                 )
             history = await state.store.history(req.previous_response_id, owner)
-        conversation = _conversation_id(req.conversation)
+        conversation = conversation_id(req.conversation)
         if conversation is not None:
             history = await _conversation_history(state, conversation, owner)
         turn_messages = input_messages(req.input)
@@ -194,13 +194,15 @@ class ResponsesController(Controller):
             pass
         if req.store:
             await state.store.writer.final(turn.record(response))
-            _fit(state, owner, response.id)
+            state.store.fit_owner_soon(owner, response.id)
         if conversation is not None:
             await turn.after(state, response)
         return json_response(response, generation.request_id)
 
     @get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], responses=documented(ResponseObject, "a stored response"))
-    async def retrieve(self, request: Request, response_id: FromPath[str], stream: bool = False, starting_after: int = -1) -> Response:
+    async def retrieve(
+        self, request: Request, response_id: FromPath[str], stream: FromQuery[bool] = False, starting_after: FromQuery[int] = -1
+    ) -> Response:
         found = await _stored(request, response_id)
         if stream:
             if not found.background and not found.running and starting_after < 0:
@@ -229,32 +231,12 @@ async def _stored(request: Request, response_id: str):  # noqa: ANN202 - a Store
     return found
 
 
-def _conversation_id(conversation: str | dict | None) -> str | None:
-    if conversation is None or isinstance(conversation, str):
-        return conversation
-    if not isinstance(conversation.get("id"), str):
-        raise InvalidRequest('`conversation` must be a conversation\'s id or {"id": ...}', param="conversation")
-    return conversation["id"]
-
-
 async def _conversation_history(state: StateService, conversation: str, owner: str) -> list[dict[str, Any]]:
     items = await state.store.conversations.items(conversation, owner)
     if items is None:
         raise NotFound(f"No conversation with id {conversation!r} is stored here", param="conversation", code="conversation_not_found")
     usable = [msgspec.convert(item, InputItem) for item in items if item.get("type") in ("message", "function_call", "function_call_output")]
     return input_messages(usable) if usable else []
-
-
-def _fit(state: StateService, owner: str, keep: str) -> None:
-    """The key's byte budget, enforced after the response went out."""
-
-    async def fit() -> None:
-        try:
-            await state.store.fit_owner(owner, keep)
-        except Exception as exc:
-            log.warning("state store: could not fit key within --state-max-key-bytes: %s", exc)
-
-    asyncio.get_running_loop().create_task(fit())
 
 
 def _generation_request(req: ResponsesRequest, prompt: list[int], rid: str, plan: ToolPlan, guide) -> GenerationRequest:  # noqa: ANN001

@@ -11,6 +11,7 @@ import time
 
 import msgspec
 from litestar import Request, Response, get
+from litestar.params import FromQuery
 
 from gateway.errors import InvalidRequest
 from gateway.routes.common import documented, json_response
@@ -25,7 +26,13 @@ class UsageReport(msgspec.Struct):
 
 
 @get("/v1/usage", responses=documented(UsageReport, "usage per key, model and day"))
-async def usage(request: Request, start: str | None = None, end: str | None = None, key: str | None = None, model: str | None = None) -> Response:
+async def usage(
+    request: Request,
+    start: FromQuery[str | None] = None,
+    end: FromQuery[str | None] = None,
+    key: FromQuery[str | None] = None,
+    model: FromQuery[str | None] = None,
+) -> Response:
     now = time.time()
     start = start or day_of(now - 29 * 86400)
     end = end or day_of(now)

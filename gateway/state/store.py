@@ -8,6 +8,7 @@ its own turn's messages, so a long conversation costs its length once, not once 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -125,6 +126,17 @@ class StateStore:
         (never ``keep``, the one just written): one client cannot push out another's. How many went."""
         excess = await self.owner_bytes(owner) - self.limits.max_key_bytes
         return await self._drop_oldest(excess, "owner = ? AND id <> ?", owner, keep) if excess > 0 else 0
+
+    def fit_owner_soon(self, owner: str, keep: str) -> None:
+        """``fit_owner`` after the response went out (a failure is logged: the next write tries again)."""
+
+        async def fit() -> None:
+            try:
+                await self.fit_owner(owner, keep)
+            except Exception as exc:
+                log.warning("state store: could not fit a key within --state-max-key-bytes: %s", exc)
+
+        asyncio.get_running_loop().create_task(fit())
 
     async def purge(self, now: float | None = None) -> dict[str, int]:
         """The background purge: expired responses (``--state-max-age``), then the oldest until the
