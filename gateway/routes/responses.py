@@ -193,8 +193,11 @@ class ResponsesController(Controller):
         async for _ in builder.events(generation, await generation.collect(request)):
             pass
         if req.store:
-            await state.store.writer.final(turn.record(response))
-            state.store.fit_owner_soon(owner, response.id)
+            try:
+                await state.store.writer.final(turn.record(response))
+                state.store.fit_owner_soon(owner, response.id)
+            except Exception as exc:  # the answer is good: give it, and say why it is not stored
+                log.error("response %s could not be stored: %s", response.id, exc)
         if conversation is not None:
             await turn.after(state, response)
         return json_response(response, generation.request_id)

@@ -14,14 +14,17 @@ Both hand back rows as tuples (asyncpg's Records index like them) and take ``byt
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
 Row = Sequence[Any]
+log = logging.getLogger(__name__)
 
 
 class Session:
@@ -66,7 +69,8 @@ class SQLiteDatabase(Database):
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         connection = await aiosqlite.connect(path, isolation_level=None)  # autocommit; transactions are explicit
-        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=10000", "foreign_keys=OFF"):
+        # secure_delete: a deleted response's bytes are overwritten in the file, not left in free pages
+        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=10000", "secure_delete=FAST"):
             await connection.execute(f"PRAGMA {pragma}")
         return cls(connection)
 
@@ -161,11 +165,20 @@ class PostgresDatabase(_PostgresSession, Database):
     dialect = "postgresql"
 
     @classmethod
-    async def open(cls, url: str, pool_size: int = 8) -> PostgresDatabase:
+    async def open(cls, url: str, pool_size: int = 8, wait_s: float = 60.0) -> PostgresDatabase:
+        """Connect, waiting up to ``wait_s`` for a server that is still starting (a fleet's gateways
+        and its database start together)."""
         import asyncpg
 
-        pool = await asyncpg.create_pool(url, min_size=1, max_size=pool_size, command_timeout=30)
-        return cls(pool)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return cls(await asyncpg.create_pool(url, min_size=1, max_size=pool_size, command_timeout=30))
+            except (OSError, asyncpg.CannotConnectNowError) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("state store: PostgreSQL not reachable yet (%s); trying again", exc)
+                await asyncio.sleep(1.0)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Session]:
