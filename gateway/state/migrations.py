@@ -47,7 +47,10 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "CREATE INDEX responses_owner_created ON responses (owner, created_at)",
             "CREATE INDEX responses_created ON responses (created_at)",
             "CREATE INDEX responses_running ON responses (status, gateway)",
-            "CREATE TABLE response_events (response_id TEXT NOT NULL, seq INTEGER NOT NULL, data {blob} NOT NULL, PRIMARY KEY (response_id, seq))",
+            # One row per response per group commit: events seq..last_seq, one JSON per line
+            "CREATE TABLE response_events (response_id TEXT NOT NULL, seq INTEGER NOT NULL, last_seq INTEGER NOT NULL, data {blob} NOT NULL,"
+            " PRIMARY KEY (response_id, seq))",
+            # ... and the worker outputs behind them (a msgpack list), for a takeover to replay
             "CREATE TABLE response_chunks (response_id TEXT NOT NULL, seq INTEGER NOT NULL, data {blob} NOT NULL, PRIMARY KEY (response_id, seq))",
             "CREATE TABLE gateways (id TEXT PRIMARY KEY, seen_at {real} NOT NULL)",
             """CREATE TABLE usage (

@@ -39,7 +39,7 @@ class Limits:
 
 
 class StateStore:
-    def __init__(self, db: Database, limits: Limits, writer_interval: float = 0.02) -> None:
+    def __init__(self, db: Database, limits: Limits, writer_interval: float = 0.1) -> None:
         self.db = db
         self.limits = limits
         self.writer = Writer(db, writer_interval)
@@ -92,12 +92,17 @@ class StateStore:
         return None if row is None else msgspec.json.decode(row[0])
 
     async def events_after(self, response_id: str, seq: int) -> list[tuple[int, bytes]]:
-        rows = await self.db.fetch("SELECT seq, data FROM response_events WHERE response_id = ? AND seq > ? ORDER BY seq", response_id, seq)
-        return [(row[0], bytes(row[1])) for row in rows]
+        """The logged events numbered above ``seq``, in order: (number, the event's JSON)."""
+        rows = await self.db.fetch("SELECT seq, data FROM response_events WHERE response_id = ? AND last_seq > ? ORDER BY seq", response_id, seq)
+        events = []
+        for first, data in rows:
+            events += [(first + i, line) for i, line in enumerate(bytes(data).split(b"\n")) if first + i > seq]
+        return events
 
     async def chunks(self, response_id: str) -> list[bytes]:
+        """The logged worker outputs (each msgpack), in order."""
         rows = await self.db.fetch("SELECT data FROM response_chunks WHERE response_id = ? ORDER BY seq", response_id)
-        return [bytes(row[0]) for row in rows]
+        return [chunk for row in rows for chunk in msgspec.msgpack.decode(bytes(row[0]), type=list[bytes])]
 
     # ---- deletes ---------------------------------------------------------------------------------
 

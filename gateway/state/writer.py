@@ -3,9 +3,10 @@
 Routes never wait on the database while tokens flow. They hand rows to ``Writer`` (a list append) and
 go on; a background task commits whatever has gathered in one transaction: a running response's
 first row, its events and token chunks as they go out, and the final row when it ends. Events alone
-wait up to ``interval`` to gather more (64 streams' deltas become one transaction instead of
-hundreds); a final row is committed at once, and its writer awaits that commit before the client is
-told the response is complete, so a continuation on any gateway finds it.
+wait up to ``interval`` to gather more, and each response's events (and chunks) of one commit go in
+one row: 64 streams' deltas become one transaction of 64 rows, not thousands of rows. A final row
+is committed at once, and its writer awaits that commit before the client is told the response is
+complete, so a continuation on any gateway finds it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,26 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from gateway.state.db import Database
 from gateway.state.records import INSERT, UPSERT, ResponseRecord
 
 log = logging.getLogger(__name__)
+_list_encoder = msgspec.msgpack.Encoder()
+
+
+def _grouped(rows: list[tuple[str, int, bytes]]) -> list[tuple[str, int, int, list[bytes]]]:
+    """(response, seq, data) rows as one (response, first seq, last seq, datas) per response."""
+    groups: dict[str, tuple[str, int, int, list[bytes]]] = {}
+    for response_id, seq, data in rows:
+        group = groups.get(response_id)
+        if group is None:
+            groups[response_id] = (response_id, seq, seq, [data])
+        else:
+            group[3].append(data)
+            groups[response_id] = (response_id, group[1], seq, group[3])
+    return list(groups.values())
 
 
 @dataclass
@@ -35,11 +52,12 @@ class _Batch:
 
 
 class Writer:
-    def __init__(self, db: Database, interval: float = 0.02) -> None:
+    def __init__(self, db: Database, interval: float = 0.1) -> None:
         self.db = db
         self.interval = interval
         self._batch = _Batch()
         self._wake = asyncio.Event()
+        self._urgent = asyncio.Event()  # a final row or a sync waits: commit now, not after the interval
         self._task: asyncio.Task | None = None
         self.commits = 0  # transactions committed (the figures in the README come from these)
         self.rows = 0
@@ -81,6 +99,7 @@ class Writer:
         waiter = asyncio.get_running_loop().create_future()
         self._batch.waiters.append(waiter)
         self._wake.set()
+        self._urgent.set()
         await waiter
 
     async def final(self, record: ResponseRecord) -> None:
@@ -89,21 +108,25 @@ class Writer:
         self._batch.finals.append(record)
         self._batch.waiters.append(waiter)
         self._wake.set()
+        self._urgent.set()
         await waiter
 
     def _take(self) -> _Batch:
         batch, self._batch = self._batch, _Batch()
         self._wake.clear()
+        self._urgent.clear()
         return batch
 
     async def _run(self) -> None:
         last = 0.0
         while True:
             await self._wake.wait()
-            if not (self._batch.finals or self._batch.waiters):  # events only: let more gather, up to interval after the last commit
-                delay = last + self.interval - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+            delay = last + self.interval - time.monotonic()
+            if delay > 0 and not self._urgent.is_set():  # events only: let more gather, up to interval after the last commit
+                try:
+                    await asyncio.wait_for(self._urgent.wait(), delay)
+                except TimeoutError:
+                    pass
             batch = self._take()
             if not batch:
                 continue
@@ -122,9 +145,13 @@ class Writer:
             if batch.starts:
                 await tx.executemany(INSERT + " ON CONFLICT (id) DO NOTHING", batch.starts)
             if batch.events:
-                await tx.executemany("INSERT INTO response_events (response_id, seq, data) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", batch.events)
+                rows = [(rid, first, last, b"\n".join(datas)) for rid, first, last, datas in _grouped(batch.events)]
+                await tx.executemany(
+                    "INSERT INTO response_events (response_id, seq, last_seq, data) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING", rows
+                )
             if batch.chunks:
-                await tx.executemany("INSERT INTO response_chunks (response_id, seq, data) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", batch.chunks)
+                rows = [(rid, first, _list_encoder.encode(datas)) for rid, first, _, datas in _grouped(batch.chunks)]
+                await tx.executemany("INSERT INTO response_chunks (response_id, seq, data) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", rows)
             now = time.time()
             for record in batch.finals:
                 await tx.execute(UPSERT, *record.row(now))
