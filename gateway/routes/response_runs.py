@@ -89,7 +89,10 @@ class Turn:
     conversation: str | None = None
 
     async def after(self, state: StateService, response: ResponseObject) -> None:
-        """A response in a conversation adds its input and output items to it once it ended."""
+        """Once it is stored: its key's byte budget, and a response in a conversation adds its input
+        and output items to it."""
+        if response.store:
+            state.store.fit_owner_soon(self.owner, response.id)
         if self.conversation is not None and response.status in ("completed", "incomplete"):
             items = msgspec.json.decode(self.items) + [msgspec.to_builtins(item) for item in response.output]
             await state.store.conversations.add(self.conversation, self.owner, items)

@@ -195,11 +195,9 @@ class ResponsesController(Controller):
         if req.store:
             try:
                 await state.store.writer.final(turn.record(response))
-                state.store.fit_owner_soon(owner, response.id)
             except Exception as exc:  # the answer is good: give it, and say why it is not stored
                 log.error("response %s could not be stored: %s", response.id, exc)
-        if conversation is not None:
-            await turn.after(state, response)
+        await turn.after(state, response)
         return json_response(response, generation.request_id)
 
     @get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], responses=documented(ResponseObject, "a stored response"))

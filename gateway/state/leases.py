@@ -53,6 +53,17 @@ class Leases:
         )
         return [(row[0], row[1]) for row in rows]
 
+    async def abandoned(self, older_than_s: float) -> list[str]:
+        """Plain streams whose gateway died and that no client resumed within ``older_than_s``:
+        dropped, as a stream whose client left is (a background one is always taken over)."""
+        rows = await self.db.fetch(
+            "SELECT r.id FROM responses r LEFT JOIN gateways g ON g.id = r.gateway"
+            " WHERE r.status IN ('queued', 'in_progress') AND r.background = 0 AND r.updated_at < ? AND (g.id IS NULL OR g.seen_at < ?)",
+            time.time() - older_than_s,
+            time.time() - self.lease_s,
+        )
+        return [row[0] for row in rows]
+
     async def cancel_requests(self) -> list[str]:
         rows = await self.db.fetch(
             "SELECT id FROM responses WHERE gateway = ? AND cancel = 1 AND status IN ('queued', 'in_progress')", self.gateway_id

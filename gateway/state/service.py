@@ -15,6 +15,7 @@ from gateway.state.usage import UsageMeter
 
 log = logging.getLogger(__name__)
 
+ABANDONED_S = 600.0  # a plain stream of a dead gateway that nobody resumed this long is dropped
 # Continue a response a dead gateway was running: (response id, the dead gateway) -> started here or not.
 TakeOver = Callable[[str, str], Awaitable[bool]]
 
@@ -73,5 +74,8 @@ class StateService:
         if purge:
             counts = await self.store.purge()
             await self.leases.forget_dead()
+            abandoned = await self.leases.abandoned(ABANDONED_S)
+            if abandoned:
+                await self.store.delete_ids(abandoned)
             if any(counts.values()):
                 log.info("state store purge: %d expired, %d evicted over --state-max-bytes", counts["expired"], counts["evicted"])

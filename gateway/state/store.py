@@ -115,7 +115,7 @@ class StateStore:
                 await tx.execute("DELETE FROM response_chunks WHERE response_id = ?", response_id)
         return bool(found)
 
-    async def _delete_ids(self, ids: list[str]) -> None:
+    async def delete_ids(self, ids: list[str]) -> None:
         async with self.db.transaction() as tx:
             for table, column in (("responses", "id"), ("response_events", "response_id"), ("response_chunks", "response_id")):
                 await tx.executemany(f"DELETE FROM {table} WHERE {column} = ?", [(i,) for i in ids])
@@ -151,7 +151,7 @@ class StateStore:
         cutoff = int(now - self.limits.max_age_s)
         expired = [row[0] for row in await self.db.fetch("SELECT id FROM responses WHERE created_at < ?", cutoff)]
         if expired:
-            await self._delete_ids(expired)
+            await self.delete_ids(expired)
         await self.conversations.purge(cutoff)
         row = await self.db.fetchone("SELECT COALESCE(SUM(bytes), 0) FROM responses")
         excess = int(row[0]) - self.limits.max_bytes if row else 0
@@ -169,7 +169,7 @@ class StateStore:
             ids.append(response_id)
             excess -= int(size)
         if ids:
-            await self._delete_ids(ids)
+            await self.delete_ids(ids)
         return len(ids)
 
     async def total_bytes(self) -> int:

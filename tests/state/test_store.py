@@ -167,6 +167,9 @@ def test_a_dead_gateways_run_is_claimed_by_one_gateway(url):
         start = record("orphan", owner_of("k"))
         start.status, start.background, start.request, start.gateway = "in_progress", True, b"{}", dead.gateway_id
         dead.writer.started(start)
+        plain = record("plain", owner_of("k"))
+        plain.status, plain.request, plain.gateway = "in_progress", b"{}", dead.gateway_id
+        dead.writer.started(plain)
         await dead.writer.final(record("other", owner_of("k")))  # flushes the start row with it
         assert await leases[1].orphans() == []
         await asyncio.sleep(0.6)
@@ -176,6 +179,8 @@ def test_a_dead_gateways_run_is_claimed_by_one_gateway(url):
         assert await leases[1].orphans() == [("orphan", dead.gateway_id)]
         won = await asyncio.gather(leases[1].claim("orphan", dead.gateway_id), leases[2].claim("orphan", dead.gateway_id))
         assert sorted(won) == [False, True]
+        # A plain stream nobody resumed is not taken over: it is dropped, once old enough.
+        assert await leases[1].abandoned(3600) == [] and await leases[1].abandoned(0) == ["plain"]
         for store in stores:
             await store.close()
 
