@@ -69,6 +69,7 @@ class Supervisor:
     def __init__(self, args: argparse.Namespace) -> None:
         base = dict(os.environ)
         gateway_env = {**base, **flags_to_env(args, ALL_GATEWAY_FLAGS)}
+        gateway_env["LLMPOOL_CACHE_DIR"] = args.cache_dir  # the default state store lives there too (--state-url)
         worker_env = {**base, **flags_to_env(args, ALL_GATEWAY_FLAGS), **flags_to_env(args, _SERVE_WORKER_FLAGS)}
         worker_env["LLMPOOL_GATEWAY_ADDRESS"] = connect_address(args.zmq_bind)
         models = parse_models(args.models)
