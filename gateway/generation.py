@@ -160,7 +160,7 @@ class Generator:
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes)
         trace = tracing.generation(request)  # before the submit: it puts the trace context in the request
         try:
-            stream = self.client.submit(request, self.model_name)
+            stream = self.client.submit(request, self.model_name, trace)
         except BaseException:
             trace.end("error")
             raise

@@ -14,7 +14,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.admission import Admission
-from gateway.worker_client import WorkerClient
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
 KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/workers", "/metrics"}
@@ -23,7 +22,8 @@ KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health
 class Metrics:
     """The gateway's own registry (not the process-global one), so several apps can live in one process."""
 
-    def __init__(self, client: WorkerClient, admission: Admission) -> None:
+    def __init__(self, snapshot: Callable[[], dict], admission: Admission) -> None:
+        """``snapshot``: the pool as /workers shows it (``WorkerClient.snapshot``), read at each scrape."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter("llmpool_http_requests", "HTTP responses by path and status", ["path", "status"], registry=r)
@@ -36,7 +36,7 @@ class Metrics:
         self.ttft = Histogram("llmpool_time_to_first_token_seconds", "Submit to first token", model, buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("llmpool_inter_token_latency_seconds", "Gap between tokens, per token", model, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("llmpool_e2e_request_latency_seconds", "Submit to last token", model, buckets=LATENCY_BUCKETS, registry=r)
-        r.register(PoolCollector(client, admission))
+        r.register(PoolCollector(snapshot, admission))
 
     def path_label(self, path: str) -> str:
         return path if path in KNOWN_PATHS else "other"
@@ -48,12 +48,12 @@ class Metrics:
 class PoolCollector(Collector):
     """Per-worker gauges from the latest heartbeats, read when Prometheus scrapes."""
 
-    def __init__(self, client: WorkerClient, admission: Admission) -> None:
-        self.client = client
+    def __init__(self, snapshot: Callable[[], dict], admission: Admission) -> None:
+        self.snapshot = snapshot
         self.admission = admission
 
     def collect(self) -> Iterator:
-        snapshot = self.client.snapshot()
+        snapshot = self.snapshot()
         workers = snapshot["workers"]
         gauges = {
             "running": GaugeMetricFamily("llmpool_worker_running", "Sequences in the worker's running batch", labels=["worker", "model"]),
