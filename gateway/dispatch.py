@@ -313,7 +313,7 @@ class Dispatcher:
         """Every heartbeat interval: judge the workers (expired, hung), end orphans that waited too
         long, tend the joiners, and heartbeat every worker still registered."""
         now = self.clock()
-        self._forgive(now - self._last_tick - self.interval)
+        self.roster.forgive(now - self._last_tick - self.interval)
         self._last_tick = now
         for stream, reason, since in list(self._orphans.values()):
             if stream.finished or now - since > self.interval * self.liveness:
@@ -328,19 +328,6 @@ class Dispatcher:
                 self._purge(worker, f"worker {worker.ready.worker_name} made no progress for {self.hung_timeout:g} s")
             else:
                 self.outbox.append((worker.identity, GATEWAY_HEARTBEAT))
-
-    def _forgive(self, late: float) -> None:
-        """Liveness counts the time since a worker's last message was *read*. A tick that comes
-        ``late`` (this process was stopped, or its loop blocked) means nothing was read meanwhile:
-        the workers' messages wait in the socket, so that time is nobody's silence. Move their
-        deadlines by it; the receive loop reads the backlog before the next tick judges."""
-        if late <= 0:
-            return
-        if late > self.interval:
-            log.warning("the gateway did not run for %.1f s; not counting that against its workers", late)
-        for worker in self.roster.workers.values():
-            worker.expiry += late
-            worker.last_progress += late
 
     def stop(self, reason: str) -> None:
         """End every open request with ``reason``."""

@@ -135,6 +135,19 @@ class Roster:
         self.departures += 1
         return True
 
+    def forgive(self, late: float) -> None:
+        """Liveness counts the time since a worker's last message was *read*. A tick that comes
+        ``late`` (this process was stopped, or its loop blocked) means nothing was read meanwhile:
+        the workers' messages wait in the socket, so that time is nobody's silence. Move their
+        deadlines by it; the receive loop reads the backlog before the next tick judges."""
+        if late <= 0:
+            return
+        if late > self.interval:
+            log.warning("the gateway did not run for %.1f s; not counting that against its workers", late)
+        for worker in self.workers.values():
+            worker.expiry += late
+            worker.last_progress += late
+
     # ---- joining: learning a model's tokenizer ---------------------------------------------------
 
     def _ask_description(self, pool: ModelPool, now: float) -> None:

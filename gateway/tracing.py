@@ -227,8 +227,8 @@ def middleware(app: Any) -> Any:
     return traced
 
 
-def describe_request(model: str, req: GenerationRequest) -> None:
-    """GenAI request attributes on the request span, once the request is read and tokenized."""
+def describe_request(model: str, req: GenerationRequest, prompts: list[list[int]]) -> None:
+    """GenAI request attributes on the request span, once the request is checked and tokenized."""
     request = _current.get()
     if request is None:
         return
@@ -237,7 +237,7 @@ def describe_request(model: str, req: GenerationRequest) -> None:
         "gen_ai.request.model": model,
         "gen_ai.response.model": model,
         "gen_ai.request.choice.count": req.n,
-        "gen_ai.usage.input_tokens": sum(len(p) for p in req.prompts),
+        "gen_ai.usage.input_tokens": sum(len(p) for p in prompts),
         "llmpool.request_id": req.request_id,
     }
     optional = {
@@ -248,7 +248,7 @@ def describe_request(model: str, req: GenerationRequest) -> None:
         "gen_ai.request.seed": sampling.seed,
         "gen_ai.request.presence_penalty": sampling.presence_penalty,
         "gen_ai.request.frequency_penalty": sampling.frequency_penalty,
-        "gen_ai.request.stop_sequences": req.stops or None,
+        "gen_ai.request.stop_sequences": ([req.stop] if isinstance(req.stop, str) else req.stop) or None,
         "gen_ai.request.stream": getattr(sampling, "stream", None),
     }
     attributes.update({k: v for k, v in optional.items() if v is not None})

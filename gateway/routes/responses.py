@@ -17,10 +17,8 @@ tokens), ``truncation`` (always ``disabled``: a prompt too long is a 400), ``inc
 
 from __future__ import annotations
 
-import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -30,33 +28,14 @@ from litestar.params import FromPath, JSONBody
 
 from gateway import core
 from gateway.conversation_checks import ToolCallLedger, json_arguments, not_empty, required_text
-from gateway.core import LENGTH, Finish, GenerationRequest, Text, ToolCallDelta
-from gateway.errors import GatewayError, InvalidRequest, NotFound
+from gateway.core import GenerationRequest
+from gateway.errors import InvalidRequest, NotFound
 from gateway.generation import Generator
-from gateway.logprobs import chat_logprobs
 from gateway.model_registry import ModelRegistry
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.routes.common import documented, event_stream, json_response
-from gateway.schemas import MAX_LOGPROBS
-from gateway.schemas_responses import (
-    DeletedResponse,
-    FunctionCallItem,
-    IncompleteDetails,
-    InputItem,
-    InputPart,
-    InputTokensDetails,
-    Logprob,
-    OutputMessage,
-    OutputText,
-    OutputTokensDetails,
-    ResponseError,
-    ResponseObject,
-    ResponsesRequest,
-    ResponseUsage,
-    TextConfig,
-)
-from gateway.tools import ToolPlan, tool_plan
-from gateway.validation import format_guide, request_id
+from gateway.routes.response_output import Output, output_messages
+from gateway.schemas_responses import DeletedResponse, InputItem, InputPart, ResponseObject, ResponsesRequest, TextConfig
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -109,43 +88,38 @@ def input_messages(items: str | list[InputItem], history: list[dict[str, Any]] =
     return messages
 
 
-def output_messages(output: list) -> list[dict[str, Any]]:
-    """A response's output as the chat messages that continue its conversation."""
-    message: dict[str, Any] = {"role": "assistant", "content": ""}
-    for item in output:
-        if isinstance(item, OutputMessage):
-            message["content"] += "".join(part.text for part in item.content)
-        else:
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-            message.setdefault("tool_calls", []).append(call)
-    return [message]
-
-
-def _tools(req: ResponsesRequest) -> ToolPlan:
-    """Function tools in the chat shape the core's tool plan reads; built-in tools are a 400."""
+def generation_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> GenerationRequest:
+    """The body in the core's terms, ``conversation`` being the chat messages of the history and
+    the input; only the Responses dialect's own shapes are checked here."""
+    for name, value in (("background", req.background), ("conversation", req.conversation), ("prompt", req.prompt)):
+        if value:
+            raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
     functions = []
-    for i, tool in enumerate(req.tools or []):
+    for i, tool in enumerate(req.tools or []):  # in chat's shape, without null fields (the template and the Hermes prompt want none)
         if tool.type != "function":
             raise InvalidRequest(f"`tools[{i}].type` {tool.type!r} is not supported: only function tools are", param=f"tools[{i}].type")
-        functions.append({"type": "function", "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters}})
+        function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+        functions.append({"type": "function", "function": {k: v for k, v in function.items() if k != "description" or v is not None}})
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function":
             raise InvalidRequest('`tool_choice` must be none, auto, required or {"type": "function", "name": ...}', param="tool_choice")
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    plan = tool_plan(functions, choice, req.parallel_tool_calls, "tools[{}].name")
-    for tool in plan.tools:  # the template and the Hermes prompt want no null fields
-        if tool.get("description") is None:
-            tool.pop("description", None)
-    return plan
-
-
-def _refuse_unsupported(req: ResponsesRequest) -> None:
-    for name, value in (("background", req.background), ("conversation", req.conversation), ("prompt", req.prompt)):
-        if value:
-            raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-        raise InvalidRequest(f"`top_logprobs` must be between 0 and {MAX_LOGPROBS}; got {req.top_logprobs}", param="top_logprobs")
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    return GenerationRequest(
+        sampling=req,
+        messages=system + conversation,
+        max_tokens=req.max_output_tokens,
+        max_tokens_param="max_output_tokens",
+        response_format=msgspec.structs.asdict(req.text.format) if req.text else None,
+        format_param="text.format",
+        tools=functions,
+        tool_choice=choice,
+        parallel_tool_calls=req.parallel_tool_calls,
+        tool_name_param="tools[{}].name",
+        logprobs=req.top_logprobs,
+        logprobs_param="top_logprobs",
+    )
 
 
 class ResponsesController(Controller):
@@ -156,7 +130,6 @@ class ResponsesController(Controller):
         req = data
         store: ResponseStore = request.app.state.response_store
         generator = models.get(req.model)
-        _refuse_unsupported(req)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             previous = store.get(req.previous_response_id)
@@ -168,26 +141,9 @@ class ResponsesController(Controller):
                 )
             history = previous.conversation
         conversation = history + input_messages(req.input, history)
-        plan = _tools(req)
-        guide = format_guide(msgspec.structs.asdict(req.text.format) if req.text else None, "text.format")
-        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        prompt = await core.chat_prompt(generator, system + conversation, plan)
-        generation = await core.start(
-            generator,
-            GenerationRequest(
-                prompts=[prompt],
-                sampling=req,
-                max_tokens=req.max_output_tokens,
-                request_id=request_id(request.headers.get("x-request-id")),
-                max_tokens_param="max_output_tokens",
-                guide=guide,
-                tools=plan,
-                logprobs=req.top_logprobs,
-            ),
-            request,
-        )
+        generation = await core.start(generator, generation_request(req, conversation), request)
         response = _envelope(generator, req)
-        builder = _Output(generator, response, req.top_logprobs is not None)
+        builder = Output(generator, response, req.top_logprobs is not None)
         if req.stream:
             return event_stream(builder.stream(generation, store, conversation), generation.request_id, named=True)
         async for _ in builder.events(generation, await generation.collect(request)):
@@ -241,150 +197,3 @@ def _envelope(generator: Generator, req: ResponsesRequest) -> ResponseObject:
         metadata=req.metadata or {},
         user=req.user,
     )
-
-
-class _Output:
-    """Builds the output items from the core's events, as the stream's events (the non-streamed
-    answer is the same walk over the collected choice, its events dropped)."""
-
-    def __init__(self, generator: Generator, response: ResponseObject, with_logprobs: bool) -> None:
-        self.generator = generator
-        self.response = response
-        self.with_logprobs = with_logprobs
-        self._sequence = itertools.count()
-        self._open: OutputMessage | FunctionCallItem | None = None
-
-    def event(self, kind: str, **fields: Any) -> dict:
-        return {"type": kind, "sequence_number": next(self._sequence), **fields}
-
-    async def stream(self, generation: core.Generation, store: ResponseStore, conversation: list[dict]) -> AsyncIterator[dict]:
-        yield self.event("response.created", response=self.response)
-        yield self.event("response.in_progress", response=self.response)
-        try:
-            async for event in self.events(generation, None):
-                yield event
-        except GatewayError as exc:
-            self.response.status = "failed"
-            self.response.error = ResponseError(exc.error_type, exc.message)
-            yield self.event("response.failed", response=self.response)
-            return
-        if self.response.store:
-            store.put(self.response.id, StoredResponse(self.response, conversation + output_messages(self.response.output)))
-
-    async def events(self, generation: core.Generation, choices: list[core.Choice] | None) -> AsyncIterator[dict]:
-        """The items' events, from the live stream (``choices`` None) or from a collected choice."""
-        finish: Finish | None = None
-        async for event in _replay(choices[0]) if choices else generation.events():
-            if isinstance(event, Text) and (event.text or event.logprobs):
-                for out in self._text(event):
-                    yield out
-            elif isinstance(event, ToolCallDelta):
-                for out in self._call(event):
-                    yield out
-            elif isinstance(event, Finish):
-                finish = event
-        if not self.response.output:  # nothing at all was said: an empty message, as OpenAI answers
-            for out in self._text(Text(0, "")):
-                yield out
-        incomplete = finish is not None and finish.reason == LENGTH
-        for out in self._close("incomplete" if incomplete else "completed"):
-            yield out
-        usage = finish.usage if finish else core.Usage()
-        self.response.usage = ResponseUsage(
-            input_tokens=usage.prompt_tokens,
-            input_tokens_details=InputTokensDetails(usage.cached_tokens),
-            output_tokens=usage.completion_tokens,
-            output_tokens_details=OutputTokensDetails(0),
-            total_tokens=usage.total_tokens,
-        )
-        self.response.status = "incomplete" if incomplete else "completed"
-        self.response.incomplete_details = IncompleteDetails("max_output_tokens") if incomplete else None
-        yield self.event(f"response.{self.response.status}", response=self.response)
-
-    def _text(self, event: Text) -> list[dict]:
-        out = []
-        if not isinstance(self._open, OutputMessage):
-            out += self._close("completed")
-            self._open = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
-            self.response.output.append(self._open)
-            out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
-            self._open.content.append(OutputText(text=""))
-            out.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=self._open.id,
-                    output_index=len(self.response.output) - 1,
-                    content_index=0,
-                    part=self._open.content[0],
-                )
-            )
-        part = self._open.content[0]
-        logprobs = self._logprobs(event)
-        part.text += event.text
-        part.logprobs.extend(logprobs)
-        if event.text or logprobs:
-            out.append(
-                self.event(
-                    "response.output_text.delta",
-                    item_id=self._open.id,
-                    output_index=len(self.response.output) - 1,
-                    content_index=0,
-                    delta=event.text,
-                    logprobs=logprobs,
-                )
-            )
-        return out
-
-    def _logprobs(self, event: Text) -> list[Logprob]:
-        if not self.with_logprobs:
-            return []
-        return [msgspec.convert(entry, Logprob) for entry in chat_logprobs(self.generator.token_texts, event.logprobs)["content"]]
-
-    def _call(self, event: ToolCallDelta) -> list[dict]:
-        out = []
-        call = event.call
-        if call.id is not None:
-            out += self._close("completed")
-            self._open = FunctionCallItem(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=call.name or "", arguments="", status="in_progress")
-            self.response.output.append(self._open)
-            out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
-        item = self._open
-        if isinstance(item, FunctionCallItem) and call.arguments:
-            item.arguments += call.arguments
-            out.append(
-                self.event(
-                    "response.function_call_arguments.delta", item_id=item.id, output_index=len(self.response.output) - 1, delta=call.arguments
-                )
-            )
-        return out
-
-    def _close(self, status: str) -> list[dict]:
-        """The done events of the open item, if any."""
-        item, self._open = self._open, None
-        if item is None:
-            return []
-        index = self.response.output.index(item)
-        out = []
-        if isinstance(item, OutputMessage):
-            part = item.content[0]
-            out.append(
-                self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text, logprobs=part.logprobs)
-            )
-            out.append(self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part))
-        else:
-            out.append(
-                self.event("response.function_call_arguments.done", item_id=item.id, output_index=index, name=item.name, arguments=item.arguments)
-            )
-        item.status = status
-        out.append(self.event("response.output_item.done", output_index=index, item=item))
-        return out
-
-
-async def _replay(choice: core.Choice) -> AsyncIterator[core.Event]:
-    """A collected choice as the events that made it."""
-    if choice.text or choice.logprobs:
-        yield Text(0, choice.text if not choice.tool_calls else (choice.content or ""), choice.logprobs)
-    for i, call in enumerate(choice.tool_calls):
-        yield ToolCallDelta(0, call.delta(i))
-    if choice.finish is not None:
-        yield choice.finish

@@ -117,6 +117,19 @@ def test_a_silent_worker_expires_its_requests_fail_after_waiting_for_another_and
     assert pool.dispatch.snapshot()["departures"] == 1
 
 
+def test_a_pause_of_the_gateway_counts_against_no_worker():
+    """A tick that comes late (the gateway's process was stopped) moves every deadline by the
+    lateness: the workers' messages waited in the socket, unread."""
+    pool = Pool()
+    pool.join("a")
+    pool.tick(10.0)  # 9 s late: the 3 s deadline moves with it
+    pool.tick()
+    pool.tick()
+    assert pool.dispatch.roster.workers
+    pool.tick()  # then 3 s of real silence
+    assert not pool.dispatch.roster.workers
+
+
 def test_an_orphaned_request_resumes_on_the_next_worker_to_register():
     pool = Pool()
     a = pool.join("a")
