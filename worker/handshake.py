@@ -147,10 +147,6 @@ class GatewayLink:
                 return
             self.unsent.popleft()
 
-    def watch(self, poller: zmq.Poller) -> None:
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-
     def stirred(self, events: dict) -> bool:
         """Whether the poll saw a message or a handshake event on this link."""
         return self.sock is not None and (self.sock in events or self.monitor in events)
