@@ -89,13 +89,21 @@ class Dispatcher:
             "affinity_hits": self.affinity.hits if self.affinity else 0,
         }
 
-    def submit(self, request: NewRequest, model: str, trace: Trace = UNTRACED) -> RequestStream:
+    def submit(self, request: NewRequest, model: str, trace: Trace = UNTRACED, delivered: list[int] | None = None) -> RequestStream:
         """Queue a request for a worker of ``model`` (sent at the next ``flush``); its outputs arrive
-        on the returned stream."""
+        on the returned stream. ``delivered``: tokens another gateway already delivered (it died):
+        the request continues after them as a dead worker's requests resume, its counts as if it had
+        run here throughout."""
         if not self.roster.available(model, self.clock()):
             raise NoWorkerAvailable(f"no worker of `{model}` is taking requests; start one with `llmpool worker --model ...`")
         stream = RequestStream(request, model, trace)
         self.streams[request.request_id] = stream
+        if delivered:
+            stream.generated, stream.offset = list(delivered), len(delivered)
+            request = stream.resumed_request()
+            if request.max_new_tokens <= 0:
+                self._finish_delivered(stream)
+                return stream
         self._assign(stream, request)
         return stream
 
@@ -294,10 +302,8 @@ class Dispatcher:
             self.end(stream, GenerationFailed(f"{reason}; the request was moved {stream.retries} times already"))
             return
         request = stream.resumed_request()
-        if request.max_new_tokens <= 0:  # every token was delivered, only the finish was lost
-            final = RequestOutput(stream.request_id, [], FinishReason.LENGTH, len(stream.request.prompt_token_ids), len(stream.generated))
-            stream.queue.put_nowait(final)
-            self.end(stream, None)
+        if request.max_new_tokens <= 0:
+            self._finish_delivered(stream)
             return
         stream.retries += 1
         stream.offset = len(stream.generated)
@@ -308,6 +314,12 @@ class Dispatcher:
         self.resumed += 1
         stream.trace.resumed(reason, stream.retries, stream.offset)
         self._assign(stream, request)
+
+    def _finish_delivered(self, stream: RequestStream) -> None:
+        """Every token was delivered, only the finish was lost: it ends at its length."""
+        final = RequestOutput(stream.request_id, [], FinishReason.LENGTH, len(stream.request.prompt_token_ids), len(stream.generated))
+        stream.queue.put_nowait(final)
+        self.end(stream, None)
 
     def tick(self) -> None:
         """Every heartbeat interval: judge the workers (expired, hung), end orphans that waited too

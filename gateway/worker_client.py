@@ -135,10 +135,10 @@ class WorkerClient:
     def snapshot(self) -> dict:
         return {**self.dispatch.snapshot(), "dropped_frames": self.dropped_frames}
 
-    def submit(self, request: NewRequest, model: str, trace: Trace = UNTRACED) -> RequestStream:
+    def submit(self, request: NewRequest, model: str, trace: Trace = UNTRACED, delivered: list[int] | None = None) -> RequestStream:
         """Send a request to a worker of ``model`` (at the end of this loop tick, with the others of
-        the tick); its outputs arrive on the returned stream."""
-        stream = self.dispatch.submit(request, model, trace)
+        the tick); its outputs arrive on the returned stream. ``delivered``: see ``Dispatcher.submit``."""
+        stream = self.dispatch.submit(request, model, trace, delivered)
         self._busy.set()
         if not self._flush_scheduled:
             self._flush_scheduled = True

@@ -31,6 +31,13 @@ def main(argv: list[str] | None = None) -> None:
     stepper = StepThread()  # steps run off the socket thread, on the thread that loads the model
     engine = stepper.call(build_engine, source, config)
     runner = engine.runner
+    team = None
+    if config.adaptive_threads and runner.device.type == "cpu":
+        import torch
+
+        from worker.threads import AdaptiveTeam
+
+        team = AdaptiveTeam(runner.threads, torch.set_num_threads)  # set on the engine thread, in its steps
     proc = WorkerProc(
         engine,
         config.gateway_address,
@@ -44,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None,
         bundle,
         stepper,
+        team,
     )
     proc.install_signal_handlers()
     # Everything loaded so far (model modules, tokenizer, torch's own objects) lives as long as the

@@ -1,11 +1,12 @@
 """A Responses API answer built from the core's events: its output items (a ``message`` with
 ``output_text``, a ``function_call`` per call) and, streamed, OpenAI's typed events in order, each
-with an increasing ``sequence_number``."""
+with an increasing ``sequence_number``, encoded as they are made (``gateway.state.runs.Event``).
+Item ids derive from the response's id and the item's place, so a gateway that takes a response
+over and replays it makes the same events."""
 
 from __future__ import annotations
 
 import itertools
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,6 @@ from gateway.core import LENGTH, Finish, Text, ToolCallDelta
 from gateway.errors import GatewayError
 from gateway.generation import Generator
 from gateway.logprobs import chat_logprobs
-from gateway.response_store import ResponseStore, StoredResponse
 from gateway.schemas_responses import (
     FunctionCallItem,
     IncompleteDetails,
@@ -29,18 +29,9 @@ from gateway.schemas_responses import (
     ResponseObject,
     ResponseUsage,
 )
+from gateway.state.runs import Event
 
-
-def output_messages(output: list) -> list[dict[str, Any]]:
-    """A response's output as the chat messages that continue its conversation."""
-    message: dict[str, Any] = {"role": "assistant", "content": ""}
-    for item in output:
-        if isinstance(item, OutputMessage):
-            message["content"] += "".join(part.text for part in item.content)
-        else:
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-            message.setdefault("tool_calls", []).append(call)
-    return [message]
+_encoder = msgspec.json.Encoder()
 
 
 class Output:
@@ -54,10 +45,16 @@ class Output:
         self._sequence = itertools.count()
         self._open: OutputMessage | FunctionCallItem | None = None
 
-    def event(self, kind: str, **fields: Any) -> dict:
-        return {"type": kind, "sequence_number": next(self._sequence), **fields}
+    def event(self, kind: str, **fields: Any) -> Event:
+        """The event as JSON now: later changes to the items it names (text growing) are not in it."""
+        seq = next(self._sequence)
+        return Event(kind, seq, _encoder.encode({"type": kind, "sequence_number": seq, **fields}))
 
-    async def stream(self, generation: core.Generation, store: ResponseStore, conversation: list[dict]) -> AsyncIterator[dict]:
+    def _item_id(self, prefix: str) -> str:
+        """Ids that come out the same when a gateway replays this response after a takeover."""
+        return f"{prefix}_{self.response.id.removeprefix('resp_')}{len(self.response.output):04x}"
+
+    async def stream(self, generation: core.Generation) -> AsyncIterator[Event]:
         yield self.event("response.created", response=self.response)
         yield self.event("response.in_progress", response=self.response)
         try:
@@ -67,11 +64,8 @@ class Output:
             self.response.status = "failed"
             self.response.error = ResponseError(exc.error_type, exc.message)
             yield self.event("response.failed", response=self.response)
-            return
-        if self.response.store:
-            store.put(self.response.id, StoredResponse(self.response, conversation + output_messages(self.response.output)))
 
-    async def events(self, generation: core.Generation, choices: list[core.Choice] | None) -> AsyncIterator[dict]:
+    async def events(self, generation: core.Generation, choices: list[core.Choice] | None) -> AsyncIterator[Event]:
         """The items' events, from the live stream (``choices`` None) or from a collected choice."""
         finish: Finish | None = None
         async for event in _replay(choices[0]) if choices else generation.events():
@@ -101,11 +95,11 @@ class Output:
         self.response.incomplete_details = IncompleteDetails("max_output_tokens") if incomplete else None
         yield self.event(f"response.{self.response.status}", response=self.response)
 
-    def _text(self, event: Text) -> list[dict]:
+    def _text(self, event: Text) -> list[Event]:
         out = []
         if not isinstance(self._open, OutputMessage):
             out += self._close("completed")
-            self._open = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
+            self._open = OutputMessage(id=self._item_id("msg"), status="in_progress", content=[])
             self.response.output.append(self._open)
             out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
             self._open.content.append(OutputText(text=""))
@@ -118,7 +112,7 @@ class Output:
             out.append(self._part_event("response.output_text.delta", delta=event.text, logprobs=logprobs))
         return out
 
-    def _part_event(self, kind: str, **fields: Any) -> dict:
+    def _part_event(self, kind: str, **fields: Any) -> Event:
         """An event of the text part of the message being written (the last output item)."""
         return self.event(kind, item_id=self._open.id, output_index=len(self.response.output) - 1, content_index=0, **fields)  # type: ignore[union-attr]
 
@@ -127,12 +121,13 @@ class Output:
             return []
         return [msgspec.convert(entry, Logprob) for entry in chat_logprobs(self.generator.token_texts, event.logprobs)["content"]]
 
-    def _call(self, event: ToolCallDelta) -> list[dict]:
+    def _call(self, event: ToolCallDelta) -> list[Event]:
         out = []
         call = event.call
         if call.id is not None:
             out += self._close("completed")
-            self._open = FunctionCallItem(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=call.name or "", arguments="", status="in_progress")
+            call_id = self._item_id("call")
+            self._open = FunctionCallItem(id=self._item_id("fc"), call_id=call_id, name=call.name or "", arguments="", status="in_progress")
             self.response.output.append(self._open)
             out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
         item = self._open
@@ -145,7 +140,7 @@ class Output:
             )
         return out
 
-    def _close(self, status: str) -> list[dict]:
+    def _close(self, status: str) -> list[Event]:
         """The done events of the open item, if any."""
         item, self._open = self._open, None
         if item is None:

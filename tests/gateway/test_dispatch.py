@@ -318,6 +318,27 @@ def test_a_lost_output_is_noticed_and_the_request_resumes_from_what_was_delivere
     assert stream.finished and pool.dispatch.resumed == 1
 
 
+def test_a_request_taken_over_from_a_dead_gateway_continues_after_the_tokens_it_delivered():
+    """``submit(..., delivered)`` (a Responses run taken over): the worker gets prompt + the
+    delivered tokens with the rest of the budget, and the outputs count as if it had run here; with
+    every token delivered it ends at its length at once and nothing is sent."""
+    pool = Pool()
+    a = pool.join("a")
+    stream = pool.dispatch.submit(request(0, budget=4), "m", delivered=[7, 8])
+    ((_, message),) = pool.sent()
+    (sent,) = message.requests
+    assert (sent.request_id, sent.prompt_token_ids, sent.max_new_tokens, sent.resumed_tokens) == ("r0", [1, 2, 3, 7, 8], 2, 2)
+    pool.step(a, RequestOutput("r0", [9, 10], "length", 5, 2, seq=0))
+    (output,) = drained(stream)
+    assert (output.new_token_ids, output.num_prompt_tokens, output.num_output_tokens) == ([9, 10], 3, 4)
+    assert stream.finished and not pool.dispatch.streams
+    done = pool.dispatch.submit(request(1, budget=2), "m", delivered=[7, 8])
+    assert pool.sent() == []
+    (final,) = drained(done)
+    assert (final.finish_reason, final.new_token_ids, final.num_prompt_tokens, final.num_output_tokens) == ("length", [], 3, 2)
+    assert done.finished and not pool.dispatch.streams and pool.dispatch.snapshot()["workers"][0]["inflight"] == 0
+
+
 def test_a_worker_the_router_cannot_reach_is_purged():
     pool = Pool()
     a = pool.join("a")
