@@ -1,13 +1,14 @@
-"""Workers with no model, for measuring the gateway alone: engines that answer every running request
-with one token per step, at once or every ``--step-ms`` milliseconds.
+"""Workers with no model, for measuring the gateway alone: the real worker process loop (worker/proc.py)
+around engines that answer every running request with one token per step, at once or every
+``--step-ms`` milliseconds.
 
-One worker (the default) runs the real DEALER loop (worker.proc) around one such engine. ``--count M``
-hosts M simulated workers in this one process instead (1,024 worker processes don't fit on a small
-machine): each has its own name, engine and one DEALER socket per gateway of ``--gateway-address``
-(comma-separated), and one ``zmq.Poller`` loop serves them all. Each registers (``Ready``, with its
-tokenizer's digest), heartbeats every ``--heartbeat-interval`` with its load, answers ``DescribeModel``
-with the default model's tokenizer files (``ModelInfo``), runs requests and re-registers when a
-gateway goes silent, as a real worker does.
+``--count M`` hosts M such workers in this one process (1,024 worker processes don't fit on a small
+machine): each is a WorkerProc of its own (its name, engine and one DEALER per gateway of
+``--gateway-address``, comma-separated), and one thread runs all their loops' turns over one poller
+(``Fleet``), stepping their engines too. So each registers (``Ready``, with its tokenizer's digest),
+heartbeats with its load, answers ``DescribeModel`` with the default model's tokenizer files
+(``ModelInfo``), runs requests, drains on SIGTERM and re-registers when a gateway goes silent,
+exactly as a real worker does: the code is the real worker's, only the waiting is shared.
 
     python -m bench.fake_worker --gateway-address tcp://127.0.0.1:5555 [--step-ms 0]
     python -m bench.fake_worker --gateway-address tcp://127.0.0.1:5555,tcp://127.0.0.1:5556 --count 256
@@ -17,33 +18,21 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import logging
-import random
 import signal
 import time
-import uuid
-from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
 import zmq
 
-from common import protocol
 from common.logs import setup_logging
-from common.model_source import DEFAULT_MODEL
-from common.protocol import (
-    Abort,
-    AddRequests,
-    DescribeModel,
-    Goodbye,
-    Heartbeat,
-    ModelInfo,
-    NewRequest,
-    Ready,
-    RequestOutput,
-    StepOutputs,
-)
+from common.model_source import DEFAULT_MODEL, TokenizerBundle
+from common.protocol import Heartbeat, ModelInfo, NewRequest, RequestOutput, StepOutputs
+from worker.proc import WorkerProc
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +40,18 @@ WORDS = list(range(1000, 1100))  # ordinary word pieces of the default tokenizer
 
 
 class FakeEngine:
-    """The Engine interface (add_request, abort, has_work, step, fail_all, load) without a model."""
+    """The engine a WorkerProc steps (its ``Stepped`` protocol), without a model."""
 
     max_model_len = 8192
     max_num_seqs = 4096
     blocks = SimpleNamespace(capacity_tokens=10**7, block_size=16)
 
-    def __init__(self, step_s: float, token_s: float = 0.0) -> None:
+    def __init__(self, step_s: float, token_s: float = 0.0, sleeps: bool = True) -> None:
         self.step_s = step_s
         self.token_s = token_s  # and this much more per running request: a speed that does not grow with the batch
+        self.sleeps = sleeps  # a step takes its time here (False: whoever steps it waits it out)
         self.running: dict[str, list[int]] = {}  # id -> [prompt tokens, tokens left, produced]
+        self.refused: list[RequestOutput] = []  # requests that did not decode, answered at the next step
         self.steps = 0
 
     def add_request(self, new: NewRequest) -> None:
@@ -70,17 +61,23 @@ class FakeEngine:
             0,
         ]
 
+    def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False) -> None:
+        self.refused.append(RequestOutput(request_id, [], "error", num_prompt_tokens, error=error, bad_request=bad_request))
+
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         return [RequestOutput(i, [], "abort") for i in request_ids if self.running.pop(i, None)]
 
     def has_work(self) -> bool:
-        return bool(self.running)
+        return bool(self.running or self.refused)
 
-    def step(self, sleep: bool = True) -> StepOutputs:
-        if (self.step_s or self.token_s) and sleep:
-            time.sleep(self.step_s + self.token_s * len(self.running))
+    def step_time(self) -> float:
+        return self.step_s + self.token_s * len(self.running)
+
+    def step(self) -> StepOutputs:
+        if self.sleeps and (self.step_s or self.token_s):
+            time.sleep(self.step_time())
         self.steps += 1
-        outputs = []
+        outputs, self.refused = self.refused, []
         for request_id, state in list(self.running.items()):
             state[1] -= 1
             state[2] += 1
@@ -130,217 +127,145 @@ def load_model_info(path: str | None, model: str) -> ModelInfo:
     return info
 
 
-class Link:
-    """One simulated worker's connection to one gateway: a DEALER with its own identity."""
+def fake_worker(name: str, args: argparse.Namespace, addresses: list[str], info: ModelInfo | None, fleet: bool = False) -> WorkerProc:
+    """One model-less worker: the real socket loop (worker/proc.py) around a FakeEngine; in a
+    ``fleet``, stepped inline by the fleet's thread instead of a stepping thread of its own."""
+    engine = FakeEngine(args.step_ms / 1000, args.token_ms / 1000, sleeps=not fleet)
+    return WorkerProc(
+        engine,
+        ",".join(addresses),
+        name,
+        args.model,
+        "none",
+        "none",
+        args.heartbeat_interval,
+        args.heartbeat_liveness,
+        tokenizer=TokenizerBundle(info.files, info.chat_template or "", info.tokenizer_digest) if info else None,
+        stepper=InlineStepper(engine) if fleet else None,
+    )
 
-    __slots__ = ("address", "sock", "last_heard", "unsent", "worker", "registered")
 
-    def __init__(self, worker: SimWorker, address: str) -> None:
-        self.worker = worker
-        self.address = address
-        self.sock: zmq.Socket | None = None
-        self.last_heard = 0.0
-        self.unsent: deque[list[bytes]] = deque()
-        self.registered = False
+class InlineStepper:
+    """Steps a FakeEngine on the fleet's thread, ``step_time`` apart while it has work: the engine is
+    the socket loop's whenever the loop asks (nothing steps meanwhile)."""
 
+    wanted = False
 
-class SimWorker:
-    """One simulated worker: an engine, and where each of its requests came from."""
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.next_step: float | None = None  # None while idle
 
-    __slots__ = ("name", "engine", "links", "origin", "next_step")
+    def due(self, now: float) -> bool:
+        """Whether a step is due now (a worker that just got work steps ``step_time`` later)."""
+        if not self.engine.has_work():
+            self.next_step = None
+        elif self.next_step is None:
+            self.next_step = now + self.engine.step_time()
+        return self.next_step is not None and now >= self.next_step
 
-    def __init__(self, name: str, step_s: float, addresses: list[str]) -> None:
-        self.name = name
-        self.engine = FakeEngine(step_s)
-        self.links = [Link(self, address) for address in addresses]
-        self.origin: dict[str, Link] = {}  # request id -> the gateway link it came from
-        self.next_step = 0.0
+    def start(self, step: Callable[[], None], has_work: Callable[[], bool]) -> None:
+        self.step = step  # WorkerProc's: the engine's step, its outputs posted for the loop to send
+
+    def step_now(self, now: float) -> None:
+        self.step()
+        self.next_step = now + self.engine.step_time()
+
+    def fileno(self) -> int:
+        raise NotImplementedError("the fleet waits on the sockets alone")
+
+    def clear(self) -> None:
+        pass
+
+    def want(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
 class Fleet:
-    """M simulated workers in one process, every socket in one poller."""
+    """Many workers' socket loops (WorkerProc's own ``turn``) on one thread, sharing one poller: a
+    worker's turn runs when one of its sockets stirs, when its own wait is over, or after its
+    engine stepped. One thread for all because a thread per worker (a loop and a stepping thread
+    each) took the two cores from the gateway being measured: 24 requests/s through it at 1,024
+    workers, and departures, where one shared loop gives ten times that and none."""
 
-    def __init__(
-        self,
-        addresses: list[str],
-        count: int,
-        prefix: str,
-        model: str,
-        step_s: float,
-        interval: float,
-        liveness: int,
-        info: ModelInfo | None,
-    ) -> None:
-        self.context = zmq.Context(io_threads=1)
-        self.context.set(zmq.MAX_SOCKETS, max(1024, 2 * count * len(addresses) + 64))
-        self.step_s, self.interval, self.liveness, self.info = step_s, interval, liveness, info
-        self.workers = [SimWorker(f"{prefix}-{i}", step_s, addresses) for i in range(count)]
-        self.ready = {
-            w.name: Ready(
-                w.name,
-                model,
-                FakeEngine.max_model_len,
-                10**7,
-                16,
-                FakeEngine.max_num_seqs,
-                "none",
-                "none",
-                tokenizer_digest=info.tokenizer_digest if info else "",
-            )
-            for w in self.workers
-        }
+    def __init__(self, procs: list[WorkerProc]) -> None:
+        self.procs = procs
         self.poller = zmq.Poller()
-        self.by_socket: dict[zmq.Socket, Link] = {}
-        self.busy: set[SimWorker] = set()
-        self.backlogged: set[Link] = set()  # links holding messages their socket did not take yet
-        self.heartbeats: list[tuple[float, int, SimWorker]] = []  # (due, tiebreak, worker): a heap
-        self.stopping = False
-        self.sent = {"heartbeats": 0, "step_outputs": 0, "model_info": 0, "reconnects": 0}
+        self.owner: dict[zmq.Socket, WorkerProc] = {}
+        self.registered: dict[WorkerProc, list[zmq.Socket]] = {}
+        self.due: dict[WorkerProc, float] = {}  # when each one's turn comes at the latest
+        self.timers: list[tuple[float, int, WorkerProc]] = []  # the same, as a heap (stale entries skipped)
+        self.busy: set[WorkerProc] = set()  # engines with work: they step
+        self._order = itertools.count()
 
-    def install_signal_handlers(self) -> None:
+    def drain(self) -> None:
+        for proc in self.procs:
+            proc.drain()
+            self._at(proc, 0.0)
+
+    def run(self, interval: float) -> None:
+        """Run every worker until all have stopped (SIGTERM or SIGINT drains them); their first
+        turns (registrations) spread over one heartbeat interval, as independent workers' would."""
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+            signal.signal(sig, lambda *_: self.drain())
+        start = time.monotonic()
+        for i, proc in enumerate(self.procs):
+            proc.open()
+            self._at(proc, start + interval * i / len(self.procs))
+        while self.due:
+            now = time.monotonic()
+            steps = [t for proc in self.busy if (t := proc._stepper.next_step) is not None]  # type: ignore[attr-defined]
+            wake = min([self.timers[0][0] if self.timers else now + interval, *steps])
+            events = dict(self.poller.poll(max(0, int((wake - now) * 1000))))
+            now = time.monotonic()
+            ready = {self.owner[sock] for sock in events if sock in self.owner}
+            for proc in list(self.busy):
+                stepper: InlineStepper = proc._stepper  # type: ignore[assignment]
+                if stepper.due(now):
+                    stepper.step_now(now)
+                    ready.add(proc)
+                elif stepper.next_step is None:
+                    self.busy.discard(proc)
+            while self.timers and self.timers[0][0] <= now:
+                at, _, proc = heapq.heappop(self.timers)
+                if self.due.get(proc) == at:
+                    ready.add(proc)
+            for proc in ready:
+                self._turn(proc, events)
 
-    def _connect(self, link: Link) -> None:
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{link.worker.name}/{uuid.uuid4().hex[:8]}".encode())
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(link.address)
-        link.sock, link.last_heard, link.registered = sock, time.monotonic(), False
-        link.unsent.clear()
-        self.backlogged.discard(link)
-        self.by_socket[sock] = link
-        self.poller.register(sock, zmq.POLLIN)
-        self._send(link, self.ready[link.worker.name])
+    def _at(self, proc: WorkerProc, when: float) -> None:
+        self.due[proc] = when
+        heapq.heappush(self.timers, (when, next(self._order), proc))
 
-    def _disconnect(self, link: Link, goodbye: bool = False) -> None:
-        if link.sock is None:
+    def _turn(self, proc: WorkerProc, events: dict) -> None:
+        wait_s = proc.turn(events)
+        if proc.stopping:
+            proc.close()
+            del self.due[proc]
+            self.busy.discard(proc)
+            self._watch(proc, [])
             return
-        if goodbye:
-            self._send(link, Goodbye("shutting down"))
-        self.poller.unregister(link.sock)
-        del self.by_socket[link.sock]
-        link.sock.close(linger=500 if goodbye else 0)
-        link.sock = None
+        self._at(proc, time.monotonic() + wait_s)
+        if proc.engine.has_work():
+            self.busy.add(proc)
+        self._watch(proc, proc.watched()[1:])  # its sockets (the first is its stepper)
 
-    def run(self) -> None:
-        now = time.monotonic()
-        for i, worker in enumerate(self.workers):
-            for link in worker.links:
-                self._connect(link)
-            # Spread heartbeats over the interval, as independent workers' would be.
-            heapq.heappush(self.heartbeats, (now + random.random() * self.interval, i, worker))
-        next_liveness_check = now + self.interval
-        while not self.stopping:
-            now = time.monotonic()
-            wait = self.heartbeats[0][0] - now if self.heartbeats else self.interval
-            if self.busy:
-                wait = min(wait, min(w.next_step for w in self.busy) - now)
-            for sock, _ in self.poller.poll(max(0, int(wait * 1000))):
-                self._drain(self.by_socket[sock])
-            now = time.monotonic()
-            self._step_due(now)
-            while self.heartbeats and self.heartbeats[0][0] <= now:
-                _, i, worker = heapq.heappop(self.heartbeats)
-                load = worker.engine.load()
-                for link in worker.links:
-                    self._send(link, load)
-                self.sent["heartbeats"] += len(worker.links)
-                heapq.heappush(self.heartbeats, (now + self.interval, i, worker))
-            if now >= next_liveness_check:
-                next_liveness_check = now + self.interval
-                self._check_liveness(now)
-            for link in list(self.backlogged):
-                self._flush(link)
-        for worker in self.workers:
-            for link in worker.links:
-                self._disconnect(link, goodbye=True)
-        self.context.term()
-
-    def _step_due(self, now: float) -> None:
-        for worker in [w for w in self.busy if w.next_step <= now]:
-            step = worker.engine.step(sleep=False)
-            worker.next_step = now + self.step_s
-            per_link: dict[Link, list[RequestOutput]] = {}
-            for output in step.outputs:
-                link = worker.origin.get(output.request_id)
-                if output.finish_reason is not None:
-                    worker.origin.pop(output.request_id, None)
-                if link is not None:
-                    per_link.setdefault(link, []).append(output)
-            for link, outputs in per_link.items():
-                self._send(link, StepOutputs(outputs, batch_size=step.batch_size, num_tokens=step.num_tokens))
-                self.sent["step_outputs"] += 1
-            if not worker.engine.has_work():
-                self.busy.discard(worker)
-
-    def _drain(self, link: Link) -> None:
-        """Every message waiting on this link's socket."""
-        worker = link.worker
-        while link.sock is not None:
-            try:
-                frames = link.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = protocol.decode(frames)
-            except protocol.ProtocolError as exc:
-                log.warning("%s dropped a malformed message: %s", worker.name, exc)
-                continue
-            link.last_heard, link.registered = time.monotonic(), True
-            if isinstance(msg, AddRequests):
-                for new in msg.requests:
-                    worker.engine.add_request(new)
-                    worker.origin[new.request_id] = link
-                if msg.requests and worker not in self.busy:
-                    worker.next_step = time.monotonic() + self.step_s
-                    self.busy.add(worker)
-            elif isinstance(msg, Abort):
-                for request_id in msg.request_ids:
-                    worker.origin.pop(request_id, None)
-                self._send(link, StepOutputs(worker.engine.abort(msg.request_ids)))
-            elif isinstance(msg, DescribeModel):
-                if self.info is not None:
-                    self._send(link, self.info)
-                    self.sent["model_info"] += 1
-            elif not isinstance(msg, Heartbeat):
-                log.warning("%s: unexpected %s from the gateway", worker.name, type(msg).__name__)
-
-    def _check_liveness(self, now: float) -> None:
-        """A gateway silent for ``liveness`` intervals dropped us (or restarted): register again under a
-        new identity, dropping the requests that came from it (the gateway resumed them elsewhere)."""
-        for worker in self.workers:
-            for link in worker.links:
-                if now - link.last_heard > self.interval * self.liveness:
-                    lost = [i for i, origin in worker.origin.items() if origin is link]
-                    for request_id in lost:
-                        del worker.origin[request_id]
-                    worker.engine.abort(lost)
-                    self._disconnect(link)
-                    self._connect(link)
-                    self.sent["reconnects"] += 1
-
-    def _send(self, link: Link, msg: protocol.Message) -> None:
-        """Never block the loop; what a socket can't take now waits (in order) for the next try."""
-        frames = protocol.encode(msg)
-        if not link.unsent and link.sock is not None:
-            try:
-                link.sock.send_multipart(frames, zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                pass
-        link.unsent.append(frames)
-        self.backlogged.add(link)
-
-    def _flush(self, link: Link) -> None:
-        while link.unsent and link.sock is not None:
-            try:
-                link.sock.send_multipart(link.unsent[0], zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            link.unsent.popleft()
-        self.backlogged.discard(link)
+    def _watch(self, proc: WorkerProc, sockets: list[zmq.Socket]) -> None:
+        old = self.registered.get(proc, [])
+        if old == sockets:
+            return
+        for sock in old:
+            self.poller.unregister(sock)
+            del self.owner[sock]
+        for sock in sockets:
+            self.poller.register(sock, zmq.POLLIN)
+            self.owner[sock] = proc
+        self.registered[proc] = sockets
 
 
 def main() -> None:
@@ -348,8 +273,8 @@ def main() -> None:
     parser.add_argument("--gateway-address", default="tcp://127.0.0.1:5555", help="comma-separated: every worker connects to each")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the name to register under")
     parser.add_argument("--step-ms", type=float, default=0.0)
-    parser.add_argument("--token-ms", type=float, default=0.0, help="single worker: step time grows by this per running request")
-    parser.add_argument("--count", type=int, default=1, help="simulated workers in this process (more than 1: the fleet loop)")
+    parser.add_argument("--token-ms", type=float, default=0.0, help="step time grows by this per running request")
+    parser.add_argument("--count", type=int, default=1, help="simulated workers in this process (their loops share one thread and one poller)")
     parser.add_argument("--name", default="fake-worker", help="worker name (a fleet's are NAME-0, NAME-1, ...)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--heartbeat-liveness", type=int, default=5)
@@ -360,28 +285,14 @@ def main() -> None:
     addresses = [a.strip() for a in args.gateway_address.split(",") if a.strip()]
     info = None if args.no_model_info else load_model_info(args.model_info, args.model)
     if args.count == 1:
-        from common.model_source import TokenizerBundle
-        from worker.proc import WorkerProc
-
-        proc = WorkerProc(
-            FakeEngine(args.step_ms / 1000, args.token_ms / 1000),
-            ",".join(addresses),
-            args.name,
-            args.model,
-            "none",
-            "none",
-            args.heartbeat_interval,
-            args.heartbeat_liveness,
-            tokenizer=TokenizerBundle(info.files, info.chat_template or "", info.tokenizer_digest) if info else None,
-        )
+        proc = fake_worker(args.name, args, addresses, info)
         proc.install_signal_handlers()
         proc.run()
         return
-    fleet = Fleet(addresses, args.count, args.name, args.model, args.step_ms / 1000, args.heartbeat_interval, args.heartbeat_liveness, info)
-    fleet.install_signal_handlers()
+    # Three sockets per gateway link (the DEALER and its handshake monitor's pair), all in one context.
+    zmq.Context.instance().set(zmq.MAX_SOCKETS, 3 * args.count * len(addresses) + 64)
     log.info("%d simulated workers connecting to %s", args.count, ", ".join(addresses))
-    fleet.run()
-    log.info("stopped: sent %s", fleet.sent)
+    Fleet([fake_worker(f"{args.name}-{i}", args, addresses, info, fleet=True) for i in range(args.count)]).run(args.heartbeat_interval)
 
 
 if __name__ == "__main__":

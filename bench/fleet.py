@@ -127,7 +127,7 @@ async def routing_cost(workers: int, requests: int, batch: int, prompt_len: int,
                 profile.disable()
             per_request.append(elapsed / 1000 / len(group))
             for stream in streams:  # finish them, so load stays as at a steady state
-                client._end(stream, None)
+                client.dispatch.end(stream)
             if start // batch % 64 == 63:
                 await asyncio.sleep(0)  # let the loop run (send futures, the scheduled flush)
                 _drain(dealers)
@@ -158,7 +158,7 @@ async def routing_cost(workers: int, requests: int, batch: int, prompt_len: int,
 
 async def heartbeat_cost(client, dealers: list[zmq.Socket], rounds: int = 5) -> tuple[float, float]:
     """CPU µs of this (the event loop's) thread per worker heartbeat received through the socket
-    (zmq.asyncio receive, decode, dispatch) and per gateway heartbeat sent (``_send``)."""
+    (zmq.asyncio receive, decode, dispatch) and per gateway heartbeat sent (encoded once, ``_send``)."""
     infos = list(client.workers.values())
     beat = protocol.encode(Heartbeat(running=3, free_blocks=600_000, total_blocks=625_000, steps=10, tokens_per_s=50.0))
     target = sum(w.heartbeats for w in infos) + rounds * len(dealers)
@@ -173,7 +173,7 @@ async def heartbeat_cost(client, dealers: list[zmq.Socket], rounds: int = 5) -> 
     start = time.thread_time()
     for _ in range(rounds):
         for info in infos:
-            client._send(info, Heartbeat())
+            client._send(info.identity, protocol.encode(Heartbeat()))
         await asyncio.sleep(0)  # the send futures' callbacks
     send_us = (time.thread_time() - start) * 1e6 / (rounds * len(infos))
     _drain(dealers)

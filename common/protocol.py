@@ -1,20 +1,31 @@
 """The wire contract between the gateway (ROUTER) and the workers (DEALER).
 
 Every message is two ZeroMQ frames: a two-byte header ``[PROTOCOL_VERSION, MsgType]`` and a
-msgpack payload holding one of the dataclasses below. The full request travels once
-(``AddRequests``); after that only deltas travel (``StepOutputs`` lists the new token ids of each
-request in one worker step). Nothing is ever pickled.
+msgpack payload holding one of the Structs below in array form: the values in field order, without
+their names (a step's one-token output takes 55 bytes where the named form took 232). The full
+request travels once (``AddRequests``); after that only deltas travel (``StepOutputs`` lists the new
+token ids of each request in one worker step). Nothing is ever pickled.
+
+Array form makes field order part of the contract: add fields at the end of a message, with a
+default (a shorter array decodes, its missing trailing fields taking their defaults), and bump
+PROTOCOL_VERSION for anything else. A peer of another version is refused at the handshake
+(``refusal``), in words that version can read. (``omit_defaults`` leaves out nothing in array form
+as of msgspec 0.22, jcrist/msgspec#720; it is set for when it does.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 1: the same messages as named maps (dataclasses)
+
+
+class Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base of every message and of the records inside them: arrays on the wire, defaults omitted;
+    never in a reference cycle, so the garbage collector need not track them."""
 
 
 class MsgType(IntEnum):
@@ -40,8 +51,7 @@ class FinishReason:
     ERROR = "error"
 
 
-@dataclass(slots=True)
-class SamplingParams:
+class SamplingParams(Wire):
     """Per-request sampling; ``temperature == 0`` means greedy, ``top_k == 0`` means off.
 
     Penalties, bias and ``min_tokens`` change the logits before the choice, greedy or not (OpenAI's
@@ -56,7 +66,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] = {}
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo + logprobs)
@@ -69,23 +79,21 @@ class GuideKind:
     JSON_OBJECT = "json_object"  # any JSON object; spec unused
 
 
-@dataclass(slots=True)
-class Guide:
+class Guide(Wire):
     """Guided decoding: every sampled token must keep the output inside this grammar."""
 
     kind: str
     spec: str = ""
 
 
-@dataclass(slots=True)
-class NewRequest:
+class NewRequest(Wire):
     """A request as the worker needs it: token ids in, budget and stop rules."""
 
     request_id: str
     prompt_token_ids: list[int]
     max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_token_ids: list[int] = field(default_factory=list)
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     guide: Guide | None = None
     # A request resumed after its worker died: the last ``resumed_tokens`` prompt tokens were
@@ -93,11 +101,10 @@ class NewRequest:
     resumed_tokens: int = 0
     # W3C trace context of the gateway's span for this request (``traceparent``, ``tracestate``), so
     # a worker's own spans or events join the same trace; empty when tracing is off.
-    trace_context: dict[str, str] = field(default_factory=dict)
+    trace_context: dict[str, str] = {}
 
 
-@dataclass(slots=True)
-class Ready:
+class Ready(Wire):
     """Worker -> gateway on connect: who I am and how much I can hold."""
 
     worker_name: str
@@ -108,21 +115,18 @@ class Ready:
     max_batch_size: int
     device: str
     dtype: str
-    protocol_version: int = PROTOCOL_VERSION
     # Digest of the model's tokenizer files and chat template (``ModelInfo``): a gateway that holds
     # no tokenizer with this digest asks for them once (``DescribeModel``).
     tokenizer_digest: str = ""
 
 
-@dataclass(slots=True)
-class DescribeModel:
+class DescribeModel(Wire):
     """Gateway -> worker: send me your model's tokenizer and chat template (``ModelInfo``)."""
 
     tokenizer_digest: str = ""
 
 
-@dataclass(slots=True)
-class ModelInfo:
+class ModelInfo(Wire):
     """Worker -> gateway, on request: what the gateway needs to serve a model it has no files of.
 
     ``files`` are the tokenizer's saved files (``save_pretrained``: tokenizer.json and its configs),
@@ -135,8 +139,7 @@ class ModelInfo:
     chat_template: str | None = None
 
 
-@dataclass(slots=True)
-class Heartbeat:
+class Heartbeat(Wire):
     """Both directions. From a worker it carries its load figures; from the gateway it is empty."""
 
     running: int = 0
@@ -157,42 +160,37 @@ class Heartbeat:
     spec_accepted_tokens: int = 0  # ... and accepted by the verifying step
 
 
-@dataclass(slots=True)
-class AddRequests:
+class AddRequests(Wire):
     """Gateway -> worker: requests that arrived together travel together."""
 
     requests: list[NewRequest]
 
 
-@dataclass(slots=True)
-class Abort:
+class Abort(Wire):
     """Gateway -> worker: stop these requests and free their KV blocks."""
 
     request_ids: list[str]
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
+class TokenLogprobs(Wire):
     """Log-probabilities at one sampled position, from the model's raw distribution (before
     penalties, bias, temperature or truncation, as vLLM reports them by default)."""
 
     logprob: float  # of the token that was chosen
-    top_ids: list[int] = field(default_factory=list)  # most likely first
-    top_logprobs: list[float] = field(default_factory=list)
+    top_ids: list[int] = []  # most likely first
+    top_logprobs: list[float] = []
 
 
-@dataclass(slots=True)
-class WorkerEvent:
+class WorkerEvent(Wire):
     """Something that happened to one request inside a worker (admitted, prefill_chunk, preempted,
     finished...), with its wall-clock time, for the gateway's trace of that request."""
 
     name: str
     time_unix_nano: int
-    attributes: dict[str, int | float | str | bool] = field(default_factory=dict)
+    attributes: dict[str, int | float | str | bool] = {}
 
 
-@dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(Wire):
     """What one step produced for one request (a delta, never the whole sequence)."""
 
     request_id: str
@@ -206,11 +204,10 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token: prompt tokens 1..n-1
     seq: int = 0  # this output's number among its request's outputs (0, 1, ...): a gap means one was lost
-    events: list[WorkerEvent] = field(default_factory=list)  # worker events since the last output (tracing on)
+    events: list[WorkerEvent] = []  # worker events since the last output (tracing on)
 
 
-@dataclass(slots=True)
-class StepOutputs:
+class StepOutputs(Wire):
     """Worker -> gateway once per step, for the whole batch."""
 
     outputs: list[RequestOutput]
@@ -218,16 +215,14 @@ class StepOutputs:
     num_tokens: int = 0
 
 
-@dataclass(slots=True)
-class WorkerError:
+class WorkerError(Wire):
     """Worker -> gateway: a failure that is not tied to one request's normal output."""
 
     message: str
     request_id: str | None = None
 
 
-@dataclass(slots=True)
-class Goodbye:
+class Goodbye(Wire):
     """Worker -> gateway: leaving on purpose (shutdown); fail over at once, don't wait for expiry."""
 
     reason: str = ""
@@ -267,20 +262,50 @@ class ProtocolError(ValueError):
     """A frame that is not a valid message of this protocol version; receivers log and drop it."""
 
 
+class VersionMismatch(ProtocolError):
+    """A message from a peer that speaks another protocol version (its header says which)."""
+
+    def __init__(self, version: int, msg_type: int, payload: bytes | memoryview) -> None:
+        super().__init__(f"protocol version {version} (this side speaks {PROTOCOL_VERSION})")
+        self.version = version
+        self.msg_type = msg_type
+        self.payload = payload
+
+    def sender_name(self) -> str | None:
+        """The worker name in a ``Ready`` of any version (version 1 sent maps, 2 arrays), for the log."""
+        try:
+            ready = msgspec.msgpack.decode(self.payload) if self.msg_type == MsgType.READY else None
+        except msgspec.DecodeError:
+            return None
+        name = ready.get("worker_name") if isinstance(ready, dict) else ready[0] if isinstance(ready, list) and ready else None
+        return name if isinstance(name, str) else None
+
+
+def refusal(version: int, message: str) -> list[bytes] | None:
+    """A ``WorkerError`` that a peer of ``version`` reads, to tell a worker why it is refused: version
+    1 decoded the same error from a map. None for a version this side cannot write (a newer one)."""
+    if version == PROTOCOL_VERSION:
+        return encode(WorkerError(message))
+    if version == 1:
+        return [bytes((1, MsgType.ERROR)), _ENCODER.encode({"message": message, "request_id": None})]
+    return None
+
+
 def encode(msg: Message) -> list[bytes]:
     """Encode a message as ``[header, payload]`` frames."""
     return [bytes((PROTOCOL_VERSION, _TYPE_OF[type(msg)])), _ENCODER.encode(msg)]
 
 
 def decode(frames: list[bytes] | list[memoryview]) -> Message:
-    """Decode ``[header, payload]`` frames; raise ProtocolError on anything malformed."""
+    """Decode ``[header, payload]`` frames; raise ProtocolError on anything malformed (VersionMismatch
+    for a message of another protocol version)."""
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames, got {len(frames)}")
     header = bytes(frames[0])
     if len(header) != 2:
         raise ProtocolError(f"header must be 2 bytes, got {len(header)}")
     if header[0] != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {header[0]} (this side speaks {PROTOCOL_VERSION})")
+        raise VersionMismatch(header[0], header[1], frames[1])
     try:
         decoder = _DECODERS[MsgType(header[1])]
     except ValueError:
@@ -302,7 +327,7 @@ def salvage_requests(frames: list[bytes] | list[memoryview]) -> tuple[list[NewRe
         payload = msgspec.msgpack.decode(frames[1])
     except msgspec.DecodeError:
         return None
-    items = payload.get("requests") if isinstance(payload, dict) else None
+    items = payload[0] if isinstance(payload, list) and payload else None  # AddRequests is [requests]
     if not isinstance(items, list):
         return None
     good: list[NewRequest] = []
@@ -311,7 +336,7 @@ def salvage_requests(frames: list[bytes] | list[memoryview]) -> tuple[list[NewRe
         try:
             good.append(msgspec.convert(item, NewRequest))
         except msgspec.ValidationError as exc:
-            request_id = item.get("request_id") if isinstance(item, dict) else None
+            request_id = item[0] if isinstance(item, list) and item else None  # a NewRequest's id comes first
             if isinstance(request_id, str):
                 bad.append((request_id, f"the worker could not read the request: {exc}"))
     return good, bad

@@ -96,7 +96,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             config.curve_authorized_keys,
         )
         admission = Admission(config.max_concurrent_requests, config.max_waiting_requests, stall_s=config.hung_timeout)
-        models = ModelRegistry(client, Metrics(client, admission), admission, Lanes(config.tokenizer_threads), config.request_timeout)
+        models = ModelRegistry(client, Metrics(client.snapshot, admission), admission, Lanes(config.tokenizer_threads), config.request_timeout)
         client.learn_model = models.learn
         app.state.allow_request_chat_template = config.allow_request_chat_template
         app.state.api_keys = keys

@@ -1,11 +1,13 @@
 """The one generation core every API dialect speaks through.
 
 A dialect (OpenAI chat, OpenAI completions, OpenAI responses, Anthropic messages: one module each
-under ``gateway/routes``) translates its body into a ``GenerationRequest``, calls ``start`` (which
-checks the limits and takes the admission slots, so a 429 or a 400 comes before any response
-starts), and translates the ``Generation``'s events back: streamed as they come (``events``), or
-folded into one ``Choice`` per generation (``collect``). Stop strings, tool-call parsing, grammars,
-logprobs, the detokenizer, admission and errors all live below this line, written once.
+under ``gateway/routes``) translates its body into one ``GenerationRequest``, checking nothing but
+its own shapes, and calls ``start``: every check (gateway/validation.py's ``prepare``: limits,
+tools, grammars, token ids, templates), the tokenizing and the admission happen there, so a 400 or
+a 429 comes before any response starts. It then translates the ``Generation``'s events back:
+streamed as they come (``events``), or folded into one ``Choice`` per generation (``collect``).
+Stop strings, tool-call parsing, grammars, logprobs, the detokenizer, admission and errors all
+live below this line, written once.
 
 Events of one choice come in this order: ``PromptLogprobs`` (echo only), then ``Text`` and
 ``ToolCallDelta`` as the text grows, then one ``Finish``. Choices (``n``, several prompts)
@@ -21,24 +23,16 @@ from typing import Any
 
 from litestar import Request
 
-from common.protocol import Guide, NewRequest, RequestOutput, TokenLogprobs
+from common.protocol import RequestOutput, TokenLogprobs
 from gateway import tracing
 from gateway.admission import Slot
 from gateway.auth import caller_owner
-from gateway.errors import ClientGone, GatewayError, RequestTimeout
-from gateway.generation import Generator, TextDelta
+from gateway.errors import GatewayError, RequestTimeout
+from gateway.generation import Generator, TextDelta, unless_disconnected
 from gateway.logprobs import TokenLogprob
 from gateway.schemas import SamplingOptions
-from gateway.templates import Budget
-from gateway.tools import (
-    CallDelta,
-    ToolCall,
-    ToolPlan,
-    prepare_messages,
-    template_variables,
-    tool_plan,
-)
-from gateway.validation import checked_guide, new_request
+from gateway.tools import CallDelta, ToolCall
+from gateway.validation import Prepared, prepare, request_id
 
 # Why a choice ended, in the core's words (each dialect names them its own way):
 END = "stop"  # the model ended it (end-of-sequence, a stop token)
@@ -49,20 +43,34 @@ TOOL_CALLS = "tool_calls"  # it ended having called tools
 
 @dataclass(slots=True, kw_only=True)
 class GenerationRequest:
-    """One request in the gateway's own terms: the prompts as token ids and how to continue them."""
+    """One request in the core's terms, as a dialect translated it; nothing in it is checked yet.
+    The ``*_param`` fields name where a dialect keeps a field, for the errors."""
 
-    prompts: list[list[int]]
-    sampling: SamplingOptions
-    max_tokens: int | None  # None: all the room left in the context
-    request_id: str
-    max_tokens_param: str = "max_tokens"  # the field a budget error names
-    stops: list[str] = field(default_factory=list)
-    guide: Guide | None = None  # a grammar for the output (response formats); tools bring their own
-    tools: ToolPlan | None = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    # The prompt: a conversation (messages as chat templates read them, rendered with the tools),
+    # or prompts given as text (tokenized as they are) or as token ids.
+    messages: list[dict] | None = None
+    prompts: list[str | list[int]] = field(default_factory=list)
+    template: str | None = None  # the request's own chat template (refused unless the server allows them)
+    template_kwargs: dict | None = None  # more variables for the template
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # for text prompts
+    max_tokens: int | None = None  # None: all the room left in the context
+    max_tokens_param: str = "max_tokens"
+    stop: str | list[str] | None = None
+    stop_param: str = "stop"
+    response_format: dict | None = None  # {"type": text | json_object | json_schema, "schema", "strict"}
+    format_param: str = "response_format"
+    tools: list | None = None  # function tools in OpenAI chat's shape
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    tool_name_param: str = "tools[{}].function.name"
     n: int = 1  # generations per prompt
+    n_param: str = "n"  # ``best_of`` in legacy completions
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
+    logprobs_param: str = "logprobs"
     prompt_logprobs: int | None = None
-    n_param: str = "n"  # the field ``n`` came from (``best_of`` in legacy completions), for errors
+    request_id: str | None = None  # None: the client's X-Request-Id (made unique), or a fresh one
     # A response taken over from a gateway that died (n = 1): the worker outputs it had delivered,
     # replayed through the same pipeline before the rest is generated; and each new output as it
     # comes (so it can be logged for the next takeover).
@@ -139,78 +147,27 @@ def total_usage(finishes: list[Finish], n: int = 1) -> Usage:
     return Usage(sum(u.prompt_tokens for u in prompts), sum(f.usage.completion_tokens for f in finishes), sum(u.cached_tokens for u in prompts))
 
 
-def message_chars(messages: list[dict]) -> int:
-    """The characters a conversation brings (contents and earlier calls' arguments), for the cheap bounds."""
-    chars = 0
-    for message in messages:
-        content = message.get("content")
-        chars += len(content) if isinstance(content, str) else 0
-        for call in message.get("tool_calls") or ():
-            arguments = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
-            chars += len(arguments) if isinstance(arguments, str) else 0
-    return chars
-
-
-async def chat_prompt(
-    generator: Generator,
-    messages: list[dict],
-    tools: ToolPlan,
-    template_source: str | None = None,
-    template_kwargs: dict | None = None,
-    request: Request | None = None,
-    add_generation_prompt: bool = True,
-) -> list[int]:
-    """A conversation (messages as chat templates read them) rendered with its tools and tokenized.
-    Too many characters or messages are refused before any work; a request's own template renders
-    under a budget, and stops when ``request``'s client hangs up."""
-    chars = message_chars(messages)
-    generator.check_prompt_size(chars, len(messages))
-    source = template_source or generator.template.source
-    messages = prepare_messages(messages, tools, source)
-    variables = {**(template_kwargs or {}), **template_variables(tools, source)}
-    budget = Budget() if template_source is not None else None
-    work = generator.run_in_pool(
-        generator.chat_prompt_ids, messages, template_source, variables, add_generation_prompt, budget, size=chars, budget=budget
-    )
-    with tracing.span("template+tokenize"):
-        if budget is not None and request is not None:
-            return await unless_disconnected(request, work)
-        return await work
-
-
-NO_TOOLS = tool_plan(None, None, None)
-
-
 async def start(generator: Generator, req: GenerationRequest, request: Request | None = None) -> Generation:
-    """Check the request against the workers' limits and admit it: errors (400, 429, 503, 504) come
-    now, before a response starts. One wire request per choice, ``n`` per prompt, admitted all
-    together or not at all. The admission wait counts toward ``--request-timeout`` and ends when
+    """Check the request, tokenize its prompt and admit it: errors (400, 429, 503, 504) come now,
+    before a response starts. One wire request per choice, ``n`` per prompt, admitted all together
+    or not at all. The admission wait counts toward ``--request-timeout`` and ends when
     ``request``'s client hangs up."""
     deadline = asyncio.get_running_loop().time() + generator.timeout_s
-    limits = generator.client.limits(generator.model_name)
-    tools = req.tools or NO_TOOLS
-    guide = checked_guide(tools.guide(), "tools") or req.guide
-    if tools.mode in ("auto", "none"):
-        for i, parameters in enumerate(tools.parameter_guides()):
-            checked_guide(parameters, f"tools[{i}]")
-    count = len(req.prompts) * req.n
-    what = f"{len(req.prompts)} prompts × `{req.n_param}` {req.n}" if len(req.prompts) > 1 else f"`{req.n_param}` {req.n}"
-    generator.admission.check_fits(count, req.n_param if req.n > 1 else "prompt", what)
-    news = []
-    for p, ids in enumerate(req.prompts):
-        rid = f"{req.request_id}-p{p}" if len(req.prompts) > 1 else req.request_id
-        for choice in range(req.n):
-            news.append(
-                new_request(req.sampling, ids, req.max_tokens, req.max_tokens_param, limits, rid, generator.vocab_size, choice, guide, req.logprobs)
-            )
-            news[-1].sampling.prompt_logprobs = req.prompt_logprobs
+    if req.request_id is None:
+        req.request_id = request_id(request.headers.get("x-request-id") if request is not None else None)
+    prepared = await prepare(generator, req, request)
     if request is not None and req.meter is None:
         req.meter = getattr(request.app.state, "usage", None)
         req.owner = caller_owner(request)
-    tracing.describe_request(generator.model_name, req)
+    tracing.describe_request(generator.model_name, req, prepared.prompts)
     with tracing.span("queue"):
-        slots = await _admit(generator, count, deadline, request)
-    return Generation(generator, req, tools, news, slots, deadline)
+        slots = await _admit(generator, len(prepared.news), deadline, request)
+    return Generation(generator, req, prepared, slots, deadline)
+
+
+async def prompt_ids(generator: Generator, req: GenerationRequest, request: Request | None = None) -> list[list[int]]:
+    """The prompts as token ids, after the same checks as ``start`` (for counting tokens)."""
+    return (await prepare(generator, req, request, admit=False)).prompts
 
 
 async def _admit(generator: Generator, count: int, deadline: float, request: Request | None) -> list[Slot]:
@@ -229,16 +186,17 @@ async def _admit(generator: Generator, count: int, deadline: float, request: Req
 class Generation:
     """An admitted request: its events as they come, or its choices once all are done."""
 
-    def __init__(
-        self, generator: Generator, req: GenerationRequest, tools: ToolPlan, news: list[NewRequest], slots: list[Slot], deadline: float
-    ) -> None:
+    def __init__(self, generator: Generator, req: GenerationRequest, prepared: Prepared, slots: list[Slot], deadline: float) -> None:
         self.generator = generator
         self.deadline = deadline  # the event loop's clock: --request-timeout from the request's start
         self.req = req
-        self.tools = tools
-        self.news = news
+        self.prompts = prepared.prompts  # token ids, one list per prompt
+        self.tools = prepared.tools
+        self.parsers = prepared.parsers
+        self.stops = prepared.stops
+        self.news = prepared.news
         self.slots = slots
-        self.request_id = news[0].request_id
+        self.request_id = self.news[0].request_id
         self.first_usage: Usage | None = None  # prompt and cached tokens, from the first output of choice 0
 
     @property
@@ -247,7 +205,7 @@ class Generation:
 
     async def events(self) -> AsyncIterator[Event]:
         """Every choice's events, in arrival order."""
-        parsers = [self.tools.parser() for _ in self.news]
+        parsers = self.parsers
         async for index, delta in self._merged():
             if delta.prompt_logprobs:
                 yield PromptLogprobs(index, delta.prompt_logprobs)
@@ -300,7 +258,7 @@ class Generation:
 
     async def _merged(self) -> AsyncIterator[tuple[int, TextDelta]]:
         """The deltas of every choice as (choice index, delta), in arrival order."""
-        generator, stops, skip = self.generator, self.req.stops, self.req.sampling.skip_special_tokens
+        generator, stops, skip = self.generator, self.stops, self.req.sampling.skip_special_tokens
         if len(self.news) == 1:
             async for delta in generator.stream(self.news[0], self.slots[0], self.deadline, stops, skip, self.req.replay, self.req.on_output):
                 yield 0, delta
@@ -339,27 +297,3 @@ def _reason(delta: TextDelta, called: bool) -> str:
     if called and delta.finish_reason == END:
         return TOOL_CALLS
     return LENGTH if delta.finish_reason == LENGTH else END
-
-
-async def unless_disconnected(request: Request, work):
-    """Run ``work`` (a non-streamed generation) but cancel it, which aborts it on the worker, as
-    soon as the client hangs up; streams get this from Litestar, plain responses need it here."""
-    task = asyncio.ensure_future(work)
-
-    async def hang_up() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(hang_up())
-    gone = False
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            gone = True
-            task.cancel()  # only a request: wait until it took effect, and retrieve its outcome
-            await asyncio.gather(task, return_exceptions=True)
-    if gone:
-        raise ClientGone("the client closed the connection; the request was aborted")
-    return task.result()

@@ -11,24 +11,27 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from litestar import Request
 
 from common.protocol import FinishReason, NewRequest, RequestOutput, TokenLogprobs
 from gateway import tracing
 from gateway.admission import Admission, Slot
-from gateway.errors import GenerationFailed, InvalidRequest, NoWorkerAvailable, RequestTimeout
+from gateway.errors import ClientGone, GenerationFailed, InvalidRequest, NoWorkerAvailable, RequestTimeout
 from gateway.logprobs import TokenLogprob, TokenTexts
-from gateway.metrics import Metrics
-from gateway.pool import RequestStream
+from gateway.metrics import Metrics, RequestClock
+from gateway.pool import RequestStream, Trace
 from gateway.stop import StopChecker
 from gateway.templates import Budget, ChatTemplate
 from gateway.tokenizer import IncrementalDetokenizer
 from gateway.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_CHARS_PER_TOKEN = 16  # generous: English averages about 4 characters a token
 SMALL_JOB_CHARS = 32_768  # inputs above this are tokenized in the big-job lane
@@ -102,8 +105,9 @@ class Generator:
         text = template.render(messages, add_generation_prompt, variables, budget)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def text_prompt_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    def prompt_ids(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
+        """Each prompt as token ids: a text tokenized, token ids (checked already) as they are."""
+        return [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p for p in prompts]
 
     def max_model_len(self) -> int | None:
         """The context length every registered worker of this model takes (None while none is registered)."""
@@ -132,14 +136,18 @@ class Generator:
                 code="context_length_exceeded",
             )
 
-    async def run_in_pool(self, fn: Callable[..., Any], *args: Any, size: int = 0, budget: Budget | None = None) -> Any:
+    async def run_in_pool(
+        self, fn: Callable[..., Any], *args: Any, size: int = 0, budget: Budget | None = None, request: Request | None = None
+    ) -> Any:
         """Tokenizing and template rendering take milliseconds: keep them off the event loop. Inputs
         over SMALL_JOB_CHARS characters and requests' own templates (``budget``) go to their own
-        lane; a cancelled caller (its client left) stops a budgeted render."""
+        lane; a budgeted render stops when its caller is cancelled, or when ``request``'s client
+        hangs up."""
         lane = self.lanes.big if size > SMALL_JOB_CHARS or budget is not None else self.lanes.small
+        work = asyncio.get_running_loop().run_in_executor(lane, fn, *args)
         try:
-            return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)
-        except asyncio.CancelledError:
+            return await (unless_disconnected(request, work) if budget is not None and request is not None else work)
+        except (asyncio.CancelledError, ClientGone):
             if budget is not None:
                 budget.cancelled.set()
             raise
@@ -163,7 +171,7 @@ class Generator:
         ``on_output`` sees every new output as it is processed.
         """
         try:
-            async for delta in self._stream(request, deadline, StopChecker(stops or []), skip_special_tokens, replay or [], on_output):
+            async for delta in self._stream(request, deadline, stops or [], skip_special_tokens, replay or [], on_output):
                 yield delta
         finally:
             slot.release()
@@ -172,22 +180,23 @@ class Generator:
         self,
         request: NewRequest,
         deadline: float,
-        stop: StopChecker,
+        stops: list[str],
         skip_special_tokens: bool,
         replay: list[RequestOutput],
         on_output: Callable[[RequestOutput], None] | None,
     ) -> AsyncIterator[TextDelta]:
+        stop = StopChecker(stops)
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes)
         trace = tracing.generation(request)  # before the submit: it puts the trace context in the request
         pending = deque(replay)
         stream = None
         if not replay:
             try:
-                stream = self.client.submit(request, self.model_name)
+                stream = self.client.submit(request, self.model_name, trace)
             except BaseException:
                 trace.end("error")
                 raise
-        clock = _Clock(self.metrics, request.request_id, self.model_name)
+        clock = RequestClock(self.metrics, request.request_id, self.model_name)
         sent = covered = 0  # characters of text sent, and of the tokens whose logprobs were sent
         try:
             while True:
@@ -197,7 +206,7 @@ class Generator:
                 else:
                     if stream is None:  # the replay is over: the worker goes on after its tokens
                         clock.outcome = "error"
-                        stream = self.client.submit(request, self.model_name, [t for out in replay for t in out.new_token_ids])
+                        stream = self.client.submit(request, self.model_name, trace, [t for out in replay for t in out.new_token_ids])
                         clock.outcome = "cancelled"
                     item = await self._next(stream, deadline, clock, trace)
                     if on_output is not None and not isinstance(item, GenerationFailed):
@@ -236,7 +245,7 @@ class Generator:
             if stream is not None and not stream.finished:
                 self.client.abort(request.request_id)
 
-    async def _next(self, stream: RequestStream, deadline: float, clock: _Clock, trace: Any) -> RequestOutput | GenerationFailed:
+    async def _next(self, stream: RequestStream, deadline: float, clock: RequestClock, trace: Trace) -> RequestOutput | GenerationFailed:
         """The worker's next output (with any already waiting folded in), within the deadline."""
         try:
             async with asyncio.timeout_at(deadline):
@@ -271,63 +280,6 @@ class Generator:
         return [(t, lp) for t, lp in pairs if not self.token_texts.is_special(t)]
 
 
-class _Clock:
-    """Feeds one request's latencies and outcome to the metrics (and one log line) as tokens arrive."""
-
-    def __init__(self, metrics: Metrics, request_id: str, model: str) -> None:
-        self.metrics = metrics
-        self.request_id = request_id
-        self.model = model
-        self.ttft = None
-        self.submitted = self.last = time.perf_counter()
-        self.first_seen = False
-        self.outcome = "cancelled"  # unless a finish or an error says otherwise
-        self.prompt_tokens = self.generated = 0
-
-    def tokens(self, item: RequestOutput) -> None:
-        count = len(item.new_token_ids)
-        self.prompt_tokens, self.generated = item.num_prompt_tokens, item.num_output_tokens
-        if not count:
-            return
-        now = time.perf_counter()
-        if not self.first_seen:
-            self.first_seen = True
-            self.ttft = now - self.submitted
-            self.metrics.ttft.labels(self.model).observe(self.ttft)
-        else:
-            gap = (now - self.last) / count  # several tokens in one message share the gap
-            itl = self.metrics.itl.labels(self.model)
-            for _ in range(count):
-                itl.observe(gap)
-        self.last = now
-
-    def done(self) -> None:
-        elapsed = time.perf_counter() - self.submitted
-        log.info(
-            "request %s (%s) %s: %d prompt + %d generated tokens, first token %s, %.0f ms",
-            self.request_id,
-            self.model,
-            self.outcome,
-            self.prompt_tokens,
-            self.generated,
-            "-" if self.ttft is None else f"{self.ttft * 1000:.0f} ms",
-            elapsed * 1000,
-            extra={
-                "request_id": self.request_id,
-                "model": self.model,
-                "outcome": self.outcome,
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.generated,
-                "ttft_s": self.ttft,
-                "duration_s": round(elapsed, 4),
-            },
-        )
-        self.metrics.e2e.labels(self.model).observe(elapsed)
-        self.metrics.generations.labels(self.model, self.outcome).inc()
-        self.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
-        self.metrics.generation_tokens.labels(self.model).inc(self.generated)
-
-
 def _merge_ready(item: RequestOutput | GenerationFailed, queue: asyncio.Queue) -> RequestOutput | GenerationFailed:
     """Fold outputs that are already waiting into one: when the client or the gateway falls behind
     the worker, one chunk carries several tokens instead of the backlog growing chunk by chunk."""
@@ -346,3 +298,28 @@ def _merge_ready(item: RequestOutput | GenerationFailed, queue: asyncio.Queue) -
 
 def now_s() -> int:
     return int(time.time())
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` but cancel it, which aborts it on the worker, as soon as the client hangs up
+    (a non-streamed generation, an admission wait, a request's own template); streams get this
+    from Litestar, everything else needs it here."""
+    task = asyncio.ensure_future(work)
+
+    async def hang_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(hang_up())
+    gone = False
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            gone = True
+            task.cancel()  # only a request: wait until it took effect, and retrieve its outcome
+            await asyncio.gather(task, return_exceptions=True)
+    if gone:
+        raise ClientGone("the client closed the connection; the request was aborted")
+    return task.result()

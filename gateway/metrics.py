@@ -7,14 +7,18 @@ time. prometheus_client does the exposition format and histogram buckets.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from common.protocol import RequestOutput
 from gateway.admission import Admission
-from gateway.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
 KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/workers", "/metrics"}
@@ -23,7 +27,8 @@ KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health
 class Metrics:
     """The gateway's own registry (not the process-global one), so several apps can live in one process."""
 
-    def __init__(self, client: WorkerClient, admission: Admission) -> None:
+    def __init__(self, snapshot: Callable[[], dict], admission: Admission) -> None:
+        """``snapshot``: the pool as /workers shows it (``WorkerClient.snapshot``), read at each scrape."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter("llmpool_http_requests", "HTTP responses by path and status", ["path", "status"], registry=r)
@@ -36,7 +41,7 @@ class Metrics:
         self.ttft = Histogram("llmpool_time_to_first_token_seconds", "Submit to first token", model, buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("llmpool_inter_token_latency_seconds", "Gap between tokens, per token", model, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("llmpool_e2e_request_latency_seconds", "Submit to last token", model, buckets=LATENCY_BUCKETS, registry=r)
-        r.register(PoolCollector(client, admission))
+        r.register(PoolCollector(snapshot, admission))
 
     def path_label(self, path: str) -> str:
         return path if path in KNOWN_PATHS else "other"
@@ -45,15 +50,72 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class RequestClock:
+    """Feeds one request's latencies and outcome to the metrics (and one log line) as tokens arrive."""
+
+    def __init__(self, metrics: Metrics, request_id: str, model: str) -> None:
+        self.metrics = metrics
+        self.request_id = request_id
+        self.model = model
+        self.ttft = None
+        self.submitted = self.last = time.perf_counter()
+        self.first_seen = False
+        self.outcome = "cancelled"  # unless a finish or an error says otherwise
+        self.prompt_tokens = self.generated = 0
+
+    def tokens(self, item: RequestOutput) -> None:
+        count = len(item.new_token_ids)
+        self.prompt_tokens, self.generated = item.num_prompt_tokens, item.num_output_tokens
+        if not count:
+            return
+        now = time.perf_counter()
+        if not self.first_seen:
+            self.first_seen = True
+            self.ttft = now - self.submitted
+            self.metrics.ttft.labels(self.model).observe(self.ttft)
+        else:
+            gap = (now - self.last) / count  # several tokens in one message share the gap
+            itl = self.metrics.itl.labels(self.model)
+            for _ in range(count):
+                itl.observe(gap)
+        self.last = now
+
+    def done(self) -> None:
+        elapsed = time.perf_counter() - self.submitted
+        log.info(
+            "request %s (%s) %s: %d prompt + %d generated tokens, first token %s, %.0f ms",
+            self.request_id,
+            self.model,
+            self.outcome,
+            self.prompt_tokens,
+            self.generated,
+            "-" if self.ttft is None else f"{self.ttft * 1000:.0f} ms",
+            elapsed * 1000,
+            extra={
+                "request_id": self.request_id,
+                "model": self.model,
+                "outcome": self.outcome,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.generated,
+                "ttft_s": self.ttft,
+                "duration_s": round(elapsed, 4),
+            },
+        )
+        self.metrics.e2e.labels(self.model).observe(elapsed)
+        self.metrics.generations.labels(self.model, self.outcome).inc()
+        self.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
+        self.metrics.generation_tokens.labels(self.model).inc(self.generated)
+
+
 class PoolCollector(Collector):
     """Per-worker gauges from the latest heartbeats, read when Prometheus scrapes."""
 
-    def __init__(self, client: WorkerClient, admission: Admission) -> None:
-        self.client = client
+    def __init__(self, snapshot: Callable[[], dict], admission: Admission) -> None:
+        self.snapshot = snapshot
         self.admission = admission
 
     def collect(self) -> Iterator:
-        snapshot = self.client.snapshot()
+        snapshot = self.snapshot()
         workers = snapshot["workers"]
         gauges = {
             "running": GaugeMetricFamily("llmpool_worker_running", "Sequences in the worker's running batch", labels=["worker", "model"]),

@@ -8,9 +8,12 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from common.protocol import Heartbeat, NewRequest, Ready, RequestOutput
+import msgspec
+
+from common.protocol import Heartbeat, NewRequest, Ready, RequestOutput, WorkerEvent
 from gateway.errors import GenerationFailed
 
 
@@ -31,6 +34,18 @@ class WorkerInfo:
     steps_seen: int = 0
     batched_steps: int = 0  # steps that ran more than one sequence, as the worker reported them
     peak_batch_size: int = 0
+
+    def release(self, stream: RequestStream) -> None:
+        """The request is no longer this worker's (it ended, or moves on)."""
+        if stream.request_id in self.inflight:
+            self.inflight.discard(stream.request_id)
+            self.outstanding_tokens -= stream.cost
+
+    def stalled(self, now: float, limit: float) -> bool:
+        """Holding requests by its own account (its latest heartbeat) and producing nothing for
+        ``limit`` s. Requests it never accepted don't count: they are not its to work on."""
+        holds = self.inflight and (self.load.running or self.load.waiting)
+        return bool(holds) and now - self.last_progress > limit
 
     def snapshot(self) -> dict:
         return {
@@ -94,9 +109,8 @@ class ModelPool:
         self._available = None
         self._limits = None
 
-    def available(self) -> list[WorkerInfo]:
+    def available(self, now: float) -> list[WorkerInfo]:
         """Workers of this model that take new requests (registered and not draining)."""
-        now = time.monotonic()
         if self._available is None:
             self._available = [w for w in self.workers.values() if not w.load.draining]
         if self._available is not None and now - self._median_at > 1.0:  # speeds move with heartbeats: once a second is enough
@@ -112,9 +126,14 @@ class ModelPool:
             self._limits = min(w.ready.max_model_len for w in infos), min(w.ready.kv_capacity_tokens for w in infos)
         return self._limits
 
-    def choose(self, cost: int) -> WorkerInfo:
+    def taking(self, identity: bytes) -> WorkerInfo | None:
+        """The worker with this identity if it is in this pool and takes new requests."""
+        worker = self.workers.get(identity)
+        return worker if worker is not None and not worker.load.draining else None
+
+    def choose(self, cost: int, now: float) -> WorkerInfo:
         """The worker expected to finish ``cost`` more tokens of work soonest."""
-        available = self.available()
+        available = self.available(now)
         candidates = available
         if len(available) > self.SCAN_LIMIT:  # a window at a random place: O(SCAN_LIMIT), unlike random.sample's bookkeeping
             start = random.randrange(len(available))
@@ -136,15 +155,49 @@ class ModelPool:
         return min(tied, key=lambda w: (len(w.inflight), w.requests_assigned))
 
 
+class Trace(Protocol):
+    """What dispatch tells a request's trace (gateway/tracing.py's ``GenerationTrace``)."""
+
+    def assigned(self, worker_name: str) -> None: ...
+    def resumed(self, reason: str, attempt: int, delivered_tokens: int) -> None: ...
+    def worker_events(self, events: list[WorkerEvent], worker_name: str) -> None: ...
+    def output(self, item: RequestOutput | Exception) -> None: ...
+    def end(self, outcome: str) -> None: ...
+
+
+class Untraced:
+    """The trace of a request while tracing is off: every hook does nothing."""
+
+    def assigned(self, worker_name: str) -> None:
+        pass
+
+    def resumed(self, reason: str, attempt: int, delivered_tokens: int) -> None:
+        pass
+
+    def worker_events(self, events: list[WorkerEvent], worker_name: str) -> None:
+        pass
+
+    def output(self, item: RequestOutput | Exception) -> None:
+        pass
+
+    def end(self, outcome: str) -> None:
+        pass
+
+
+UNTRACED = Untraced()
+
+
 class RequestStream:
     """One request's outputs as they arrive: RequestOutput deltas, then an end (finish or error).
 
-    It remembers what it needs to resume elsewhere: the original request and the token ids delivered.
+    It remembers what it needs to resume elsewhere: the original request and the token ids
+    delivered; and it carries the request's trace, for dispatch to note where the request went.
     """
 
-    def __init__(self, request: NewRequest, model: str) -> None:
+    def __init__(self, request: NewRequest, model: str, trace: Trace = UNTRACED) -> None:
         self.request = request
         self.model = model
+        self.trace = trace
         self.request_id = request.request_id
         self.worker = b""
         self.queue: asyncio.Queue[RequestOutput | GenerationFailed] = asyncio.Queue()
@@ -158,15 +211,26 @@ class RequestStream:
         self.wire_id = request.request_id  # the id of its current attempt on the wire (a resume gets a new one)
         self.next_seq = 0  # the sequence number its next output must carry
 
+    def deliver(self, output: RequestOutput) -> None:
+        """Hand an output to the reader, its counts as the client sees them, whichever worker
+        produced the tokens."""
+        self.generated.extend(output.new_token_ids)
+        if self.cached_tokens is None and output.new_token_ids:
+            self.cached_tokens = output.num_cached_tokens
+        output.num_prompt_tokens -= self.offset
+        output.num_output_tokens += self.offset
+        output.num_cached_tokens = self.cached_tokens or 0
+        self.queue.put_nowait(output)
+
     def resumed_request(self) -> NewRequest:
         """The request as a new worker must run it: the prompt grows by what was already generated."""
         original = self.request
         sampling = original.sampling
         if sampling.seed is not None:  # a fresh generator there: derive its seed from the resume point
-            sampling = replace(sampling, seed=(sampling.seed + len(self.generated)) % 2**63)
+            sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + len(self.generated)) % 2**63)
         if self.generated:  # the prompt's logprobs came with the first token already
-            sampling = replace(sampling, prompt_logprobs=None)
-        return replace(
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
+        return msgspec.structs.replace(
             original,
             prompt_token_ids=original.prompt_token_ids + self.generated,
             max_new_tokens=original.max_new_tokens - len(self.generated),

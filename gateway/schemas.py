@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.errors import InvalidRequest
-
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs (vLLM allows the same for legacy `logprobs`)
 
 
@@ -46,7 +44,7 @@ class SamplingOptions(msgspec.Struct, kw_only=True):
 
 
 class SamplingFields(SamplingOptions, kw_only=True):
-    """Fields shared by chat and legacy completions (each adds ``logprobs_count()``)."""
+    """Fields shared by chat and legacy completions."""
 
     model: str
     stream: bool = False
@@ -69,16 +67,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def logprobs_count(self) -> int | None:
-        """How many alternatives per token the worker reports (None: no logprobs at all)."""
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest(f"`top_logprobs` must be between 0 and {MAX_LOGPROBS}; got {self.top_logprobs}", param="top_logprobs")
-        if not self.logprobs:
-            if self.top_logprobs:
-                raise InvalidRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
-            return None
-        return self.top_logprobs or 0
-
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list  # checked in the route: a string, strings, token ids or lists of them
@@ -86,11 +74,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
-
-    def logprobs_count(self) -> int | None:
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest(f"`logprobs` must be between 0 and {MAX_LOGPROBS}; got {self.logprobs}", param="logprobs")
-        return self.logprobs
 
 
 # ---- responses ----------------------------------------------------------------------------------

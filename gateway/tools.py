@@ -89,15 +89,41 @@ class ToolPlan:
             return Guide(GuideKind.JSON_SCHEMA, orjson.dumps(schema).decode())
         return None
 
-    def parameter_guides(self) -> list[Guide]:
-        """Each function's parameters as the grammar a forced call would use: ``auto`` and ``none``
-        check that they compile too, so a bad schema is a 400 whatever the tool choice."""
+    def optional_guides(self) -> list[Guide]:
+        """With ``auto`` and ``none``, each function's parameters as the grammar a forced call would
+        use, to be checked too: a bad schema is a 400 whatever the tool choice."""
+        if self.mode not in ("auto", "none"):
+            return []
         return [Guide(GuideKind.JSON_SCHEMA, orjson.dumps(self._parameters(t["name"])).decode()) for t in self.tools]
 
     def _parameters(self, name: str | None) -> dict:
         """The function's parameter schema as OpenAI's strict mode reads it: no properties beyond
         the schema's unless it allows them (else small models invent fields and never close the object)."""
         return closed_objects(next(t.get("parameters") or _EMPTY_PARAMETERS for t in self.tools if t["name"] == name))
+
+    def template_variables(self, template_source: str) -> dict[str, Any]:
+        """Template variables for the tools, when the template renders them itself."""
+        if self.in_prompt and "tools" in template_source:
+            return {"tools": [{"type": "function", "function": t} for t in self.tools]}
+        return {}
+
+    def prompt_messages(self, messages: list[dict[str, Any]], template_source: str) -> list[dict[str, Any]]:
+        """For a template that knows nothing of tools: describe them in the system message, and
+        write earlier tool calls back in the Hermes format."""
+        if "tools" in template_source or not self.in_prompt and not any(m.get("tool_calls") for m in messages):
+            return messages
+        result = []
+        for message in messages:
+            if message.get("tool_calls") and "tool_calls" not in template_source:
+                calls = "\n".join(_hermes_call(c) for c in message["tool_calls"])
+                message = {**message, "content": ((message.get("content") or "") + "\n" + calls).strip()}
+            result.append(message)
+        if self.in_prompt:
+            if result and result[0]["role"] in ("system", "developer"):
+                result[0] = {**result[0], "content": result[0]["content"] + "\n\n" + _tool_instructions(self.tools)}
+            else:
+                result.insert(0, {"role": "system", "content": _tool_instructions(self.tools)})
+        return result
 
     def parser(self) -> ToolOutputParser | None:
         return None if self.mode == "none" or not self.tools else ToolOutputParser(self)
@@ -153,32 +179,6 @@ def check_tool_calls(calls: object, param: str) -> list[dict]:
         if not isinstance(function.get("arguments", "{}"), (str, dict)):
             raise InvalidRequest(f"`{param}[{j}].function.arguments` must be a JSON string", param=f"{param}[{j}].function.arguments")
     return calls
-
-
-def template_variables(plan: ToolPlan, template_source: str) -> dict[str, Any]:
-    """Template variables for the tools, when the template renders them itself."""
-    if plan.in_prompt and "tools" in template_source:
-        return {"tools": [{"type": "function", "function": t} for t in plan.tools]}
-    return {}
-
-
-def prepare_messages(messages: list[dict[str, Any]], plan: ToolPlan, template_source: str) -> list[dict[str, Any]]:
-    """For a template that knows nothing of tools: describe them in the system message, and write
-    earlier tool calls back in the Hermes format."""
-    if "tools" in template_source or not plan.in_prompt and not any(m.get("tool_calls") for m in messages):
-        return messages
-    result = []
-    for message in messages:
-        if message.get("tool_calls") and "tool_calls" not in template_source:
-            calls = "\n".join(_hermes_call(c) for c in message["tool_calls"])
-            message = {**message, "content": ((message.get("content") or "") + "\n" + calls).strip()}
-        result.append(message)
-    if plan.in_prompt:
-        if result and result[0]["role"] in ("system", "developer"):
-            result[0] = {**result[0], "content": result[0]["content"] + "\n\n" + _tool_instructions(plan.tools)}
-        else:
-            result.insert(0, {"role": "system", "content": _tool_instructions(plan.tools)})
-    return result
 
 
 def _hermes_call(call: dict) -> str:

@@ -12,8 +12,10 @@ One HTTP generation request is one trace (or joins the caller's, through its ``t
 The generate span's context travels to the worker in ``NewRequest.trace_context``; the worker sends
 its events back in ``RequestOutput.events`` and they are recorded with their own timestamps.
 
-Off by default: without an endpoint no tracer exists, every hook finds no request trace and returns
-a shared no-op at once; no span, no carrier, no event is built.
+Each choice's ``GenerationTrace`` rides on its request's stream (gateway/pool.py), so dispatch notes
+where the request went (assigned, resumed, the worker's events) without a registry here. Off by
+default: without an endpoint no tracer exists, every hook finds no request trace and returns a
+shared no-op (``UNTRACED``) at once; no span, no carrier, no event is built.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from gateway.pool import UNTRACED, Untraced
 
 if TYPE_CHECKING:
     from common.protocol import NewRequest, RequestOutput, WorkerEvent
@@ -96,7 +100,6 @@ class GenerationTrace:
 
     def __init__(self, request: RequestTrace, new: NewRequest) -> None:
         self.request = request
-        self.request_id = new.request_id
         self.started_ns = time.time_ns()
         self.first_token = False
         self.error: str | None = None
@@ -107,7 +110,20 @@ class GenerationTrace:
             {"llmpool.request_id": new.request_id, "gen_ai.request.max_tokens": new.max_new_tokens, "gen_ai.usage.input_tokens": self.counts[0]},
         )
         _PROPAGATOR.inject(new.trace_context, context=trace.set_span_in_context(self.span))
-        _generations[self.request_id] = self
+
+    def assigned(self, worker_name: str) -> None:
+        """Dispatch sent the request to a worker (at submission, or when resuming it)."""
+        self.span.set_attribute(WORKER_NAME, worker_name)
+
+    def resumed(self, reason: str, attempt: int, delivered_tokens: int) -> None:
+        """The request moves to another worker (its worker died, lost an output, or never took it)."""
+        attributes = {"reason": reason, "llmpool.attempt": attempt, "llmpool.delivered_tokens": delivered_tokens}
+        self.span.add_event("resumed_elsewhere", attributes)
+
+    def worker_events(self, events: list[WorkerEvent], worker_name: str) -> None:
+        """What happened to the request inside its worker, as events at their own times."""
+        for event in events:
+            self.span.add_event(event.name, {**event.attributes, WORKER_NAME: worker_name}, timestamp=event.time_unix_nano)
 
     def output(self, item: RequestOutput | Exception) -> None:
         """An output from the worker (or the failure that ends the choice)."""
@@ -122,7 +138,6 @@ class GenerationTrace:
 
     def end(self, outcome: str) -> None:
         """``outcome``: the finish reason (stop, length), or cancelled, timeout, error."""
-        _generations.pop(self.request_id, None)
         prompt, output, cached = self.counts
         usage = {"gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": output, "gen_ai.usage.cache_read.input_tokens": cached}
         self.span.set_attributes(usage)
@@ -135,20 +150,6 @@ class GenerationTrace:
             self.span.add_event("finish", {"gen_ai.response.finish_reasons": [outcome], **usage})
             self.request.choice_finished(outcome, output, cached)
         self.span.end()
-
-
-class _NoGeneration:
-    """What ``generation`` returns while tracing is off: every hook does nothing."""
-
-    def output(self, item: object) -> None:
-        pass
-
-    def end(self, outcome: str) -> None:
-        pass
-
-
-_NO_GENERATION = _NoGeneration()
-_generations: dict[str, GenerationTrace] = {}  # open generate spans by request id, for the worker client's hooks
 
 
 # ---- setup -------------------------------------------------------------------------------------
@@ -226,8 +227,8 @@ def middleware(app: Any) -> Any:
     return traced
 
 
-def describe_request(model: str, req: GenerationRequest) -> None:
-    """GenAI request attributes on the request span, once the request is read and tokenized."""
+def describe_request(model: str, req: GenerationRequest, prompts: list[list[int]]) -> None:
+    """GenAI request attributes on the request span, once the request is checked and tokenized."""
     request = _current.get()
     if request is None:
         return
@@ -236,7 +237,7 @@ def describe_request(model: str, req: GenerationRequest) -> None:
         "gen_ai.request.model": model,
         "gen_ai.response.model": model,
         "gen_ai.request.choice.count": req.n,
-        "gen_ai.usage.input_tokens": sum(len(p) for p in req.prompts),
+        "gen_ai.usage.input_tokens": sum(len(p) for p in prompts),
         "llmpool.request_id": req.request_id,
     }
     optional = {
@@ -247,7 +248,7 @@ def describe_request(model: str, req: GenerationRequest) -> None:
         "gen_ai.request.seed": sampling.seed,
         "gen_ai.request.presence_penalty": sampling.presence_penalty,
         "gen_ai.request.frequency_penalty": sampling.frequency_penalty,
-        "gen_ai.request.stop_sequences": req.stops or None,
+        "gen_ai.request.stop_sequences": ([req.stop] if isinstance(req.stop, str) else req.stop) or None,
         "gen_ai.request.stream": getattr(sampling, "stream", None),
     }
     attributes.update({k: v for k, v in optional.items() if v is not None})
@@ -280,32 +281,8 @@ def span(name: str) -> Any:
     return _NOOP if request is None else _Child(request, name)
 
 
-def generation(new: NewRequest) -> GenerationTrace | _NoGeneration:
+def generation(new: NewRequest) -> GenerationTrace | Untraced:
     """Open the ``generate`` span of a wire request about to be submitted, and put its context in
     ``new.trace_context`` for the worker. Call ``output`` with each output and ``end`` once."""
     request = _current.get()
-    return _NO_GENERATION if request is None else GenerationTrace(request, new)
-
-
-def assigned(request_id: str, worker_name: str) -> None:
-    """The worker client sent the request to a worker (at submission, or when resuming it)."""
-    generation = _generations.get(request_id)
-    if generation is not None:
-        generation.span.set_attribute(WORKER_NAME, worker_name)
-
-
-def resumed(request_id: str, reason: str, attempt: int, delivered_tokens: int) -> None:
-    """The request is moved to another worker (its worker died, lost an output, or never took it)."""
-    generation = _generations.get(request_id)
-    if generation is not None:
-        attributes = {"reason": reason, "llmpool.attempt": attempt, "llmpool.delivered_tokens": delivered_tokens}
-        generation.span.add_event("resumed_elsewhere", attributes)
-
-
-def worker_events(request_id: str, events: list[WorkerEvent], worker_name: str) -> None:
-    """What happened to the request inside its worker, as events of its generate span at their own times."""
-    generation = _generations.get(request_id)
-    if generation is None:
-        return
-    for event in events:
-        generation.span.add_event(event.name, {**event.attributes, WORKER_NAME: worker_name}, timestamp=event.time_unix_nano)
+    return UNTRACED if request is None else GenerationTrace(request, new)

@@ -1,19 +1,178 @@
-"""API request -> the worker's NewRequest, with every limit checked and every error naming its field."""
+"""Every check of a generation request, in one place and in order, before admission: ``prepare``
+takes what a dialect translated (``core.GenerationRequest``) and returns its prompts tokenized, its
+tool plan and stop strings, and one wire ``NewRequest`` per choice, or a 400 that names the field.
+
+Cheap checks come first (sampling ranges, ``n``, stops, logprobs, the output format, tools and
+their grammars, token ids, the prompt's size in characters), so a bad request is refused before
+any tokenizing; then the prompt is rendered and tokenized off the event loop; then each prompt's
+token budget is checked against the workers' context length.
+"""
 
 from __future__ import annotations
 
 import functools
 import re
 import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import orjson
+from litestar import Request
 
 from common.grammar import GrammarError, check_guide, closed_objects
 from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
+from gateway import tracing
 from gateway.errors import InvalidRequest
-from gateway.schemas import SamplingFields, SamplingOptions
+from gateway.generation import Generator
+from gateway.schemas import MAX_LOGPROBS, SamplingOptions
+from gateway.templates import Budget
+from gateway.tools import ToolOutputParser, ToolPlan, check_tool_calls, tool_plan
+
+if TYPE_CHECKING:
+    from gateway.core import GenerationRequest
 
 MAX_SEED = 2**63 - 1
+MAX_STOPS = 16
+MAX_N = 16
+MAX_PROMPTS = 64
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request that passed every check: what admission and the generation need."""
+
+    prompts: list[list[int]]  # token ids, one list per prompt
+    news: list[NewRequest]  # one per choice: ``n`` per prompt (none when only tokenized)
+    tools: ToolPlan
+    parsers: list[ToolOutputParser | None]  # each choice's reader of tool calls (None: no tools)
+    stops: list[str]
+
+
+async def prepare(generator: Generator, req: GenerationRequest, request: Request | None = None, admit: bool = True) -> Prepared:
+    """Check ``req`` and tokenize its prompt; with ``admit``, also check each prompt's budget and
+    build the wire requests. ``request`` (the HTTP request) says whether a request's own template
+    is allowed, and its client's hanging up stops that template's render."""
+    checked = _check(generator, req, request)
+    if checked.messages is not None:  # a request's own template renders under a budget
+        budget = Budget() if req.template is not None else None
+        with tracing.span("template+tokenize"):
+            ids = await generator.run_in_pool(
+                generator.chat_prompt_ids,
+                checked.messages,
+                req.template,
+                checked.variables,
+                req.add_generation_prompt,
+                budget,
+                size=checked.chars,
+                budget=budget,
+                request=request,
+            )
+        prompts = [ids]
+    else:
+        with tracing.span("tokenize"):
+            prompts = await generator.run_in_pool(generator.prompt_ids, req.prompts, req.add_special_tokens, size=checked.chars)
+    if not admit:
+        return Prepared(prompts, [], checked.plan, checked.parsers, checked.stops)
+    max_model_len, kv_capacity = generator.client.limits(generator.model_name)
+    sampling, news = checked.sampling, []
+    for p, ids in enumerate(prompts):
+        if not ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        budget = max_new_tokens(req.max_tokens, req.max_tokens_param, len(ids), max_model_len, kv_capacity)
+        if req.sampling.min_tokens > budget:
+            raise InvalidRequest(f"`min_tokens` ({req.sampling.min_tokens}) is more than the token budget ({budget})", param="min_tokens")
+        rid = f"{req.request_id}-p{p}" if len(prompts) > 1 else req.request_id
+        for choice in range(req.n):  # each copy its own request id, and with a seed, its own seed derived from it
+            seeded = msgspec.structs.replace(sampling, seed=(sampling.seed + choice) % 2**63) if choice and sampling.seed is not None else sampling
+            news.append(
+                NewRequest(
+                    request_id=f"{rid}-{choice}" if choice else rid,
+                    prompt_token_ids=ids,
+                    max_new_tokens=budget,
+                    sampling=seeded,
+                    stop_token_ids=checked.stop_token_ids,
+                    ignore_eos=req.sampling.ignore_eos,
+                    guide=checked.guide,
+                )
+            )
+    return Prepared(prompts, news, checked.plan, checked.parsers, checked.stops)
+
+
+@dataclass(slots=True)
+class _Checked:
+    """What the checks made of a request, before any tokenizing."""
+
+    sampling: SamplingParams
+    stop_token_ids: list[int]
+    stops: list[str]
+    guide: Guide | None
+    plan: ToolPlan
+    parsers: list[ToolOutputParser | None]
+    chars: int  # characters to tokenize (big inputs take their own lane)
+    messages: list[dict] | None  # the conversation as the template reads it (tools described for one that can't)
+    variables: dict[str, Any]  # the template's own: chat_template_kwargs and the tools
+
+
+def _check(generator: Generator, req: GenerationRequest, request: Request | None) -> _Checked:
+    """Every check that needs no tokens, cheapest first; the tools last, and with them the
+    conversation as the template will read it."""
+    if not 1 <= req.n <= MAX_N:
+        raise InvalidRequest(f"`{req.n_param}` must be between 1 and {MAX_N}; got {req.n}", param=req.n_param)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"`{req.logprobs_param}` must be between 0 and {MAX_LOGPROBS}; got {req.logprobs}", param=req.logprobs_param)
+    stops = stop_strings(req.stop, req.stop_param)
+    sampling = sampling_params(req.sampling, generator.vocab_size, req.logprobs)
+    sampling.prompt_logprobs = req.prompt_logprobs
+    stop_token_ids = check_token_ids(list(req.sampling.stop_token_ids or []), generator.vocab_size, "stop_token_ids")
+    fmt = format_guide(req.response_format, req.format_param)
+    if req.template is not None and not (request is not None and request.app.state.allow_request_chat_template):
+        raise InvalidRequest(
+            "`chat_template` in a request is refused on this server (templates come from the server side; "
+            "start it with --allow-request-chat-template to allow them)",
+            param="chat_template",
+        )
+    count = max(len(req.prompts), 1) * req.n
+    what = f"{len(req.prompts)} prompts × `{req.n_param}` {req.n}" if len(req.prompts) > 1 else f"`{req.n_param}` {req.n}"
+    generator.admission.check_fits(count, req.n_param if req.n > 1 else "prompt", what)
+    chars = _prompt_size(generator, req)
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_name_param)
+    forced = plan.guide()  # a forced call's grammar; the tools the model may call must compile too
+    guides = [(fmt, req.format_param), (forced, "tools"), *((g, f"tools[{i}]") for i, g in enumerate(plan.optional_guides()))]
+    for guide, param in guides:
+        problem = _grammar_problem(guide.kind, guide.spec) if guide is not None else None
+        if problem is not None:
+            raise InvalidRequest(problem, param=param)
+    parsers = [plan.parser() for _ in range(count)]
+    messages, variables = None, {}
+    if req.messages is not None:
+        source = req.template or generator.template.source
+        messages = plan.prompt_messages(req.messages, source)
+        variables = {**(req.template_kwargs or {}), **plan.template_variables(source)}
+    return _Checked(sampling, stop_token_ids, stops, forced or fmt, plan, parsers, chars, messages, variables)
+
+
+def _prompt_size(generator: Generator, req: GenerationRequest) -> int:
+    """The characters to tokenize, once the cheap bounds hold (characters and messages the context
+    could never hold, prompts per request) and token ids and earlier tool calls are well formed."""
+    if req.messages is None:
+        if len(req.prompts) > MAX_PROMPTS:
+            raise InvalidRequest(f"`prompt` may hold at most {MAX_PROMPTS} prompts; got {len(req.prompts)}", param="prompt")
+        for prompt in req.prompts:
+            if not isinstance(prompt, str):
+                check_token_ids(prompt, generator.vocab_size, "prompt")
+        chars = [len(p) for p in req.prompts if isinstance(p, str)]
+        generator.check_prompt_size(max(chars, default=0), param="prompt")
+        return sum(chars)
+    total = 0
+    for i, message in enumerate(req.messages):
+        content = message.get("content")
+        total += len(content) if isinstance(content, str) else 0
+        for call in check_tool_calls(message["tool_calls"], f"messages[{i}].tool_calls") if message.get("tool_calls") else ():
+            arguments = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
+            total += len(arguments) if isinstance(arguments, str) else 0  # earlier calls' arguments count too
+    generator.check_prompt_size(total, len(req.messages))
+    return total
 
 
 def _check_range(value: float | None, name: str, low: float, high: float) -> None:
@@ -75,27 +234,6 @@ def sampling_params(req: SamplingOptions, vocab_size: int, logprobs: int | None 
     )
 
 
-MAX_STOPS = 16
-MAX_N = 16
-
-
-def check_supported(req: SamplingFields) -> None:
-    """Refuse, clearly, what is out of range or not done here rather than silently ignoring it."""
-    if not 1 <= req.n <= MAX_N:
-        raise InvalidRequest(f"`n` must be between 1 and {MAX_N}; got {req.n}", param="n")
-    if getattr(req, "suffix", None) is not None:  # insertion needs a fill-in-the-middle model and its prompt format
-        raise InvalidRequest("`suffix` is not supported by this server", param="suffix")
-
-
-def checked_guide(guide: Guide | None, param: str) -> Guide | None:
-    """The guide, once its grammar is known to compile (a 400 naming ``param`` if not)."""
-    if guide is not None:
-        problem = _grammar_problem(guide.kind, guide.spec)
-        if problem is not None:
-            raise InvalidRequest(problem, param=param)
-    return guide
-
-
 @functools.lru_cache(maxsize=1024)
 def _grammar_problem(kind: str, spec: str) -> str | None:
     """Why a guide does not compile, or None; cached, since agents send the same tools every turn."""
@@ -106,20 +244,10 @@ def _grammar_problem(kind: str, spec: str) -> str | None:
     return None
 
 
-def response_guide(response_format: dict | None) -> Guide | None:
-    """Chat's ``response_format``, whose json_schema nests the schema under ``json_schema``."""
-    if response_format is not None and response_format.get("type") == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict):
-            raise InvalidRequest("`response_format.json_schema.schema` must be a JSON Schema object", param="response_format")
-        response_format = {**spec, "type": "json_schema"}
-    return format_guide(response_format, "response_format")
-
-
 def format_guide(fmt: dict | None, param: str) -> Guide | None:
     """An output format (``{"type": "text" | "json_object" | "json_schema", "schema", "strict"}``)
-    as the grammar the worker enforces (None: free text). ``strict`` closes the objects that list
-    their properties, as OpenAI's strict mode requires of a schema."""
+    as the grammar the worker enforces (None: free text; ``prepare`` checks that it compiles).
+    ``strict`` closes the objects that list their properties, as OpenAI's strict mode requires."""
     if fmt is None or fmt.get("type") == "text":
         return None
     kind = fmt.get("type")
@@ -131,7 +259,7 @@ def format_guide(fmt: dict | None, param: str) -> Guide | None:
             raise InvalidRequest(f"`{param}` json_schema needs a `schema` that is a JSON Schema object", param=param)
         if fmt.get("strict"):
             schema = closed_objects(schema)
-        return checked_guide(Guide(GuideKind.JSON_SCHEMA, orjson.dumps(schema).decode()), param)
+        return Guide(GuideKind.JSON_SCHEMA, orjson.dumps(schema).decode())
     raise InvalidRequest(f"`{param}.type` must be text, json_object or json_schema; got {kind!r}", param=param)
 
 
@@ -177,36 +305,3 @@ def request_id(header: str | None) -> str:
     if header and _REQUEST_ID.fullmatch(header):
         return f"{header}-{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its id
     return uuid.uuid4().hex
-
-
-def new_request(
-    options: SamplingOptions,
-    prompt_ids: list[int],
-    requested_tokens: int | None,
-    param: str,
-    limits: tuple[int, int],
-    rid: str,
-    vocab_size: int,
-    choice: int = 0,
-    guide: Guide | None = None,
-    logprobs: int | None = None,
-) -> NewRequest:
-    """Assemble the wire request once the prompt is tokenized; ``choice`` numbers the ``n`` copies
-    (each its own request id, and with a seed, its own seed derived from it)."""
-    if not prompt_ids:
-        raise InvalidRequest("the prompt is empty", param="prompt")
-    budget = max_new_tokens(requested_tokens, param, len(prompt_ids), *limits)
-    if options.min_tokens > budget:
-        raise InvalidRequest(f"`min_tokens` ({options.min_tokens}) is more than the token budget ({budget})", param="min_tokens")
-    sampling = sampling_params(options, vocab_size, logprobs)
-    if choice and sampling.seed is not None:
-        sampling.seed = (sampling.seed + choice) % 2**63
-    return NewRequest(
-        request_id=f"{rid}-{choice}" if choice else rid,
-        prompt_token_ids=prompt_ids,
-        max_new_tokens=budget,
-        sampling=sampling,
-        stop_token_ids=check_token_ids(list(options.stop_token_ids or []), vocab_size, "stop_token_ids"),
-        ignore_eos=options.ignore_eos,
-        guide=guide,
-    )

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import zmq
 
 from common.protocol import Goodbye, Heartbeat, Ready
-from worker.handshake import GatewayLink, resolve_gateways
+from worker.handshake import GatewayLink, named, resolve_gateways
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ class Gateways:
 
     def resolve_in_background(self, stopped: Callable[[], bool]) -> None:
         """Resolve the names again every liveness period (DNS can take seconds: not in the step
-        loop); ``update`` picks the new list up."""
+        loop); ``update`` picks the new list up. Addresses that name no host need no thread."""
+        if not named(self.addresses):
+            return
 
         def loop() -> None:
             while not stopped():

@@ -48,6 +48,12 @@ def resolve_gateways(addresses: str) -> list[str]:
     return list(dict.fromkeys(a for a in found if a))
 
 
+def named(addresses: str) -> bool:
+    """Whether any address names its host (and so may resolve differently later)."""
+    matches = (_TCP_ADDRESS.match(a.strip()) for a in addresses.split(","))
+    return any(m is not None and m["host"] != "*" and not _is_ip(m["host"]) for m in matches)
+
+
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -140,10 +146,6 @@ class GatewayLink:
             except zmq.Again:
                 return
             self.unsent.popleft()
-
-    def watch(self, poller: zmq.Poller) -> None:
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
 
     def stirred(self, events: dict) -> bool:
         """Whether the poll saw a message or a handshake event on this link."""

@@ -10,9 +10,10 @@ catch).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
+
+import msgspec
 
 from common.protocol import Heartbeat
 
@@ -62,7 +63,7 @@ class Vitals:
         with the ``arrived`` requests since counted as waiting. It may count requests that have
         finished since, never fewer than the worker holds: a gateway resumes elsewhere the
         requests a worker says it does not hold."""
-        return self._with_own_figures(dataclasses.replace(self._held, waiting=self._held.waiting + arrived))
+        return self._with_own_figures(msgspec.structs.replace(self._held, waiting=self._held.waiting + arrived))
 
     def _with_own_figures(self, load: Heartbeat) -> Heartbeat:
         load.draining = self.draining

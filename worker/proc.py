@@ -28,7 +28,7 @@ import signal
 import socket
 import time
 from collections import deque
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import zmq
 
@@ -40,7 +40,6 @@ from common.protocol import (
     DescribeModel,
     Heartbeat,
     ModelInfo,
-    NewRequest,
     Ready,
     RequestOutput,
     StepOutputs,
@@ -49,31 +48,10 @@ from common.protocol import (
 from worker.gateways import Gateways
 from worker.handshake import GatewayLink
 from worker.heartbeat import Vitals
-from worker.stepper import StepThread
+from worker.stepper import Stepped, Stepper, StepThread
 from worker.threads import AdaptiveTeam
 
 log = logging.getLogger(__name__)
-
-
-class Blocks(Protocol):
-    capacity_tokens: int
-    block_size: int
-
-
-class Stepped(Protocol):
-    """What the loop needs of an engine (worker/engine.py; the benchmark's model-less one too)."""
-
-    max_model_len: int
-    max_num_seqs: int
-    blocks: Blocks
-
-    def add_request(self, new: NewRequest) -> None: ...
-    def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False) -> None: ...
-    def abort(self, request_ids: list[str]) -> list[RequestOutput]: ...
-    def fail_all(self, message: str) -> list[RequestOutput]: ...
-    def has_work(self) -> bool: ...
-    def step(self) -> StepOutputs: ...
-    def load(self) -> Heartbeat: ...
 
 
 class Refused(NamedTuple):
@@ -101,7 +79,7 @@ class WorkerProc:
         drain_timeout: float = 30.0,
         curve_keys: tuple[str, str] | None = None,
         tokenizer: TokenizerBundle | None = None,
-        stepper: StepThread | None = None,
+        stepper: Stepper | None = None,
         team: AdaptiveTeam | None = None,
     ) -> None:
         """``stepper``: the thread the engine was built on (see StepThread); a new one otherwise.
@@ -148,24 +126,50 @@ class WorkerProc:
 
     def run(self) -> None:
         """Serve every gateway until stopped; reconnect each one that goes silent, with backoff."""
+        self.open()
+        try:
+            events: dict = {}
+            while not self.stopping:
+                wait_s = self.turn(events)
+                if self.stopping:
+                    break
+                poller = zmq.Poller()
+                for watched in self.watched():
+                    poller.register(watched, zmq.POLLIN)
+                events = dict(poller.poll(int(wait_s * 1000)))
+        finally:
+            self.close()
+
+    def open(self) -> None:
+        """Start finding the gateways and stepping the engine (``run`` does; a host of many loops too)."""
         self.gateways.resolve_in_background(lambda: self.stopping)
         self._stepper.start(self._step, self.engine.has_work)
-        try:
-            while not self.stopping:
-                self._serve_once()
-        finally:
-            self._stepper.stop()
-            self._send_outputs()
-            self.gateways.goodbye()
-            dropped = self.engine.fail_all("worker stopped")
-            if dropped:
-                log.warning("stopped with %d requests unfinished", len(dropped))
 
-    def _serve_once(self) -> None:
-        """One turn: (re)connect links; send the outputs of the steps that ended; when there is
+    def close(self) -> None:
+        """Stop stepping, send what is left, say goodbye to every gateway."""
+        self._stepper.stop()
+        self._send_outputs()
+        self.gateways.goodbye()
+        dropped = self.engine.fail_all("worker stopped")
+        if dropped:
+            log.warning("stopped with %d requests unfinished", len(dropped))
+
+    def watched(self) -> list:
+        """What the loop waits on: the stepping thread's step ends, and every connected link."""
+        return [self._stepper, *(item for link in self.gateways.connected() for item in (link.sock, link.monitor))]
+
+    def turn(self, events: dict) -> float:
+        """One turn: read the messages that the last wait found in ``events`` (answering what needs
+        no engine); (re)connect links; send the outputs of the steps that ended; when there is
         something for the engine (requests, aborts, a heartbeat due, a silent gateway, a drain),
-        take it between two steps, or ask for it at the running step's end; then wait for messages,
-        a step's end or a timer, and read the messages (answering what needs no engine)."""
+        take it between two steps, or ask for it at the running step's end. Returns how long to wait
+        next, at most, for messages, a step's end or a timer (``watched`` says on what)."""
+        for link in list(self.gateways.links.values()):
+            if link.stirred(events):
+                link.read_monitor()
+                if self._drain_socket(link) and not link.heard:  # the gateway only talks to workers it registered
+                    log.info("registered with the gateway at %s as %s", link.address, self.name)
+                    link.heard = True
         now = time.monotonic()
         self.gateways.update(now, accepting=self.draining_since is None)
         self._stepper.clear()
@@ -176,30 +180,21 @@ class WorkerProc:
             finally:
                 self._stepper.release()
             if self.stopping:
-                return
+                return 0.0
         elif self.gateways.heartbeat_due(now):  # a step runs (it may be long): say we are alive meanwhile
             arrived = sum(len(msg.requests) for _, msg in self._inbox if isinstance(msg, AddRequests))
             self.gateways.send_heartbeats(now, self.vitals.during_step(arrived))
         now = time.monotonic()
-        poller = zmq.Poller()
-        poller.register(self._stepper, zmq.POLLIN)
         wait_s = self.gateways.interval
         for link in self.gateways.links.values():
             if link.sock is None:
                 wait_s = min(wait_s, max(0.0, link.retry_at - now))
                 continue
             link.flush()
-            link.watch(poller)
             wait_s = min(wait_s, max(0.0, link.next_heartbeat - now))
             if link.unsent:
                 wait_s = min(wait_s, 0.01)
-        events = dict(poller.poll(int(wait_s * 1000)))
-        for link in list(self.gateways.links.values()):
-            if link.stirred(events):
-                link.read_monitor()
-                if self._drain_socket(link) and not link.heard:  # the gateway only talks to workers it registered
-                    log.info("registered with the gateway at %s as %s", link.address, self.name)
-                    link.heard = True
+        return wait_s
 
     def _needs_engine(self, now: float) -> bool:
         return bool(self._inbox) or self.draining_since is not None or self.gateways.heartbeat_due(now) or self.gateways.silent(now)

@@ -1,4 +1,5 @@
-"""The engine's own thread: it loads the model, then steps whenever the engine has work (async scheduling).
+"""The engine's own thread: it loads the model, then steps whenever the engine has work (async scheduling);
+and what the socket loop expects of an engine (``Stepped``) and of what steps it (``Stepper``).
 
 The socket loop (worker/proc.py) never waits for a step: it takes the engine between two steps to
 hand it requests and aborts, and sends each step's outputs while the next one runs.
@@ -11,9 +12,47 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from common.protocol import Heartbeat, NewRequest, RequestOutput, StepOutputs
 
 T = TypeVar("T")
+
+
+class Blocks(Protocol):
+    capacity_tokens: int
+    block_size: int
+
+
+class Stepped(Protocol):
+    """What the loop needs of an engine (worker/engine.py; the benchmark's model-less one too)."""
+
+    max_model_len: int
+    max_num_seqs: int
+    blocks: Blocks
+
+    def add_request(self, new: NewRequest) -> None: ...
+    def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False) -> None: ...
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]: ...
+    def fail_all(self, message: str) -> list[RequestOutput]: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> StepOutputs: ...
+    def load(self) -> Heartbeat: ...
+
+
+class Stepper(Protocol):
+    """What the socket loop needs of the thing that steps the engine: StepThread, or one that steps
+    on the loop's own thread (the benchmark's fleet of model-less workers)."""
+
+    wanted: bool
+
+    def start(self, step: Callable[[], None], has_work: Callable[[], bool]) -> None: ...
+    def fileno(self) -> int: ...
+    def clear(self) -> None: ...
+    def want(self) -> bool: ...
+    def release(self) -> None: ...
+    def stop(self) -> None: ...
 
 
 class StepThread:

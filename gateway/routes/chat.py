@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -12,24 +13,12 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from gateway import core
-from gateway.core import (
-    LENGTH,
-    TOOL_CALLS,
-    Finish,
-    GenerationRequest,
-    Text,
-    ToolCallDelta,
-)
+from gateway.core import LENGTH, TOOL_CALLS, Finish, GenerationRequest, Text, ToolCallDelta
 from gateway.errors import InvalidRequest
-from gateway.generation import Generator, now_s
+from gateway.generation import now_s
 from gateway.logprobs import chat_logprobs
 from gateway.model_registry import ModelRegistry
-from gateway.routes.common import (
-    documented,
-    event_stream,
-    json_response,
-    openai_usage,
-)
+from gateway.routes.common import answer, documented, openai_format, openai_usage
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -44,8 +33,7 @@ from gateway.schemas import (
     ToolCallChunk,
     ToolCallOut,
 )
-from gateway.tools import CallDelta, ToolPlan, check_tool_calls, tool_plan
-from gateway.validation import check_supported, request_id, response_guide, stop_strings
+from gateway.tools import CallDelta
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -66,8 +54,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 raise InvalidRequest(f"`messages[{i}].content` may only hold text parts", param=f"messages[{i}].content")
             content = "".join(part.text for part in content)  # type: ignore[misc]
         item: dict[str, Any] = {"role": message.role, "content": content or ""}
-        if message.tool_calls:
-            item["tool_calls"] = check_tool_calls(message.tool_calls, f"messages[{i}].tool_calls")
+        if message.tool_calls is not None:
+            item["tool_calls"] = message.tool_calls
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
         if message.name is not None:
@@ -76,21 +64,34 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def check_request_template(request: Request, template: str | None) -> None:
-    """A request's own ``chat_template`` is code: refused unless the server allows it."""
-    if template is not None and not request.app.state.allow_request_chat_template:
-        raise InvalidRequest(
-            "`chat_template` in a request is refused on this server (templates come from the server side; "
-            "start it with --allow-request-chat-template to allow them)",
-            param="chat_template",
-        )
+def generation_request(data: ChatCompletionRequest) -> GenerationRequest:
+    """The body in the core's terms; only the chat dialect's own shapes are checked here."""
+    if data.top_logprobs and not data.logprobs:
+        raise InvalidRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+    completion = data.max_completion_tokens is not None  # the newer name wins
+    return GenerationRequest(
+        sampling=data,
+        messages=message_dicts(data.messages),
+        template=data.chat_template,
+        template_kwargs=data.chat_template_kwargs,
+        max_tokens=data.max_completion_tokens if completion else data.max_tokens,
+        max_tokens_param="max_completion_tokens" if completion else "max_tokens",
+        stop=data.stop,
+        response_format=openai_format(data.response_format),
+        tools=data.tools,
+        tool_choice=data.tool_choice,
+        parallel_tool_calls=data.parallel_tool_calls,
+        n=data.n,
+        logprobs=(data.top_logprobs or 0) if data.logprobs else None,
+        logprobs_param="top_logprobs",
+    )
 
 
-def finish_reason(finish: Finish, plan: ToolPlan) -> str:
+def finish_reason(finish: Finish, generation: core.Generation) -> str:
     """OpenAI's names: a call the request named ends with ``stop`` (as OpenAI's own API does);
     ``required`` and ``auto`` calls end with ``tool_calls``."""
     if finish.reason == TOOL_CALLS:
-        return "stop" if plan.mode == "named" else "tool_calls"
+        return "stop" if generation.tools.mode == "named" else "tool_calls"
     return "length" if finish.reason == LENGTH else "stop"
 
 
@@ -99,42 +100,12 @@ class ChatController(Controller):
 
     @post("/", status_code=200, responses=documented(ChatCompletion, "the completion (with `stream`: chat.completion.chunk events)"))
     async def create(self, request: Request, data: JSONBody[ChatCompletionRequest], models: NamedDependency[ModelRegistry]) -> Response:
-        req = data
-        generator = models.get(req.model)
-        check_supported(req)
-        stops = stop_strings(req.stop)
-        check_request_template(request, req.chat_template)
-        plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-        logprobs = req.logprobs_count()
-        guide = response_guide(req.response_format)
-        prompt = await core.chat_prompt(generator, message_dicts(req.messages), plan, req.chat_template, req.chat_template_kwargs, request)
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        generation = await core.start(
-            generator,
-            GenerationRequest(
-                prompts=[prompt],
-                sampling=req,
-                max_tokens=requested,
-                request_id=request_id(request.headers.get("x-request-id")),
-                max_tokens_param=param,
-                stops=stops,
-                guide=guide,
-                tools=plan,
-                n=req.n,
-                logprobs=logprobs,
-            ),
-            request,
-        )
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            return event_stream(_chunks(generator, generation, completion_id, req, plan), generation.request_id)
-        choices = await generation.collect(request)
-        return json_response(_body(generator, completion_id, choices, req, plan), generation.request_id)
+        generation = await core.start(models.get(data.model), generation_request(data), request)
+        return await answer(request, generation, data.stream, partial(_chunks, generation, data), partial(_body, generation, data))
 
 
-def _body(generator: Generator, completion_id: str, choices: list[core.Choice], req: ChatCompletionRequest, plan: ToolPlan) -> ChatCompletion:
-    with_logprobs = req.logprobs_count() is not None
+def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list[core.Choice]) -> ChatCompletion:
+    generator, with_logprobs = generation.generator, req.logprobs
     out = []
     for choice in choices:
         message = AssistantMessage(content=choice.content)
@@ -144,12 +115,16 @@ def _body(generator: Generator, completion_id: str, choices: list[core.Choice], 
             ChatChoice(
                 index=choice.index,
                 message=message,
-                finish_reason=finish_reason(choice.finish, plan),  # type: ignore[arg-type]
+                finish_reason=finish_reason(choice.finish, generation),  # type: ignore[arg-type]
                 logprobs=chat_logprobs(generator.token_texts, choice.logprobs) if with_logprobs else None,
             )
         )
     usage = core.total_usage([c.finish for c in choices], req.n)  # type: ignore[misc]
-    return ChatCompletion(id=completion_id, created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage))
+    return ChatCompletion(id=_completion_id(), created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage))
+
+
+def _completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
 
 
 def _tool_chunk(call: CallDelta) -> ToolCallChunk:
@@ -158,16 +133,10 @@ def _tool_chunk(call: CallDelta) -> ToolCallChunk:
     return ToolCallChunk(index=call.index, id=call.id, type="function", function=FunctionCallDelta(name=call.name, arguments=call.arguments))
 
 
-async def _chunks(
-    generator: Generator,
-    generation: core.Generation,
-    completion_id: str,
-    req: ChatCompletionRequest,
-    plan: ToolPlan,
-) -> AsyncIterator[ChatCompletionChunk]:
+async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+    generator, completion_id, created = generation.generator, _completion_id(), now_s()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    with_logprobs = req.logprobs_count() is not None
-    created = now_s()
+    with_logprobs = req.logprobs
 
     def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -185,7 +154,7 @@ async def _chunks(
             yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(tool_calls=[_tool_chunk(event.call)]))])
         elif isinstance(event, Finish):
             finishes[event.index] = event
-            yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(), finish_reason=finish_reason(event, plan))])
+            yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(), finish_reason=finish_reason(event, generation))])
     if include_usage and len(finishes) == generation.choices:
         usage = core.total_usage([finishes[i] for i in range(generation.choices)], req.n)
         yield ChatCompletionChunk(id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage))

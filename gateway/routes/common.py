@@ -1,16 +1,17 @@
-"""Pieces every dialect's route shares: JSON and SSE responses, OpenAI's usage block."""
+"""Pieces every dialect's route shares: JSON and SSE responses; OpenAI's usage block and output format."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
-from litestar import Response
+from litestar import Request, Response
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
-from gateway.core import Usage
+from gateway.core import Choice, Generation, Usage
+from gateway.errors import InvalidRequest
 from gateway.schemas import ErrorBody, PromptTokensDetails
 from gateway.schemas import Usage as OpenAIUsage
 from gateway.streaming import SSE_HEADERS, sse_events
@@ -27,6 +28,21 @@ def json_response(payload: Any, request_id: str | None = None) -> Response:
 def event_stream(chunks: AsyncIterator[Any], request_id: str, named: bool = False) -> Stream:
     """An SSE response (see ``gateway.streaming`` for the two framings)."""
     return Stream(sse_events(chunks, named), media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": request_id})
+
+
+async def answer(
+    request: Request,
+    generation: Generation,
+    stream: bool,
+    events: Callable[[], AsyncIterator[Any]],
+    body: Callable[[list[Choice]], Any],
+    named: bool = False,
+) -> Response:
+    """A dialect's answer: its ``events`` as a stream, or its ``body`` once every choice is whole
+    (the generation is aborted if the client hangs up first)."""
+    if stream:
+        return event_stream(events(), generation.request_id, named)
+    return json_response(body(await generation.collect(request)), generation.request_id)
 
 
 ERROR_STATUSES = {
@@ -57,3 +73,14 @@ def openai_usage(usage: Usage) -> OpenAIUsage:
         total_tokens=usage.total_tokens,
         prompt_tokens_details=PromptTokensDetails(usage.cached_tokens),
     )
+
+
+def openai_format(response_format: dict | None) -> dict | None:
+    """OpenAI's ``response_format`` (chat, completions), whose json_schema nests the schema and
+    ``strict`` under ``json_schema``, in the core's flat shape."""
+    if response_format is None or response_format.get("type") != "json_schema":
+        return response_format
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequest("`response_format.json_schema.schema` must be a JSON Schema object", param="response_format")
+    return {**spec, "type": "json_schema"}

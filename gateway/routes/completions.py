@@ -5,57 +5,53 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 
 import msgspec
 from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
-from gateway import core, tracing
+from gateway import core
 from gateway.core import LENGTH, Finish, GenerationRequest, PromptLogprobs, Text, Usage
 from gateway.errors import InvalidRequest
-from gateway.generation import Generator, now_s
+from gateway.generation import now_s
 from gateway.logprobs import completion_logprobs
 from gateway.model_registry import ModelRegistry
-from gateway.routes.common import (
-    documented,
-    event_stream,
-    json_response,
-    openai_usage,
-)
+from gateway.routes.common import answer, documented, openai_format, openai_usage
 from gateway.schemas import Completion, CompletionChoice, CompletionRequest
-from gateway.validation import check_supported, check_token_ids, request_id, response_guide, stop_strings
 
-MAX_PROMPTS = 64
 MAX_BEST_OF = 16
 
 
-def _prompt_ids(generator: Generator, prompt: object) -> list[list[int]]:
-    """``prompt`` as token ids, one list per prompt: a string, strings, token ids, or lists of them."""
-    if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):  # bools too: refused below
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        prompts = prompt
-    else:
-        raise InvalidRequest("`prompt` must be a string, a list of strings, token ids, or a list of token-id lists", param="prompt")
-    if len(prompts) > MAX_PROMPTS:
-        raise InvalidRequest(f"`prompt` may hold at most {MAX_PROMPTS} prompts; got {len(prompts)}", param="prompt")
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            out.append(generator.text_prompt_ids(p))
-        else:
-            out.append(check_token_ids(list(p), generator.vocab_size, "prompt"))
-    return out
+def generation_request(data: CompletionRequest) -> GenerationRequest:
+    """The body in the core's terms; only the completions dialect's own shapes are checked here."""
+    if data.suffix is not None:  # insertion needs a fill-in-the-middle model and its prompt format
+        raise InvalidRequest("`suffix` is not supported by this server", param="suffix")
+    copies = _copies(data)
+    budget = data.max_tokens if data.max_tokens is not None else 16
+    return GenerationRequest(
+        sampling=data,
+        prompts=_prompts(data.prompt),
+        max_tokens=1 if _prompt_only(data) else budget,  # scoring the prompt: the one token made is dropped
+        stop=data.stop,
+        response_format=openai_format(data.response_format),
+        n=copies,
+        n_param="n" if data.best_of is None else "best_of",
+        logprobs=0 if copies > data.n and data.logprobs is None else data.logprobs,  # ranking by cumulative logprob needs them
+        prompt_logprobs=data.logprobs if data.echo else None,  # the echoed prompt comes with its logprobs
+    )
 
 
-def _prompt_chars(prompt: object) -> list[int]:
-    """The characters of each prompt string (token ids are counted when the request is built)."""
+def _prompts(prompt: object) -> list[str | list[int]]:
+    """``prompt`` as a list of prompts: a string, strings, token ids, or lists of them."""
     if isinstance(prompt, str):
-        return [len(prompt)]
-    return [len(p) for p in prompt if isinstance(p, str)] if isinstance(prompt, list) else []
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):  # bools too: the core refuses them
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt
+    raise InvalidRequest("`prompt` must be a string, a list of strings, token ids, or a list of token-id lists", param="prompt")
 
 
 class CompletionsController(Controller):
@@ -63,42 +59,9 @@ class CompletionsController(Controller):
 
     @post("/", status_code=200, responses=documented(Completion, "the completion (with `stream`: text_completion chunks)"))
     async def create(self, request: Request, data: JSONBody[CompletionRequest], models: NamedDependency[ModelRegistry]) -> Response:
-        req = data
-        generator = models.get(req.model)
-        check_supported(req)
-        stops = stop_strings(req.stop)
-        copies = _copies(req)
-        logprobs = req.logprobs_count()
-        guide = response_guide(req.response_format)
-        chars = _prompt_chars(req.prompt)
-        generator.check_prompt_size(max(chars, default=0), param="prompt")
-        with tracing.span("tokenize"):
-            prompts = await generator.run_in_pool(_prompt_ids, generator, req.prompt, size=sum(chars))
-        budget = req.max_tokens if req.max_tokens is not None else 16
-        if _prompt_only(req):  # score the prompt, generate nothing: the one token the worker makes is dropped
-            budget = 1
-        generation = await core.start(
-            generator,
-            GenerationRequest(
-                prompts=prompts,
-                sampling=req,
-                max_tokens=budget,
-                request_id=request_id(request.headers.get("x-request-id")),
-                stops=stops,
-                guide=guide,
-                n=copies,
-                n_param="n" if req.best_of is None else "best_of",
-                logprobs=0 if copies > req.n and logprobs is None else logprobs,  # ranking by cumulative logprob needs them
-                prompt_logprobs=req.logprobs if req.echo else None,  # the echoed prompt comes with its logprobs
-            ),
-            request,
-        )
-        echoes = await generator.run_in_pool(_echo_texts, generator, req.prompt, prompts) if req.echo else None
-        completion_id = f"cmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            return event_stream(_chunks(generator, generation, completion_id, req, echoes), generation.request_id)
-        choices = await generation.collect(request)
-        return json_response(_body(generator, completion_id, choices, req, echoes), generation.request_id)
+        generation = await core.start(models.get(data.model), generation_request(data), request)
+        echoes = await generation.generator.run_in_pool(_echo_texts, generation, data.prompt) if data.echo else None
+        return await answer(request, generation, data.stream, partial(_chunks, generation, data, echoes), partial(_body, generation, data, echoes))
 
 
 def _prompt_only(req: CompletionRequest) -> bool:
@@ -121,11 +84,10 @@ def _copies(req: CompletionRequest) -> int:
     return req.best_of
 
 
-def _echo_texts(generator: Generator, prompt: object, prompts: list[list[int]]) -> list[str]:
+def _echo_texts(generation: core.Generation, prompt: object) -> list[str]:
     """Each prompt as the client gave it: its own string, or its token ids decoded."""
-    single = isinstance(prompt, str) or all(isinstance(t, int) for t in prompt)  # type: ignore[union-attr]
-    given = [prompt] if single else list(prompt)  # type: ignore[call-overload]
-    return [p if isinstance(p, str) else generator.tokenizer.decode(ids) for p, ids in zip(given, prompts)]
+    decode = generation.generator.tokenizer.decode
+    return [p if isinstance(p, str) else decode(ids) for p, ids in zip(_prompts(prompt), generation.prompts)]
 
 
 def _best(choices: list[core.Choice], copies: int, n: int) -> list[core.Choice]:
@@ -143,8 +105,8 @@ def _finish_reason(finish: Finish) -> str:
     return "length" if finish.reason == LENGTH else "stop"
 
 
-def _body(generator: Generator, completion_id: str, choices: list[core.Choice], req: CompletionRequest, echoes: list[str] | None) -> Completion:
-    with_logprobs = req.logprobs_count() is not None
+def _body(generation: core.Generation, req: CompletionRequest, echoes: list[str] | None, choices: list[core.Choice]) -> Completion:
+    generator, with_logprobs = generation.generator, req.logprobs is not None
     copies = _copies(req)
     finishes: list[Finish] = [c.finish for c in choices]  # type: ignore[misc]
     chosen = _best(choices, copies, req.n)
@@ -161,19 +123,13 @@ def _body(generator: Generator, completion_id: str, choices: list[core.Choice], 
         for index, choice in enumerate(chosen)
     ]
     usage = core.total_usage(finishes, copies)  # every generation was computed, so every one counts
-    return Completion(id=completion_id, created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage))
+    return Completion(id=f"cmpl-{uuid.uuid4().hex}", created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage))
 
 
-async def _chunks(
-    generator: Generator,
-    generation: core.Generation,
-    completion_id: str,
-    req: CompletionRequest,
-    echoes: list[str] | None,
-) -> AsyncIterator[Completion]:
+async def _chunks(generation: core.Generation, req: CompletionRequest, echoes: list[str] | None) -> AsyncIterator[Completion]:
+    generator, completion_id, created = generation.generator, f"cmpl-{uuid.uuid4().hex}", now_s()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    with_logprobs = req.logprobs_count() is not None
-    created = now_s()
+    with_logprobs = req.logprobs is not None
     offsets = [0] * generation.choices  # where each choice's next text starts, for text_offset
 
     def chunk(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> Completion:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import orjson
@@ -33,9 +34,9 @@ from gateway.core import (
     Usage,
 )
 from gateway.errors import GatewayError, InvalidRequest
-from gateway.generation import Generator
 from gateway.model_registry import ModelRegistry
-from gateway.routes.common import documented, event_stream, json_response
+from gateway.routes.common import answer, documented, json_response
+from gateway.schemas import SamplingOptions
 from gateway.schemas_anthropic import (
     AnthropicErrorBody,
     AnthropicMessage,
@@ -49,8 +50,6 @@ from gateway.schemas_anthropic import (
     TextBlock,
     ToolUseBlock,
 )
-from gateway.tools import ToolPlan, tool_plan
-from gateway.validation import request_id, stop_strings
 
 STOP_REASONS = {core.END: "end_turn", STOP_SEQUENCE: "stop_sequence", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
 _SKIPPED = ("thinking", "redacted_thinking")
@@ -112,7 +111,27 @@ def _system_text(blocks: list[SystemBlock]) -> str:
     return "\n".join(block.text for block in blocks)
 
 
-def _tools(req: CountTokensRequest) -> ToolPlan:
+def generation_request(req: CountTokensRequest) -> GenerationRequest:
+    """The body in the core's terms; only the Messages dialect's own shapes are checked here. A
+    count_tokens body brings no budget, stops or sampling settings to check."""
+    functions, choice, parallel = _tools(req)
+    whole = isinstance(req, MessagesRequest)
+    return GenerationRequest(
+        sampling=req if whole else SamplingOptions(),
+        messages=chat_messages(req.system, req.messages),
+        max_tokens=req.max_tokens if whole else None,
+        stop=req.stop_sequences if whole else None,
+        stop_param="stop_sequences",
+        tools=functions,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        tool_name_param="tools[{}].name",
+    )
+
+
+def _tools(req: CountTokensRequest) -> tuple[list[dict], str | dict | None, bool | None]:
+    """Tools with ``input_schema`` as function tools; tool_choice auto / any / tool / none as auto /
+    required / named / none (Anthropic's server tools are a 400)."""
     functions = []
     for i, tool in enumerate(req.tools or []):
         if tool.type not in (None, "custom"):
@@ -134,12 +153,7 @@ def _tools(req: CountTokensRequest) -> ToolPlan:
         if choice.type not in modes:
             raise InvalidRequest(f"`tool_choice.type` must be auto, any, tool or none; got {choice.type!r}", param="tool_choice.type")
         mode = modes[choice.type]
-    return tool_plan(functions, mode, parallel, "tools[{}].name")
-
-
-async def _prompt(generator: Generator, req: CountTokensRequest) -> tuple[list[int], ToolPlan]:
-    plan = _tools(req)
-    return await core.chat_prompt(generator, chat_messages(req.system, req.messages), plan), plan
+    return functions, mode, parallel
 
 
 def _usage(usage: Usage) -> AnthropicUsage:
@@ -167,57 +181,44 @@ class MessagesController(Controller):
 
     @post("/", status_code=200, responses=documented(MessageResponse, "the message (with `stream`: Anthropic's events)", AnthropicErrorBody))
     async def create(self, request: Request, data: JSONBody[MessagesRequest], models: NamedDependency[ModelRegistry]) -> Response:
-        req = data
-        generator = models.get(req.model)
-        prompt, plan = await _prompt(generator, req)
-        generation = await core.start(
-            generator,
-            GenerationRequest(
-                prompts=[prompt],
-                sampling=req,
-                max_tokens=req.max_tokens,
-                request_id=request_id(request.headers.get("x-request-id")),
-                stops=stop_strings(req.stop_sequences, "stop_sequences"),
-                tools=plan,
-            ),
-            request,
-        )
-        message_id = f"msg_{uuid.uuid4().hex}"
-        if req.stream:
-            return event_stream(_events(generator, generation, message_id, len(prompt)), generation.request_id, named=True)
-        (choice,) = await generation.collect(request)
-        content: list[TextBlock | ToolUseBlock] = [TextBlock(text=choice.content)] if choice.content else []
-        content += [ToolUseBlock(id=_tool_id(c.id), name=c.name, input=_input(c.arguments)) for c in choice.tool_calls]
-        finish: Finish = choice.finish  # type: ignore[assignment]
-        body = MessageResponse(
-            id=message_id,
-            model=generator.model_name,
-            content=content,
-            stop_reason=STOP_REASONS[finish.reason],
-            stop_sequence=finish.stop_sequence,
-            usage=_usage(finish.usage),
-        )
-        return json_response(body, generation.request_id)
+        generation = await core.start(models.get(data.model), generation_request(data), request)
+        return await answer(request, generation, data.stream, partial(_events, generation), partial(_message, generation), named=True)
 
     @post("/count_tokens", status_code=200, responses=documented(CountTokensResponse, "the prompt's length in tokens", AnthropicErrorBody))
-    async def count_tokens(self, data: JSONBody[CountTokensRequest], models: NamedDependency[ModelRegistry]) -> Response:
-        prompt, _ = await _prompt(models.get(data.model), data)
+    async def count_tokens(self, request: Request, data: JSONBody[CountTokensRequest], models: NamedDependency[ModelRegistry]) -> Response:
+        (prompt,) = await core.prompt_ids(models.get(data.model), generation_request(data), request)
         return json_response(CountTokensResponse(len(prompt)))
 
 
-async def _events(generator: Generator, generation: core.Generation, message_id: str, prompt_tokens: int) -> AsyncIterator[dict]:
+def _message(generation: core.Generation, choices: list[core.Choice]) -> MessageResponse:
+    (choice,) = choices
+    content: list[TextBlock | ToolUseBlock] = [TextBlock(text=choice.content)] if choice.content else []
+    content += [ToolUseBlock(id=_tool_id(c.id), name=c.name, input=_input(c.arguments)) for c in choice.tool_calls]
+    finish: Finish = choice.finish  # type: ignore[assignment]
+    return MessageResponse(
+        id=f"msg_{uuid.uuid4().hex}",
+        model=generation.generator.model_name,
+        content=content,
+        stop_reason=STOP_REASONS[finish.reason],
+        stop_sequence=finish.stop_sequence,
+        usage=_usage(finish.usage),
+    )
+
+
+async def _events(generation: core.Generation) -> AsyncIterator[dict]:
     """Anthropic's stream: message_start, ping, per block content_block_start / _delta / _stop,
     then message_delta (stop reason, final usage) and message_stop; an error is an ``error`` event.
     message_start waits for the first output: only then is it known how much of the prompt the
     prefix cache served, which its usage counts apart as the closing usage does."""
+    prompt_tokens = len(generation.prompts[0])
 
     def start() -> list[dict]:
         first = generation.first_usage or Usage(prompt_tokens)
         message = {
-            "id": message_id,
+            "id": f"msg_{uuid.uuid4().hex}",
             "type": "message",
             "role": "assistant",
-            "model": generator.model_name,
+            "model": generation.generator.model_name,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,

@@ -8,30 +8,29 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from gateway import core
+from gateway.core import GenerationRequest
 from gateway.errors import InvalidRequest
-from gateway.generation import Generator
 from gateway.model_registry import ModelRegistry
-from gateway.routes.chat import check_request_template, message_dicts
+from gateway.routes.chat import message_dicts
 from gateway.routes.common import documented, json_response
 from gateway.schemas import DetokenizeRequest, TokenizeRequest
-from gateway.tools import tool_plan
 from gateway.validation import check_token_ids
 
 
-async def _tokenize(request: Request, generator: Generator, req: TokenizeRequest) -> list[int]:
+def generation_request(req: TokenizeRequest) -> GenerationRequest:
+    """A prompt, or chat messages with their template and tools, as chat and completions take them."""
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("give exactly one of `prompt` and `messages`", param="prompt")
     if req.prompt is not None:
-        generator.check_prompt_size(len(req.prompt), param="prompt")
-        return await generator.run_in_pool(generator.text_prompt_ids, req.prompt, req.add_special_tokens is not False, size=len(req.prompt))
-    check_request_template(request, req.chat_template)
-    plan = tool_plan(req.tools, req.tool_choice, None)
-    ids = await core.chat_prompt(
-        generator, message_dicts(req.messages or []), plan, req.chat_template, req.chat_template_kwargs, request, req.add_generation_prompt
+        return GenerationRequest(prompts=[req.prompt], add_special_tokens=req.add_special_tokens is not False)
+    return GenerationRequest(
+        messages=message_dicts(req.messages or []),
+        template=req.chat_template,
+        template_kwargs=req.chat_template_kwargs,
+        add_generation_prompt=req.add_generation_prompt,
+        tools=req.tools,
+        tool_choice=req.tool_choice,
     )
-    if req.add_special_tokens:
-        ids = generator.tokenizer.build_inputs_with_special_tokens(ids)
-    return ids
 
 
 class TokenizeController(Controller):
@@ -41,7 +40,9 @@ class TokenizeController(Controller):
     async def tokenize(self, request: Request, data: JSONBody[TokenizeRequest], models: NamedDependency[ModelRegistry]) -> Response:
         req = data
         generator = models.get(req.model)
-        ids = await _tokenize(request, generator, req)
+        (ids,) = await core.prompt_ids(generator, generation_request(req), request)
+        if req.messages is not None and req.add_special_tokens:  # on top of the template's own
+            ids = generator.tokenizer.build_inputs_with_special_tokens(ids)
         body: dict = {"count": len(ids), "max_model_len": generator.max_model_len(), "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = generator.tokenizer.convert_ids_to_tokens(ids)

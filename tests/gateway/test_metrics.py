@@ -18,7 +18,7 @@ def test_dead_workers_are_counted_as_they_are_now_and_departures_as_a_counter():
     one worker is dead, three departures happened."""
 
     async def scenario(client, worker):
-        metrics = Metrics(client, Admission(4, 4))
+        metrics = Metrics(client.snapshot, Admission(4, 4))
         other = FakeWorker(client.bind_address, name=b"other")
         try:
             await other.send(Ready("other", "m", 1024, 4096, 16, 8, "cpu", "float32"))

@@ -17,7 +17,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from gateway.core import END, Finish, Text, ToolCallDelta, Usage
-from gateway.routes.responses import ResponsesRequest, _envelope, _Output
+from gateway.routes.response_output import Output
+from gateway.routes.responses import ResponsesRequest, _envelope
 from gateway.tools import CallDelta
 
 
@@ -55,7 +56,7 @@ def _texts(response) -> list[str]:  # noqa: ANN001
 def test_the_sdks_snapshot_is_the_final_response_at_every_event(script):
     generator = SimpleNamespace(model_name="m", token_texts=None)
     response = _envelope(generator, msgspec.convert({"model": "m", "input": "Hi"}, ResponsesRequest))
-    builder = _Output(generator, response, False)
+    builder = Output(generator, response, False)
 
     async def collect() -> list:
         return [event async for event in builder.stream(_Generation(SCRIPTS[script]))]

@@ -6,7 +6,7 @@ import pytest
 
 from common.protocol import GuideKind
 from gateway.errors import InvalidRequest
-from gateway.tools import prepare_messages, tool_plan
+from gateway.tools import tool_plan
 
 WEATHER = {
     "type": "function",
@@ -85,10 +85,10 @@ def test_tools_go_into_the_system_message_of_a_template_without_tools():
         },
         {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
     ]
-    messages = prepare_messages(history, plan, "{{ messages }}")
+    messages = plan.prompt_messages(history, "{{ messages }}")
     assert messages[0]["role"] == "system" and "<tools>" in messages[0]["content"] and "get_weather" in messages[0]["content"]
     assert messages[2]["content"] == '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
-    assert prepare_messages(history, plan, "{% for t in tools %}{% endfor %}") == history  # the template does it itself
+    assert plan.prompt_messages(history, "{% for t in tools %}{% endfor %}") == history  # the template does it itself
     assert tool_plan([WEATHER], "none", None).parser() is None
 
 

@@ -140,7 +140,6 @@ def test_without_an_endpoint_nothing_is_traced():
 
     serve(scope(headers={"traceparent": TRACEPARENT}), route)
     assert new.trace_context == {}  # no carrier was built
-    assert tracing._generations == {}
 
 
 def test_an_otlp_endpoint_exports_the_spans_over_http(collector: Collector):
@@ -172,11 +171,11 @@ def test_one_request_is_one_trace_under_the_callers_span(memory: InMemorySpanExp
         with tracing.span("queue"):
             pass
         generations = [tracing.generation(new) for new in news]
-        tracing.assigned("r1", "w-a")
-        tracing.assigned("r1-1", "w-b")
-        tracing.worker_events("r1", [WorkerEvent("admitted", 1_700_000_000_000_000_000, {"waited_steps": 2})], "w-a")
-        tracing.resumed("r1", "worker w-a missed 5 heartbeats", 1, 1)
-        tracing.assigned("r1", "w-b")
+        generations[0].assigned("w-a")  # what dispatch tells the trace on a request's stream
+        generations[1].assigned("w-b")
+        generations[0].worker_events([WorkerEvent("admitted", 1_700_000_000_000_000_000, {"waited_steps": 2})], "w-a")
+        generations[0].resumed("worker w-a missed 5 heartbeats", 1, 1)
+        generations[0].assigned("w-b")
         for generation, reason in zip(generations, ("stop", "length")):
             generation.output(RequestOutput("x", [5], None, 3, 1, 2))
             generation.output(RequestOutput("x", [6], reason, 3, 2, 2))
@@ -204,7 +203,6 @@ def test_one_request_is_one_trace_under_the_callers_span(memory: InMemorySpanExp
     # The worker got the generate span's context.
     for new, generation in zip(news, sorted(generates, key=lambda g: g.attributes["llmpool.request_id"])):
         assert new.trace_context["traceparent"] == f"00-{TRACE_ID}-{generation.context.span_id:016x}-01"
-    assert tracing._generations == {}
 
 
 def test_other_routes_and_failed_choices(memory: InMemorySpanExporter):

@@ -1,7 +1,11 @@
-"""The gateway's ROUTER side against a scripted fake worker (a real DEALER socket on loopback)."""
+"""The gateway's ROUTER side against a scripted fake worker (a real DEALER socket on loopback): what
+needs the socket (one AddRequests per loop tick, malformed frames, heartbeats both ways, a worker's
+reachability, tokenizer loading, another protocol version). What dispatch decides is tested without
+sockets in test_dispatch.py."""
 
 import asyncio
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -10,13 +14,11 @@ from common.protocol import (
     Abort,
     AddRequests,
     DescribeModel,
-    Goodbye,
     Heartbeat,
     ModelInfo,
     NewRequest,
     Ready,
     RequestOutput,
-    SamplingParams,
     StepOutputs,
     WorkerError,
 )
@@ -86,7 +88,7 @@ def test_requests_of_one_tick_travel_together_and_outputs_reach_their_streams():
         streams = [client.submit(request(i), "m") for i in range(3)]
         added = await worker.receive(AddRequests)
         assert [r.request_id for r in added.requests] == ["r0", "r1", "r2"]
-        assert client.add_messages_sent == 1
+        assert client.snapshot()["add_messages_sent"] == 1
         await worker.send(StepOutputs([RequestOutput("r0", [5], None, 3, 1), RequestOutput("r1", [6], "stop", 3, 1)], batch_size=3))
         assert (await streams[0].queue.get()).new_token_ids == [5]
         final = await streams[1].queue.get()
@@ -111,20 +113,6 @@ def test_malformed_frames_are_dropped_and_the_socket_keeps_working():
         await worker.receive(AddRequests)
         await worker.send(StepOutputs([RequestOutput("r0", [7], "length", 3, 1)]))
         assert (await stream.queue.get()).new_token_ids == [7]
-
-    run(scenario)
-
-
-def test_goodbye_fails_in_flight_requests_with_a_clear_error():
-    async def scenario(client, worker):
-        await worker.send(READY)
-        await eventually(lambda: client.workers)
-        stream = client.submit(request(0), "m")
-        await worker.receive(AddRequests)
-        await worker.send(Goodbye("shutting down"))
-        error = await asyncio.wait_for(stream.queue.get(), 5)
-        assert isinstance(error, GenerationFailed) and "left" in error.message
-        assert not client.workers
 
     run(scenario)
 
@@ -157,46 +145,6 @@ def test_heartbeats_keep_a_worker_alive_and_carry_its_load():
     run(scenario)
 
 
-def test_requests_go_only_to_workers_of_their_model():
-    async def scenario(client, worker):
-        other = FakeWorker(client.bind_address, name=b"other")
-        try:
-            await other.send(Ready("other", "not-m", 1024, 4096, 16, 8, "cpu", "float32"))
-            await eventually(lambda: client.workers)
-            try:
-                client.submit(request(0), "m")
-            except NoWorkerAvailable as exc:
-                assert "`m`" in exc.message
-            else:
-                raise AssertionError("a request for m must not go to a worker of not-m")
-            await worker.send(READY)
-            await eventually(lambda: len(client.workers) == 2)
-            client.submit(request(1), "m")
-            assert [r.request_id for r in (await worker.receive(AddRequests)).requests] == ["r1"]
-            client.submit(request(2), "not-m")
-            assert [r.request_id for r in (await other.receive(AddRequests)).requests] == ["r2"]
-            assert client.limits("not-m") == (1024, 4096)
-        finally:
-            other.close()
-
-    run(scenario)
-
-
-def test_a_worker_with_another_tokenizer_under_a_served_name_is_refused():
-    async def scenario(client, worker):
-        await worker.send(Ready("fake", "m", 1024, 4096, 16, 8, "cpu", "float32", tokenizer_digest="aaa"))
-        await eventually(lambda: client.workers)
-        impostor = FakeWorker(client.bind_address, name=b"impostor")
-        try:
-            await impostor.send(Ready("impostor", "m", 1024, 4096, 16, 8, "cpu", "float32", tokenizer_digest="bbb"))
-            await asyncio.sleep(0.3)
-            assert [w.ready.worker_name for w in client.workers.values()] == ["fake"]
-        finally:
-            impostor.close()
-
-    run(scenario)
-
-
 def test_a_gateway_learns_a_model_from_its_first_worker_before_admitting_it():
     """learn_model set: the worker waits in joining, is asked for its tokenizer (DescribeModel), and
     is admitted once the gateway has loaded what it sent; a failed load asks again."""
@@ -216,7 +164,7 @@ def test_a_gateway_learns_a_model_from_its_first_worker_before_admitting_it():
             ask = await worker.receive(DescribeModel)
             assert ask.tokenizer_digest == "d1" and not client.workers and client.snapshot()["joining"] == [{"name": "fake", "model": "m"}]
             await worker.send(ModelInfo("m", "d1", b"broken"))
-            await asyncio.sleep(0.3)
+            await eventually(lambda: not client.dispatch.roster.joining)  # the load failed: the joiner is dropped
             assert not client.workers and not learned
             await worker.send(Ready("fake", "m", 1024, 4096, 16, 8, "cpu", "float32", tokenizer_digest="d1"))
             await worker.receive(DescribeModel)
@@ -228,38 +176,6 @@ def test_a_gateway_learns_a_model_from_its_first_worker_before_admitting_it():
             await client.stop()
 
     asyncio.run(main())
-
-
-def test_a_worker_twice_as_fast_gets_about_twice_the_work():
-    """Outstanding work is weighed by each worker's measured speed (capacity from its heartbeats)."""
-
-    async def scenario(client, worker):
-        slow = FakeWorker(client.bind_address, name=b"slow")
-        try:
-            await worker.send(READY)
-            await slow.send(Ready("slow", "m", 1024, 4096, 16, 8, "cpu", "float32"))
-            await eventually(lambda: len(client.workers) == 2)
-            await worker.send(Heartbeat(capacity_tokens_per_s=200.0))
-            await slow.send(Heartbeat(capacity_tokens_per_s=100.0))
-            await eventually(lambda: all(w.heartbeats for w in client.workers.values()))
-            for i in range(30):
-                client.submit(request(i), "m")
-            shares = {w.ready.worker_name: len(w.inflight) for w in client.workers.values()}
-            assert sum(shares.values()) == 30 and 1.6 <= shares["fake"] / shares["slow"] <= 2.2, shares
-            # Like workers whose figures differ by noise share the work instead of the faster taking all.
-            await slow.send(Heartbeat(capacity_tokens_per_s=185.0))
-            await eventually(lambda: client.workers[b"slow"].load.capacity_tokens_per_s == 185.0)
-            for w in client.workers.values():
-                for request_id in list(w.inflight):
-                    client.abort(request_id)
-            for i in range(30, 40):
-                client.submit(request(i), "m")
-            shares = {w.ready.worker_name: len(w.inflight) for w in client.workers.values()}
-            assert shares == {"fake": 5, "slow": 5}
-        finally:
-            slow.close()
-
-    run(scenario)
 
 
 def test_a_worker_registering_again_replaces_its_old_entry_and_takes_its_requests_back():
@@ -295,146 +211,26 @@ def test_a_second_live_worker_with_the_same_name_is_refused_and_told_why():
             await twin.send(READY)  # same worker_name, and the first one's connection is open
             refusal = await twin.receive(WorkerError)
             assert "another live worker is registered as 'fake'" in refusal.message
-            assert list(client.workers) == [b"fake"] and not client.departed
+            assert list(client.workers) == [b"fake"] and not client.snapshot()["departed"]
         finally:
             twin.close()
 
     run(scenario)
 
 
-def test_a_dead_workers_requests_resume_on_another_worker_where_they_left_off():
-    async def scenario(client, worker):
-        other = FakeWorker(client.bind_address, name=b"other")
-        try:
-            await worker.send(READY)
-            await eventually(lambda: client.workers)
-            stream = client.submit(NewRequest("r0", [1, 2, 3], 5, SamplingParams(temperature=0.7, seed=11)), "m")
-            await worker.receive(AddRequests)
-            await other.send(Ready("other", "m", 1024, 4096, 16, 8, "cpu", "float32"))
-            await eventually(lambda: len(client.workers) == 2)
-            await worker.send(StepOutputs([RequestOutput("r0", [7], None, 3, 1)]))
-            await worker.send(StepOutputs([RequestOutput("r0", [8], None, 3, 2, seq=1)]))
-            await worker.send(Goodbye("crashing"))
-            moved = (await other.receive(AddRequests)).requests[0]
-            assert moved.prompt_token_ids == [1, 2, 3, 7, 8] and moved.max_new_tokens == 3
-            assert moved.sampling.temperature == 0.7 and moved.sampling.seed == 13
-            await other.send(StepOutputs([RequestOutput("r0.1", [9], "length", 5, 1)]))
-            outputs = [await asyncio.wait_for(stream.queue.get(), 5) for _ in range(3)]
-            assert [o.new_token_ids for o in outputs] == [[7], [8], [9]]
-            assert (outputs[-1].num_prompt_tokens, outputs[-1].num_output_tokens) == (3, 3)
-            assert client.resumed == 1
-        finally:
-            other.close()
-
-    run(scenario)
-
-
-def test_a_worker_that_heartbeats_but_makes_no_progress_counts_as_hung():
-    async def main():
-        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", heartbeat_interval=0.1, heartbeat_liveness=5, hung_timeout=0.6)
-        await client.start()
-        worker = FakeWorker(client.bind_address)
-        try:
-            await worker.send(READY)
-            await eventually(lambda: client.workers)
-            stream = client.submit(request(0), "m")
-            await worker.receive(AddRequests)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 5
-            while stream.queue.empty() and loop.time() < deadline:  # heartbeats keep coming, tokens don't
-                await worker.send(Heartbeat(running=1))
-                await asyncio.sleep(0.05)
-            error = stream.queue.get_nowait()
-            assert isinstance(error, GenerationFailed) and "made no progress" in error.message
-            assert not client.workers
-        finally:
-            worker.close()
-            await client.stop()
-
-    asyncio.run(main())
-
-
-def test_a_request_the_worker_never_accepted_fails_alone_and_the_worker_is_not_hung():
-    """The worker heartbeats that it holds nothing while the gateway counts a request on it (a
-    message lost or unreadable): after ``liveness`` heartbeats the request is sent again (the
-    resume path, max_retries times) and then ends with an error; the worker stays registered and
-    ready, though hung_timeout passed many times meanwhile."""
-
-    async def main():
-        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", heartbeat_interval=0.1, heartbeat_liveness=5, hung_timeout=0.3)
-        await client.start()
-        worker = FakeWorker(client.bind_address)
-        try:
-            await worker.send(READY)
-            await eventually(lambda: client.workers)
-            stream = client.submit(request(0), "m")
-            await worker.receive(AddRequests)  # and loses it, and the two resends
-            loop = asyncio.get_running_loop()
-            started, ready_throughout = loop.time(), True
-            while stream.queue.empty() and loop.time() < started + 5:
-                await worker.send(Heartbeat())  # running 0, waiting 0
-                await asyncio.sleep(0.1)
-                ready_throughout &= bool(client.ready_workers())
-            error = stream.queue.get_nowait()
-            assert isinstance(error, GenerationFailed) and "does not hold the request" in error.message
-            assert "moved 2 times" in error.message and client.resumed == 2
-            assert loop.time() - started > 0.5 and ready_throughout
-            assert client.workers and client.snapshot()["workers"][0]["inflight"] == 0
-            for _ in range(5):  # past hung_timeout again: still there
-                await worker.send(Heartbeat())
-                await asyncio.sleep(0.1)
-            assert client.workers and not client.departed
-        finally:
-            worker.close()
-            await client.stop()
-
-    asyncio.run(main())
-
-
-def test_prefix_affinity_sends_a_shared_prefix_to_the_same_worker_unless_it_is_much_busier():
-    from gateway.pool import PrefixAffinity, WorkerInfo
-
-    a = WorkerInfo(b"a", READY, 0.0)
-    b = WorkerInfo(b"b", READY, 0.0)
-    affinity = PrefixAffinity(slack_tokens=1000)
-    workers = {w.identity: w for w in (a, b)}
-    system = list(range(600))
-    assert affinity.choose("m", system + [1], workers.get, best=a) is a
-    a.outstanding_tokens = 900  # busier, but within the slack: still a, where the prefix is cached
-    assert affinity.choose("m", system + [2], workers.get, best=b) is a
-    assert affinity.choose("other-model", system + [2], workers.get, best=b) is b  # prefixes are per model
-    a.outstanding_tokens = 5000  # much busier: the least-loaded one takes it (and the prefix moves)
-    assert affinity.choose("m", system + [3], workers.get, best=b) is b
-    assert affinity.choose("m", list(range(1000, 1100)), workers.get, best=a) is a  # an unseen prefix
-    assert affinity.choose("m", [1, 2, 3], workers.get, best=b) is b  # too short to bother
-    a.outstanding_tokens = 0
-    del workers[b"b"]  # the owner of the prefix left: the best one takes it
-    assert affinity.choose("m", system + [4], workers.get, best=a) is a
-    assert affinity.hits == 1
-
-
-def test_a_lost_output_is_noticed_and_the_request_resumes_from_what_was_delivered():
-    """The worker skips the output carrying token 8 (seq 1): the gateway sees seq 2 arrive where
-    1 was due, stops the old attempt, and sends the request again as prompt + the tokens delivered
-    (under a new wire id, so the old attempt's late outputs can't mix in). The client reads 7 8 9
-    with no hole, and usage counts what it got."""
+def test_a_worker_of_the_old_protocol_is_refused_in_words_it_reads(caplog):
+    """A version-1 worker sends its Ready as a map under a version-1 header: the gateway logs that it
+    refuses it and why, and answers with the version-1 WorkerError map that such a worker decodes
+    and logs (worker/proc.py of that version logs "the gateway at ...: <message>")."""
 
     async def scenario(client, worker):
-        await worker.send(READY)
-        await eventually(lambda: client.workers)
-        stream = client.submit(NewRequest("r0", [1, 2, 3], 3, SamplingParams(temperature=0)), "m")
-        await worker.receive(AddRequests)
-        await worker.send(StepOutputs([RequestOutput("r0", [7], None, 3, 1, seq=0)]))
-        await worker.send(StepOutputs([RequestOutput("r0", [9], None, 3, 3, seq=2)]))  # seq 1 ([8]) lost
-        assert (await worker.receive(Abort)).request_ids == ["r0"]
-        again = (await worker.receive(AddRequests)).requests[0]
-        assert (again.request_id, again.prompt_token_ids, again.max_new_tokens) == ("r0.1", [1, 2, 3, 7], 2)
-        await worker.send(StepOutputs([RequestOutput("r0", [], "abort", 3, 3, seq=3)]))  # the old attempt's: ignored
-        await worker.send(StepOutputs([RequestOutput("r0.1", [8], None, 4, 1, seq=0)]))
-        await worker.send(StepOutputs([RequestOutput("r0.1", [9], "length", 4, 2, seq=1)]))
-        outputs = [await asyncio.wait_for(stream.queue.get(), 5) for _ in range(3)]
-        assert [o.new_token_ids for o in outputs] == [[7], [8], [9]]
-        assert outputs[-1].finish_reason == "length" and outputs[-1].num_output_tokens == 3
-        assert stream.finished and client.resumed == 1 and client.workers
+        old_ready = {"worker_name": "old", "model": "m", "max_model_len": 1024, "kv_capacity_tokens": 4096, "protocol_version": 1}
+        await worker.sock.send_multipart([bytes((1, protocol.MsgType.READY)), msgspec.msgpack.encode(old_ready)])
+        header, payload = await asyncio.wait_for(worker.sock.recv_multipart(), 5)
+        assert header == bytes((1, protocol.MsgType.ERROR))
+        answer = msgspec.msgpack.decode(payload)
+        assert answer["request_id"] is None and "it speaks protocol 1; this gateway speaks 2" in answer["message"]
+        assert not client.workers and client.snapshot()["dropped_frames"] == 1
+        assert any("refused worker old: it speaks protocol 1" in r.getMessage() for r in caplog.records)
 
     run(scenario)

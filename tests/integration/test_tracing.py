@@ -9,7 +9,6 @@ import secrets
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from prometheus_client.parser import text_string_to_metric_families
 
 from common import protocol
 from gateway import tracing
@@ -262,11 +262,19 @@ def test_with_tracing_off_nothing_is_created(gateway: Gateway, wire: list, monke
     start_span: Callable = Tracer.start_span
     monkeypatch.setattr(Tracer, "start_span", lambda self, name, *a, **k: started.append(name) or start_span(self, name, *a, **k))
     tracing.setup(None, "off")
+    before = finished_generations(gateway)
     for stream in (False, True):
         reply = gateway.post("/v1/chat/completions", {**CHAT, "stream": stream})
         assert reply.status_code == 200
-    time.sleep(0.2)
+    # A generation's trace ends in the same step as its metrics count it: wait for the count.
+    wait_until(lambda: finished_generations(gateway) == before + 2, 10, "both generations to end")
     assert started == [] and gateway.memory.get_finished_spans() == ()
     assert [r.trace_context for r in sent_requests(wire)] == [{}, {}]
     assert worker_events(wire) == []  # an untraced request brings no events back
-    assert tracing._generations == {}
+
+
+def finished_generations(gateway: Gateway) -> float:
+    text = httpx.get(gateway.url + "/metrics", timeout=5).text
+    return sum(
+        s.value for f in text_string_to_metric_families(text) if f.name == "llmpool_generations" for s in f.samples if s.name.endswith("_total")
+    )

@@ -179,7 +179,7 @@ def test_a_request_the_worker_cannot_decode_is_answered_with_an_error_not_droppe
         identity, _ = gateway.receive(Ready)
         frames = protocol.encode(AddRequests([NewRequest("good", [1, 2], 5), NewRequest("bad", [1], 5)]))
         payload = msgspec.msgpack.decode(frames[1])
-        payload["requests"][1]["prompt_token_ids"] = [True, False]
+        payload[0][1][1] = [True, False]  # the second request's prompt_token_ids
         gateway.sock.send_multipart([identity, frames[0], msgspec.msgpack.encode(payload)])
         _, step = gateway.receive(StepOutputs)
         outputs = {o.request_id: o for o in step.outputs}
