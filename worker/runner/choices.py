@@ -35,13 +35,34 @@ def pick_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def pick_decode_path(choice: str, device: torch.device, dtype: torch.dtype, model: torch.nn.Module) -> tuple[str, bool]:
-    """(weights, whether the C++ decode step runs): it runs on the CPU in bf16/fp16, or in any dtype
-    once weights are quantized; float32 without quantization keeps the exact torch path
-    (token-identical to ``generate``)."""
+def wants_native(choice: str, model: torch.nn.Module) -> bool:
+    """Whether the native forward (worker/models/) runs ``model``: where it supports the model and
+    ``--model-impl`` allows it; else transformers' own classes."""
+    if choice not in ("auto", "native", "transformers"):
+        raise ValueError(f"--model-impl must be auto, native or transformers; got {choice!r}")
+    native_ok = supports(model)
+    if choice == "native" and not native_ok:
+        raise ValueError(f"--model-impl native does not support model type {model.config.model_type!r}")
+    return native_ok and choice != "transformers"
+
+
+def pick_decode_path(choice: str, device: torch.device, dtype: torch.dtype, model: torch.nn.Module, native: bool) -> tuple[str, bool]:
+    """(weights, whether the C++ decode step runs): it runs the native forward on the CPU in
+    bf16/fp16, or in any dtype once weights are quantized; float32 without quantization keeps the
+    exact torch path (token-identical to ``generate``). Quantized weights exist only for the C++
+    step: asked for on transformers' classes, they are refused rather than silently not applied."""
     if choice not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {choice!r}")
     usable = device.type == "cpu" and kernels.load()
+    if not native:
+        if choice not in ("auto", "none"):
+            raise ValueError(
+                f"--quantization {choice} applies to the C++ decode step of the native forward, which does not run model type "
+                f"{model.config.model_type!r} (it runs on transformers' classes, weights in {str(dtype).removeprefix('torch.')}): "
+                "use --quantization none or auto"
+            )
+        log.info("decode: transformers classes, weights in %s (no C++ decode step or quantization for this model)", str(dtype).removeprefix("torch."))
+        return "none", False
     if choice == "auto":
         choice = "none" if not usable or dtype == torch.float32 else "int8"
         if choice == "int8" and kernels.has_vnni() and on_4bit_grid(model):
@@ -53,17 +74,10 @@ def pick_decode_path(choice: str, device: torch.device, dtype: torch.dtype, mode
     return choice, fast
 
 
-def pick_impl(choice: str, model: torch.nn.Module, fast_decode: bool, quantization: str, cache: Path | None) -> LlamaForward | None:
-    """The native forward (worker/models/llama.py) where it supports the model and ``choice`` allows
-    it; None: transformers' own classes."""
-    if choice not in ("auto", "native", "transformers"):
-        raise ValueError(f"--model-impl must be auto, native or transformers; got {choice!r}")
-    native_ok = supports(model)
-    if choice == "native" and not native_ok:
-        raise ValueError(f"--model-impl native does not support model type {model.config.model_type!r}")
-    use_native = native_ok and choice != "transformers"
-    log.info("model implementation: %s", "native (worker/models/llama.py)" if use_native else "transformers classes")
-    if not use_native:
+def pick_impl(native: bool, model: torch.nn.Module, fast_decode: bool, quantization: str, cache: Path | None) -> LlamaForward | None:
+    """The native forward (worker/models/llama.py) where ``wants_native`` chose it; None: transformers' own classes."""
+    log.info("model implementation: %s", "native (worker/models/llama.py)" if native else "transformers classes")
+    if not native:
         return None
     return LlamaForward(model, fast_decode=fast_decode, quantization=quantization, cache=cache)
 
