@@ -47,7 +47,7 @@ from common.protocol import (
 )
 from gateway import tracing
 from gateway.errors import BadGeneration, GenerationFailed, NoWorkerAvailable
-from gateway.pool import ModelPool, PrefixAffinity, RequestStream, WorkerInfo
+from gateway.pool import ModelPool, PrefixAffinity, RequestStream, StartFailures, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class WorkerClient:
         self.dropped_frames = 0
         self.departed: deque[dict] = deque(maxlen=16)  # recently dropped workers, for operators
         self.departures = 0  # registrations dropped since start (left, died, unreachable, replaced)
+        self.start_failures = StartFailures()  # workers that said why they could not start (/health)
         # Requests whose worker died when no other was there: they wait a liveness period for one
         # to (re)register (workers reconnect after a gateway pause or restart) before failing.
         self._orphans: dict[str, tuple[RequestStream, str, float]] = {}
@@ -337,6 +338,8 @@ class WorkerClient:
         if worker is None:
             if identity in self.joining:
                 self._joining_message(identity, msg)
+            elif isinstance(msg, WorkerError):  # a worker that could not load its model says why, then exits
+                self.start_failures.note(identity, msg.message)
             else:
                 log.debug("message from unregistered peer %r ignored; it will re-register", identity[:64])
             return
