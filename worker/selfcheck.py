@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SHORT_PROMPT = 12
-DECODE_STEPS = 3  # batched decode steps after the prompts (then one more of the long prompt alone)
+SHORT_PROMPT = 8
+DECODE_STEPS = 2  # decode steps of the short prompt beside the long one (which then takes one alone)
 TIE = 1e-4  # float32: a top-token swap between logits closer than this (relative) is summation order
 EXACT_TOLERANCE = 1e-3  # float32: largest logit difference allowed, relative to the largest logit
 TOP_K = 5
@@ -62,7 +62,7 @@ class SelfCheck:
         sizes = [layer.mask.local_size for layer in layers if layer.mask.local_size]
         window = min(sizes) if sizes else None
         generator = torch.Generator().manual_seed(20261124)
-        long_len = max(2 * block_size, (window or 0) + block_size) + 5  # past the window, not block-aligned
+        long_len = max(block_size, window or 0) + 5  # past a block and the window, not block-aligned
         long_len = max(4, min(long_len, max_model_len - DECODE_STEPS - 2))
         self.window = window if window is not None and long_len > window else None  # the window cuts the long prompt
         self.sequences = []
@@ -73,8 +73,7 @@ class SelfCheck:
 
     def _reference(self, tokens: list[int], prompt_len: int) -> torch.Tensor:
         """The model's own eager forward: logits after the prompt and after each continuation token."""
-        logits = reference_logits(self.model, tokens)
-        return logits[prompt_len - 1 : len(tokens)].float().cpu()
+        return reference_logits(self.model, tokens, len(tokens) - prompt_len + 1).float().cpu()
 
     @torch.inference_mode()
     def run(self, runner: ModelRunner) -> None:
@@ -158,11 +157,13 @@ def compare(ours: torch.Tensor, reference: torch.Tensor, exact: bool) -> str | N
     return None
 
 
-def reference_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    """``[len(tokens), vocab]`` from transformers' forward with eager attention (the model left on paged attention)."""
+@torch.inference_mode()
+def reference_logits(model: torch.nn.Module, tokens: list[int], last: int = 0) -> torch.Tensor:
+    """``[last or len(tokens), vocab]``: the logits of the ``last`` positions (0: all) from
+    transformers' forward with eager attention (the model left on paged attention)."""
     model.set_attn_implementation("eager")
     try:
-        return model(input_ids=torch.tensor([tokens], device=model.device), use_cache=False).logits[0]
+        return model(input_ids=torch.tensor([tokens], device=model.device), use_cache=False, logits_to_keep=last).logits[0]
     finally:
         model.set_attn_implementation(ATTENTION_NAME)
 

@@ -135,3 +135,32 @@ def build(model_type: str, extra: dict, folder: Path, seed: int = 0) -> PreTrain
     model.generation_config.eos_token_id = None  # generate runs to max_new_tokens, as the engine's requests with ignore_eos
     model.save_pretrained(folder)
     return model
+
+
+def write_gguf(model: PreTrainedModel, path: Path) -> Path:
+    """``model`` as a float32 GGUF file, named the way llama.cpp names tensors (gguf's own tensor
+    map), for architectures whose tensors llama.cpp stores unchanged (Qwen2: no rotary permutation,
+    no norm offset; transformers reads no head_dim from a Qwen3 file)."""
+    import gguf
+
+    config = model.config
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), config.model_type)
+    writer.add_name(f"tiny-{config.model_type}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[config.model_type.upper()], config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

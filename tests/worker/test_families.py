@@ -20,7 +20,7 @@ import torch
 from bench.accuracy import Generation, check_close
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
-from tests.worker.families import REFUSED, SERVED, WINDOW, build
+from tests.worker.families import REFUSED, SERVED, WINDOW, build, write_gguf
 from worker.attention.layers import LayerSpec
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -83,6 +83,19 @@ def test_bfloat16_output_is_close_to_generate(name, tmp_path):
     config = replace(CONFIG, dtype="bfloat16")
     got = run(Engine(ModelRunner(resolve_model(str(tmp_path / "model")), config), config), PROMPTS, logprobs=5)
     assert all(check_close(g, r)[0] for g, r in zip(got, reference))
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_a_gguf_file_of_another_family_loads_through_transformers_and_is_exact(impl, tmp_path):
+    """A .gguf of a non-Llama family (Qwen2) serves as its safetensors do, loaded through
+    transformers' GGUF support, on either model implementation."""
+    model_type, extra = SERVED["qwen2"]
+    model = build(model_type, extra, tmp_path / "hf")
+    gguf_file = write_gguf(model, tmp_path / "gguf" / "tiny-qwen2.gguf")
+    reference = [g.tokens for g in generate(model, PROMPTS)]
+    config = replace(CONFIG, model_impl=impl, cache_dir=str(tmp_path / "cache"))
+    runner = ModelRunner(resolve_model(str(gguf_file)), config)
+    assert [g.tokens for g in run(Engine(runner, config), PROMPTS)] == reference
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
