@@ -3,9 +3,10 @@
 Two fixed prompts go through the worker's own serving path (its paged cache, kernels, dtype and
 weights): a short one prefilled whole, and one longer than the model's smallest sliding window or
 attention chunk (so the window really cuts) prefilled in two chunks beside the first one's decode
-step, then decode steps of both together and one of the long one alone. The tokens fed are fixed,
-so the model's reference forward in transformers (eager attention, same dtype) gives the logits of
-every position in one pass, computed up front (the native forward frees transformers' layers).
+step, then decode steps of both together and one of the long one alone. The tokens fed are fixed
+and the short sequence is the long one's beginning, so one reference forward in transformers
+(eager attention, same dtype) gives the logits of every position checked, computed up front (the
+native forward frees transformers' layers).
 
 The rule (vLLM's, as the tests use it): in float32 with unquantized weights, the same top token at
 every position (near-ties within ``TIE`` aside) and logits within ``EXACT_TOLERANCE`` of the
@@ -43,7 +44,7 @@ TOP_K = 5
 
 
 @dataclass(slots=True)
-class Probe:
+class CheckSequence:
     """One check sequence: its fixed tokens, and the reference logits of the positions we sample."""
 
     prompt: list[int]
@@ -63,23 +64,22 @@ class SelfCheck:
         window = min(sizes) if sizes else None
         generator = torch.Generator().manual_seed(20261124)
         long_len = max(block_size, window or 0) + 5  # past a block and the window, not block-aligned
-        long_len = max(4, min(long_len, max_model_len - DECODE_STEPS - 2))
+        long_len = max(SHORT_PROMPT + DECODE_STEPS, min(long_len, max_model_len - DECODE_STEPS - 2))
         self.window = window if window is not None and long_len > window else None  # the window cuts the long prompt
-        self.sequences = []
-        for length, steps in ((SHORT_PROMPT, DECODE_STEPS), (long_len, DECODE_STEPS + 1)):
-            tokens = torch.randint(0, vocab, (length + steps,), generator=generator).tolist()
-            self.sequences.append(Probe(tokens[:length], tokens[length:], self._reference(tokens, length)))
+        # The short sequence is the long one's beginning, so one reference forward gives both's logits.
+        tokens = torch.randint(0, vocab, (long_len + DECODE_STEPS + 1,), generator=generator).tolist()
+        logits = reference_logits(model, tokens, len(tokens) - SHORT_PROMPT + 1).float().cpu()  # from position SHORT_PROMPT - 1 on
+        self.sequences = [
+            CheckSequence(tokens[:SHORT_PROMPT], tokens[SHORT_PROMPT : SHORT_PROMPT + DECODE_STEPS], logits[: DECODE_STEPS + 1]),
+            CheckSequence(tokens[:long_len], tokens[long_len:], logits[long_len - SHORT_PROMPT :]),
+        ]
         self.reference_s = time.perf_counter() - started
-
-    def _reference(self, tokens: list[int], prompt_len: int) -> torch.Tensor:
-        """The model's own eager forward: logits after the prompt and after each continuation token."""
-        return reference_logits(self.model, tokens, len(tokens) - prompt_len + 1).float().cpu()
 
     @torch.inference_mode()
     def run(self, runner: ModelRunner) -> None:
         started = time.perf_counter()
         exact = runner.dtype == torch.float32 and runner.quantization == "none"
-        short, long = (self._request(i, probe, runner) for i, probe in enumerate(self.sequences))
+        short, long = (self._request(i, sequence, runner) for i, sequence in enumerate(self.sequences))
         blocks_needed = sum(len(r.block_ids) for r in (short, long))
         if blocks_needed > runner.num_blocks:
             log.warning("self-check skipped: it needs %d KV blocks and the cache holds %d", blocks_needed, runner.num_blocks)
@@ -102,12 +102,12 @@ class SelfCheck:
                 request.num_computed_tokens += n
             for row, request in enumerate(sampled):
                 index = int(request.request_id)
-                probe = self.sequences[index]
-                problem = compare(logits[row].float().cpu(), probe.reference[seen[request.request_id]], exact)
+                sequence = self.sequences[index]
+                problem = compare(logits[row].float().cpu(), sequence.reference[seen[request.request_id]], exact)
                 if problem is not None:
-                    raise UnsupportedModel(self._failure(runner, stage, problem, probe, exact))
-                if seen[request.request_id] < len(probe.continuation):
-                    request.token_ids.append(probe.continuation[seen[request.request_id]])
+                    raise UnsupportedModel(self._failure(runner, stage, problem, sequence, exact))
+                if seen[request.request_id] < len(sequence.continuation):
+                    request.token_ids.append(sequence.continuation[seen[request.request_id]])
                 seen[request.request_id] += 1
         log.info(
             "self-check passed in %.2f s (reference %.2f s): %d positions against transformers' eager forward, %s%s",
@@ -120,18 +120,20 @@ class SelfCheck:
         self.model = None  # the reference's logits and the model reference are not needed any more
         self.sequences = []
 
-    def _request(self, index: int, probe: Probe, runner: ModelRunner) -> Request:
-        total = len(probe.prompt) + len(probe.continuation)
+    def _request(self, index: int, sequence: CheckSequence, runner: ModelRunner) -> Request:
+        total = len(sequence.prompt) + len(sequence.continuation)
         first = 0 if index == 0 else -(-(SHORT_PROMPT + DECODE_STEPS) // runner.block_size)
         blocks = list(range(first, first + -(-total // runner.block_size)))
-        request = Request(str(index), list(probe.prompt), len(probe.prompt), len(probe.continuation), SamplingParams(temperature=0), frozenset())
+        request = Request(
+            str(index), list(sequence.prompt), len(sequence.prompt), len(sequence.continuation), SamplingParams(temperature=0), frozenset()
+        )
         request.block_ids = blocks
         return request
 
-    def _failure(self, runner: ModelRunner, stage: str, problem: str, probe: Probe, exact: bool) -> str:
+    def _failure(self, runner: ModelRunner, stage: str, problem: str, sequence: CheckSequence, exact: bool) -> str:
         where = f"; it runs the native forward ({type(runner.native).__module__}): --model-impl transformers may serve it" if runner.native else ""
         if runner.native is None:
-            layer = first_differing_layer(runner, probe.prompt, 1e-4 if exact else 5e-2)
+            layer = first_differing_layer(runner, sequence.prompt, 1e-4 if exact else 5e-2)
             where = f"; the first attention layer whose output differs on the prompt is {layer}" if layer else ""
         return (
             f"{runner.architecture} failed the start-up self-check against transformers' own forward in "

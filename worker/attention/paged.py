@@ -78,40 +78,14 @@ def paged_attention(
         else:  # a lone float32 row computes exactly what generate computes
             outputs.append(_reference_rows(layer, module, q, (k_cache, v_cache), group, meta, kwargs).reshape(group.num_rows, heads, v_dim))
     for span in meta.prefills:
-        if plain and layer.calls_sdpa:
-            outputs.append(_sdpa_span(module, query, key, value, (k_cache, v_cache), span, scaling).reshape(span.num_tokens, heads, v_dim))
-        else:
-            outputs.append(
-                _reference_span(layer, module, query, key, value, (k_cache, v_cache), span, meta, kwargs).reshape(span.num_tokens, heads, v_dim)
-            )
+        out = _prompt_chunk(layer, plain and layer.calls_sdpa, module, query, key, value, (k_cache, v_cache), span, meta, kwargs)
+        outputs.append(out.reshape(span.num_tokens, heads, v_dim))
     return torch.cat(outputs).unsqueeze(0), None
 
 
-def _sdpa_span(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cache: tuple[torch.Tensor, torch.Tensor],
-    span: PrefillSpan,
-    scaling: float | None,
-) -> torch.Tensor:
-    end = span.start + span.num_tokens
-    q = query[:, :, span.start : end]
-    if span.num_computed == 0:  # a whole prompt, or its first chunk: exactly what generate computes
-        out, _ = sdpa_attention_forward(module, q, key[:, :, span.start : end], value[:, :, span.start : end], None, scaling=scaling, is_causal=True)
-        return out
-    # A later chunk attends to the cached prefix: enable_gqa with the mask is 2x transformers'
-    # repeat_kv route here (which copies the whole context out to every query head).
-    table = span.block_table.unsqueeze(0)
-    k = gather(cache[0], table, span.num_computed + span.num_tokens)
-    v = gather(cache[1], table, span.num_computed + span.num_tokens)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2)
-
-
-def _reference_span(
+def _prompt_chunk(
     layer: LayerSpec,
+    sdpa: bool,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -121,17 +95,33 @@ def _reference_span(
     meta: AttentionMetadata,
     kwargs: dict,
 ) -> torch.Tensor:
-    """One prompt chunk through the model's attention function, under the layer's own mask."""
+    """One prompt chunk's attention ``[1, tokens, heads, v_dim]``: ``sdpa`` for a plain layer whose
+    model runs SDPA, else the model's attention function under the layer's own mask."""
+    end = span.start + span.num_tokens
+    q = query[:, :, span.start : end]
+    if sdpa:
+        if span.num_computed == 0:  # a whole prompt, or its first chunk: exactly what generate computes
+            out, _ = sdpa_attention_forward(
+                module, q, key[:, :, span.start : end], value[:, :, span.start : end], None, scaling=kwargs["scaling"], is_causal=True
+            )
+            return out
+        # A later chunk attends to the cached prefix: enable_gqa with the mask is 2x transformers'
+        # repeat_kv route here (which copies the whole context out to every query head).
+        table = span.block_table.unsqueeze(0)
+        k = gather(cache[0], table, span.num_computed + span.num_tokens)
+        v = gather(cache[1], table, span.num_computed + span.num_tokens)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=kwargs["scaling"], enable_gqa=True).transpose(
+            1, 2
+        )
     memo = (id(layer.mask), span.start)
     if memo not in meta.masks:
         meta.masks[memo] = span_mask(layer.mask, span.num_computed, span.num_tokens, query.device)
     start, mask = meta.masks[memo]
-    end = span.start + span.num_tokens
     if span.num_computed == 0 and start == 0:  # all its keys are this step's: no need to read them back
         keys, values = key[:, :, span.start : end], value[:, :, span.start : end]
     else:
         keys, values = gather_context(cache, span.block_table.unsqueeze(0), start, span.num_computed + span.num_tokens)
-    return reference_attention(layer, module, query[:, :, span.start : end], keys, values, mask.unsqueeze(0), kwargs)
+    return reference_attention(layer, module, q, keys, values, mask.unsqueeze(0), kwargs)
 
 
 def _reference_rows(
