@@ -74,6 +74,18 @@ def test_float32_greedy_output_equals_generate_batched_chunked_preempted_and_alo
     assert alone[0].tokens == reference[2]
 
 
+def test_speculative_drafts_verified_through_windows_and_sinks_keep_the_output(tmp_path):
+    """--speculate: a lone request's drafts are verified as a prompt chunk over its cached context,
+    through the window and the sinks (gpt-oss), and the output stays generate's."""
+    model_type, extra = SERVED["gpt_oss"]
+    model = build(model_type, extra, tmp_path)
+    prompts = [prompt * 3 for prompt in PROMPTS[:2]]  # repeated text: the n-gram drafts find matches
+    config = replace(CONFIG, speculate=3, max_num_batched_tokens=512)
+    engine = Engine(ModelRunner(resolve_model(str(tmp_path)), config), config)
+    assert [run(engine, [prompt])[0].tokens for prompt in prompts] == [g.tokens for g in generate(model, prompts)]
+    assert engine.speculator.accepted_tokens > 0
+
+
 @pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt_oss", "llama4_text", "deepseek_v3", "qwen2-window"])
 def test_bfloat16_output_is_close_to_generate(name, tmp_path):
     """bf16: where the texts part, each side's token is in the other's top 5 (vLLM's rule)."""

@@ -43,8 +43,10 @@ def learn_layers(model: torch.nn.Module) -> list[LayerSpec]:
         masks[mask.data_ptr()] = classify(function, kwargs.get("local_size"))
         return mask
 
-    def record_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: object, **kwargs: object):
-        index = getattr(module, "layer_idx", None)
+    def record_attention(
+        module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: object, **kwargs: object
+    ):
+        index, mask = getattr(module, "layer_idx", None), attention_mask
         kind = CAUSAL if mask is None else masks.get(mask.data_ptr()) if isinstance(mask, torch.Tensor) else None
         if kind is None:
             unknown_masks.append(index)
