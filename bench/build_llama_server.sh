@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server, the peer `python -m bench --peer` compares against, from the
+# Build llama.cpp's llama-server, the peer `python -m bench --peer` compares against, and
+# llama-quantize (bench/gguf_1b.py makes the 1B shape's GGUF files with it), from the
 # llama.cpp copy vendored in PyPI's llama-cpp-python sdist (only package registries are reachable
 # here, and a pinned sdist is a pinned llama.cpp). Nothing is committed: the sdist, the sources and
 # the binary stay under .llama.cpp/ (git-ignored).
@@ -19,12 +20,12 @@ command -v cmake >/dev/null || { echo "cmake is missing: apt-get install -y cmak
 mkdir -p "$DIR"
 SDIST="$DIR/llama_cpp_python-$VERSION.tar.gz"
 if [ ! -f "$SDIST" ]; then
-  $PIP download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DIR"
+  $PIP download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$DIR"  # the build tools it needs come as wheels
 fi
 SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -d "$SRC" ] || tar -xzf "$SDIST" -C "$DIR"
 
 cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-nice -n 10 cmake --build "$DIR/build" --target llama-server -j "$JOBS"
-echo "built $DIR/build/bin/llama-server"
+nice -n 10 cmake --build "$DIR/build" --target llama-server llama-quantize -j "$JOBS"
+echo "built $DIR/build/bin/llama-server and llama-quantize"

@@ -19,22 +19,28 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from common.config import parse_size
 from gateway import tracing
 from gateway.admission import Admission
-from gateway.auth import api_key_guard, parse_keys
-from gateway.config import GatewayConfig
+from gateway.auth import admin_guard, api_key_guard, parse_keys
+from gateway.config import GatewayConfig, default_state_url
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.generation import Lanes
 from gateway.metrics import Metrics, http_metrics_middleware
 from gateway.model_registry import ModelRegistry
 from gateway.request_body import GatewayRequest
-from gateway.response_store import ResponseStore
 from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
+from gateway.routes.conversations import ConversationsController
 from gateway.routes.health import health, metrics, ready, workers
 from gateway.routes.messages import MessagesController
 from gateway.routes.models import ModelsController
+from gateway.routes.response_items import ResponseItemsController
+from gateway.routes.response_runs import take_over
 from gateway.routes.responses import ResponsesController
 from gateway.routes.tokenize import TokenizeController
 from gateway.routes.ui import UI_ROUTES
+from gateway.routes.usage import usage
+from gateway.state.service import StateService
+from gateway.state.store import Limits
+from gateway.state.usage import UsageMeter
 from gateway.tools import PARSERS
 from gateway.worker_client import WorkerClient
 
@@ -93,14 +99,23 @@ def create_app(config: GatewayConfig) -> Litestar:
         models = ModelRegistry(client, Metrics(client, admission), admission, Lanes(config.tokenizer_threads), config.request_timeout)
         client.learn_model = models.learn
         app.state.allow_request_chat_template = config.allow_request_chat_template
-        app.state.response_store = ResponseStore()
+        app.state.api_keys = keys
         app.state.models = models
+        limits = Limits(config.state_max_age, config.state_max_bytes, config.state_max_response_bytes, config.state_max_key_bytes)
+        app.state.usage = UsageMeter(models.metrics.registry)
+        lease_s = config.heartbeat_interval * config.heartbeat_liveness
+        state = await StateService.open(
+            config.state_url or default_state_url(), limits, app.state.usage, config.heartbeat_interval, lease_s, config.state_purge_interval
+        )
+        app.state.state = state
+        state.start(lambda response_id, gateway: take_over(app, response_id, gateway))
         await client.start()
         threading.Thread(target=_import_tokenizers, daemon=True).start()
         log.info("gateway on http://%s:%d; models come with the workers that register on %s", config.host, config.port, config.zmq_bind)
         try:
             yield
         finally:
+            await state.close()
             models.close()
             await client.stop()
             tracing.shutdown()
@@ -112,6 +127,8 @@ def create_app(config: GatewayConfig) -> Litestar:
             ChatController,
             CompletionsController,
             ResponsesController,
+            ResponseItemsController,
+            ConversationsController,
             MessagesController,
             ModelsController,
             TokenizeController,
@@ -122,8 +139,9 @@ def create_app(config: GatewayConfig) -> Litestar:
         guards=[api_key_guard(keys)] if keys else [],
     )
     origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]
+    admin = Router(path="/", route_handlers=[usage], guards=[admin_guard(parse_keys(config.admin_key))])
     app = Litestar(
-        route_handlers=[api, health, *(UI_ROUTES if config.ui else [])],
+        route_handlers=[api, admin, health, *(UI_ROUTES if config.ui else [])],
         request_max_body_size=parse_size(config.max_body_size),
         cors_config=CORSConfig(
             allow_origins=origins, allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "anthropic-beta"]

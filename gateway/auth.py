@@ -1,5 +1,6 @@
 """``--api-key``: every route but /health (and the static UI files) wants ``Authorization: Bearer KEY``,
-or ``x-api-key: KEY`` as Anthropic's clients send it."""
+or ``x-api-key: KEY`` as Anthropic's clients send it. ``--admin-key`` guards the operator's reports
+(``GET /v1/usage``). What a caller stores belongs to its key (``caller_owner``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from gateway.errors import Unauthorized
+from gateway.state.records import owner_of
 
 
 def parse_keys(option: str | None) -> frozenset[str]:
@@ -16,11 +18,35 @@ def parse_keys(option: str | None) -> frozenset[str]:
     return frozenset(k.strip() for k in (option or "").split(",") if k.strip())
 
 
+def presented_key(connection: ASGIConnection) -> str:
+    header = connection.headers.get("authorization", "")
+    return header[7:].strip() if header[:7].lower() == "bearer " else connection.headers.get("x-api-key", "").strip()
+
+
+def _matches(token: str, keys: frozenset[str]) -> bool:
+    return any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
+
+
 def api_key_guard(keys: frozenset[str]):
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-        header = connection.headers.get("authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else connection.headers.get("x-api-key", "").strip()
-        if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
+        if not _matches(presented_key(connection), keys):
             raise Unauthorized("Incorrect or missing API key: send it as `Authorization: Bearer KEY` (or `x-api-key: KEY`)", code="invalid_api_key")
 
     return guard
+
+
+def admin_guard(admin_keys: frozenset[str]):
+    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        if not admin_keys or not _matches(presented_key(connection), admin_keys):
+            why = "this route wants the admin key (--admin-key)" if admin_keys else "no --admin-key is set, so this route is closed"
+            raise Unauthorized(f"Incorrect or missing admin key: {why}", code="invalid_api_key")
+
+    return guard
+
+
+def caller_owner(connection: ASGIConnection) -> str:
+    """Whose stored responses a request sees: its key's digest when the server has keys ('' when
+    it has none, so an open server keeps one shared store as before)."""
+    if not getattr(connection.app.state, "api_keys", None):
+        return ""
+    return owner_of(presented_key(connection))

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from common.config import SHARED_FLAGS, Flag, SharedConfig
+from common.config import CACHE_DIR, SHARED_FLAGS, Flag, SharedConfig, parse_size
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``15m``, ``12h`` or ``30d``."""
+    value = str(text).strip().lower()
+    for suffix, scale in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * scale
+    return float(value)
+
+
+def default_state_url() -> str:
+    """SQLite in the cache directory (``--cache-dir``'s twin, LLMPOOL_CACHE_DIR, is read here too)."""
+    return "sqlite:///" + os.path.join(CACHE_DIR.env_default(), "state.db")
+
 
 GATEWAY_FLAGS = [
     Flag("host", "127.0.0.1", "HTTP listen address (0.0.0.0 to accept other hosts)"),
@@ -48,6 +64,23 @@ GATEWAY_FLAGS = [
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
     Flag("otlp-endpoint", None, "OpenTelemetry: OTLP/HTTP endpoint to export traces to (e.g. http://collector:4318); tracing is off without it"),
     Flag("otlp-service-name", "llmpool-gateway", "OpenTelemetry: the service.name of this gateway's spans"),
+    Flag(
+        "state-url",
+        None,
+        "Where stored responses, conversations and usage live: sqlite:///PATH (sqlite:////abs/path) or postgresql://USER:PASS@HOST/DB, "
+        "shared by every gateway that names it; default: sqlite:///<cache dir>/state.db",
+    ),
+    Flag("state-max-age", "30d", "Stored responses and conversations older than this are purged (90s, 15m, 12h, 30d)", parse_duration),
+    Flag("state-max-bytes", "8GiB", "The store's size bound: the oldest responses are purged beyond it", parse_size),
+    Flag(
+        "state-max-response-bytes",
+        "1MiB",
+        "Largest stored response (its input items, instructions, tools, metadata); larger ones are 400s",
+        parse_size,
+    ),
+    Flag("state-max-key-bytes", "256MiB", "Bytes one API key may keep stored: its oldest responses go beyond it", parse_size),
+    Flag("state-purge-interval", 60.0, "Seconds between background purges of expired and excess responses", float),
+    Flag("admin-key", None, "Admin key(s), comma-separated: GET /v1/usage wants one (closed without it)"),
 ]
 
 
@@ -82,6 +115,13 @@ class GatewayConfig(SharedConfig):
     tool_call_parser: str = "hermes"
     otlp_endpoint: str | None = None
     otlp_service_name: str = "llmpool-gateway"
+    state_url: str | None = None
+    state_max_age: float = 30 * 86400.0
+    state_max_bytes: int = 8 * 2**30
+    state_max_response_bytes: int = 2**20
+    state_max_key_bytes: int = 256 * 2**20
+    state_purge_interval: float = 60.0
+    admin_key: str | None = None
 
 
 ALL_GATEWAY_FLAGS = [*SHARED_FLAGS, *GATEWAY_FLAGS]

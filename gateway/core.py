@@ -15,14 +15,16 @@ interleave, each event naming its choice by ``index``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from litestar import Request
 
-from common.protocol import Guide, NewRequest, TokenLogprobs
+from common.protocol import Guide, NewRequest, RequestOutput, TokenLogprobs
 from gateway import tracing
 from gateway.admission import Slot
+from gateway.auth import caller_owner
 from gateway.errors import ClientGone, GatewayError, RequestTimeout
 from gateway.generation import Generator, TextDelta
 from gateway.logprobs import TokenLogprob
@@ -61,6 +63,14 @@ class GenerationRequest:
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     prompt_logprobs: int | None = None
     n_param: str = "n"  # the field ``n`` came from (``best_of`` in legacy completions), for errors
+    # A response taken over from a gateway that died (n = 1): the worker outputs it had delivered,
+    # replayed through the same pipeline before the rest is generated; and each new output as it
+    # comes (so it can be logged for the next takeover).
+    replay: list[RequestOutput] = field(default_factory=list)
+    on_output: Callable[[RequestOutput], None] | None = None
+    # Usage metering (gateway.state.usage): set from the request by ``start`` unless given here.
+    owner: str | None = None
+    meter: Any = None
 
 
 @dataclass(slots=True)
@@ -194,6 +204,9 @@ async def start(generator: Generator, req: GenerationRequest, request: Request |
                 new_request(req.sampling, ids, req.max_tokens, req.max_tokens_param, limits, rid, generator.vocab_size, choice, guide, req.logprobs)
             )
             news[-1].sampling.prompt_logprobs = req.prompt_logprobs
+    if request is not None and req.meter is None:
+        req.meter = getattr(request.app.state, "usage", None)
+        req.owner = caller_owner(request)
     tracing.describe_request(generator.model_name, req)
     with tracing.span("queue"):
         slots = await _admit(generator, count, deadline, request)
@@ -226,6 +239,7 @@ class Generation:
         self.news = news
         self.slots = slots
         self.request_id = news[0].request_id
+        self.first_usage: Usage | None = None  # prompt and cached tokens, from the first output of choice 0
 
     @property
     def choices(self) -> int:
@@ -237,6 +251,8 @@ class Generation:
         async for index, delta in self._merged():
             if delta.prompt_logprobs:
                 yield PromptLogprobs(index, delta.prompt_logprobs)
+            if self.first_usage is None and index == 0:
+                self.first_usage = Usage(delta.prompt_tokens, 0, delta.cached_tokens)
             parser = parsers[index]
             text, calls = (delta.text, []) if parser is None else parser.push(delta.text)
             if delta.finish_reason is not None and parser is not None:
@@ -247,12 +263,17 @@ class Generation:
             for call in calls:
                 yield ToolCallDelta(index, call)
             if delta.finish_reason is not None:
-                yield Finish(
-                    index,
-                    _reason(delta, parser is not None and bool(parser.calls)),
-                    Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens),
-                    delta.stop_sequence,
-                )
+                usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens)
+                self._meter(index, usage)
+                yield Finish(index, _reason(delta, parser is not None and bool(parser.calls)), usage, delta.stop_sequence)
+
+    def _meter(self, index: int, usage: Usage) -> None:
+        """Bill a finished choice to its key: its output, and its prompt once per prompt (``n`` share one)."""
+        if self.req.meter is None:
+            return
+        first = index % self.req.n == 0
+        prompt, cached = (usage.prompt_tokens, usage.cached_tokens) if first else (0, 0)
+        self.req.meter.record(self.req.owner or "", self.generator.model_name, prompt, cached, usage.completion_tokens, requests=int(index == 0))
 
     async def collect(self, request: Request) -> list[Choice]:
         """All choices whole; the generation is aborted if the client hangs up first."""
@@ -281,7 +302,7 @@ class Generation:
         """The deltas of every choice as (choice index, delta), in arrival order."""
         generator, stops, skip = self.generator, self.req.stops, self.req.sampling.skip_special_tokens
         if len(self.news) == 1:
-            async for delta in generator.stream(self.news[0], self.slots[0], self.deadline, stops, skip):
+            async for delta in generator.stream(self.news[0], self.slots[0], self.deadline, stops, skip, self.req.replay, self.req.on_output):
                 yield 0, delta
             return
         queue: asyncio.Queue = asyncio.Queue()

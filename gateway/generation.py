@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from gateway.admission import Admission, Slot
 from gateway.errors import GenerationFailed, InvalidRequest, NoWorkerAvailable, RequestTimeout
 from gateway.logprobs import TokenLogprob, TokenTexts
 from gateway.metrics import Metrics
+from gateway.pool import RequestStream
 from gateway.stop import StopChecker
 from gateway.templates import Budget, ChatTemplate
 from gateway.tokenizer import IncrementalDetokenizer
@@ -143,42 +145,66 @@ class Generator:
             raise
 
     async def stream(
-        self, request: NewRequest, slot: Slot, deadline: float, stops: list[str] | None = None, skip_special_tokens: bool = True
+        self,
+        request: NewRequest,
+        slot: Slot,
+        deadline: float,
+        stops: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        replay: list[RequestOutput] | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncIterator[TextDelta]:
         """Yield text deltas as the worker produces tokens; the last one carries the finish reason.
 
         ``slot`` (from ``admission.acquire()``) is released when the generation ends; past
-        ``deadline`` (the event loop's clock) the request is aborted with a 504.
+        ``deadline`` (the event loop's clock) the request is aborted with a 504. ``replay``: outputs
+        delivered before (by a gateway that died), passed through first, one by one as they came,
+        so the text and its events come out the same; the worker then continues after their tokens.
+        ``on_output`` sees every new output as it is processed.
         """
         try:
-            async for delta in self._stream(request, deadline, StopChecker(stops or []), skip_special_tokens):
+            async for delta in self._stream(request, deadline, StopChecker(stops or []), skip_special_tokens, replay or [], on_output):
                 yield delta
         finally:
             slot.release()
 
-    async def _stream(self, request: NewRequest, deadline: float, stop: StopChecker, skip_special_tokens: bool) -> AsyncIterator[TextDelta]:
+    async def _stream(
+        self,
+        request: NewRequest,
+        deadline: float,
+        stop: StopChecker,
+        skip_special_tokens: bool,
+        replay: list[RequestOutput],
+        on_output: Callable[[RequestOutput], None] | None,
+    ) -> AsyncIterator[TextDelta]:
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes)
         trace = tracing.generation(request)  # before the submit: it puts the trace context in the request
-        try:
-            stream = self.client.submit(request, self.model_name)
-        except BaseException:
-            trace.end("error")
-            raise
+        pending = deque(replay)
+        stream = None
+        if not replay:
+            try:
+                stream = self.client.submit(request, self.model_name)
+            except BaseException:
+                trace.end("error")
+                raise
         clock = _Clock(self.metrics, request.request_id, self.model_name)
         sent = covered = 0  # characters of text sent, and of the tokens whose logprobs were sent
         try:
             while True:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        item = _merge_ready(await stream.queue.get(), stream.queue)
-                    trace.output(item)
-                except TimeoutError:
-                    clock.outcome = "timeout"
-                    raise RequestTimeout(f"the request took longer than --request-timeout ({self.timeout_s:g} s)") from None
+                if pending:
+                    item = pending.popleft()
+                    clock.tokens(item)
+                else:
+                    if stream is None:  # the replay is over: the worker goes on after its tokens
+                        clock.outcome = "error"
+                        stream = self.client.submit(request, self.model_name, [t for out in replay for t in out.new_token_ids])
+                        clock.outcome = "cancelled"
+                    item = await self._next(stream, deadline, clock, trace)
+                    if on_output is not None and not isinstance(item, GenerationFailed):
+                        on_output(item)
                 if isinstance(item, GenerationFailed):
                     clock.outcome = "error"
                     raise item
-                clock.tokens(item)
                 text = detokenizer.push(item.new_token_ids)
                 finish = item.finish_reason
                 if finish is not None:
@@ -207,8 +233,21 @@ class Generator:
         finally:
             clock.done()
             trace.end(clock.outcome)
-            if not stream.finished:
+            if stream is not None and not stream.finished:
                 self.client.abort(request.request_id)
+
+    async def _next(self, stream: RequestStream, deadline: float, clock: _Clock, trace: Any) -> RequestOutput | GenerationFailed:
+        """The worker's next output (with any already waiting folded in), within the deadline."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                item = _merge_ready(await stream.queue.get(), stream.queue)
+            trace.output(item)
+        except TimeoutError:
+            clock.outcome = "timeout"
+            raise RequestTimeout(f"the request took longer than --request-timeout ({self.timeout_s:g} s)") from None
+        if not isinstance(item, GenerationFailed):
+            clock.tokens(item)
+        return item
 
     def _within(self, logprobs: list[TokenLogprob], covered: int, limit: int | None) -> tuple[list[TokenLogprob], int]:
         """The entries whose tokens start before ``limit`` characters (all when None), and the

@@ -38,7 +38,7 @@ class FunctionTool(msgspec.Struct, kw_only=True):
 
 
 class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
-    type: str = "text"  # text, json_object or json_schema
+    type: str  # text, json_object or json_schema: required (as OpenAI's), so it is always echoed
     name: str | None = None
     schema: dict | None = None
     description: str | None = None
@@ -46,7 +46,7 @@ class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class TextConfig(msgspec.Struct, kw_only=True):
-    format: TextFormat = msgspec.field(default_factory=TextFormat)
+    format: TextFormat = msgspec.field(default_factory=lambda: TextFormat(type="text"))
 
 
 class ResponsesRequest(SamplingOptions, kw_only=True):
@@ -69,9 +69,9 @@ class ResponsesRequest(SamplingOptions, kw_only=True):
     reasoning: dict | None = None
     truncation: str | None = None
     include: list[str] | None = None
-    # Refused with a 400 naming them when set.
-    background: bool | None = None
-    conversation: str | dict | None = None
+    background: bool | None = None  # run detached from the connection; poll with GET, stop with POST .../cancel
+    conversation: str | dict | None = None  # a conversation's id (or {"id": ...}): its items are the history
+    # Refused with a 400 naming it when set.
     prompt: dict | None = None
 
 
@@ -164,6 +164,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     reasoning: Reasoning = msgspec.field(default_factory=Reasoning)
     truncation: str = "disabled"
     background: bool = False
+    conversation: dict | None = None  # {"id": ...} when it belongs to a conversation
 
 
 class DeletedResponse(msgspec.Struct):

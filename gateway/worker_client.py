@@ -170,13 +170,23 @@ class WorkerClient:
         pool = self.models.get(model)
         return pool.available() if pool is not None else []
 
-    def submit(self, request: NewRequest, model: str) -> RequestStream:
-        """Send a request to a worker of ``model``; its outputs arrive on the returned stream."""
+    def submit(self, request: NewRequest, model: str, delivered: list[int] | None = None) -> RequestStream:
+        """Send a request to a worker of ``model``; its outputs arrive on the returned stream.
+        ``delivered``: tokens another gateway already delivered (it died): the request continues
+        after them, as a dead worker's requests resume, its counts as if it had run here throughout."""
         if not self.available(model):
             raise NoWorkerAvailable(f"no worker of `{model}` is taking requests; start one with `llmpool worker --model ...`")
         stream = RequestStream(request, model)
         self.streams[request.request_id] = stream
         self._busy.set()
+        if delivered:
+            stream.generated, stream.offset = list(delivered), len(delivered)
+            request = stream.resumed_request()
+            if request.max_new_tokens <= 0:  # every token was delivered, only the finish was lost
+                final = RequestOutput(stream.request_id, [], FinishReason.LENGTH, len(stream.request.prompt_token_ids), len(delivered))
+                stream.queue.put_nowait(final)
+                self._end(stream, None)
+                return stream
         self._assign(stream, request)
         return stream
 

@@ -30,6 +30,7 @@ from common.config import Flag, add_flags, flags_to_env
 from common.logs import setup_logging
 from gateway.config import ALL_GATEWAY_FLAGS
 from worker.config import ALL_WORKER_FLAGS, EXIT_UNSUPPORTED
+from worker.threads import team_size
 
 log = logging.getLogger("launcher")
 
@@ -110,11 +111,12 @@ class Supervisor:
     def __init__(self, args: argparse.Namespace) -> None:
         base = dict(os.environ)
         gateway_env = {**base, **flags_to_env(args, ALL_GATEWAY_FLAGS)}
+        gateway_env["LLMPOOL_CACHE_DIR"] = args.cache_dir  # the default state store lives there too (--state-url)
         worker_env = {**base, **flags_to_env(args, ALL_GATEWAY_FLAGS), **flags_to_env(args, _SERVE_WORKER_FLAGS)}
         worker_env["LLMPOOL_GATEWAY_ADDRESS"] = connect_address(args.zmq_bind)
         models = parse_models(args.models)
         if args.threads == 0:  # share the cores between the local workers
-            worker_env["LLMPOOL_THREADS"] = str(max(1, (os.cpu_count() or 1) // (args.workers * max(1, len(models)))))
+            worker_env["LLMPOOL_THREADS"] = str(team_size(0, share=args.workers * max(1, len(models))))
         self.gateway = Child("gateway", "gateway", gateway_env)
         self.workers = []
         for served, model in models or [(None, None)]:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
 MODEL = "SmolLM2-135M-Instruct"
+# Each gateway a test starts keeps its state (stored responses) in a file of its own, in a folder of
+# this run, unless the test names one (LLMPOOL_STATE_URL): no test sees another run's responses.
+STATE_DIR = Path(tempfile.mkdtemp(prefix="llmpool-test-state-"))
 
 
 def free_port() -> int:
@@ -46,7 +50,8 @@ def spawn(args: list[str], name: str, env: dict[str, str] | None = None) -> subp
     """Start ``python -m <args>`` with its output in test-artifacts/<name>.log."""
     ARTIFACTS.mkdir(exist_ok=True)
     log = open(ARTIFACTS / f"{name}.log", "ab")
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    state = f"sqlite:///{STATE_DIR}/{name}-{time.monotonic_ns()}.db"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMPOOL_STATE_URL": state, **(env or {})}
     return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -134,3 +139,15 @@ def tokenizer():  # noqa: ANN201 - a transformers tokenizer
     from common.model_source import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())
+
+
+@pytest.fixture(scope="session")
+def postgres():  # noqa: ANN201 - a tests.postgres.Postgres
+    """A real PostgreSQL server (Debian's package) for the whole session; skipped where none is installed."""
+    from tests.postgres import Postgres, binaries
+
+    if binaries() is None:
+        pytest.skip("PostgreSQL is not installed: scripts/setup.sh --test installs it (apt-get install postgresql)")
+    server = Postgres()
+    yield server
+    server.stop()

@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - said once, to the log and to the gateways, then the exit code tells the launcher
         fail_to_start(config, name, curve_keys, exc)
     runner = engine.runner
+    team = None
+    if config.adaptive_threads and runner.device.type == "cpu":
+        import torch
+
+        from worker.threads import AdaptiveTeam
+
+        team = AdaptiveTeam(runner.threads, torch.set_num_threads)  # set on the engine thread, in its steps
     proc = WorkerProc(
         engine,
         config.gateway_address,
@@ -52,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         curve_keys,
         bundle,
         stepper,
+        team,
     )
     proc.install_signal_handlers()
     # Everything loaded so far (model modules, tokenizer, torch's own objects) lives as long as the

@@ -44,7 +44,18 @@ WORKER_FLAGS = [
     Flag("drain-timeout", 30.0, "Seconds a draining worker (after SIGTERM) may spend finishing its requests", float),
     Flag("curve-client-secret-key", None, "CURVE: this worker's secret key file (from `llmpool keys`)"),
     Flag("curve-server-public-key", None, "CURVE: the gateway's public key file"),
-    Flag("threads", 0, "CPU threads for torch; 0 leaves torch's default", int),
+    Flag(
+        "threads",
+        0,
+        "CPU threads a step uses; 0: the CPUs this process may use (affinity mask, cgroup CPU quota), shared by serve's local workers",
+        int,
+    ),
+    Flag(
+        "adaptive-threads",
+        True,
+        "Run steps on fewer threads while other processes take cores (worker/threads.py), and on all again when they are free",
+        bool,
+    ),
     Flag(
         "quantization",
         "auto",
@@ -100,6 +111,7 @@ class WorkerConfig(SharedConfig):
     cuda_graphs: str = "auto"
     cuda_attention: str = "auto"
     threads: int = 0
+    adaptive_threads: bool = True
     speculate: int = 0
     drain_timeout: float = 30.0
     curve_client_secret_key: str | None = None

@@ -50,6 +50,7 @@ from worker.gateways import Gateways
 from worker.handshake import GatewayLink
 from worker.heartbeat import Vitals
 from worker.stepper import StepThread
+from worker.threads import AdaptiveTeam
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,11 @@ class WorkerProc:
         curve_keys: tuple[str, str] | None = None,
         tokenizer: TokenizerBundle | None = None,
         stepper: StepThread | None = None,
+        team: AdaptiveTeam | None = None,
     ) -> None:
-        """``stepper``: the thread the engine was built on (see StepThread); a new one otherwise."""
+        """``stepper``: the thread the engine was built on (see StepThread); a new one otherwise.
+        ``team``: told each step's time, it sizes the step's thread team (worker/threads.py)."""
+        self.team = team
         self.engine = engine
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.tokenizer = tokenizer
@@ -230,9 +234,12 @@ class WorkerProc:
         except Exception as exc:  # a failed step must not kill the worker or leak blocks
             log.exception("step failed")
             step = StepOutputs(self.engine.fail_all(f"step failed: {type(exc).__name__}: {exc}"))
+        elapsed = time.perf_counter() - start
         tokens = sum(len(o.new_token_ids) for o in step.outputs)
         if tokens:
-            self.vitals.capacity.add(tokens, time.perf_counter() - start)
+            self.vitals.capacity.add(tokens, elapsed)
+        if self.team is not None:
+            self.team.observe(elapsed, step.num_tokens)
         self._outbox.append(step)
 
     def _send_outputs(self) -> None:

@@ -207,24 +207,34 @@ class MessagesController(Controller):
 
 async def _events(generator: Generator, generation: core.Generation, message_id: str, prompt_tokens: int) -> AsyncIterator[dict]:
     """Anthropic's stream: message_start, ping, per block content_block_start / _delta / _stop,
-    then message_delta (stop reason, final usage) and message_stop; an error is an ``error`` event."""
-    start = {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": generator.model_name,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": AnthropicUsage(input_tokens=prompt_tokens, output_tokens=0),
-    }
-    yield {"type": "message_start", "message": start}
-    yield {"type": "ping"}
+    then message_delta (stop reason, final usage) and message_stop; an error is an ``error`` event.
+    message_start waits for the first output: only then is it known how much of the prompt the
+    prefix cache served, which its usage counts apart as the closing usage does."""
+
+    def start() -> list[dict]:
+        first = generation.first_usage or Usage(prompt_tokens)
+        message = {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": generator.model_name,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(Usage(first.prompt_tokens or prompt_tokens, 0, first.cached_tokens)),
+        }
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
+
+    started = False
     blocks = -1  # index of the open block
     kind = None  # its type
     finish: Finish | None = None
     try:
         async for event in generation.events():
+            if not started:
+                started = True
+                for opening in start():
+                    yield opening
             if isinstance(event, Text) and event.text:
                 if kind != "text":
                     if kind is not None:
@@ -245,6 +255,9 @@ async def _events(generator: Generator, generation: core.Generation, message_id:
             elif isinstance(event, Finish):
                 finish = event
     except GatewayError as exc:
+        if not started:
+            for opening in start():
+                yield opening
         yield exc.anthropic_body()
         return
     if kind is not None:

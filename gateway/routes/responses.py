@@ -18,25 +18,29 @@ tokens), ``truncation`` (always ``disabled``: a prompt too long is a 400), ``inc
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, delete, get, post
+from litestar import Controller, Litestar, Request, Response, delete, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 
+from common.protocol import RequestOutput
 from gateway import core
+from gateway.auth import caller_owner
 from gateway.conversation_checks import ToolCallLedger, json_arguments, not_empty, required_text
 from gateway.core import LENGTH, Finish, GenerationRequest, Text, ToolCallDelta
 from gateway.errors import GatewayError, InvalidRequest, NotFound
 from gateway.generation import Generator
 from gateway.logprobs import chat_logprobs
 from gateway.model_registry import ModelRegistry
-from gateway.response_store import ResponseStore, StoredResponse
-from gateway.routes.common import documented, event_stream, json_response
+from gateway.routes.common import documented, json_response
+from gateway.routes.conversations import conversation_id
+from gateway.routes.response_runs import Turn, chunk_hook, follow, framed, input_items, not_stored, sse_stream, start_run
 from gateway.schemas import MAX_LOGPROBS
 from gateway.schemas_responses import (
     DeletedResponse,
@@ -55,10 +59,16 @@ from gateway.schemas_responses import (
     ResponseUsage,
     TextConfig,
 )
+from gateway.state.limits import check_budget, check_metadata, check_user
+from gateway.state.runs import Event
+from gateway.state.service import StateService
 from gateway.tools import ToolPlan, tool_plan
 from gateway.validation import format_guide, request_id
 
+log = logging.getLogger(__name__)
+
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_encoder = msgspec.json.Encoder()
 
 
 def _text(content: str | list[InputPart] | None, param: str) -> str:
@@ -109,18 +119,6 @@ def input_messages(items: str | list[InputItem], history: list[dict[str, Any]] =
     return messages
 
 
-def output_messages(output: list) -> list[dict[str, Any]]:
-    """A response's output as the chat messages that continue its conversation."""
-    message: dict[str, Any] = {"role": "assistant", "content": ""}
-    for item in output:
-        if isinstance(item, OutputMessage):
-            message["content"] += "".join(part.text for part in item.content)
-        else:
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-            message.setdefault("tool_calls", []).append(call)
-    return [message]
-
-
 def _tools(req: ResponsesRequest) -> ToolPlan:
     """Function tools in the chat shape the core's tool plan reads; built-in tools are a 400."""
     functions = []
@@ -141,9 +139,14 @@ def _tools(req: ResponsesRequest) -> ToolPlan:
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
-    for name, value in (("background", req.background), ("conversation", req.conversation), ("prompt", req.prompt)):
-        if value:
-            raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
+    if req.prompt:
+        raise InvalidRequest("`prompt` is not supported by this server", param="prompt")
+    if req.conversation is not None and req.previous_response_id is not None:
+        raise InvalidRequest("`conversation` and `previous_response_id` cannot both be given", param="conversation")
+    if req.background and not req.store:
+        raise InvalidRequest("`background` responses must be stored: send `store: true`", param="background")
+    check_metadata(req.metadata)
+    check_user(req.user)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"`top_logprobs` must be between 0 and {MAX_LOGPROBS}; got {req.top_logprobs}", param="top_logprobs")
 
@@ -154,51 +157,65 @@ class ResponsesController(Controller):
     @post(["/v1/responses", "/responses"], status_code=200, responses=documented(ResponseObject, "the response (with `stream`: typed events)"))
     async def create(self, request: Request, data: JSONBody[ResponsesRequest], models: NamedDependency[ModelRegistry]) -> Response:
         req = data
-        store: ResponseStore = request.app.state.response_store
+        state: StateService = request.app.state.state
+        owner = caller_owner(request)
         generator = models.get(req.model)
         _refuse_unsupported(req)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
-            previous = store.get(req.previous_response_id)
-            if previous is None:
+            previous = await state.store.get(req.previous_response_id, owner)
+            if previous is None or previous.running:
+                what = "not found" if previous is None else "still in progress"
                 raise InvalidRequest(
-                    f"Previous response with id {req.previous_response_id!r} not found",
-                    param="previous_response_id",
-                    code="previous_response_not_found",
+                    f"Previous response with id {req.previous_response_id!r} {what}", param="previous_response_id", code="previous_response_not_found"
                 )
-            history = previous.conversation
-        conversation = history + input_messages(req.input, history)
+            history = await state.store.history(req.previous_response_id, owner)
+        conversation = conversation_id(req.conversation)
+        if conversation is not None:
+            history = await _conversation_history(state, conversation, owner)
+        turn_messages = input_messages(req.input, history)
         plan = _tools(req)
         guide = format_guide(msgspec.structs.asdict(req.text.format) if req.text else None, "text.format")
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        prompt = await core.chat_prompt(generator, system + conversation, plan)
-        generation = await core.start(
-            generator,
-            GenerationRequest(
-                prompts=[prompt],
-                sampling=req,
-                max_tokens=req.max_output_tokens,
-                request_id=request_id(request.headers.get("x-request-id")),
-                max_tokens_param="max_output_tokens",
-                guide=guide,
-                tools=plan,
-                logprobs=req.top_logprobs,
-            ),
-            request,
-        )
+        prompt = await core.chat_prompt(generator, system + history + turn_messages, plan)
         response = _envelope(generator, req)
+        response.conversation = {"id": conversation} if conversation else None
+        turn = Turn(owner, msgspec.json.encode(input_items(req.input)), turn_messages, req, prompt, conversation)
+        if req.store:
+            check_budget(turn.size(response), state.store.limits.max_response_bytes)
+        generation = await core.start(
+            generator, _generation_request(req, prompt, request_id(request.headers.get("x-request-id")), plan, guide), request
+        )
         builder = _Output(generator, response, req.top_logprobs is not None)
+        if req.store and (req.stream or req.background):
+            run = start_run(state, response, turn, lambda run: _logged(builder, generation, run))
+            if req.background:  # its row is committed before its id goes out: any gateway can be asked about it
+                await state.store.writer.sync()
+            if req.stream:
+                return sse_stream(framed(run, cancel_on_exit=not req.background), generation.request_id)
+            return json_response(response, generation.request_id)
         if req.stream:
-            return event_stream(builder.stream(generation, store, conversation), generation.request_id, named=True)
+            return sse_stream(_framed(builder.stream(generation)), generation.request_id)
         async for _ in builder.events(generation, await generation.collect(request)):
             pass
         if req.store:
-            store.put(response.id, StoredResponse(response, conversation + output_messages(response.output)))
+            try:
+                await state.store.writer.final(turn.record(response))
+            except Exception as exc:  # the answer is good: give it, and say why it is not stored
+                log.error("response %s could not be stored: %s", response.id, exc)
+        await turn.after(state, response)
         return json_response(response, generation.request_id)
 
     @get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], responses=documented(ResponseObject, "a stored response"))
-    async def retrieve(self, request: Request, response_id: FromPath[str]) -> Response:
-        return json_response(_stored(request, response_id).body)
+    async def retrieve(
+        self, request: Request, response_id: FromPath[str], stream: FromQuery[bool] = False, starting_after: FromQuery[int] = -1
+    ) -> Response:
+        found = await _stored(request, response_id)
+        if stream:
+            if not found.background and not found.running and starting_after < 0:
+                raise InvalidRequest("only background responses can be streamed again once they ended", param="stream")
+            return sse_stream(follow(request.app, response_id, caller_owner(request), starting_after))
+        return Response(content=found.body, media_type="application/json")
 
     @delete(
         ["/v1/responses/{response_id:str}", "/responses/{response_id:str}"],
@@ -206,21 +223,70 @@ class ResponsesController(Controller):
         responses=documented(DeletedResponse, "the response is forgotten"),
     )
     async def remove(self, request: Request, response_id: FromPath[str]) -> Response:
-        _stored(request, response_id)
-        request.app.state.response_store.delete(response_id)
+        state: StateService = request.app.state.state
+        state.runs.cancel(response_id, requested=False)
+        if not await state.store.delete(response_id, caller_owner(request)):
+            raise not_stored(response_id)
         return json_response(DeletedResponse(response_id))
 
 
-def _stored(request: Request, response_id: FromPath[str]) -> StoredResponse:
-    found = request.app.state.response_store.get(response_id)
+async def _stored(request: Request, response_id: str):  # noqa: ANN202 - a StoredResponse
+    """The caller's stored response: another key's is a 404, as an absent one."""
+    found = await request.app.state.state.store.get(response_id, caller_owner(request))
     if found is None:
-        raise NotFound(f"No response with id {response_id!r} is stored here", param="response_id", code="not_found")
+        raise not_stored(response_id)
     return found
+
+
+async def _conversation_history(state: StateService, conversation: str, owner: str) -> list[dict[str, Any]]:
+    items = await state.store.conversations.items(conversation, owner)
+    if items is None:
+        raise NotFound(f"No conversation with id {conversation!r} is stored here", param="conversation", code="conversation_not_found")
+    usable = [msgspec.convert(item, InputItem) for item in items if item.get("type") in ("message", "function_call", "function_call_output")]
+    return input_messages(usable) if usable else []
+
+
+def _generation_request(req: ResponsesRequest, prompt: list[int], rid: str, plan: ToolPlan, guide) -> GenerationRequest:  # noqa: ANN001
+    return GenerationRequest(
+        prompts=[prompt],
+        sampling=req,
+        max_tokens=req.max_output_tokens,
+        request_id=rid,
+        max_tokens_param="max_output_tokens",
+        guide=guide,
+        tools=plan,
+        logprobs=req.top_logprobs,
+    )
+
+
+async def _logged(builder: _Output, generation: core.Generation, run) -> AsyncIterator[Event]:  # noqa: ANN001
+    generation.req.on_output = chunk_hook(run, len(generation.req.replay))
+    async for event in builder.stream(generation):
+        yield event
+
+
+async def _framed(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    async for event in events:
+        yield event.sse()
+
+
+async def resume(app: Litestar, response: ResponseObject, turn: Turn, chunks: list[RequestOutput], logged: list[Event]) -> None:
+    """Run on here a response a dead gateway was running (``response_runs.take_over``)."""
+    state: StateService = app.state.state
+    req = turn.request
+    generator = app.state.models.get(req.model)
+    plan = _tools(req)
+    guide = format_guide(msgspec.structs.asdict(req.text.format) if req.text else None, "text.format")
+    greq = _generation_request(req, turn.prompt, uuid.uuid4().hex, plan, guide)
+    greq.replay, greq.owner, greq.meter = chunks, turn.owner, state.usage
+    generation = await core.start(generator, greq)
+    builder = _Output(generator, response, req.top_logprobs is not None)
+    start_run(state, response, turn, lambda run: _logged(builder, generation, run), logged)
 
 
 def _envelope(generator: Generator, req: ResponsesRequest) -> ResponseObject:
     """The response as it starts: in progress, no output yet, the request's settings echoed."""
-    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+    choice = req.tool_choice if req.tool_choice is not None else "auto"  # OpenAI echoes auto, tools or not
     return ResponseObject(
         id=f"resp_{uuid.uuid4().hex}",
         created_at=int(time.time()),
@@ -240,6 +306,7 @@ def _envelope(generator: Generator, req: ResponsesRequest) -> ResponseObject:
         top_p=1.0 if req.top_p is None else req.top_p,
         metadata=req.metadata or {},
         user=req.user,
+        background=bool(req.background),
     )
 
 
@@ -254,10 +321,16 @@ class _Output:
         self._sequence = itertools.count()
         self._open: OutputMessage | FunctionCallItem | None = None
 
-    def event(self, kind: str, **fields: Any) -> dict:
-        return {"type": kind, "sequence_number": next(self._sequence), **fields}
+    def event(self, kind: str, **fields: Any) -> Event:
+        """The event as JSON now: later changes to the items it names (text growing) are not in it."""
+        seq = next(self._sequence)
+        return Event(kind, seq, _encoder.encode({"type": kind, "sequence_number": seq, **fields}))
 
-    async def stream(self, generation: core.Generation, store: ResponseStore, conversation: list[dict]) -> AsyncIterator[dict]:
+    def _item_id(self, prefix: str) -> str:
+        """Ids that come out the same when a gateway replays this response after a takeover."""
+        return f"{prefix}_{self.response.id.removeprefix('resp_')}{len(self.response.output):04x}"
+
+    async def stream(self, generation: core.Generation) -> AsyncIterator[Event]:
         yield self.event("response.created", response=self.response)
         yield self.event("response.in_progress", response=self.response)
         try:
@@ -267,11 +340,8 @@ class _Output:
             self.response.status = "failed"
             self.response.error = ResponseError(exc.error_type, exc.message)
             yield self.event("response.failed", response=self.response)
-            return
-        if self.response.store:
-            store.put(self.response.id, StoredResponse(self.response, conversation + output_messages(self.response.output)))
 
-    async def events(self, generation: core.Generation, choices: list[core.Choice] | None) -> AsyncIterator[dict]:
+    async def events(self, generation: core.Generation, choices: list[core.Choice] | None) -> AsyncIterator[Event]:
         """The items' events, from the live stream (``choices`` None) or from a collected choice."""
         finish: Finish | None = None
         async for event in _replay(choices[0]) if choices else generation.events():
@@ -301,11 +371,11 @@ class _Output:
         self.response.incomplete_details = IncompleteDetails("max_output_tokens") if incomplete else None
         yield self.event(f"response.{self.response.status}", response=self.response)
 
-    def _text(self, event: Text) -> list[dict]:
+    def _text(self, event: Text) -> list[Event]:
         out = []
         if not isinstance(self._open, OutputMessage):
             out += self._close("completed")
-            self._open = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
+            self._open = OutputMessage(id=self._item_id("msg"), status="in_progress", content=[])
             self.response.output.append(self._open)
             out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
             self._open.content.append(OutputText(text=""))
@@ -340,12 +410,13 @@ class _Output:
             return []
         return [msgspec.convert(entry, Logprob) for entry in chat_logprobs(self.generator.token_texts, event.logprobs)["content"]]
 
-    def _call(self, event: ToolCallDelta) -> list[dict]:
+    def _call(self, event: ToolCallDelta) -> list[Event]:
         out = []
         call = event.call
         if call.id is not None:
             out += self._close("completed")
-            self._open = FunctionCallItem(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=call.name or "", arguments="", status="in_progress")
+            call_id = self._item_id("call")
+            self._open = FunctionCallItem(id=self._item_id("fc"), call_id=call_id, name=call.name or "", arguments="", status="in_progress")
             self.response.output.append(self._open)
             out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
         item = self._open
@@ -358,7 +429,7 @@ class _Output:
             )
         return out
 
-    def _close(self, status: str) -> list[dict]:
+    def _close(self, status: str) -> list[Event]:
         """The done events of the open item, if any."""
         item, self._open = self._open, None
         if item is None:

@@ -1,8 +1,10 @@
-"""compose.yaml has the fleet's shape: two gateways, every worker connected to both, two model names,
-and a `worker` service that `--scale worker=N` can multiply. (Running its commands as processes is
+"""compose.yaml has the fleet's shape: two gateways sharing one PostgreSQL state store, every worker
+connected to both, two model names, and a `worker` service that `--scale worker=N` can multiply. (Running its commands as processes is
 tests/integration/test_processes.py; `docker-compose config` validation is there too.)"""
 
 from __future__ import annotations
+
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -40,5 +42,24 @@ def test_the_worker_service_scales():
 def test_env_names_are_flag_twins():
     flags = {"gateway": {f.env for f in ALL_GATEWAY_FLAGS}, "worker": {f.env for f in ALL_WORKER_FLAGS}}
     for name, service in SERVICES.items():
+        if name == "postgres":
+            continue
         component = service["command"][1]
         assert not set(service["environment"]) - flags[component], name
+
+
+def test_the_gateways_share_the_postgres_service():
+    """Both gateways name the postgres service with its own user, password and database, and wait for it."""
+    postgres = SERVICES["postgres"]
+    assert postgres["image"].startswith("postgres:") and "pgdata" in postgres["volumes"][0]
+    assert "pg_isready" in " ".join(postgres["healthcheck"]["test"])
+    env = postgres["environment"]
+    urls = {SERVICES[g]["environment"]["LLMPOOL_STATE_URL"] for g in GATEWAYS}
+    (url,) = urls  # one store for the fleet
+    parts = urlsplit(url)
+    assert parts.scheme == "postgresql" and parts.hostname == "postgres" and parts.port == 5432
+    assert (parts.username, parts.password, parts.path.lstrip("/")) == (env["POSTGRES_USER"], env["POSTGRES_PASSWORD"], env["POSTGRES_DB"])
+    for gateway in GATEWAYS:
+        assert SERVICES[gateway]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+    for worker in WORKERS:
+        assert "LLMPOOL_STATE_URL" not in SERVICES[worker]["environment"], "workers keep no state"

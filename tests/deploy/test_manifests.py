@@ -178,6 +178,39 @@ def test_commands_parse_with_the_manifest_environment(overlay, monkeypatch):
                 monkeypatch.delenv(name)
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateways_share_one_postgres_through_its_service(overlay):
+    """Every gateway replica reads the state store's URL from the Secret make-secrets.sh writes; the
+    URL names the llmpool-postgres Service, which selects the Postgres pod (its own volume, probes)."""
+    objs = objects(overlay)
+    (gateway,) = workloads(objs, "gateway")
+    assert gateway["spec"]["replicas"] >= 2
+    assert env(gateway)["LLMPOOL_STATE_URL"] == {"secretKeyRef": {"name": "llmpool-postgres", "key": "url"}}
+    (postgres,) = workloads(objs, "postgres")
+    service = find(objs, "Service", "llmpool-postgres")
+    assert service["spec"]["selector"].items() <= postgres["spec"]["template"]["metadata"]["labels"].items()
+    assert service["spec"]["ports"] == [{"name": "postgres", "port": 5432, "targetPort": "postgres"}]
+    c = container(postgres)
+    assert c["image"].startswith("postgres:") and {p["name"]: p["containerPort"] for p in c["ports"]} == {"postgres": 5432}
+    assert env(postgres)["POSTGRES_PASSWORD"] == {"secretKeyRef": {"name": "llmpool-postgres", "key": "password"}}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert env(postgres)["PGDATA"].startswith(mounts["data"] + "/") and postgres["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert "pg_isready" in c["readinessProbe"]["exec"]["command"]
+    script = (KUBE / "make-secrets.sh").read_text()
+    assert "secret llmpool-postgres" in script and "@llmpool-postgres:5432/" + env(postgres)["POSTGRES_DB"] in script
+    assert f"postgresql://{env(postgres)['POSTGRES_USER']}:" in script
+
+
+def test_make_secrets_writes_a_state_url_the_gateway_accepts(tmp_path):
+    if shutil.which("kubectl") is None:
+        pytest.skip("make-secrets.sh needs kubectl (client side only)")
+    from urllib.parse import urlsplit
+
+    secrets = make_secrets(tmp_path)["llmpool-postgres"]
+    url = urlsplit(secrets["url"].decode())
+    assert url.scheme == "postgresql" and url.hostname == "llmpool-postgres" and url.password == secrets["password"].decode()
+
+
 def test_launcher_flags_stay_out_of_the_manifests():
     """`serve`'s own flags (--workers, --kill-after) mean nothing to `llmpool gateway|worker`."""
     launcher_envs = {f.env for f in LAUNCHER_FLAGS}

@@ -59,3 +59,24 @@ def test_a_runner_without_tools_answers_in_text(model):
     agent = Agent(name="greeter", instructions="Be brief.", model=model, model_settings=ModelSettings(temperature=0, max_tokens=30))
     result = run(agent, "Say hello.")
     assert isinstance(result.final_output, str) and result.final_output
+
+
+def test_a_session_on_the_conversations_api_remembers_the_last_turn(model, server):
+    """OpenAIConversationsSession keeps the run's items in /v1/conversations between runs."""
+    from agents import Agent, ModelSettings, RunConfig, Runner
+    from agents.memory import OpenAIConversationsSession
+
+    async def main() -> tuple[list, int]:
+        session = OpenAIConversationsSession(openai_client=model._client)
+        agent = Agent(name="memo", instructions="Be brief.", model=model, model_settings=ModelSettings(temperature=0, max_tokens=12))
+        await Runner.run(agent, "My name is Ada.", session=session, run_config=RunConfig(tracing_disabled=True))
+        await Runner.run(agent, "What is my name?", session=session, run_config=RunConfig(tracing_disabled=True))
+        items = await session.get_items()
+        count = len(items)
+        await session.clear_session()
+        return items, count
+
+    items, count = asyncio.run(main())
+    roles = [item.get("role") for item in items]
+    assert count == 4 and roles == ["user", "assistant", "user", "assistant"], items
+    assert "My name is Ada." in str(items[0]) and "What is my name?" in str(items[2])

@@ -152,3 +152,15 @@ def test_errors_take_anthropics_shape(server, claude):
     assert server_tool.status_code == 400 and "tools[0].type" in server_tool.json()["error"]["message"]
     too_long = server.post("/v1/messages", json={"model": MODEL, "max_tokens": 9000, "messages": ask("Hi")})
     assert too_long.status_code == 400 and too_long.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_streams_opening_usage_counts_prefix_cache_reads_as_its_closing_usage_does(claude):
+    """message_start's usage splits the prompt as message_delta's does: cache reads apart."""
+    prompt = dict(model=MODEL, max_tokens=4, system=SYSTEM, messages=ask("Name a colour."), extra_body=GREEDY)
+    claude.messages.create(**prompt)  # the prompt is in the prefix cache now
+    with claude.messages.stream(**prompt) as stream:
+        events = list(stream)
+    opening = next(e for e in events if e.type == "message_start").message.usage
+    closing = next(e for e in events if e.type == "message_delta").usage
+    assert opening.cache_read_input_tokens > 0 and opening.cache_read_input_tokens == closing.cache_read_input_tokens
+    assert opening.input_tokens == closing.input_tokens

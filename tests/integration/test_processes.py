@@ -144,10 +144,12 @@ def test_compose_files_are_valid(files):
     assert result.returncode == 0, result.stderr
 
 
-def test_compose_services_run_as_plain_processes():
-    """Run each service's command with its environment: two gateways, every worker connected to both,
-    two model names. Only host names and ports are mapped to loopback."""
+def test_compose_services_run_as_plain_processes(postgres):
+    """Run each service's command with its environment: two gateways sharing the postgres service
+    (here a real PostgreSQL process), every worker connected to both, two model names. Only host
+    names and ports are mapped to loopback."""
     services = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    state_url = postgres.database("compose")
     gateways = {name: Server(free_port(), free_port()) for name in services if name.startswith("gateway")}
     assert sorted(gateways) == ["gateway-a", "gateway-b"]
 
@@ -160,11 +162,16 @@ def test_compose_services_run_as_plain_processes():
             if own is not None:
                 value = value.replace("tcp://0.0.0.0:5555", own.zmq_address)
             mapped[key] = str(own.port) if own is not None and key == "LLMPOOL_PORT" else value
+        if "LLMPOOL_STATE_URL" in mapped:
+            assert "@postgres:5432/" in mapped["LLMPOOL_STATE_URL"]
+            mapped["LLMPOOL_STATE_URL"] = state_url
         return mapped
 
     processes = []
     try:
         for name, service in services.items():
+            if name == "postgres":
+                continue  # the fixture's server stands in for it
             command = service["command"]
             assert command[0] == "llmpool"
             own = gateways.get(name)
@@ -181,6 +188,10 @@ def test_compose_services_run_as_plain_processes():
             for model in sorted(models):
                 reply = sdk(server).chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
                 assert reply.choices[0].message.content
+        # One store for both: a conversation started on gateway-a goes on through gateway-b.
+        first = sdk(gateways["gateway-a"]).responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4)
+        second = sdk(gateways["gateway-b"]).responses.create(model=MODEL, input="And?", previous_response_id=first.id, max_output_tokens=4)
+        assert second.previous_response_id == first.id and second.usage.input_tokens > first.usage.input_tokens
     finally:
         for process in reversed(processes):
             stop(process)

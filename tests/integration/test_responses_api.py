@@ -140,7 +140,12 @@ def test_stored_responses_continue_and_can_be_read_and_deleted(client):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"note": "v" * 513}}, "metadata.note"),
+        ({"metadata": {"n": 5}}, "metadata.n"),
+        ({"user": "u" * 65}, "user"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input[0].content[0]"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
@@ -167,3 +172,37 @@ def test_reasoning_is_accepted_and_ignored_and_the_short_path_works(server):
         },
     )
     assert response.status_code == 200 and response.json()["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+
+
+def test_echoed_defaults_are_openais(server):
+    body = server.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}).json()
+    assert body["tool_choice"] == "auto" and body["text"] == {"format": {"type": "text"}}
+
+
+def test_input_items_are_listed_in_pages_and_scoped(client):
+    items = [{"role": "user", "content": f"Remember the number {n}."} for n in range(3)]
+    reply = client.responses.create(model=MODEL, input=items, max_output_tokens=4)
+    listed = list(client.responses.input_items.list(reply.id, limit=2, order="asc"))  # two pages
+    assert [item.content[0].text for item in listed] == [item["content"] for item in items]
+    assert len({item.id for item in listed}) == 3
+    newest = client.responses.input_items.list(reply.id, limit=1)
+    assert newest.data[0].id == listed[-1].id and newest.has_more
+
+
+def test_a_conversation_keeps_its_turns(client):
+    conversation = client.conversations.create(items=[{"role": "user", "content": "My name is Ada."}], metadata={"topic": "names"})
+    assert conversation.id.startswith("conv_") and client.conversations.retrieve(conversation.id).metadata == {"topic": "names"}
+    reply = client.responses.create(model=MODEL, input="What is my name?", conversation=conversation.id, max_output_tokens=12, temperature=0)
+    fresh = client.responses.create(model=MODEL, input="What is my name?", max_output_tokens=12, temperature=0)
+    assert reply.usage.input_tokens > fresh.usage.input_tokens, "the conversation's items are in the prompt"
+    items = list(client.conversations.items.list(conversation.id, order="asc"))
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "user"), ("message", "assistant")]
+    assert items[-1].content[0].text == reply.output_text
+    client.conversations.items.delete(items[0].id, conversation_id=conversation.id)
+    assert len(list(client.conversations.items.list(conversation.id))) == 2
+    assert client.conversations.update(conversation.id, metadata={"topic": "other"}).metadata == {"topic": "other"}
+    assert client.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="Hi", conversation=conversation.id, max_output_tokens=2)

@@ -129,7 +129,7 @@ def test_prompt_chunks_computed_beside_decodes_give_the_prefills_distribution():
     nothing else runs) gives, within quantization noise: a chunk whose tokens did not see each
     other causally, or saw later ones, would give a different distribution."""
     engine = build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(kv_cache_memory="64MiB", max_prefill_chunk=16, prefix_caching=False))
-    if not (engine.runner.paths.fast and engine.runner.native.decode_any_batch):
+    if not (engine.runner.paths.fast and engine.runner.paths.fused.any_batch):
         pytest.skip("needs the C++ kernels with packed weights (a CPU with VNNI)")
     prompt = [1, 4093, 198] + [1403 + (i * 7) % 500 for i in range(300)] + [2, 198, 1, 520, 9531, 198]
     execute, mixed = engine.runner.execute, []

@@ -92,7 +92,7 @@ def test_bfloat16_output_is_close_to_generate(name, tmp_path):
     model_type, extra = SERVED[name]
     model = build(model_type, extra, tmp_path / "model").to(torch.bfloat16)
     reference = generate(model, PROMPTS)
-    config = replace(CONFIG, dtype="bfloat16")
+    config = replace(CONFIG, dtype="bfloat16", quantization="none")
     got = run(Engine(ModelRunner(resolve_model(str(tmp_path / "model")), config), config), PROMPTS, logprobs=5)
     assert all(check_close(g, r)[0] for g, r in zip(got, reference))
 
@@ -142,11 +142,11 @@ def test_the_self_check_refuses_a_path_that_drops_the_sliding_window(tmp_path, m
 
 
 def test_quantized_weights_are_refused_where_the_path_has_none(tmp_path):
-    """--quantization int8 on a model that runs transformers' classes was ignored while the log said
-    "weights int8"; now it is refused, and auto says what it does."""
+    """--quantization int8 on a model the C++ decode step does not run was ignored while the log
+    said "weights int8"; now it is refused, naming why."""
     model_type, extra = SERVED["gpt2"]
     build(model_type, extra, tmp_path)
-    with pytest.raises(ValueError, match="--quantization int8 applies to the C\\+\\+ decode step.*'gpt2'"):
+    with pytest.raises(ValueError, match="--quantization int8 sets the weights of the C\\+\\+ decode step, which cannot run here: model type 'gpt2'"):
         ModelRunner(resolve_model(str(tmp_path)), replace(CONFIG, quantization="int8"))
 
 

@@ -131,14 +131,19 @@ def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeyp
         monkeypatch.setattr(paths, "FAST_DECODE_MAX_ROWS", fast_rows)
         engine = build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
         calls = 0
-        decode = engine.runner.native.decode
+        decode = engine.runner.paths.fused
 
-        def counted(*args: object, **kwargs: object) -> torch.Tensor:
-            nonlocal calls
-            calls += 1
-            return decode(*args, **kwargs)
+        class Counted:
+            any_batch = decode.any_batch
 
-        engine.runner.native.decode = counted
+            def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
+                nonlocal calls
+                calls += 1
+                return decode(*args, **kwargs)
+
+        counted = Counted()
+
+        engine.runner.paths.fused = counted
         for i, ids in enumerate(prompts):
             engine.add_request(NewRequest(f"r{i}", ids, 24, SamplingParams(temperature=0)))
         out: dict[str, list[int]] = {}
@@ -234,14 +239,14 @@ def test_any_batch_decode_needs_every_projection_packed(quantization, intermedia
     batches on the torch path."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from worker.models.llama import LlamaForward
+    from worker.models.fused_decode import FusedDecode
 
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
     )
-    forward = LlamaForward(LlamaForCausalLM(config).eval(), fast_decode=True, quantization=quantization)
-    assert forward.decode_any_batch is any_batch
-    assert forward.decode_weights.qkv[0].dim() == 4  # the shapes that do block are packed either way
+    fused = FusedDecode(LlamaForCausalLM(config).eval(), quantization=quantization)
+    assert fused.any_batch is any_batch
+    assert fused.weights[2].dim() == 4  # the shapes that do block are packed either way (slot 2: QKV)
 
 
 @pytest.mark.skipif(not kernels.has_vnni(), reason="packed q4 needs a CPU with AVX-512 VNNI")
@@ -287,7 +292,7 @@ def test_quantized_decode_weights_are_made_once_then_read_from_the_cache(quantiz
     cache, equal to the ones it made; a folder from an older layout of the same kind is removed."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from worker.models import llama
+    from worker.models import fused_decode
 
     config = Qwen2Config(  # QKV bias: every kind of tensor the decode weights hold
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
@@ -295,7 +300,7 @@ def test_quantized_decode_weights_are_made_once_then_read_from_the_cache(quantiz
     model = Qwen2ForCausalLM(config).eval()
     stale = tmp_path / f"{quantization}-{'packed' if kernels.has_vnni() else 'rows'}-000000000000"
     stale.mkdir()
-    made = llama.LlamaForward(model, fast_decode=True, quantization=quantization, cache=tmp_path).decode_weights
+    made = fused_decode.FusedDecode(model, quantization=quantization, cache=tmp_path)
     assert not stale.exists()
     (folder,) = tmp_path.iterdir()
     assert (folder / "tensors.safetensors").is_file()
@@ -303,11 +308,13 @@ def test_quantized_decode_weights_are_made_once_then_read_from_the_cache(quantiz
     def fail(*_: object) -> None:
         raise AssertionError("the decode weights were made again")
 
-    monkeypatch.setattr(llama, "_decode_weights", fail)
-    read = llama.LlamaForward(model, fast_decode=True, quantization=quantization, cache=tmp_path).decode_weights
-    assert made.tensors().keys() == read.tensors().keys() and len(read.qkv_bias) == 2
-    for name, tensor in made.tensors().items():
-        assert torch.equal(tensor, read.tensors()[name]), name
+    monkeypatch.setattr(fused_decode, "_layout", fail)
+    read = fused_decode.FusedDecode(model, quantization=quantization, cache=tmp_path)
+    slots = fused_decode.SLOTS
+    assert [t is None for t in made.weights] == [t is None for t in read.weights]
+    assert read.weights[slots.index("qkv_bias")] is not None and read.weights[len(slots) + slots.index("qkv_bias")] is not None
+    for i, (a, b) in enumerate(zip(made.weights + [made.lm_head], read.weights + [read.lm_head])):
+        assert a is None or torch.equal(a, b), i
 
 
 def test_a_damaged_tensor_cache_is_rebuilt_and_replaced(tmp_path):

@@ -143,7 +143,7 @@ def test_seeded_sampled_requests_decode_without_drafts_and_unseeded_ones_specula
 
 def test_greedy_output_is_the_same_through_the_cpp_decode_step():
     """The default settings (bf16, q4 weights for this Q4_1 model where VNNI is there, else int8):
-    the verify step runs as rows of ``llama_decode`` sharing one block table."""
+    the verify step runs as rows of the fused C++ step sharing one block table."""
     from worker import kernels
 
     engine = build_engine(resolve_model(MODEL), WorkerConfig(kv_cache_memory="64MiB"))

@@ -15,11 +15,13 @@ constexpr int MAX_GROUP = 16;   // query heads per KV head
 constexpr int MAX_HEAD_DIM = 256;
 
 // Online softmax over one tile of 16 positions for one head: the tile's dot products (lanes of
-// `dots`, those from n on masked) update the running max `m` and sum `l` and rescale the head's
-// accumulator; returns the tile's unnormalised weights.
-inline V16 softmax_tile(const V16* dots, int64_t n, float& m, float& l, V16* acc, int64_t D16) {
+// `dots`, those from n on masked; capped when `softcap` > 0) update the running max `m` and sum `l`
+// and rescale the head's accumulator; returns the tile's unnormalised weights.
+inline V16 softmax_tile(const V16* dots, int64_t n, float& m, float& l, V16* acc, int64_t D16, float softcap) {
   alignas(64) float scores[16];
   store16(scores, reduce16(dots));
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   for (int64_t i = n; i < 16; ++i) scores[i] = NEG_INF;
   const V16 sv = load16(scores);
   const float new_m = std::max(m, hmax(sv));
@@ -80,7 +82,7 @@ void attend_split(const float* q, const C* k_cache, const C* v_cache, const int6
           for (int64_t d = 1; d < D16; ++d) dot = fma(qh[d], keys[i][d], dot);
           dots[i] = dot;
         }
-        store16(probs[g], softmax_tile(dots, n, m[h], l[h], acc.data() + h * D16, D16));
+        store16(probs[g], softmax_tile(dots, n, m[h], l[h], acc.data() + h * D16, D16, s.softcap));
       }
       V16* acc_kv = acc.data() + kvh * G * D16;
       for (int64_t i = 0; i < n; ++i) {
@@ -159,7 +161,7 @@ void attend_split_bf16(const float* q, const c10::BFloat16* k_cache, const c10::
             dot = _mm512_dpbf16_ps(dot, qh[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k_row + c * 32)));
           dots[i] = {dot};
         }
-        const V16 p = softmax_tile(dots, n, m[h], l[h], acc.data() + h * D16, D16);
+        const V16 p = softmax_tile(dots, n, m[h], l[h], acc.data() + h * D16, D16, s.softcap);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob_pairs.data() + h * 8), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p.v)));
       }
     }
@@ -221,16 +223,16 @@ int64_t pick_splits(int64_t rows, int64_t max_len, int64_t block_size) {
 // q [rows, heads, D] float32 -> out [rows, heads, D] float32.
 template <typename C>
 void decode_attention(const float* q, const C* k_cache, const C* v_cache, const int64_t* tables, const int64_t* lengths,
-                      const AttnShape& s, float* out) {
+                      const int64_t* begins, const AttnShape& s, float* out) {
   const int64_t H = s.heads, D = s.head_dim;
   const int64_t part_size = H * (D + 2);
   std::vector<float> parts(s.rows * s.splits * part_size);
   at::parallel_for(0, s.rows * s.splits, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t split = item % s.splits, row = item / s.splits;
-      const int64_t len = lengths[row];
-      const int64_t chunk = ((len + s.splits - 1) / s.splits + s.block_size - 1) / s.block_size * s.block_size;
-      const int64_t begin = std::min(len, split * chunk), end = std::min(len, begin + chunk);
+      const int64_t len = lengths[row], start = begins ? std::min(len, begins[row]) : 0;
+      const int64_t chunk = ((len - start + s.splits - 1) / s.splits + s.block_size - 1) / s.block_size * s.block_size;
+      const int64_t begin = std::min(len, start + split * chunk), end = std::min(len, begin + chunk);
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<C, c10::BFloat16>) {
         if (D % 32 == 0) {
@@ -264,11 +266,11 @@ void decode_attention(const float* q, const C* k_cache, const C* v_cache, const 
 }
 
 template void decode_attention<c10::BFloat16>(const float*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*, const int64_t*,
-                                              const AttnShape&, float*);
+                                              const int64_t*, const AttnShape&, float*);
 template void decode_attention<c10::Half>(const float*, const c10::Half*, const c10::Half*, const int64_t*, const int64_t*,
-                                          const AttnShape&, float*);
-template void decode_attention<float>(const float*, const float*, const float*, const int64_t*, const int64_t*, const AttnShape&,
-                                      float*);
+                                          const int64_t*, const AttnShape&, float*);
+template void decode_attention<float>(const float*, const float*, const float*, const int64_t*, const int64_t*, const int64_t*,
+                                      const AttnShape&, float*);
 
 AttnShape attn_shape(const Tensor& k_cache, const Tensor& tables, int64_t rows, int64_t heads, int64_t max_len, double scale) {
   AttnShape s{rows, heads, k_cache.size(2), k_cache.size(3), k_cache.size(1), tables.size(1), 1, static_cast<float>(scale)};
@@ -295,7 +297,7 @@ Tensor paged_decode_attention(const Tensor& query, const Tensor& k_cache, const 
   dispatch_cache(k_cache.scalar_type(), [&](auto tag) {
     using C = decltype(tag);
     decode_attention(q.data_ptr<float>(), static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
-                     block_tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), s, out.data_ptr<float>());
+                     block_tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), nullptr, s, out.data_ptr<float>());
   });
   return out.to(query.scalar_type());
 }

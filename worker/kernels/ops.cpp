@@ -9,9 +9,10 @@
 // - linear: int8 or q4 weights packed for a VNNI GEMM (any number of rows; packed_tile,
 //   packed_q4_tile), or row-major int8 / q4 / bf16 / fp16 / fp32 weights in matrix-vector loops
 //   for a handful of rows.
-// - llama_decode: a whole decode step of a Llama-family model in one call: norms, projections,
-//   rotary embedding, cache writes, attention and MLP of every layer, with no Python and no per-op
-//   dispatch in between (that dispatch was ~3 ms of a 13 ms step).
+// - decoder_step: a whole decode step of a decoder-only model in one call (every family it knows by
+//   their differences: worker/models/family.py): norms, projections, rotary embedding, cache writes,
+//   attention and MLP or experts of every layer, with no Python and no per-op dispatch in between
+//   (that dispatch was ~3 ms of a 13 ms step).
 // - sample_temperature: plain temperature sampling of each row in one call (the sampler's torch
 //   ops took 0.13-0.6 ms of a batch-1 step).
 //
@@ -28,15 +29,13 @@ TORCH_LIBRARY(llmpool, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("sample_temperature(Tensor logits, Tensor temperature, Tensor uniform) -> Tensor");
   m.def(
-      "llama_decode(Tensor hidden, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] qkv, Tensor[] qkv_scale, "
-      "Tensor[] qkv_bias, Tensor[] o_proj, Tensor[] o_scale, Tensor[] post_norms, Tensor[] gate_up, Tensor[] gate_up_scale, "
-      "Tensor[] down, Tensor[] down_scale, Tensor final_norm, Tensor[] k_caches, Tensor[] v_caches, Tensor slots, "
-      "Tensor block_tables, Tensor lengths, int max_len, int heads, int kv_heads, float eps, float scale) -> Tensor");
+      "decoder_step(Tensor hidden, Tensor rope, Tensor?[] weights, Tensor?[] experts, int[] ints, float[] floats, "
+      "Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor block_tables, Tensor lengths, int max_len) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmpool, CPU, m) {
   m.impl("paged_decode_attention", &llmpool::paged_decode_attention);
   m.impl("linear", &llmpool::linear);
   m.impl("sample_temperature", &llmpool::sample_temperature);
-  m.impl("llama_decode", &llmpool::llama_decode);
+  m.impl("decoder_step", &llmpool::decoder_step);
 }

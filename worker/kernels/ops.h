@@ -16,11 +16,9 @@ bool has_vnni();
 // sampling.cpp
 Tensor sample_temperature(const Tensor& logits, const Tensor& temperature, const Tensor& uniform);
 // decode_step.cpp
-Tensor llama_decode(const Tensor& hidden, const Tensor& cos, const Tensor& sin, at::TensorList input_norms, at::TensorList qkv,
-                    at::TensorList qkv_scale, at::TensorList qkv_bias, at::TensorList o_proj, at::TensorList o_scale,
-                    at::TensorList post_norms, at::TensorList gate_up, at::TensorList gate_up_scale, at::TensorList down,
-                    at::TensorList down_scale, const Tensor& final_norm, at::TensorList k_caches, at::TensorList v_caches,
-                    const Tensor& slots, const Tensor& block_tables, const Tensor& lengths, int64_t max_len, int64_t heads,
-                    int64_t kv_heads, double eps, double scale);
+Tensor decoder_step(const Tensor& hidden, const Tensor& rope, const c10::List<c10::optional<Tensor>>& weights,
+                    const c10::List<c10::optional<Tensor>>& experts, at::IntArrayRef ints, at::ArrayRef<double> floats,
+                    at::TensorList k_caches, at::TensorList v_caches, const Tensor& slots, const Tensor& block_tables,
+                    const Tensor& lengths, int64_t max_len);
 
 }  // namespace llmpool

@@ -11,6 +11,8 @@ import torch
 
 from worker import kernels
 from worker.attention import DecodeBackend
+from worker.models import fused_decode
+from worker.models.fused_decode import FusedDecode
 from worker.models.llama import LlamaForward, supports
 from worker.quantization import CHOICES as QUANTIZATION_CHOICES
 from worker.quantization import on_4bit_grid
@@ -35,51 +37,48 @@ def pick_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def wants_native(choice: str, model: torch.nn.Module) -> bool:
-    """Whether the native forward (worker/models/) runs ``model``: where it supports the model and
-    ``--model-impl`` allows it; else transformers' own classes."""
+def pick_decode_path(choice: str, device: torch.device, dtype: torch.dtype, model: torch.nn.Module) -> tuple[str, bool]:
+    """(weights, whether the C++ decode step runs): it runs on the CPU in bf16/fp16, or in any dtype
+    once weights are quantized, for the families it knows (worker/models/family.py); float32
+    without quantization keeps the exact torch path (token-identical to ``generate``). Weights that
+    would not be used are refused when asked for, never reported as applied."""
+    if choice not in QUANTIZATION_CHOICES:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {choice!r}")
+    why_not = "not on the CPU" if device.type != "cpu" else None if kernels.load() else f"no C++ kernels ({kernels.unavailable_reason()})"
+    why_not = why_not or fused_decode.supports(model)
+    if choice == "auto":
+        choice = "none" if why_not or dtype == torch.float32 else "int8"
+        if choice == "int8" and kernels.has_vnni() and on_4bit_grid(model):
+            choice = "q4"  # the model came as 4-bit weights: q4 keeps them as they are, at 0.6x int8's bytes
+    if choice != "none" and why_not:
+        raise ValueError(f"--quantization {choice} sets the weights of the C++ decode step, which cannot run here: {why_not}")
+    fast = why_not is None and (choice != "none" or dtype != torch.float32)
+    if fast:
+        log.info("decode steps: the C++ step, weights %s", choice)
+    else:
+        log.info("decode steps: the torch path in %s (the C++ step: %s)", str(dtype).removeprefix("torch."), why_not or "float32 stays exact")
+    return choice, fast
+
+
+def pick_impl(choice: str, model: torch.nn.Module) -> LlamaForward | None:
+    """The native torch forward (worker/models/llama.py) where it supports the model and ``choice``
+    allows it; None: transformers' own classes. Build the fused decode step first: this one takes
+    the model's layers."""
     if choice not in ("auto", "native", "transformers"):
         raise ValueError(f"--model-impl must be auto, native or transformers; got {choice!r}")
     native_ok = supports(model)
     if choice == "native" and not native_ok:
         raise ValueError(f"--model-impl native does not support model type {model.config.model_type!r}")
-    return native_ok and choice != "transformers"
-
-
-def pick_decode_path(choice: str, device: torch.device, dtype: torch.dtype, model: torch.nn.Module, native: bool) -> tuple[str, bool]:
-    """(weights, whether the C++ decode step runs): it runs the native forward on the CPU in
-    bf16/fp16, or in any dtype once weights are quantized; float32 without quantization keeps the
-    exact torch path (token-identical to ``generate``). Quantized weights exist only for the C++
-    step: asked for on transformers' classes, they are refused rather than silently not applied."""
-    if choice not in QUANTIZATION_CHOICES:
-        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {choice!r}")
-    usable = device.type == "cpu" and kernels.load()
-    if not native:
-        if choice not in ("auto", "none"):
-            raise ValueError(
-                f"--quantization {choice} applies to the C++ decode step of the native forward, which does not run model type "
-                f"{model.config.model_type!r} (it runs on transformers' classes, weights in {str(dtype).removeprefix('torch.')}): "
-                "use --quantization none or auto"
-            )
-        log.info("decode: transformers classes, weights in %s (no C++ decode step or quantization for this model)", str(dtype).removeprefix("torch."))
-        return "none", False
-    if choice == "auto":
-        choice = "none" if not usable or dtype == torch.float32 else "int8"
-        if choice == "int8" and kernels.has_vnni() and on_4bit_grid(model):
-            choice = "q4"  # the model came as 4-bit weights: q4 keeps them as they are, at 0.6x int8's bytes
-    if choice != "none" and not usable:
-        raise ValueError(f"--quantization {choice} needs the C++ CPU kernels: {kernels.unavailable_reason() or 'not on the CPU'}")
-    fast = usable and (choice != "none" or dtype != torch.float32)
-    log.info("small-batch decode: %s, weights %s", "C++ kernel" if fast else "torch", choice)
-    return choice, fast
-
-
-def pick_impl(native: bool, model: torch.nn.Module, fast_decode: bool, quantization: str, cache: Path | None) -> LlamaForward | None:
-    """The native forward (worker/models/llama.py) where ``wants_native`` chose it; None: transformers' own classes."""
-    log.info("model implementation: %s", "native (worker/models/llama.py)" if native else "transformers classes")
-    if not native:
+    use_native = native_ok and choice != "transformers"
+    log.info("model implementation: %s", "native (worker/models/llama.py)" if use_native else "transformers classes")
+    if not use_native:
         return None
-    return LlamaForward(model, fast_decode=fast_decode, quantization=quantization, cache=cache)
+    return LlamaForward(model)
+
+
+def build_fused(fast: bool, model: torch.nn.Module, quantization: str, cache: Path | None) -> FusedDecode | None:
+    """The C++ decode step's copy of the model when decode steps run there (``pick_decode_path``)."""
+    return FusedDecode(model, quantization, cache) if fast else None
 
 
 def use_graphs(choice: str, device: torch.device, native: LlamaForward | None, backend: DecodeBackend) -> bool:

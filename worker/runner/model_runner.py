@@ -1,12 +1,14 @@
 """Runs one model step for a scheduled batch: tensors in, the new tokens of each sampled row out.
 
 Two ways to run the model, both over the same paged cache and attention (worker/attention):
-- ``native`` (Llama-family models, the default where supported): worker/models/llama.py, fused
+- ``native`` (Llama and Qwen2, the default where supported): worker/models/llama.py, fused
   projections and few Python calls per layer; 1.6x transformers' classes at batch 1 on the default
-  model, and the C++ decode step on the CPU.
+  model.
 - ``transformers``: transformers' own model classes (any causal LM it supports) with our paged
   attention registered through its attention interface.
-Both give bit-identical numbers to ``generate`` for a lone sequence in float32.
+Both give bit-identical numbers to ``generate`` for a lone sequence in float32. Decode steps on the
+CPU (bf16, or quantized weights) run the C++ step instead for every family it knows
+(worker/models/fused_decode.py): the whole model in one call.
 
 The runner owns the model, the KV cache and the sampler; ``inputs`` turns batches into tensors,
 ``paths`` runs them (worker/runner/paths.py), and ``execute`` returns one ``RunOutput``.
@@ -22,9 +24,10 @@ from worker.config import WorkerConfig
 from worker.guided import GuidedDecoding
 from worker.loader import load_model
 from worker.models import support
+from worker.models.llama import supports as native_supports
 from worker.request import Request
 from worker.runner import kv_cache
-from worker.runner.choices import pick_decode_path, pick_device, pick_dtype, pick_impl, use_graphs, wants_native
+from worker.runner.choices import build_fused, pick_decode_path, pick_device, pick_dtype, pick_impl, use_graphs
 from worker.runner.cuda_graphs import DecodeGraphs
 from worker.runner.inputs import InputBuilder
 from worker.runner.paths import ExecutionPaths
@@ -32,33 +35,34 @@ from worker.runner.probe import learn_layers
 from worker.sampler import Sampler, prompt_logprobs
 from worker.scheduler import RunOutput, ScheduledBatch
 from worker.selfcheck import SelfCheck
+from worker.threads import team_size
 
 
 class ModelRunner:
     """Owns the model, the KV-cache tensors and the sampler."""
 
     def __init__(self, source: ModelSource, config: WorkerConfig) -> None:
-        if config.threads > 0:
-            torch.set_num_threads(config.threads)
+        self.threads = team_size(config.threads)
+        torch.set_num_threads(self.threads)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype)
         self.block_size = config.block_size
         model = load_model(source, self.dtype, config.cache_dir)
         text = model.config.get_text_config()
-        native = wants_native(config.model_impl, model)
         self.architecture = describe(model)
-        support.refuse_by_name(model.config.model_type, self.architecture, native)
+        support.refuse_by_name(model.config.model_type, self.architecture, native_supports(model) and config.model_impl != "transformers")
         self.max_model_len = support.max_model_len(text, config.max_model_len)
         self.model = model.to(self.device).eval()
         try:
             self.layers = learn_layers(model)
         except support.UnsupportedModel as exc:
             raise support.UnsupportedModel(f"{self.architecture} is not supported: {exc}.") from None
-        # The reference the self-check compares with is computed now: the native forward frees transformers' layers.
+        # The reference the self-check compares with is computed now: the fused step and the native forward take transformers' layers.
         check = None if config.skip_self_check else SelfCheck(model, self.layers, self.max_model_len, self.block_size)
-        self.quantization, fast_decode = pick_decode_path(config.quantization, self.device, self.dtype, model, native)
+        self.quantization, fast_decode = pick_decode_path(config.quantization, self.device, self.dtype, model)
         decode_cache = source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}")
-        self.native = pick_impl(native, model, fast_decode, self.quantization, decode_cache)
+        fused = build_fused(fast_decode, model, self.quantization, decode_cache)
+        self.native = pick_impl(config.model_impl, model)
         first = self.layers[0]
         backend = choose_decode_backend(
             config.cuda_attention, self.device, self.dtype, HeadShape(first.heads, first.kv_heads, first.k_dim, self.block_size)
@@ -78,7 +82,7 @@ class ModelRunner:
         if graphs:
             max_blocks = -(-self.max_model_len // self.block_size)
             decode_graphs = DecodeGraphs(self.native, self.kv_caches, first.heads, max_blocks, self.num_blocks, config.max_num_seqs, backend)
-        self.paths = ExecutionPaths(self.model, self.native, fast_decode, self.inputs, decode_graphs)
+        self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, decode_graphs)
         if check is not None:
             check.run(self)
 

@@ -2,7 +2,7 @@
 
 - ``graph``: decode rows only, on CUDA: replay the captured graph of the batch's bucket
   (worker/runner/cuda_graphs.py).
-- ``rows``: the C++ step (worker/kernels/decode_step.cpp): the whole model in one call, every
+- ``rows``: the C++ step (worker/models/fused_decode.py): the whole model in one call, every
   scheduled token a row. Decode rows (any number with packed weights, else up to
   FAST_DECODE_MAX_ROWS), and with packed weights also prompt chunks beside them, whose tokens see
   each other causally because the kernel writes all rows' keys and values of a layer before that
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from worker.attention.paged import step_metadata
+from worker.models.fused_decode import FusedDecode
 from worker.models.llama import LlamaForward
 from worker.request import Request
 from worker.runner.cuda_graphs import DecodeGraphs
@@ -40,13 +41,14 @@ class ExecutionPaths:
         self,
         model: torch.nn.Module,
         native: LlamaForward | None,
-        fast_decode: bool,
+        fused: FusedDecode | None,
         inputs: InputBuilder,
         graphs: DecodeGraphs | None,
     ) -> None:
         self.model = model
         self.native = native
-        self.fast = fast_decode and native is not None  # the C++ step can run this model
+        self.fused = fused  # the C++ step, where it runs this model
+        self.fast = fused is not None
         self.inputs = inputs
         self.graphs = graphs
 
@@ -70,17 +72,11 @@ class ExecutionPaths:
             return False
         decodes = sum(map(is_decode_row, batch.requests, batch.num_new_tokens))
         if decodes == len(batch.requests):
-            return self.native.decode_any_batch or decodes <= FAST_DECODE_MAX_ROWS
-        return (
-            self.native.decode_any_batch
-            and decodes > 0
-            and not any(r.draft_token_ids or r.sampling.prompt_logprobs is not None for r in batch.requests)
-        )
+            return self.fused.any_batch or decodes <= FAST_DECODE_MAX_ROWS
+        return self.fused.any_batch and decodes > 0 and not any(r.draft_token_ids or r.sampling.prompt_logprobs is not None for r in batch.requests)
 
     def rows(self, rows: RowInputs) -> torch.Tensor:
-        return self.native.decode(
-            rows.ids, rows.positions, self.inputs.kv_caches, rows.slots, rows.tables, rows.lengths, rows.max_len, keep=rows.keep
-        )
+        return self.fused(rows.ids, rows.positions, self.inputs.kv_caches, rows.slots, rows.tables, rows.lengths, rows.max_len, keep=rows.keep)
 
     def flat(self, inputs: FlatInputs) -> torch.Tensor:
         if self.native is not None:

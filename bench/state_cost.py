@@ -1,0 +1,198 @@
+"""What the state store costs: 64 streams of the chat and Responses workloads against servers with
+no store (the code before it: ``--baseline-tree``), a SQLite store and a PostgreSQL store (a real
+server, fsync on), the configurations alternating round by round on the same machine.
+
+    python -m bench.state_cost --baseline-tree /tmp/llmpool-before --rounds 3
+    python -m bench.state_cost --baseline-tree /tmp/llmpool-before --fake-worker   # the gateway alone
+
+Per run: output tokens/s, TTFT p50, the gap between a Responses stream's last delta and its
+``response.completed`` (where the final row is committed: the write the client waits for, after the
+tokens), and the CPU time the gateway process (and the PostgreSQL server) spent per output token,
+which a loaded machine disturbs far less than tokens/s. ``--fake-worker`` puts a model-less worker
+(bench/fake_worker.py) behind each gateway, so the gateway's own cost is all there is to measure.
+Results go to bench-results/state-cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+from bench.load import _read_chunked
+from bench.prompts import PROMPTS
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def body(workload: str, prompt: str, tokens: int, store: bool) -> tuple[bytes, bytes]:
+    if workload == "chat":
+        payload = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "stream": True}
+        payload |= {"stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.8}
+        return b"/v1/chat/completions", orjson.dumps(payload)
+    payload = {"model": MODEL, "input": prompt, "max_output_tokens": tokens, "stream": True, "store": store, "ignore_eos": True, "temperature": 0.8}
+    return b"/v1/responses", orjson.dumps(payload)
+
+
+async def one(port: int, path: bytes, data: bytes) -> dict:
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+        % (path, len(data), data)
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0], head
+    first = last_delta = None
+    tokens, end_gap, pending = 0, None, b""
+    async for chunk in _read_chunked(reader):
+        pending += chunk
+        *events, pending = pending.split(b"\n\n")
+        for event in events:
+            now = time.perf_counter()
+            if b'"delta":{"content":"' in event or b"response.output_text.delta" in event[:40]:
+                first = first or now
+                last_delta = now
+            elif b'"usage":{"prompt_tokens"' in event:
+                tokens = orjson.loads(event.split(b"data: ", 1)[1])["usage"]["completion_tokens"]
+            elif event.startswith(b"event: response.completed") or event.startswith(b"event: response.incomplete"):
+                tokens = orjson.loads(event.split(b"data: ", 1)[1])["response"]["usage"]["output_tokens"]
+                end_gap = now - (last_delta or now)
+    writer.close()
+    return {"ttft": (first or time.perf_counter()) - start, "tokens": tokens, "end_gap": end_gap}
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+async def level(port: int, workload: str, streams: int, requests: int, tokens: int, store: bool, gateway: int, postmaster: int) -> dict:
+    queue = list(range(requests))
+    results: list[dict] = []
+
+    async def client() -> None:
+        while queue:
+            n = queue.pop()
+            path, data = body(workload, PROMPTS[n % len(PROMPTS)], tokens, store)
+            results.append(await one(port, path, data))
+
+    database = children(postmaster)
+    gateway_cpu, database_cpu = cpu_s([gateway]), cpu_s(database)
+    began = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(streams)))
+    wall = time.perf_counter() - began
+    produced = sum(r["tokens"] for r in results)
+    gaps = [r["end_gap"] for r in results if r["end_gap"] is not None]
+    return {
+        "output_tok_s": produced / wall,
+        "gateway_cpu_us_per_token": 1e6 * (cpu_s([gateway]) - gateway_cpu) / produced,
+        "postgres_cpu_us_per_token": 1e6 * (cpu_s(database) - database_cpu) / produced,
+        "ttft_p50_ms": 1000 * statistics.median(r["ttft"] for r in results),
+        "end_gap_p50_ms": 1000 * statistics.median(gaps) if gaps else None,
+        "end_gap_p99_ms": 1000 * sorted(gaps)[int(0.99 * (len(gaps) - 1))] if gaps else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline-tree", type=Path, required=True, help="a checkout of the code before the store (git archive d574bd2)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--fake-worker", action="store_true", help="a model-less worker behind each gateway: the gateway's cost alone")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="--fake-worker: its step time")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/state-cost.json"))
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers
+
+    from tests.conftest import ARTIFACTS, REPO, free_port, stop, wait_until
+    from tests.postgres import Postgres
+
+    postgres = Postgres(durable=True)
+    configs = {
+        "none": (args.baseline_tree, None, False),
+        "sqlite": (REPO, f"sqlite:///{postgres.folder}/bench-state.db", True),
+        "postgresql": (REPO, postgres.database("bench"), True),
+    }
+    servers, gateways, processes = {}, {}, []
+    postmaster = int((postgres.data / "postmaster.pid").read_text().split()[0])
+    ARTIFACTS.mkdir(exist_ok=True)
+
+    def start(command: list[str], cwd: Path, env: dict[str, str], name: str) -> subprocess.Popen:
+        log = open(ARTIFACTS / f"state-cost-{name}.log", "ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", *command], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT
+        )  # its tree first on sys.path
+        processes.append(process)
+        return process
+
+    try:
+        for name, (tree, url, _) in configs.items():
+            port, zmq = free_port(), free_port()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"LLMPOOL_STATE_URL": url} if url else {})}
+            address = ["--port", str(port), "--zmq-bind", f"tcp://127.0.0.1:{zmq}"]
+            if args.fake_worker:
+                gateways[name] = start(["gateway", *address], tree, env, name).pid
+                start(
+                    ["bench.fake_worker", "--gateway-address", f"tcp://127.0.0.1:{zmq}", "--step-ms", str(args.step_ms)], REPO, env, f"{name}-worker"
+                )
+            else:
+                gateways[name] = start(["launcher", "serve", *address, "--workers", "1"], tree, env, name).pid
+            servers[name] = port
+        import httpx
+
+        for name, port in servers.items():
+            wait_until(lambda port=port: httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200, 600, f"{name} ready")
+            if not args.fake_worker:  # the launcher's gateway child
+                (gateways[name],) = [pid for pid in children(gateways[name]) if b"gateway" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        runs: dict[str, list[dict]] = {f"{n}/{w}": [] for n in configs for w in ("chat", "responses")}
+        for round_ in range(args.rounds):
+            for name, (_, _, store) in configs.items():
+                for workload in ("chat", "responses"):
+                    result = asyncio.run(level(servers[name], workload, args.streams, args.requests, args.tokens, store, gateways[name], postmaster))
+                    runs[f"{name}/{workload}"].append(result)
+                    print(f"round {round_ + 1} {name:10s} {workload:9s} {json.dumps(result)}", flush=True)
+    finally:
+        for process in processes:
+            stop(process, 30)
+        postgres.stop()
+    medians = ("output_tok_s", "gateway_cpu_us_per_token", "postgres_cpu_us_per_token")
+    summary = {key: {**{f"{m}_median": statistics.median(r[m] for r in rs) for m in medians}, "runs": rs} for key, rs in runs.items()}
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=1))
+    for key, value in summary.items():
+        figures = " ".join(f"{m} {value[m + '_median']:8.1f}" for m in medians)
+        print(f"{key:22s} {figures}")
+
+
+if __name__ == "__main__":
+    main()

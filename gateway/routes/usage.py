@@ -1,0 +1,48 @@
+"""GET /v1/usage: tokens per API key (hashed), model and day, for the admin key only (--admin-key).
+
+Query: ``start`` and ``end`` days (YYYY-MM-DD, UTC; default: the last 30 days), and optionally
+``key`` (a hashed key as the report and the Prometheus ``key`` label show it) and ``model``.
+Each gateway adds its counts to the store every heartbeat; this gateway's own are flushed first.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from litestar import Request, Response, get
+from litestar.params import FromQuery
+
+from gateway.errors import InvalidRequest
+from gateway.routes.common import documented, json_response
+from gateway.state.usage import day_of
+
+
+class UsageReport(msgspec.Struct):
+    data: list[dict]
+    start: str
+    end: str
+    object: str = "list"
+
+
+@get("/v1/usage", responses=documented(UsageReport, "usage per key, model and day"))
+async def usage(
+    request: Request,
+    start: FromQuery[str | None] = None,
+    end: FromQuery[str | None] = None,
+    key: FromQuery[str | None] = None,
+    model: FromQuery[str | None] = None,
+) -> Response:
+    now = time.time()
+    start = start or day_of(now - 29 * 86400)
+    end = end or day_of(now)
+    for name, value in (("start", start), ("end", end)):
+        try:
+            time.strptime(value, "%Y-%m-%d")
+        except ValueError:
+            raise InvalidRequest(f"`{name}` must be a day as YYYY-MM-DD; got {value!r}", param=name) from None
+    state = request.app.state.state
+    rows = await state.usage.report(state.store.db, start, end, None, model)
+    if key is not None:
+        rows = [row for row in rows if row["key"] == key]
+    return json_response(UsageReport(rows, start, end))

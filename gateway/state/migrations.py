@@ -1,0 +1,121 @@
+"""The store's schema, as numbered migrations that every gateway applies at start.
+
+Why not Alembic: it needs SQLAlchemy (an ORM and a second database layer beside the two drivers),
+runs synchronously, and takes no lock, so two gateways of a fleet starting together could both
+apply the same step. Here each migration is a list of SQL statements (``{blob}`` and ``{real}``
+spelled per dialect); ``migrate`` applies the missing ones in order, in one transaction that holds
+a lock (PostgreSQL: a transaction-level advisory lock; SQLite: ``BEGIN IMMEDIATE``, the file's write
+lock), and records each in ``schema_migrations``. A gateway started against a newer schema than it
+knows refuses to run rather than write rows the newer code does not expect.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gateway.state.db import Database, Session
+
+_LOCK_ID = 0x6C6C6D706F6F6C  # "llmpool": the advisory lock every gateway takes to migrate
+
+MIGRATIONS: list[tuple[int, str, list[str]]] = [
+    (
+        1,
+        "responses, their input items, the event log and token chunks of running ones, gateways' leases, usage",
+        [
+            """CREATE TABLE responses (
+                id TEXT PRIMARY KEY,
+                owner TEXT NOT NULL,
+                created_at BIGINT NOT NULL,
+                updated_at {real} NOT NULL,
+                model TEXT NOT NULL,
+                previous_id TEXT,
+                conversation_id TEXT,
+                status TEXT NOT NULL,
+                background INTEGER NOT NULL DEFAULT 0,
+                body {blob} NOT NULL,
+                input_items {blob} NOT NULL,
+                messages {blob} NOT NULL,
+                request {blob},
+                gateway TEXT,
+                cancel INTEGER NOT NULL DEFAULT 0,
+                bytes BIGINT NOT NULL DEFAULT 0,
+                input_tokens BIGINT NOT NULL DEFAULT 0,
+                cached_tokens BIGINT NOT NULL DEFAULT 0,
+                output_tokens BIGINT NOT NULL DEFAULT 0,
+                reasoning_tokens BIGINT NOT NULL DEFAULT 0
+            )""",
+            "CREATE INDEX responses_owner_created ON responses (owner, created_at)",
+            "CREATE INDEX responses_created ON responses (created_at)",
+            "CREATE INDEX responses_running ON responses (status, gateway)",
+            # One row per response per group commit: events seq..last_seq, one JSON per line
+            "CREATE TABLE response_events (response_id TEXT NOT NULL, seq INTEGER NOT NULL, last_seq INTEGER NOT NULL, data {blob} NOT NULL,"
+            " PRIMARY KEY (response_id, seq))",
+            # ... and the worker outputs behind them (a msgpack list), for a takeover to replay
+            "CREATE TABLE response_chunks (response_id TEXT NOT NULL, seq INTEGER NOT NULL, data {blob} NOT NULL, PRIMARY KEY (response_id, seq))",
+            "CREATE TABLE gateways (id TEXT PRIMARY KEY, seen_at {real} NOT NULL)",
+            """CREATE TABLE usage (
+                day TEXT NOT NULL,
+                owner TEXT NOT NULL,
+                model TEXT NOT NULL,
+                requests BIGINT NOT NULL DEFAULT 0,
+                input_tokens BIGINT NOT NULL DEFAULT 0,
+                cached_tokens BIGINT NOT NULL DEFAULT 0,
+                output_tokens BIGINT NOT NULL DEFAULT 0,
+                reasoning_tokens BIGINT NOT NULL DEFAULT 0,
+                PRIMARY KEY (day, owner, model)
+            )""",
+        ],
+    ),
+    (
+        2,
+        "conversations and their items",
+        [
+            """CREATE TABLE conversations (
+                id TEXT PRIMARY KEY,
+                owner TEXT NOT NULL,
+                created_at BIGINT NOT NULL,
+                metadata {blob} NOT NULL,
+                bytes BIGINT NOT NULL DEFAULT 0
+            )""",
+            """CREATE TABLE conversation_items (
+                conversation_id TEXT NOT NULL,
+                position BIGINT NOT NULL,
+                id TEXT NOT NULL,
+                data {blob} NOT NULL,
+                PRIMARY KEY (conversation_id, position)
+            )""",
+            "CREATE INDEX conversation_items_id ON conversation_items (conversation_id, id)",
+            "CREATE INDEX conversations_owner_created ON conversations (owner, created_at)",
+        ],
+    ),
+]
+
+_TYPES = {"sqlite": {"blob": "BLOB", "real": "DOUBLE PRECISION"}, "postgresql": {"blob": "BYTEA", "real": "DOUBLE PRECISION"}}
+
+
+class SchemaTooNew(RuntimeError):
+    pass
+
+
+async def migrate(db: Database) -> list[int]:
+    """Bring the schema up to date; the versions applied now (none when it already was)."""
+    applied: list[int] = []
+    async with db.transaction() as tx:
+        if db.dialect == "postgresql":
+            await tx.execute("SELECT pg_advisory_xact_lock(?)", _LOCK_ID)
+        await tx.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)")
+        done = {row[0] for row in await tx.fetch("SELECT version FROM schema_migrations")}
+        known = {version for version, _, _ in MIGRATIONS}
+        if done - known:
+            raise SchemaTooNew(f"the state database has schema versions {sorted(done - known)}, newer than this gateway knows: upgrade it")
+        for version, _, statements in MIGRATIONS:
+            if version not in done:
+                await _apply(tx, db.dialect, statements)
+                await tx.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", version, time.time())
+                applied.append(version)
+    return applied
+
+
+async def _apply(tx: Session, dialect: str, statements: list[str]) -> None:
+    for statement in statements:
+        await tx.execute(statement.format(**_TYPES[dialect]))

@@ -1,0 +1,203 @@
+"""The C++ decode step's copy of a model: its weights in the kernel's slots (int8, q4 or the model's
+dtype), and one call per step for any number of rows (worker/kernels/decode_step.cpp).
+
+The model is read by ``worker.models.family.describe``; the quantized weights are made once per
+model and layout and kept in the conversion cache (``cached_tensors``): 1.35 s to make for the
+default model on one core, 0.06 s to read. On a CPU with VNNI, int8 and q4 weights are packed for
+its GEMM kernels, which beat oneDNN's bf16 matmuls at every batch size measured (``any_batch``);
+otherwise the kernel's matrix-vector loops are for a few rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import torch
+
+from worker import kernels
+from worker import quantization as quantization_module
+from worker.loader import cached_tensors
+from worker.models import family as family_module
+from worker.models import measure, shapes
+from worker.models.family import describe
+from worker.models.measure import halve, rotary_tables
+from worker.models.shapes import QK_NONE, Family, Norm, NotFast
+from worker.quantization import pack_int8, pack_q4, quantize_int8, quantize_q4
+
+# Per-layer slots, in the order of decode_step.cpp's Slot enum.
+SLOTS = (
+    "attn_norm_w", "attn_norm_b", "qkv_w", "qkv_scale", "qkv_bias", "q_norm", "k_norm", "o_w", "o_scale", "o_bias",
+    "post_attn_norm_w", "post_attn_norm_b", "mlp_norm_w", "mlp_norm_b", "up_w", "up_scale", "up_bias", "down_w", "down_scale",
+    "down_bias", "post_mlp_norm_w", "post_mlp_norm_b", "router_w", "shared_gate_w",
+)  # fmt: skip
+
+
+class FusedDecode:
+    """``__call__`` runs one step of ``[rows]`` single tokens (each with its own position, block
+    table and context length) and returns float32 logits ``[rows, vocab]`` (or of the ``keep`` rows)."""
+
+    def __init__(self, model: torch.nn.Module, quantization: str = "none", cache: Path | None = None) -> None:
+        if not kernels.load():
+            raise RuntimeError(f"the fused decode step needs the C++ kernels: {kernels.unavailable_reason()}")
+        self.family = describe(model)
+        self.decoder = model.model
+        self.embed = model.model.embed_tokens
+        self.packed = quantization in ("int8", "q4") and kernels.has_vnni()
+        self.quantization = quantization
+        tensors = cached_tensors(_cache_folder(cache, quantization, self.packed), lambda: _layout(self.family, model, quantization, self.packed))
+        layers = len(self.family.layers)
+        self.weights = [tensors.get(f"w.{i}.{name}") for i in range(layers) for name in SLOTS]
+        self.weights += [tensors["final_norm_w"], tensors.get("final_norm_b")]
+        count = sum(1 for name in tensors if name.startswith("e.") and name.endswith(".up_w"))
+        self.experts = [tensors.get(f"e.{e}.{part}") for e in range(count) for part in ("up_w", "up_scale", "down_w", "down_scale")]
+        self.lm_head, self.lm_head_scale = tensors["lm_head"], tensors.get("lm_head_scale")
+        self.ints, self.floats = _numbers(self.family)
+        matrices = [t for name, t in tensors.items() if name.endswith(("qkv_w", "o_w", "up_w", "down_w")) or name == "lm_head"]
+        # The packers leave a shape they cannot block (int8: N % 16 or K % 64; q4: N % 16) in the
+        # row layout, whose matrix-vector loops are slower than the torch path beyond a few rows.
+        self.any_batch = self.packed and all(t.dim() == 4 for t in matrices)
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        lengths: torch.Tensor,
+        max_len: int,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        f = self.family
+        hidden = self.embed(input_ids)
+        if f.embed_multiplier != 1.0:
+            hidden = hidden * f.embed_multiplier
+        like = hidden.new_empty(0, dtype=torch.float32)
+        tables = [rotary_tables(self.decoder, like, positions.unsqueeze(0), kind) for kind in f.rope_types]
+        if f.halved:
+            tables = [(halve(cos), halve(sin)) for cos, sin in tables]
+        rope = torch.stack([torch.stack([cos[0], sin[0]], dim=1) for cos, sin in tables]).float().contiguous()
+        normed = torch.ops.llmpool.decoder_step(
+            hidden, rope, self.weights, self.experts, self.ints, self.floats, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            slots, block_tables, lengths, max_len,
+        )  # fmt: skip
+        if keep is not None:
+            normed = normed[keep]
+        logits = torch.ops.llmpool.linear(normed, self.lm_head, self.lm_head_scale, f.lm_head_bias)
+        if f.logit_multiplier != 1.0:
+            logits = logits * f.logit_multiplier
+        if f.final_softcap:
+            logits = torch.tanh(logits / f.final_softcap) * f.final_softcap
+        return logits
+
+
+def supports(model: torch.nn.Module) -> str | None:
+    """None when the fused step can run ``model``; else why not."""
+    try:
+        describe(model)
+    except NotFast as exc:
+        return str(exc)
+    return None
+
+
+def _numbers(f: Family) -> tuple[list[int], list[float]]:
+    """The per-layer integers and floats of decode_step.cpp (LayerInt, LayerFloat, then the shape)."""
+    ints: list[int] = []
+    floats: list[float] = []
+    expert_offset = 0
+    for layer in f.layers:
+        norm = next(n for n in (layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm) if n is not None)
+        eps = {n.eps for n in (layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm, layer.q_norm) if n is not None}
+        kinds = {n.kind for n in (layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm) if n is not None}
+        if len(eps) > 1 or len(kinds) > 1:
+            raise NotFast("norms of one layer with different kinds or eps")
+        experts = len(layer.experts)
+        ints += [norm.kind, layer.qk_norm, layer.rope_set, layer.window, 0, layer.act, int(layer.gated), int(layer.parallel)]
+        ints += [experts, layer.top_k, int(layer.norm_top_k), expert_offset]
+        expert_offset += experts
+        floats += [norm.eps, layer.scale, layer.softcap, f.residual_multiplier]
+    ints += [f.heads, f.kv_heads, f.rotary_dim, f.final_norm.kind, int(f.interleaved)]
+    floats.append(f.final_norm.eps)
+    return ints, floats
+
+
+def _layout(f: Family, model: torch.nn.Module, quantization: str, packed: bool) -> dict[str, torch.Tensor]:
+    """Flat names for a safetensors file: ``w.{layer}.{slot}``, ``e.{expert}.{part}``, the final norm and the head."""
+
+    def int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = quantize_int8(weight)
+        return pack_int8(q, scale) if packed else (q, scale)
+
+    def matrix(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if quantization == "int8":
+            return int8(weight)
+        if quantization == "q4":
+            return pack_q4(*quantize_q4(weight)) if packed else quantize_q4(weight)
+        return weight.contiguous(), None
+
+    out: dict[str, torch.Tensor] = {}
+
+    def put(prefix: str, name: str, value: torch.Tensor | None) -> None:
+        if value is not None:
+            out[f"{prefix}.{name}"] = value.contiguous()
+
+    def put_norm(prefix: str, name: str, norm: Norm | None) -> None:
+        if norm is not None:
+            put(prefix, f"{name}_w", norm.weight)
+            put(prefix, f"{name}_b", norm.bias)
+
+    expert = 0
+    for i, layer in enumerate(f.layers):
+        p = f"w.{i}"
+        put_norm(p, "attn_norm", layer.attn_norm)
+        put_norm(p, "post_attn_norm", layer.post_attn_norm)
+        put_norm(p, "mlp_norm", layer.mlp_norm)
+        put_norm(p, "post_mlp_norm", layer.post_mlp_norm)
+        for name, weight in (("qkv", torch.cat(layer.qkv)), ("o", layer.o), ("up", layer.up), ("down", layer.down)):
+            if weight is not None:
+                w, scale = matrix(weight)
+                put(p, f"{name}_w", w)
+                put(p, f"{name}_scale", scale)
+        put(p, "qkv_bias", layer.qkv_bias)
+        put(p, "o_bias", layer.o_bias)
+        put(p, "up_bias", layer.up_bias)
+        put(p, "down_bias", layer.down_bias)
+        if layer.qk_norm != QK_NONE:
+            put(p, "q_norm", layer.q_norm.weight)
+            put(p, "k_norm", layer.k_norm.weight)
+        put(p, "router_w", layer.router)
+        put(p, "shared_gate_w", layer.shared_gate)
+        for gate_up, down in layer.experts:
+            for name, weight in (("up", gate_up), ("down", down)):
+                w, scale = matrix(weight)
+                put(f"e.{expert}", f"{name}_w", w)
+                put(f"e.{expert}", f"{name}_scale", scale)
+            expert += 1
+    out["final_norm_w"] = f.final_norm.weight.contiguous()
+    if f.final_norm.bias is not None:
+        out["final_norm_b"] = f.final_norm.bias.contiguous()
+    # The head (tied to the embeddings in small models) is int8 under q4 too: GGUF files keep it at
+    # 8 bits (Q8_0 in the default model), and 4 bits there cost the most accuracy per byte saved.
+    head = model.lm_head.weight.detach()
+    out["lm_head"], scale = int8(head) if quantization != "none" else (head.contiguous(), None)
+    if scale is not None:
+        out["lm_head_scale"] = scale
+    return out
+
+
+def _cache_folder(cache: Path | None, quantization: str, packed: bool) -> Path | None:
+    """Where one model's decode weights in this layout are kept: the folder names the quantization
+    and a digest of the code that lays them out, so a change to it never reads an old layout;
+    older layouts of the same kind are removed."""
+    if cache is None or quantization == "none":  # unquantized weights are the model's own: nothing to keep
+        return None
+    sources = [Path(m.__file__) for m in (family_module, measure, shapes, quantization_module)] + [Path(__file__)]
+    code = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+    kind = f"{quantization}-{'packed' if packed else 'rows'}"
+    for old in cache.glob(f"{kind}-*"):
+        if old.name != f"{kind}-{code}":
+            shutil.rmtree(old, ignore_errors=True)
+    return cache / f"{kind}-{code}"
