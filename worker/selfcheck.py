@@ -131,14 +131,20 @@ class SelfCheck:
         return request
 
     def _failure(self, runner: ModelRunner, stage: str, problem: str, sequence: CheckSequence, exact: bool) -> str:
-        where = f"; it runs the native forward ({type(runner.native).__module__}): --model-impl transformers may serve it" if runner.native else ""
-        if runner.native is None:
+        notes = []
+        if runner.native is not None:
+            notes.append(f"prompts run the native forward ({type(runner.native).__module__}; --model-impl transformers may serve it)")
+        else:
             layer = first_differing_layer(runner, sequence.prompt, 1e-4 if exact else 5e-2)
-            where = f"; the first attention layer whose output differs on the prompt is {layer}" if layer else ""
+            notes.append(
+                f"the first attention layer whose output differs on the prompt is {layer}" if layer else "a prompt alone matches layer by layer"
+            )
+        if runner.paths.fast:
+            notes.append("decode steps run the fused C++ step (worker/models/fused_decode.py; float32 without quantization keeps the torch path)")
         return (
             f"{runner.architecture} failed the start-up self-check against transformers' own forward in "
-            f"{str(runner.dtype).removeprefix('torch.')}: at {stage}, {problem}{where}. The worker would serve wrong text, so it does not "
-            "start; --skip-self-check starts it anyway"
+            f"{str(runner.dtype).removeprefix('torch.')}: at {stage}, {problem}; {'; '.join(notes)}. The worker would serve wrong text, "
+            "so it does not start; --skip-self-check starts it anyway"
         )
 
 

@@ -49,6 +49,7 @@ COMMON = dict(
 W = WINDOW
 SERVED: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
+    "llama-attention-bias": ("llama", dict(attention_bias=True)),  # the native forward's own o_proj bias
     "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "qwen2": ("qwen2", {}),
     "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=W, max_window_layers=1)),
