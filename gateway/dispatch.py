@@ -163,6 +163,8 @@ class Dispatcher:
         if worker is None:
             if identity in self.roster.joining:
                 self._joining(identity, msg, now)
+            elif isinstance(msg, WorkerError):  # a worker that could not load its model says why, then exits
+                self.roster.start_failures.note(identity, msg.message)
             else:
                 log.debug("message from unregistered peer %r ignored; it will re-register", identity[:64])
             return

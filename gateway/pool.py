@@ -1,9 +1,11 @@
 """The gateway's records of the pool: what it knows of each worker and each model, of each request
-in flight (enough to resume it elsewhere), and which worker a prompt prefix was last sent to."""
+in flight (enough to resume it elsewhere), which worker a prompt prefix was last sent to, and which
+workers could not start."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections import OrderedDict
@@ -15,6 +17,8 @@ import msgspec
 
 from common.protocol import Heartbeat, NewRequest, Ready, RequestOutput, WorkerEvent
 from gateway.errors import GenerationFailed
+
+log = logging.getLogger("gateway.worker_client")
 
 
 @dataclass(slots=True)
@@ -274,3 +278,26 @@ class PrefixAffinity:
         while len(self._owner) > self.CAPACITY:
             self._owner.popitem(last=False)
         return chosen
+
+
+class StartFailures:
+    """Workers that said why they could not start (a ``WorkerError`` sent before any ``Ready``), by
+    worker name, for ``/health``. Remembered for ``MEMORY_S``: a worker restarted under a new name
+    (the default names carry the pid) must not be reported forever."""
+
+    MEMORY_S = 300.0
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, tuple[str, float]] = {}
+
+    def note(self, identity: bytes, message: str) -> None:
+        name = identity.decode(errors="replace").rsplit("/", 1)[0]  # workers connect as NAME/nonce
+        if name not in self._by_name or self._by_name[name][0] != message:
+            log.error("worker %s could not start: %s", name, message)
+        self._by_name[name] = (message, time.monotonic())
+
+    def recent(self, registered: set[str]) -> list[dict]:
+        """The failures of the last ``MEMORY_S`` seconds, but for names that registered since."""
+        now = time.monotonic()
+        self._by_name = {name: seen for name, seen in self._by_name.items() if now - seen[1] < self.MEMORY_S and name not in registered}
+        return [{"worker": name, "error": message, "seconds_ago": round(now - when, 1)} for name, (message, when) in sorted(self._by_name.items())]

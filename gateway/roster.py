@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from common.protocol import DescribeModel, Goodbye, Heartbeat, Message, ModelInfo, Ready, WorkerError
 from gateway.errors import NoWorkerAvailable
-from gateway.pool import ModelPool, WorkerInfo
+from gateway.pool import ModelPool, StartFailures, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class Roster:
         self.joining: dict[bytes, tuple[Ready, float]] = {}  # waiting for their model's tokenizer: (Ready, last heard)
         self.departed: deque[dict] = deque(maxlen=16)  # recently dropped workers, for operators
         self.departures = 0  # registrations dropped since start (left, died, unreachable, replaced)
+        self.start_failures = StartFailures()  # workers that said why they could not start (/health)
         self._refused: set[tuple[str, str]] = set()  # (worker name, why) already logged
         self._identity_of: dict[str, bytes] = {}  # worker name -> its registered identity (one per name)
 

@@ -4,24 +4,32 @@
 entry of ``--models``) as child processes and supervises them: each child gets its settings through the flags' environment twins (one definition per flag),
 a worker that dies is restarted, SIGINT/SIGTERM stops everything, and every child is set to die
 with the launcher (PR_SET_PDEATHSIG), so nothing is orphaned even if the launcher is killed.
+
+A worker that cannot start is restarted after 1, 2, 4... s (at most 30), and given up after
+``--worker-start-tries`` failed starts in a row, or at once when it refused its model (exit code
+``EXIT_UNSUPPORTED``: restarting cannot help); its own error line is repeated when it is given up.
+When no worker is left the launcher stops with that error.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from typing import IO
 
 from common.config import Flag, add_flags, flags_to_env
 from common.logs import setup_logging
 from gateway.config import ALL_GATEWAY_FLAGS
-from worker.config import ALL_WORKER_FLAGS
+from worker.config import ALL_WORKER_FLAGS, EXIT_UNSUPPORTED
 from worker.threads import team_size
 
 log = logging.getLogger("launcher")
@@ -35,7 +43,15 @@ LAUNCHER_FLAGS = [
         "smol=SmolLM2-135M-Instruct,other=/models/other; --workers N workers each. Default: just --model",
     ),
     Flag("kill-after", 45.0, "Seconds children get to drain and exit after SIGTERM before SIGKILL", float),
+    Flag(
+        "worker-start-tries",
+        4,
+        "Starts in a row a worker may fail (exit before it is ready) before the launcher gives up on it; restarts wait 1, 2, 4... s "
+        "(at most 30). A worker that refuses its model is not restarted",
+        int,
+    ),
 ]
+MAX_RESTART_DELAY_S = 30.0
 _SERVE_WORKER_FLAGS = [f for f in ALL_WORKER_FLAGS if f not in ALL_GATEWAY_FLAGS and f.name != "gateway-address"]
 _PR_SET_PDEATHSIG = 1
 
@@ -57,10 +73,36 @@ class Child:
     env: dict[str, str]
     process: subprocess.Popen | None = None
     restarts: int = 0
+    failed_starts: int = 0  # exits in a row before it was ready
+    ready: bool = False  # its log said it is ready (this run)
+    last_error: str = ""  # its last "cannot start" line
+    restart_at: float | None = None
+    given_up: bool = False
 
     def start(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", self.module], env=self.env, preexec_fn=_die_with_parent)
+        """Run it; a worker's stderr is relayed line by line (read for readiness and its error)."""
+        relay = self.module == "worker"
+        self.ready, self.restart_at = False, None
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", self.module], env=self.env, preexec_fn=_die_with_parent, stderr=subprocess.PIPE if relay else None
+        )
+        if relay:
+            threading.Thread(target=self._relay, args=(self.process.stderr,), name=f"{self.name}-stderr", daemon=True).start()
         log.info("started %s (pid %d)", self.name, self.process.pid)
+
+    def _relay(self, stream: IO[bytes]) -> None:
+        for line in iter(stream.readline, b""):
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+            text = line.decode(errors="replace").strip()
+            try:
+                text = json.loads(text).get("message", text)  # --log-format json
+            except (ValueError, AttributeError):
+                pass
+            if "worker ready:" in text:
+                self.ready = True
+            elif "cannot start: " in text:
+                self.last_error = text.split("cannot start: ", 1)[1]
 
 
 class Supervisor:
@@ -82,6 +124,7 @@ class Supervisor:
             env = {**worker_env, **({"LLMPOOL_MODEL": model, "LLMPOOL_SERVED_MODEL_NAME": served} if served else {})}
             self.workers += [Child(f"{prefix}-{i}", "worker", {**env, "LLMPOOL_WORKER_NAME": f"{prefix}-{i}"}) for i in range(args.workers)]
         self.grace = args.kill_after
+        self.tries = max(1, args.worker_start_tries)
         self.stopping = False
 
     def run(self) -> int:
@@ -97,12 +140,39 @@ class Supervisor:
                 code = 1
                 break
             for worker in self.workers:
-                if worker.process.poll() is not None and not self.stopping:
-                    worker.restarts += 1
-                    log.warning("%s exited with code %s; restarting (restart %d)", worker.name, worker.process.returncode, worker.restarts)
-                    worker.start()
+                self._watch(worker, time.monotonic())
+            if all(worker.given_up for worker in self.workers):
+                errors = sorted({w.last_error for w in self.workers if w.last_error}) or ["see the workers' log above"]
+                log.error("no worker could start; stopping: %s", "; ".join(errors))
+                code = 1
+                break
         self.stop()
         return code
+
+    def _watch(self, worker: Child, now: float) -> None:
+        """Restart a worker that exited, after a backoff, unless it is given up."""
+        if worker.given_up or self.stopping:
+            return
+        if worker.restart_at is not None:
+            if now >= worker.restart_at:
+                worker.start()
+            return
+        returncode = worker.process.poll()
+        if returncode is None:
+            return
+        worker.failed_starts = 0 if worker.ready else worker.failed_starts + 1
+        why = f": {worker.last_error}" if worker.last_error and not worker.ready else ""
+        if returncode == EXIT_UNSUPPORTED:
+            worker.given_up = True
+            log.error("%s cannot serve this model with these settings; not restarting it%s", worker.name, why)
+        elif worker.failed_starts >= self.tries:
+            worker.given_up = True
+            log.error("%s failed to start %d times in a row; giving up on it%s", worker.name, worker.failed_starts, why)
+        else:
+            delay = min(MAX_RESTART_DELAY_S, 2.0 ** max(0, worker.failed_starts - 1))
+            worker.restarts += 1
+            worker.restart_at = now + delay
+            log.warning("%s exited with code %s%s; restarting in %.0f s (restart %d)", worker.name, returncode, why, delay, worker.restarts)
 
     def stop(self) -> None:
         children = [c.process for c in (*self.workers, self.gateway) if c.process and c.process.poll() is None]

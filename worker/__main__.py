@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
+import socket
+import sys
 
 from common.config import add_flags, from_namespace
 from common.logs import setup_logging
 from common.model_source import bundle_tokenizer, load_tokenizer, read_chat_template, resolve_model
-from worker.config import ALL_WORKER_FLAGS, WorkerConfig
+from worker.config import ALL_WORKER_FLAGS, EXIT_UNSUPPORTED, WorkerConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,11 +28,16 @@ def main(argv: list[str] | None = None) -> None:
     from worker.proc import WorkerProc
     from worker.stepper import StepThread
 
-    source = resolve_model(config.model, config.served_model_name)
-    tokenizer = load_tokenizer(source, config.cache_dir)  # cached after the first run (GGUF: about 3 s once)
-    bundle = bundle_tokenizer(tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None)))
+    name = config.worker_name or f"{socket.gethostname()}-{os.getpid()}"
+    curve_keys = (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None
     stepper = StepThread()  # steps run off the socket thread, on the thread that loads the model
-    engine = stepper.call(build_engine, source, config)
+    try:
+        source = resolve_model(config.model, config.served_model_name)
+        engine = stepper.call(build_engine, source, config)  # first: an unsupported model is refused before anything else
+        tokenizer = load_tokenizer(source, config.cache_dir)  # cached after the first run (GGUF: about 3 s once)
+        bundle = bundle_tokenizer(tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None)))
+    except Exception as exc:  # noqa: BLE001 - said once, to the log and to the gateways, then the exit code tells the launcher
+        fail_to_start(config, name, curve_keys, exc)
     runner = engine.runner
     team = None
     if config.adaptive_threads and runner.device.type == "cpu":
@@ -41,14 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     proc = WorkerProc(
         engine,
         config.gateway_address,
-        config.worker_name,
+        name,
         source.name,
         str(runner.device),
         str(runner.dtype).removeprefix("torch."),
         config.heartbeat_interval,
         config.heartbeat_liveness,
         config.drain_timeout,
-        (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None,
+        curve_keys,
         bundle,
         stepper,
         team,
@@ -61,6 +69,20 @@ def main(argv: list[str] | None = None) -> None:
     gc.freeze()
     logging.getLogger(__name__).info("worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks)
     proc.run()
+
+
+def fail_to_start(config: WorkerConfig, name: str, curve_keys: tuple[str, str] | None, exc: Exception) -> None:
+    """Log why, tell the gateways (their /health reports it), and exit: with ``EXIT_UNSUPPORTED``
+    when the model or the flags can never work (a refusal, a flag that does not apply), so the
+    launcher gives up at once; with 1 otherwise, so it retries with a backoff."""
+    from worker.handshake import report_start_failure
+
+    log = logging.getLogger(__name__)
+    permanent = isinstance(exc, ValueError)  # UnsupportedModel and every refused flag combination
+    message = str(exc) if permanent else f"{type(exc).__name__}: {exc}"
+    log.error("cannot start: %s", message, exc_info=None if permanent else exc)
+    report_start_failure(config.gateway_address, name, message, curve_keys)
+    sys.exit(EXIT_UNSUPPORTED if permanent else 1)
 
 
 if __name__ == "__main__":

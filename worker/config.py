@@ -6,6 +6,10 @@ from dataclasses import dataclass, replace
 
 from common.config import CACHE_DIR, MODEL, MODEL_FLAGS, SHARED_FLAGS, Flag, SharedConfig
 
+# A worker's exit code when its model or flags can never work (sysexits' EX_CONFIG): the launcher
+# does not restart it (worker/models/support.py refuses models; refused flags raise ValueError).
+EXIT_UNSUPPORTED = 78
+
 WORKER_FLAGS = [
     Flag(
         "gateway-address",
@@ -29,6 +33,13 @@ WORKER_FLAGS = [
     ),
     Flag("prefix-caching", True, "Reuse the KV blocks of prompt prefixes seen before (a shared system prompt, earlier turns)", bool),
     Flag("max-model-len", 0, "Longest sequence (prompt + output) accepted; 0 means the model's own limit", int),
+    Flag(
+        "skip-self-check",
+        False,
+        "Start even if the start-up self-check fails (the serving path's logits against transformers' own forward on two fixed prompts); "
+        "a failing worker would serve wrong text",
+        bool,
+    ),
     Flag("model-impl", "auto", "native (fused Llama-family forward), transformers (any causal LM), or auto (native where supported)"),
     Flag("drain-timeout", 30.0, "Seconds a draining worker (after SIGTERM) may spend finishing its requests", float),
     Flag("curve-client-secret-key", None, "CURVE: this worker's secret key file (from `llmpool keys`)"),
@@ -95,6 +106,7 @@ class WorkerConfig(SharedConfig):
     prefix_caching: bool = True
     max_model_len: int = 0
     model_impl: str = "auto"
+    skip_self_check: bool = False
     quantization: str = "auto"
     cuda_graphs: str = "auto"
     cuda_attention: str = "auto"

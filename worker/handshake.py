@@ -83,13 +83,8 @@ class GatewayLink:
     def connect(self, context: zmq.Context, name: str, ready: Ready, curve_keys: tuple[str, str] | None) -> None:
         """A new connection under a fresh identity (the gateway may still hold the old one until it
         expires), starting with ``ready``."""
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{name}/{uuid.uuid4().hex[:8]}".encode())
+        sock = new_dealer(context, name, curve_keys)
         sock.setsockopt(zmq.SNDHWM, 100_000)
-        if curve_keys:
-            own_public, own_secret = zmq.auth.load_certificate(curve_keys[0])
-            server_public, _ = zmq.auth.load_certificate(curve_keys[1])
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = own_public, own_secret, server_public
         self.monitor = sock.get_monitor_socket(protocol.HANDSHAKE_EVENT_MASK)
         self.handshakes_seen = set()
         sock.connect(self.address)
@@ -150,3 +145,30 @@ class GatewayLink:
     def stirred(self, events: dict) -> bool:
         """Whether the poll saw a message or a handshake event on this link."""
         return self.sock is not None and (self.sock in events or self.monitor in events)
+
+
+def new_dealer(context: zmq.Context, name: str, curve_keys: tuple[str, str] | None) -> zmq.Socket:
+    """A DEALER socket under a fresh identity ``name/nonce`` (the gateway may still hold an old
+    one), with CURVE keys when given: (own secret key file, gateway public key file)."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"{name}/{uuid.uuid4().hex[:8]}".encode())
+    if curve_keys:
+        own_public, own_secret = zmq.auth.load_certificate(curve_keys[0])
+        server_public, _ = zmq.auth.load_certificate(curve_keys[1])
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = own_public, own_secret, server_public
+    return sock
+
+
+def report_start_failure(addresses: str, name: str, message: str, curve_keys: tuple[str, str] | None, wait_s: float = 2.0) -> None:
+    """Tell every gateway why this worker cannot start (before it exits), so that its ``/health``
+    says what is failing: a ``WorkerError`` from a peer that never registered. Best effort, at most
+    ``wait_s`` per gateway: an unreachable gateway must not hold the exit up."""
+    context = zmq.Context.instance()
+    for address in resolve_gateways(addresses):
+        sock = new_dealer(context, name, curve_keys)
+        sock.connect(address)
+        try:
+            sock.send_multipart(protocol.encode(protocol.WorkerError(message)), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("could not tell the gateway at %s why this worker stops", address)
+        sock.close(linger=int(wait_s * 1000))

@@ -12,8 +12,12 @@ from gateway.routes.common import json_response
 
 
 @get("/health")
-async def health() -> Response:
-    return json_response({"status": "ok"})
+async def health(models: NamedDependency[ModelRegistry]) -> Response:
+    """200 while the gateway runs (the liveness probe: restarting it would not mend a worker);
+    ``degraded`` with each worker's error while workers fail to start (in the last 5 minutes)."""
+    registered = {worker.ready.worker_name for worker in models.client.workers.values()}
+    failing = models.client.dispatch.roster.start_failures.recent(registered)
+    return json_response({"status": "degraded", "failing": failing} if failing else {"status": "ok"})
 
 
 @get("/ready")

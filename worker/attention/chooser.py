@@ -36,6 +36,10 @@ def choose_decode_backend(choice: str, device: torch.device, dtype: torch.dtype,
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"--cuda-attention must be one of {', '.join(ATTENTION_CHOICES)}; got {choice!r}")
     if device.type == "cpu":
+        if choice != "auto":
+            log.warning(
+                "--cuda-attention %s does not apply on the CPU: not applied (decode attention is the C++ kernel, or the eager gather)", choice
+            )
         backend: DecodeBackend = CpuDecode() if kernels.load() else EagerDecode()
     elif choice == "auto":
         backend = _auto(device, dtype, shape)

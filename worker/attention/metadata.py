@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from worker.attention.backend import DecodeBackend
+    from worker.attention.layers import LayerSpec
 
 
 @dataclass(slots=True)
@@ -38,9 +39,11 @@ class DecodeGroup:
 class AttentionMetadata:
     """Everything a layer needs to find its part of the paged cache for this step."""
 
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim] (per-layer shapes)
     slot_mapping: torch.Tensor  # [num_tokens]: flat cache slot of each new token
     num_decode: int  # the first num_decode tokens are single-token steps of num_decode sequences
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     decode_backend: DecodeBackend  # who computes the decode rows' attention (worker/attention/chooser.py)
+    layers: list[LayerSpec] | None = None  # per layer: mask, features, reference function (worker/runner/probe.py); None: all plain
+    masks: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict)  # made once per step and mask kind

@@ -3,7 +3,8 @@
 model_runner.py  ModelRunner: builds the model, cache, backend and sampler; execute(batch) -> RunOutput
                  (worker/scheduler.py defines the batch and the output records)
 choices.py       device, dtype, decode weights, model implementation, CUDA graphs (from the flags)
-kv_cache.py      how many KV blocks fit the budget, and their tensors
+probe.py         each attention layer's KV shape, mask and features, learned by a 2-token forward
+kv_cache.py      how many KV blocks fit the budget, and their tensors (per-layer shapes)
 inputs.py        a batch as each path's tensors (flat sequence, C++ rows, verify rows)
 paths.py         the execution paths (graph, C++ rows, torch flat, verify), each giving logits
 cuda_graphs.py   captured decode steps per batch-size bucket

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.attention import AttentionMetadata, DecodeBackend, DecodeGroup, PrefillSpan
+from worker.attention.layers import LayerSpec
 from worker.request import Request
 from worker.scheduler import ScheduledBatch
 
@@ -54,11 +55,19 @@ class RowInputs:
 class InputBuilder:
     """Turns batches into tensors on the worker's device, for its cache and decode backend."""
 
-    def __init__(self, block_size: int, device: torch.device, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: DecodeBackend) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: DecodeBackend,
+        layers: list[LayerSpec] | None = None,
+    ) -> None:
         self.block_size = block_size
         self.device = device
         self.kv_caches = kv_caches
         self.backend = backend
+        self.layers = layers  # each attention layer's mask and features (worker/runner/probe.py)
 
     def tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -101,6 +110,7 @@ class InputBuilder:
             decode_groups=self._decode_groups([request for request, _ in rows[:num_decode]]),
             prefills=prefills,
             decode_backend=self.backend,
+            layers=self.layers,
         )
         return FlatInputs(
             input_ids=self.tensor(input_ids).unsqueeze(0),
@@ -195,5 +205,5 @@ class InputBuilder:
         """The same as one prompt chunk, causal over the cached context."""
         rows = self.verify_rows(request)
         n = rows.ids.shape[0]
-        metadata = AttentionMetadata(self.kv_caches, rows.slots, 0, [], [self.prefill_span(request, 0, n)], self.backend)
+        metadata = AttentionMetadata(self.kv_caches, rows.slots, 0, [], [self.prefill_span(request, 0, n)], self.backend, self.layers)
         return FlatInputs(rows.ids.unsqueeze(0), rows.positions.unsqueeze(0), torch.arange(n, device=self.device), [request], [], metadata)

@@ -13,22 +13,23 @@ log = logging.getLogger(__name__)
 
 CPU_DEFAULT_BYTES = 2**30
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V, [num_blocks, block_size, kv_heads, head_dim]
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V, [num_blocks, block_size, kv_heads, head_dim]; shapes may differ by layer
 
 
 @dataclass(frozen=True, slots=True)
 class CacheShape:
-    layers: int
-    kv_heads: int
-    head_dim: int
+    """Per layer (kv_heads, key width, value width), as the start-up probe found them: layers may
+    differ (a model's global and local layers), and keys may be wider than values (latent attention)."""
+
+    layers: tuple[tuple[int, int, int], ...]
     block_size: int
 
     def bytes_per_block(self, dtype: torch.dtype) -> int:
-        return 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * dtype.itemsize
+        return sum(self.block_size * heads * (k_dim + v_dim) for heads, k_dim, v_dim in self.layers) * dtype.itemsize
 
 
 def allocate(shape: CacheShape, dtype: torch.dtype, device: torch.device, budget: str, scratch: bool) -> KVCaches:
-    """Per layer a K and a V tensor of ``[num_blocks, block_size, kv_heads, head_dim]``, as many
+    """Per layer a K and a V tensor of ``[num_blocks, block_size, kv_heads, dim]``, as many
     blocks as ``budget`` (``--kv-cache-memory``) holds, plus one block with ``scratch`` (where CUDA
     graphs' padding rows write)."""
     per_block = shape.bytes_per_block(dtype)
@@ -36,8 +37,11 @@ def allocate(shape: CacheShape, dtype: torch.dtype, device: torch.device, budget
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-memory {budget} is less than one block ({per_block} bytes)")
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, shape.block_size, num_blocks * per_block / 2**30)
-    dims = (num_blocks + scratch, shape.block_size, shape.kv_heads, shape.head_dim)
-    return [(torch.zeros(dims, dtype=dtype, device=device), torch.zeros(dims, dtype=dtype, device=device)) for _ in range(shape.layers)]
+    blocks = (num_blocks + scratch, shape.block_size)
+    return [
+        (torch.zeros(*blocks, heads, k_dim, dtype=dtype, device=device), torch.zeros(*blocks, heads, v_dim, dtype=dtype, device=device))
+        for heads, k_dim, v_dim in shape.layers
+    ]
 
 
 def budget_bytes(budget: str, device: torch.device) -> int:

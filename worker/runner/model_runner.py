@@ -19,18 +19,22 @@ from __future__ import annotations
 import torch
 
 from common.model_source import ModelSource, load_tokenizer
-from worker.attention import ATTENTION_NAME, HeadShape, choose_decode_backend
+from worker.attention import HeadShape, choose_decode_backend
 from worker.config import WorkerConfig
 from worker.guided import GuidedDecoding
 from worker.loader import load_model
+from worker.models import support
+from worker.models.llama import supports as native_supports
 from worker.request import Request
 from worker.runner import kv_cache
 from worker.runner.choices import build_fused, pick_decode_path, pick_device, pick_dtype, pick_impl, use_graphs
 from worker.runner.cuda_graphs import DecodeGraphs
 from worker.runner.inputs import InputBuilder
 from worker.runner.paths import ExecutionPaths
+from worker.runner.probe import learn_layers
 from worker.sampler import Sampler, prompt_logprobs
 from worker.scheduler import RunOutput, ScheduledBatch
+from worker.selfcheck import SelfCheck
 from worker.threads import team_size
 
 
@@ -44,33 +48,43 @@ class ModelRunner:
         self.dtype = pick_dtype(config.dtype)
         self.block_size = config.block_size
         model = load_model(source, self.dtype, config.cache_dir)
-        model.set_attn_implementation(ATTENTION_NAME)
+        text = model.config.get_text_config()
+        self.architecture = describe(model)
+        support.refuse_by_name(model.config.model_type, self.architecture, native_supports(model) and config.model_impl != "transformers")
+        self.max_model_len = support.max_model_len(text, config.max_model_len)
         self.model = model.to(self.device).eval()
+        try:
+            self.layers = learn_layers(model)
+        except support.UnsupportedModel as exc:
+            raise support.UnsupportedModel(f"{self.architecture} is not supported: {exc}.") from None
+        # The reference the self-check compares with is computed now: the fused step and the native forward take transformers' layers.
+        check = None if config.skip_self_check else SelfCheck(model, self.layers, self.max_model_len, self.block_size)
         self.quantization, fast_decode = pick_decode_path(config.quantization, self.device, self.dtype, model)
         decode_cache = source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}")
         fused = build_fused(fast_decode, model, self.quantization, decode_cache)
         self.native = pick_impl(config.model_impl, model)
-        text = model.config.get_text_config()
-        heads, kv_heads, head_dim = text.num_attention_heads, text.num_key_value_heads, _head_dim(text)
-        backend = choose_decode_backend(config.cuda_attention, self.device, self.dtype, HeadShape(heads, kv_heads, head_dim, self.block_size))
+        first = self.layers[0]
+        backend = choose_decode_backend(
+            config.cuda_attention, self.device, self.dtype, HeadShape(first.heads, first.kv_heads, first.k_dim, self.block_size)
+        )
         graphs = use_graphs(config.cuda_graphs, self.device, self.native, backend)
-        limit = text.max_position_embeddings
-        self.max_model_len = min(limit, config.max_model_len) if config.max_model_len > 0 else limit
         self.eos_token_ids = _eos_ids(model)
         self.vocab_size = text.vocab_size
-        shape = kv_cache.CacheShape(text.num_hidden_layers, kv_heads, head_dim, self.block_size)
+        shape = kv_cache.CacheShape(tuple((layer.kv_heads, layer.k_dim, layer.v_dim) for layer in self.layers), self.block_size)
         self.kv_caches = kv_cache.allocate(shape, self.dtype, self.device, config.kv_cache_memory, scratch=graphs)
         # With graphs the last block is the padding rows' scratch, outside the block manager's blocks.
         self.num_blocks = self.kv_caches[0][0].shape[0] - graphs
         self.guided = GuidedDecoding(lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(self.device, self.guided)
-        backend.prepare(self.kv_caches, heads)
-        self.inputs = InputBuilder(self.block_size, self.device, self.kv_caches, backend)
+        backend.prepare(self.kv_caches, first.heads)
+        self.inputs = InputBuilder(self.block_size, self.device, self.kv_caches, backend, self.layers)
         decode_graphs = None
         if graphs:
             max_blocks = -(-self.max_model_len // self.block_size)
-            decode_graphs = DecodeGraphs(self.native, self.kv_caches, heads, max_blocks, self.num_blocks, config.max_num_seqs, backend)
+            decode_graphs = DecodeGraphs(self.native, self.kv_caches, first.heads, max_blocks, self.num_blocks, config.max_num_seqs, backend)
         self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, decode_graphs)
+        if check is not None:
+            check.run(self)
 
     @property
     def decode_backend(self) -> str:
@@ -97,15 +111,22 @@ class ModelRunner:
             request = batch.requests[0]
             tokens, logprobs = self.sampler.verify(paths.verify(request), request, request.draft_token_ids)
             return RunOutput({request.request_id: tokens}, {} if logprobs is None else {request.request_id: logprobs})
+        logits, requests = self.logits(batch)
+        return self._sample(logits, requests) if requests else RunOutput()
+
+    def logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
+        """Logits of the rows the batch samples (row i: the i-th request returned), through the path
+        that takes the batch; prompt logprobs are recorded on the way. The self-check reads them too."""
+        paths = self.paths
         if paths.takes_graph(batch):
-            return self._sample(paths.graph(batch), batch.requests)
+            return paths.graph(batch), batch.requests
         if paths.takes_rows(batch):
             rows = self.inputs.rows(batch)
-            return self._sample(paths.rows(rows), rows.sampled_requests) if rows.sampled_requests else RunOutput()
+            return paths.rows(rows), rows.sampled_requests
         flat = self.inputs.flat(batch)
         logits = paths.flat(flat)
         self._record_prompt_logprobs(logits[len(flat.sampled_requests) :], flat.prompt_spans)
-        return self._sample(logits[: len(flat.sampled_requests)], flat.sampled_requests) if flat.sampled_requests else RunOutput()
+        return logits[: len(flat.sampled_requests)], flat.sampled_requests
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> RunOutput:
         """One token per row (row i is requests[i]), and the logprobs of the rows that asked."""
@@ -121,8 +142,10 @@ class ModelRunner:
             row += count
 
 
-def _head_dim(model_config: object) -> int:
-    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+def describe(model: torch.nn.Module) -> str:
+    """The architecture as an operator knows it: its class and model type."""
+    architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
+    return f"{architectures[0]} (model type {model.config.model_type!r})"
 
 
 def _eos_ids(model: object) -> frozenset[int]:

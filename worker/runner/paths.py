@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from worker.attention.paged import step_metadata
 from worker.models.fused_decode import FusedDecode
 from worker.models.llama import LlamaForward
 from worker.request import Request
@@ -80,13 +81,10 @@ class ExecutionPaths:
     def flat(self, inputs: FlatInputs) -> torch.Tensor:
         if self.native is not None:
             return self.native(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
-        return self.model(
-            input_ids=inputs.input_ids,
-            position_ids=inputs.positions,
-            logits_to_keep=inputs.logits_indices,
-            use_cache=False,
-            paged_metadata=inputs.metadata,
-        ).logits[0]
+        with step_metadata(inputs.metadata):  # for the layers that do not pass kwargs on to attention
+            return self.model(
+                input_ids=inputs.input_ids, position_ids=inputs.positions, logits_to_keep=inputs.logits_indices, use_cache=False
+            ).logits[0]
 
     def verify(self, request: Request) -> torch.Tensor:
         """Logits of the last token and of each draft after it."""

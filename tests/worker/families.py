@@ -1,0 +1,167 @@
+"""One tiny random model per family, built from transformers' own config classes (no hub).
+
+Hidden 64, 2 layers, vocab 256, seeded; every feature that changes attention is switched on small
+enough that the tests' prompts (12-37 tokens) pass it: sliding windows and attention chunks of 8
+tokens, softcaps, sinks, biases (drawn at random: transformers initialises them to zero, which would
+hide a dropped bias). ``SERVED`` are the families a worker serves; ``REFUSED`` those it refuses,
+with a phrase the refusal must contain.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+WINDOW = 8
+# Applied where the config class has the field (each family names its sizes differently).
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    n_embd=64,
+    n_layer=2,
+    n_head=4,
+    n_positions=512,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    ffn_hidden_size=128,
+    max_seq_len=512,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    shared_expert_intermediate_size=32,
+    rotary_dim=8,
+    partial_rotary_factor=0.5,
+)
+W = WINDOW
+SERVED: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "llama-attention-bias": ("llama", dict(attention_bias=True)),  # the native forward's own o_proj bias
+    "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "qwen2": ("qwen2", {}),
+    "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=W, max_window_layers=1)),
+    "qwen3": ("qwen3", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", dict(sliding_window=W)),
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", dict(sliding_window=W, query_pre_attn_scalar=24, final_logit_softcapping=3.0, attn_logit_softcapping=2.0)),
+    "gemma3_text": ("gemma3_text", dict(sliding_window=W, sliding_window_pattern=2, query_pre_attn_scalar=24)),
+    "granite": ("granite", {}),
+    "granitemoe": ("granitemoe", {}),
+    "phi": ("phi", {}),
+    "phi3": ("phi3", dict(sliding_window=W)),
+    "phimoe": ("phimoe", dict(sliding_window=W)),
+    "olmo": ("olmo", {}),
+    "olmo2": ("olmo2", {}),
+    "olmo3": ("olmo3", dict(sliding_window=W)),
+    "olmoe": ("olmoe", {}),
+    "cohere": ("cohere", {}),
+    "cohere2": ("cohere2", dict(sliding_window=W)),
+    "smollm3": ("smollm3", {}),
+    "starcoder2": ("starcoder2", dict(sliding_window=W)),
+    "gpt_bigcode": ("gpt_bigcode", {}),
+    "glm": ("glm", {}),
+    "glm4": ("glm4", {}),
+    "internlm3": ("internlm3", {}),
+    "ernie4_5": ("ernie4_5", {}),
+    "helium": ("helium", {}),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", {}),
+    "seed_oss": ("seed_oss", {}),
+    "apertus": ("apertus", {}),
+    "arcee": ("arcee", {}),
+    "mistral": ("mistral", dict(sliding_window=W)),
+    "ministral": ("ministral", dict(sliding_window=W)),
+    "exaone4": ("exaone4", dict(sliding_window=W)),
+    "gpt_oss": ("gpt_oss", dict(sliding_window=W)),
+    "llama4_text": ("llama4_text", dict(attention_chunk_size=W, intermediate_size_mlp=128)),
+    "gpt2": ("gpt2", {}),
+    "gpt_neox": ("gpt_neox", {}),
+    "gptj": ("gptj", {}),
+    "codegen": ("codegen", {}),
+    "opt": ("opt", dict(word_embed_proj_dim=64, ffn_dim=128)),
+    "persimmon": ("persimmon", {}),
+    "stablelm": ("stablelm", {}),
+    "nemotron": ("nemotron", {}),
+    "deepseek_v3": (  # multi-head latent attention: keys 24 wide, values 16
+        "deepseek_v3",
+        dict(head_dim=8, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+        | dict(first_k_dense_replace=1, n_group=1, topk_group=1),
+    ),
+}
+_BYPASS = "does not go through transformers' attention interface"
+_STATE = "carry a state from token to token"
+REFUSED: dict[str, tuple[str, dict, str]] = {
+    "falcon": ("falcon", dict(head_dim=None), _BYPASS),
+    "falcon-new-decoder": ("falcon", dict(head_dim=None, new_decoder_architecture=True, num_kv_heads=2), _BYPASS),
+    "gpt_neo": ("gpt_neo", dict(attention_types=[[["global", "local"], 1]], window_size=W), _BYPASS),
+    "bloom": ("bloom", {}, _BYPASS),
+    "mpt": ("mpt", {}, _BYPASS),
+    "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"]), _STATE),
+    "qwen3_next": ("qwen3_next", dict(layer_types=["linear_attention", "full_attention"]), _STATE),
+    "mamba": ("mamba", {}, "recurrent"),
+}
+
+
+def family_config(model_type: str, extra: dict) -> object:
+    """The family's config class with ``COMMON`` sizes where it has the field, then ``extra``
+    (a None in ``extra`` leaves the class default: Falcon's head_dim is computed)."""
+    default = AutoConfig.for_model(model_type)
+    settings = {name: value for name, value in COMMON.items() if hasattr(default, name)} | extra
+    return AutoConfig.for_model(model_type, **{name: value for name, value in settings.items() if value is not None})
+
+
+def build(model_type: str, extra: dict, folder: Path, seed: int = 0) -> PreTrainedModel:
+    """A seeded random model of the family, saved to ``folder`` (what a worker loads); biases and
+    sinks drawn at random so that a path that drops them gives other tokens."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(model_type, extra)).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or name.endswith("sinks"):
+                parameter.normal_(0, 0.2)
+    model.generation_config.eos_token_id = None  # generate runs to max_new_tokens, as the engine's requests with ignore_eos
+    model.save_pretrained(folder)
+    return model
+
+
+def write_gguf(model: PreTrainedModel, path: Path) -> Path:
+    """``model`` as a float32 GGUF file, named the way llama.cpp names tensors (gguf's own tensor
+    map), for architectures whose tensors llama.cpp stores unchanged (Qwen2: no rotary permutation,
+    no norm offset; transformers reads no head_dim from a Qwen3 file)."""
+    import gguf
+
+    config = model.config
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), config.model_type)
+    writer.add_name(f"tiny-{config.model_type}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[config.model_type.upper()], config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

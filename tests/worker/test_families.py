@@ -1,0 +1,165 @@
+"""Every family a worker serves, served right; every family it cannot serve, refused at load by name.
+
+One tiny random model per family (tests/worker/families.py), the engine in-process. In float32 the
+greedy output must equal transformers' ``generate`` token for token: batched, with chunked prefill
+(a 7-token budget), a prefix-cache hit (the first prompt twice), preemption (16 blocks of 4 tokens
+for 4 requests) and every prompt longer than the 8-token sliding windows and attention chunks; and
+alone with the whole prompt in one step. In bfloat16, for the families whose attention has a
+feature of its own, vLLM's closeness rule. Then the refusals: by name, by what the start-up probe
+finds, and by the self-check when the serving path computes something else than the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench.accuracy import Generation, check_close
+from common.model_source import resolve_model
+from common.protocol import NewRequest, SamplingParams
+from tests.worker.families import REFUSED, SERVED, WINDOW, build, write_gguf
+from worker.attention.layers import LayerSpec
+from worker.config import WorkerConfig
+from worker.engine import Engine
+from worker.models import support
+from worker.runner import ModelRunner
+
+_generator = torch.Generator().manual_seed(0)
+PROMPTS = [torch.randint(3, 250, (n,), generator=_generator).tolist() for n in (12, 23, 37)]
+NEW_TOKENS = 8
+CONFIG = WorkerConfig(dtype="float32", block_size=4, kv_cache_memory="4MiB", max_num_batched_tokens=7)
+assert min(map(len, PROMPTS)) > WINDOW  # the windows must cut, or the tests prove nothing
+
+
+def run(engine: Engine, prompts: list[list[int]], logprobs: int | None = None) -> list[Generation]:
+    """Greedy generations of ``prompts``, added together; checks that no KV block leaked."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(NewRequest(f"r{i}", prompt, NEW_TOKENS, SamplingParams(temperature=0, logprobs=logprobs), ignore_eos=True))
+    out = [Generation([], [], []) for _ in prompts]
+    while engine.has_work():
+        for o in engine.step().outputs:
+            assert o.error is None, o.error
+            out[int(o.request_id[1:])].tokens.extend(o.new_token_ids)
+            out[int(o.request_id[1:])].top.extend(lp.top_ids for lp in o.logprobs or [])
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
+    return out
+
+
+def generate(model: torch.nn.Module, prompts: list[list[int]], top: int = 5) -> list[Generation]:
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            result = model.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True
+            )
+            out.append(Generation(result.sequences[0, len(prompt) :].tolist(), [], [step[0].topk(top).indices.tolist() for step in result.logits]))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_float32_greedy_output_equals_generate_batched_chunked_preempted_and_alone(name, tmp_path):
+    model_type, extra = SERVED[name]
+    model = build(model_type, extra, tmp_path / "model")
+    reference = [g.tokens for g in generate(model, PROMPTS)]
+    runner = ModelRunner(resolve_model(str(tmp_path / "model")), CONFIG)
+    runner.num_blocks = 16  # the block manager gets 16 of them: 4 requests of up to 12 blocks preempt each other
+    engine = Engine(runner, CONFIG)
+    batched = run(engine, [*PROMPTS, PROMPTS[0]])
+    assert [g.tokens for g in batched] == [*reference, reference[0]]
+    assert engine.scheduler.num_preemptions > 0 and engine.blocks.hit_tokens > 0
+    alone = run(Engine(runner, replace(CONFIG, max_num_batched_tokens=512)), PROMPTS[2:])
+    assert alone[0].tokens == reference[2]
+
+
+def test_speculative_drafts_verified_through_windows_and_sinks_keep_the_output(tmp_path):
+    """--speculate: a lone request's drafts are verified as a prompt chunk over its cached context,
+    through the window and the sinks (gpt-oss), and the output stays generate's."""
+    model_type, extra = SERVED["gpt_oss"]
+    model = build(model_type, extra, tmp_path)
+    prompts = [prompt * 3 for prompt in PROMPTS[:2]]  # repeated text: the n-gram drafts find matches
+    config = replace(CONFIG, speculate=3, max_num_batched_tokens=512)
+    engine = Engine(ModelRunner(resolve_model(str(tmp_path)), config), config)
+    assert [run(engine, [prompt])[0].tokens for prompt in prompts] == [g.tokens for g in generate(model, prompts)]
+    assert engine.speculator.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt_oss", "llama4_text", "deepseek_v3", "qwen2-window"])
+def test_bfloat16_output_is_close_to_generate(name, tmp_path):
+    """bf16: where the texts part, each side's token is in the other's top 5 (vLLM's rule)."""
+    model_type, extra = SERVED[name]
+    model = build(model_type, extra, tmp_path / "model").to(torch.bfloat16)
+    reference = generate(model, PROMPTS)
+    config = replace(CONFIG, dtype="bfloat16", quantization="none")
+    got = run(Engine(ModelRunner(resolve_model(str(tmp_path / "model")), config), config), PROMPTS, logprobs=5)
+    assert all(check_close(g, r)[0] for g, r in zip(got, reference))
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_a_gguf_file_of_another_family_loads_through_transformers_and_is_exact(impl, tmp_path):
+    """A .gguf of a non-Llama family (Qwen2) serves as its safetensors do, loaded through
+    transformers' GGUF support, on either model implementation."""
+    model_type, extra = SERVED["qwen2"]
+    model = build(model_type, extra, tmp_path / "hf")
+    gguf_file = write_gguf(model, tmp_path / "gguf" / "tiny-qwen2.gguf")
+    reference = [g.tokens for g in generate(model, PROMPTS)]
+    config = replace(CONFIG, model_impl=impl, cache_dir=str(tmp_path / "cache"))
+    runner = ModelRunner(resolve_model(str(gguf_file)), config)
+    assert [g.tokens for g in run(Engine(runner, config), PROMPTS)] == reference
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unsupported_families_are_refused_at_load_by_name(name, tmp_path):
+    model_type, extra, why = REFUSED[name]
+    build(model_type, extra, tmp_path)
+    with pytest.raises(support.UnsupportedModel, match=f"model type '{model_type}'.*is not supported: .*{why}"):
+        ModelRunner(resolve_model(str(tmp_path)), CONFIG)
+
+
+@pytest.mark.parametrize(("name", "why"), [("lfm2", "layers 0 of 2 .conv. never call attention"), ("bloom", "does not go through")])
+def test_the_start_up_probe_refuses_what_the_table_does_not_name(name, why, tmp_path, monkeypatch):
+    """A model type nobody put on the table is refused all the same, by what its forward does."""
+    model_type, extra, _ = REFUSED[name]
+    build(model_type, extra, tmp_path)
+    monkeypatch.delitem(support.REFUSED, model_type)
+    with pytest.raises(support.UnsupportedModel, match=why):
+        ModelRunner(resolve_model(str(tmp_path)), CONFIG)
+
+
+def test_the_self_check_refuses_a_path_that_drops_the_sliding_window(tmp_path, monkeypatch):
+    """With the window ignored (what the worker did before), the check names the architecture, the
+    layer and its window, and the override flag; with the flag, the worker starts."""
+    model_type, extra = SERVED["mistral"]
+    build(model_type, extra, tmp_path)
+    monkeypatch.setattr(LayerSpec, "plain", property(lambda layer: True))
+    with pytest.raises(support.UnsupportedModel) as refused:
+        ModelRunner(resolve_model(str(tmp_path)), CONFIG)
+    message = str(refused.value)
+    assert "MistralForCausalLM" in message and "self-check" in message and f"sliding window {WINDOW}" in message and "--skip-self-check" in message
+    assert ModelRunner(resolve_model(str(tmp_path)), replace(CONFIG, skip_self_check=True)).num_blocks > 0
+
+
+def test_quantized_weights_are_refused_where_the_path_has_none(tmp_path):
+    """--quantization int8 on a model the C++ decode step does not run was ignored while the log
+    said "weights int8"; now it is refused, naming why."""
+    model_type, extra = SERVED["gpt2"]
+    build(model_type, extra, tmp_path)
+    with pytest.raises(ValueError, match="--quantization int8 sets the weights of the C\\+\\+ decode step, which cannot run here: model type 'gpt2'"):
+        ModelRunner(resolve_model(str(tmp_path)), replace(CONFIG, quantization="int8"))
+
+
+def test_context_length_from_any_config_field_or_a_stated_default():
+    assert support.max_model_len(SimpleNamespace(n_positions=1024), 0) == 1024
+    assert support.max_model_len(SimpleNamespace(max_seq_len=300), 100) == 100
+    assert support.max_model_len(SimpleNamespace(), 0) == support.DEFAULT_CONTEXT
+    assert support.max_model_len(SimpleNamespace(), 9000) == 9000  # no limit known: the flag decides
+
+
+def test_rotary_scaling_that_depends_on_the_batch_caps_the_context():
+    """longrope/dynamic frequencies follow the largest position of the forward pass: exact only below it."""
+    config = SimpleNamespace(max_position_embeddings=4096, rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 1024})
+    assert support.max_model_len(config, 0) == 1024
+    with pytest.raises(support.UnsupportedModel, match="longrope"):
+        support.max_model_len(config, 2048)
