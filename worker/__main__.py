@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     gc.freeze()
     logging.getLogger(__name__).info("worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks)
     proc.run()
+    if engine.kv_store is not None:
+        engine.kv_store.close()
 
 
 if __name__ == "__main__":

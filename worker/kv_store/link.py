@@ -236,6 +236,15 @@ class KVStore:
         self._writes.join()
         self.release_written()
 
+    def close(self, timeout: float = 10.0) -> None:
+        """At exit: give the writes handed over so far up to ``timeout`` seconds to end (a worker
+        stopped right after a prefill leaves its blocks for the next one)."""
+        deadline = time.monotonic() + timeout
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._writes.unfinished_tasks:
+            log.warning("KV store: stopped with %d batches of blocks not written", self._writes.unfinished_tasks)
+
     def _remember(self, key: bytes, now: float) -> None:
         self._known[key] = now
         self._known.move_to_end(key)

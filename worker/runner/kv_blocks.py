@@ -5,7 +5,7 @@ A block's payload is every layer's K block then its V block, ``[block_size, kv_h
 each, as raw bytes in the cache's dtype. The writer thread reads blocks through NumPy views made
 here once (no torch call on that thread: torch would start a second OpenMP team beside the engine
 thread's, which slows every step, see worker/stepper.py); loads are copied in on the engine thread,
-one ``index_copy_`` per layer and side. On a GPU the same two methods would copy through pinned
+one NumPy row scatter per layer and side. On a GPU the same two methods would copy through pinned
 host memory (the host-RAM tier) on a side stream; this class is the CPU's.
 """
 
@@ -15,6 +15,7 @@ import hashlib
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from worker.runner.kv_cache import KVCaches
@@ -28,9 +29,9 @@ class CpuBlockIO:
     def __init__(self, kv_caches: KVCaches) -> None:
         if kv_caches[0][0].device.type != "cpu":
             raise ValueError("the KV store reads and writes CPU caches only (a GPU worker needs a host-RAM tier first)")
-        self._flat = [side.view(side.shape[0], -1).view(torch.uint8) for pair in kv_caches for side in pair]  # [blocks, bytes]
-        self._arrays = [flat.numpy() for flat in self._flat]
-        self._sizes = [flat.shape[1] for flat in self._flat]
+        # Per layer and side, the cache as [blocks, bytes] in NumPy (the same memory).
+        self._arrays = [side.view(side.shape[0], -1).view(torch.uint8).numpy() for pair in kv_caches for side in pair]
+        self._sizes = [array.shape[1] for array in self._arrays]
         self.payload_bytes = sum(self._sizes)
         self.dtype = str(kv_caches[0][0].dtype).removeprefix("torch.")
         self.layout = "per layer K then V, each [block, token, kv_head, dim]: " + ", ".join(
@@ -42,13 +43,15 @@ class CpuBlockIO:
         return [memoryview(array[block_id]) for array in self._arrays]
 
     def copy_in(self, block_ids: list[int], staged: memoryview) -> None:
-        """Write ``len(block_ids)`` payloads, back to back in ``staged``, into those blocks."""
+        """Write ``len(block_ids)`` payloads, back to back in ``staged``, into those blocks: one
+        NumPy row scatter per layer and side (torch's uint8 ``index_copy_`` was 120x slower: 14.7 ms
+        against 0.12 ms per layer and side for a 4,096-token prompt)."""
         count = len(block_ids)
-        source = torch.frombuffer(staged, dtype=torch.uint8, count=count * self.payload_bytes).view(count, self.payload_bytes)
-        index = torch.tensor(block_ids, dtype=torch.long)
+        source = np.frombuffer(staged, dtype=np.uint8, count=count * self.payload_bytes).reshape(count, self.payload_bytes)
+        index = np.asarray(block_ids, dtype=np.intp)
         offset = 0
-        for flat, size in zip(self._flat, self._sizes):
-            flat.index_copy_(0, index, source[:, offset : offset + size])
+        for array, size in zip(self._arrays, self._sizes):
+            array[index] = source[:, offset : offset + size]
             offset += size
 
 
