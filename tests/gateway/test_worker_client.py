@@ -413,6 +413,27 @@ def test_prefix_affinity_sends_a_shared_prefix_to_the_same_worker_unless_it_is_m
     assert affinity.hits == 1
 
 
+def test_prefix_affinity_lets_workers_sharing_a_kv_store_take_each_others_prefixes():
+    """Workers whose heartbeats name the same KV store read a prefix any of them computed: the
+    prefix stays on its worker only while that worker is no busier than the least loaded one."""
+    from common.protocol import Heartbeat
+    from gateway.pool import PrefixAffinity, WorkerInfo
+
+    a, b, c = (WorkerInfo(name, READY, 0.0, load=Heartbeat(kv_store_id="s1-fp")) for name in (b"a", b"b", b"c"))
+    c.load = Heartbeat(kv_store_id="s2-fp")  # another store (or another model fingerprint)
+    workers = {w.identity: w for w in (a, b, c)}
+    affinity = PrefixAffinity(slack_tokens=1000)
+    system = list(range(600))
+    assert affinity.choose("m", system + [1], workers.get, best=a) is a
+    assert affinity.choose("m", system + [2], workers.get, best=b) is a  # a tie: a's RAM beats b's store read
+    a.outstanding_tokens = 300  # busier, though well within the slack: b loads the prefix from the store
+    assert affinity.choose("m", system + [3], workers.get, best=b) is b
+    assert affinity.store_routed == 1
+    b.outstanding_tokens = 600  # b holds it now; c does not share the store: the slack applies as before
+    assert affinity.choose("m", system + [4], workers.get, best=c) is b
+    assert affinity.store_routed == 1 and affinity.hits == 2
+
+
 def test_a_lost_output_is_noticed_and_the_request_resumes_from_what_was_delivered():
     """The worker skips the output carrying token 8 (seq 1): the gateway sees seq 2 arrive where
     1 was due, stops the old attempt, and sends the request again as prompt + the tokens delivered
