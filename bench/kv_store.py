@@ -139,6 +139,7 @@ def store_rounds(args: argparse.Namespace) -> dict:
             read = [_read_speed(before_b, b.figures()), _read_speed({}, a.figures())]
             row = {"round": r, "load_before": started, "load_after": load(), "read_mb_per_s": read}
             row |= {case: round(percentile(times, 50) * 1000, 1) for case, times in found.items()}
+            row["ttfts_ms"] = {case: [round(t * 1000) for t in times] for case, times in found.items()}
             row["prompt_tokens"] = len(tokenizer.encode(system or "")) if agent else work.input_len
             print(json.dumps(row), flush=True)
             rounds.append(row)

@@ -226,6 +226,14 @@ def test_a_request_ended_while_its_lookup_reads_leaks_nothing(tmp_path):
     assert second.blocks.num_free_blocks == second.blocks.num_blocks
 
 
+def test_an_unreachable_redis_is_a_clear_error_at_start():
+    from tests.conftest import free_port
+    from worker.kv_store import open_tier
+
+    with pytest.raises(ValueError, match=r"--kv-store redis 127.0.0.1:\d+/0: ConnectionError"):
+        open_tier(f"redis://user:secret@127.0.0.1:{free_port()}/0", fingerprint(), 1)
+
+
 def test_admin_stats_and_clear(tmp_path):
     first, _, _ = store_engine(tmp_path)
     run(first, list(range(100, 118)))

@@ -18,6 +18,7 @@ One worker evicts at a time (a lock file); the bound can be passed by what other
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -97,8 +98,6 @@ class DiskTier:
         self._scanned = False
         meta = self.folder / "fingerprint.json"
         if not meta.exists():
-            import json
-
             self._replace(meta, [json.dumps(fingerprint.describe(), indent=2).encode()])
 
     def path(self, key: bytes) -> Path:

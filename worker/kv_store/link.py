@@ -124,9 +124,12 @@ class KVStore:
     def load(self, request: Request) -> int:
         """After the prefix cache's hits: load the staged blocks that follow them; tokens loaded."""
         job = request.kv_store
-        if job is None or job.claimed or not job.done.is_set():
+        if job is None or job.claimed:
             return 0
         job.claimed = True
+        if not job.done.is_set():  # admitted without it (the prefix cache covers it): what it reads is dropped
+            job.cancelled = True
+            return 0
         first = len(request.block_ids)
         wanted = max(0, job.end - first)
         ids: list[int] = []
@@ -194,6 +197,8 @@ class KVStore:
         job.found = self.tier.read_run(wanted[:present], lambda i: view[i * payload : (i + 1) * payload])
         self.counters.read_bytes += job.found * payload
         self.counters.read_seconds += time.perf_counter() - began
+        if job.cancelled:
+            self._unstage(job)
 
     # ---- write-behind --------------------------------------------------------------------------
 

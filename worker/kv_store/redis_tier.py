@@ -12,9 +12,12 @@ The size and evictions reported are the server's (``used_memory``, ``evicted_key
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Callable, Sequence
+
+import redis
 
 from worker.kv_store import record
 from worker.kv_store.fingerprint import Fingerprint
@@ -28,11 +31,7 @@ READ_WINDOW = 16
 TIMEOUT_S = 5.0
 
 
-def connect(url: str):  # noqa: ANN201 - a redis.Redis
-    try:
-        import redis
-    except ImportError:
-        raise ValueError("--kv-store redis://... needs the redis package: pip install redis") from None
+def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
 
 
@@ -43,12 +42,16 @@ class RedisTier:
         self.client = connect(url)
         self.fingerprint = fingerprint.digest()
         self.prefix = f"{PREFIX}{fingerprint.hex}:".encode()
-        self.client.set(PREFIX + "store-id", uuid.uuid4().hex, nx=True)
-        self.store_id = self.client.get(PREFIX + "store-id").decode()
-        self.client.set(f"{PREFIX}{fingerprint.hex}", _json(fingerprint.describe()), nx=True)
         self.description = f"redis {url.split('@')[-1]}"  # no password in logs
         self._usage = TierUsage()
-        if not int(self.client.config_get("maxmemory").get("maxmemory", 0) or 0):
+        try:
+            self.client.set(PREFIX + "store-id", uuid.uuid4().hex, nx=True)
+            self.store_id = self.client.get(PREFIX + "store-id").decode()
+            self.client.set(f"{PREFIX}{fingerprint.hex}", json.dumps(fingerprint.describe(), indent=2), nx=True)
+            bounded = int(self.client.info("memory").get("maxmemory", 0) or 0)  # INFO, not CONFIG: managed Redis often refuses CONFIG
+        except redis.RedisError as exc:
+            raise ValueError(f"--kv-store {self.description}: {type(exc).__name__}: {exc}") from None
+        if not bounded:
             log.warning("KV store: the Redis server has no maxmemory: nothing bounds the store's size (set maxmemory and allkeys-lru)")
 
     def _key(self, block: Block) -> bytes:
@@ -95,16 +98,10 @@ class RedisTier:
         return len(data) if self.client.set(key, data, nx=True) else 0
 
     def maintain(self) -> None:
-        info = self.client.info()
+        info = self.client.info()  # memory and stats
         self._usage.size_bytes = int(info.get("used_memory", 0))
         self._usage.evictions = int(info.get("evicted_keys", 0))
 
     @property
     def usage(self) -> TierUsage:
         return self._usage
-
-
-def _json(value: object) -> str:
-    import json
-
-    return json.dumps(value, indent=2)
