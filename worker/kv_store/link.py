@@ -64,6 +64,8 @@ class Lookup:
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     claimed: bool = False  # loaded (or found useless) at the first admission: a preempted request recomputes
+    read_s: float = 0.0  # the reader's time on it
+    waited_s: float = 0.0  # the scheduler's wait for it
 
 
 @dataclass(slots=True)
@@ -118,7 +120,9 @@ class KVStore:
         if job is None or job.done.is_set() or self.blocks.cached_prefix_blocks(request) >= job.end:
             return True
         if wait:
+            began = time.perf_counter()
             job.done.wait()
+            job.waited_s += time.perf_counter() - began
         return wait
 
     def load(self, request: Request) -> int:
@@ -143,6 +147,16 @@ class KVStore:
                 for block in job.blocks[first : first + len(ids)]:
                     self._remember(block.key, now)
         self._unstage(job)
+        if wanted:
+            log.info(
+                "request %s: %d of %d blocks from the KV store (read in %.0f ms, waited %.0f ms for it)",
+                request.request_id,
+                len(ids),
+                wanted,
+                job.read_s * 1000,
+                job.waited_s * 1000,
+                extra={"request_id": request.request_id},
+            )
         self.counters.hits += len(ids)
         self.counters.misses += wanted - len(ids)
         if request.events is not None:
@@ -195,8 +209,9 @@ class KVStore:
             self._staged += job.staging.nbytes
         view = memoryview(job.staging)
         job.found = self.tier.read_run(wanted[:present], lambda i: view[i * payload : (i + 1) * payload])
+        job.read_s = time.perf_counter() - began
         self.counters.read_bytes += job.found * payload
-        self.counters.read_seconds += time.perf_counter() - began
+        self.counters.read_seconds += job.read_s
         if job.cancelled:
             self._unstage(job)
 
