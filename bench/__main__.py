@@ -4,7 +4,8 @@ TPOT, ITL and E2EL mean, median and p99).
 
 Workloads (bench/workloads.py): ``chat`` (short chat prompts, 128 tokens out), ``random`` (unique
 prompts of ``--input-len`` tokens, ``--output-len`` out: vLLM's default shape) and ``long-context``
-(one stream at a ``--input-len`` context). Every request sets ``ignore_eos``, so every server
+(one stream at a ``--input-len`` context), ``agent`` (one fixed ~4,000-token system prompt with tool
+definitions, a short user turn varying). Every request sets ``ignore_eos``, so every server
 generates exactly ``--output-len`` tokens.
 
 ``--peer [LABEL=]URL`` (repeatable) runs the same prompts against another OpenAI-compatible server
@@ -62,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     add(
         "--input-len",
         type=int,
-        help="random / long-context: prompt tokens, chat template included (1024 / 4096)",
+        help="random / long-context: prompt tokens, chat template included (1024 / 4096); agent: the system prompt's (4000)",
     )
     add(
         "--output-len",
@@ -270,7 +271,7 @@ def run_all(
     for level in levels:
         prompts = work.levels[level]
         for server in measured:
-            timings, wall = run(run_level(server.url, model, prompts, level, len(prompts), work.output_len))
+            timings, wall = run(run_level(server.url, model, prompts, level, len(prompts), work.output_len, work.system))
             row = summarize(level, timings, wall)
             found[server.label]["levels"].append(row)
             print(

@@ -97,11 +97,12 @@ async def one_request(host: str, port: int, body: bytes) -> RequestTiming:
     return timing
 
 
-def request_body(model: str, prompt: str, max_tokens: int) -> bytes:
+def request_body(model: str, prompt: str, max_tokens: int, system: str | None = None) -> bytes:
+    system_message = [{"role": "system", "content": system}] if system is not None else []
     return orjson.dumps(
         {
             "model": model,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": [*system_message, {"role": "user", "content": prompt}],
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -118,10 +119,12 @@ async def run_level(
     concurrency: int,
     requests: int,
     max_tokens: int,
+    system: str | None = None,
 ) -> tuple[list[RequestTiming], float]:
-    """``requests`` requests, at most ``concurrency`` at a time; returns timings and wall time."""
+    """``requests`` requests, at most ``concurrency`` at a time (each with the ``system`` message
+    first, when given); returns timings and wall time."""
     url = urlsplit(base_url)
-    bodies = [request_body(model, p, max_tokens) for p in prompts]
+    bodies = [request_body(model, p, max_tokens, system) for p in prompts]
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)

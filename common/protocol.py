@@ -158,6 +158,18 @@ class Heartbeat(Wire):
     capacity_tokens_per_s: float = 0.0
     spec_proposed_tokens: int = 0  # speculative decoding: draft tokens proposed so far
     spec_accepted_tokens: int = 0  # ... and accepted by the verifying step
+    # The KV store under the prefix cache (worker/kv_store), when the worker has one: workers with the
+    # same id read each other's blocks (one store, one model fingerprint), so routing need not keep a
+    # prefix on the worker that computed it. Hits and misses count blocks; the rest are since start,
+    # but size (the store's, as last measured) and evictions (this worker's; Redis: the server's).
+    kv_store_id: str = ""
+    kv_store_hits: int = 0
+    kv_store_misses: int = 0
+    kv_store_read_bytes: int = 0
+    kv_store_written_bytes: int = 0
+    kv_store_read_seconds: float = 0.0
+    kv_store_size_bytes: int = 0
+    kv_store_evictions: int = 0
 
 
 class AddRequests(Wire):

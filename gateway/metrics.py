@@ -145,6 +145,12 @@ class PoolCollector(Collector):
                 labels=["worker", "model"],
             ),
         }
+        counters |= kv_store_counters()
+        gauges["kv_store_size"] = GaugeMetricFamily(
+            "llmpool_worker_kv_store_size_bytes",
+            "Bytes in the worker's KV store, as it last measured (a shared store: every worker's)",
+            labels=["worker", "model"],
+        )
         gauges["capacity"] = GaugeMetricFamily(
             "llmpool_worker_capacity_tokens_per_second",
             "Tokens per second of busy step time (what routing weighs outstanding work by)",
@@ -165,6 +171,10 @@ class PoolCollector(Collector):
             counters["proposed"].add_metric(name, w["spec_proposed_tokens"])
             counters["accepted"].add_metric(name, w["spec_accepted_tokens"])
             gauges["capacity"].add_metric(name, w["capacity_tokens_per_s"])
+            if w["kv_store_id"]:
+                gauges["kv_store_size"].add_metric(name, w["kv_store_size_bytes"])
+                for field in KV_STORE_COUNTERS:
+                    counters[field].add_metric(name, w[field])
         info = GaugeMetricFamily("llmpool_worker_info", "A registered worker (value 1)", labels=["worker", "device", "dtype", "model"])
         up = GaugeMetricFamily("llmpool_worker_up", "1 for a registered worker, 0 for a recently dropped one", labels=["worker", "model"])
         for w in workers:
@@ -194,9 +204,33 @@ class PoolCollector(Collector):
         yield GaugeMetricFamily("llmpool_inflight_requests", "Requests the gateway is waiting on", value=snapshot["inflight"])
         yield GaugeMetricFamily("llmpool_gateway_queued_requests", "Requests queued for an admission slot", value=self.admission.waiting)
         yield CounterMetricFamily("llmpool_gateway_rejected_requests", "Requests refused with 429", value=self.admission.rejected)
+        affinity = self.client.dispatch.affinity
+        yield CounterMetricFamily(
+            "llmpool_kv_store_routed_requests",
+            "Requests sent away from their prefix's worker to a less loaded one that reads the prefix from a KV store they share",
+            value=affinity.store_routed if affinity is not None else 0,
+        )
         yield CounterMetricFamily("llmpool_resumed_requests", "Requests moved to another worker after theirs died", value=snapshot["resumed"])
         yield from gauges.values()
         yield from counters.values()
+
+
+# Per-worker KV store counters (worker/kv_store): heartbeat field -> (metric name, help).
+KV_STORE_COUNTERS = {
+    "kv_store_hits": ("llmpool_worker_kv_store_hit_blocks", "KV blocks loaded from the KV store instead of computed"),
+    "kv_store_misses": ("llmpool_worker_kv_store_miss_blocks", "KV blocks looked up in the KV store and not found (computed)"),
+    "kv_store_read_bytes": ("llmpool_worker_kv_store_read_bytes", "Bytes read from the KV store"),
+    "kv_store_written_bytes": ("llmpool_worker_kv_store_written_bytes", "Bytes written to the KV store"),
+    "kv_store_read_seconds": ("llmpool_worker_kv_store_read_seconds", "Time spent reading from the KV store (read speed: bytes / seconds)"),
+    "kv_store_evictions": (
+        "llmpool_worker_kv_store_evictions",
+        "KV blocks evicted from the store to keep its size bound (Redis: the server's evictions)",
+    ),
+}
+
+
+def kv_store_counters() -> dict[str, CounterMetricFamily]:
+    return {field: CounterMetricFamily(name, text, labels=["worker", "model"]) for field, (name, text) in KV_STORE_COUNTERS.items()}
 
 
 def http_metrics_middleware(metrics_of: Callable[[], Metrics | None]):  # noqa: ANN201 - an ASGI middleware factory

@@ -20,6 +20,18 @@ from gateway.errors import GenerationFailed
 
 log = logging.getLogger("gateway.worker_client")
 
+# A worker's KV store figures (common/protocol.py Heartbeat), shown as they come in /workers.
+KV_STORE_FIELDS = (
+    "kv_store_id",
+    "kv_store_hits",
+    "kv_store_misses",
+    "kv_store_read_bytes",
+    "kv_store_written_bytes",
+    "kv_store_read_seconds",
+    "kv_store_size_bytes",
+    "kv_store_evictions",
+)
+
 
 @dataclass(slots=True)
 class WorkerInfo:
@@ -80,6 +92,7 @@ class WorkerInfo:
             "capacity_tokens_per_s": self.load.capacity_tokens_per_s,
             "spec_proposed_tokens": self.load.spec_proposed_tokens,
             "spec_accepted_tokens": self.load.spec_accepted_tokens,
+            **{name: getattr(self.load, name) for name in KV_STORE_FIELDS},
         }
 
 
@@ -245,7 +258,14 @@ class RequestStream:
 
 class PrefixAffinity:
     """Remembers which worker last got each prompt prefix (64, 128, 256 and 512 tokens long), so
-    requests sharing a long prefix (a system prompt, a conversation) land where it is cached."""
+    requests sharing a long prefix (a system prompt, a conversation) land where it is cached.
+
+    Workers that share a KV store (the same ``kv_store_id`` in their heartbeats: one store, one model
+    fingerprint) can all read a prefix one of them computed: the store holds every prefix sent to any
+    of them (written behind the prefill). Between those, affinity keeps a prefix on its worker only
+    while that worker is no busier than the least loaded one (the RAM hit is still the cheapest);
+    otherwise the least loaded worker takes it and loads the prefix from the store (``store_routed``).
+    """
 
     LENGTHS = (512, 256, 128, 64)
     CAPACITY = 50_000
@@ -254,13 +274,15 @@ class PrefixAffinity:
         self.slack = slack_tokens
         self._owner: OrderedDict[int, bytes] = OrderedDict()
         self.hits = 0
+        self.store_routed = 0  # requests sent away from a prefix's worker to one that shares its KV store
 
     def _keys(self, model: str, prompt: list[int]) -> list[int]:
         return [hash((model, tuple(prompt[:n]))) for n in self.LENGTHS if len(prompt) > n]
 
     def choose(self, model: str, prompt: list[int], candidate: Callable[[bytes], WorkerInfo | None], best: WorkerInfo) -> WorkerInfo:
         """The worker that last got this prompt's longest known prefix (``candidate`` says whether
-        it can still take it), unless it is much busier than ``best``."""
+        it can still take it), unless it is much busier than ``best`` (or busier at all, when
+        ``best`` can read the prefix from a KV store they share)."""
         keys = self._keys(model, prompt)
         chosen = best
         for key in keys:  # longest shared prefix first
@@ -268,9 +290,12 @@ class PrefixAffinity:
             worker = candidate(owner) if owner is not None else None
             if worker is None:
                 continue  # never seen, or its worker left or drains: try a shorter prefix
-            if worker.outstanding_tokens <= best.outstanding_tokens + self.slack:
+            shared = worker is not best and worker.load.kv_store_id and worker.load.kv_store_id == best.load.kv_store_id
+            if worker.outstanding_tokens <= best.outstanding_tokens + (0 if shared else self.slack):
                 chosen = worker
                 self.hits += worker is not best
+            else:
+                self.store_routed += bool(shared)
             break
         for key in keys:
             self._owner[key] = chosen.identity

@@ -1,4 +1,4 @@
-"""``llmpool serve|gateway|worker``.
+"""``llmpool serve|gateway|worker|keys|kv-store``.
 
 ``serve`` starts the gateway and ``--workers N`` local workers of each model (``--model``, or each
 entry of ``--models``) as child processes and supervises them: each child gets its settings through the flags' environment twins (one definition per flag),
@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="make CURVE key pairs for the gateway and workers")
     keys.add_argument("folder", help="where to write gateway.key(_secret) and worker-N.key(_secret)")
     keys.add_argument("--workers", type=int, default=1, help="worker key pairs to make")
+    store = commands.add_parser("kv-store", help="what a KV store (--kv-store) holds, or empty it")
+    store.add_argument("action", choices=["stats", "clear"], help="stats: blocks and bytes per model fingerprint (JSON); clear: remove every block")
+    store.add_argument("store", help="the store: a folder, or redis://HOST:PORT/DB")
     return parser
 
 
@@ -241,6 +244,18 @@ def make_keys(folder: str, workers: int) -> None:
     print(f"worker N: --curve-client-secret-key {folder}/worker-N.key_secret --curve-server-public-key {folder}/gateway.key")
 
 
+def kv_store(action: str, store: str) -> None:
+    """``llmpool kv-store stats|clear STORE`` (worker/kv_store/admin.py)."""
+    import json
+
+    from worker.kv_store import admin
+
+    if action == "stats":
+        print(json.dumps(admin.stats(store), indent=2))
+    else:
+        print(f"removed {admin.clear(store)} blocks from {store}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["gateway"]:
@@ -256,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "keys":
         make_keys(args.folder, args.workers)
+        return
+    if args.command == "kv-store":
+        kv_store(args.action, args.store)
         return
     setup_logging("launcher", args.log_level, args.log_format)
     sys.exit(Supervisor(args).run())

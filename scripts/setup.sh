@@ -18,12 +18,14 @@ fi
 # The worker's C++ kernels (decode attention, the fused small-batch decode step): built once, ~20 s.
 .venv/bin/python -m worker.kernels || echo "note: C++ kernels did not build; workers will run the slower torch path" >&2
 # Test tools from Debian: a compose validator (no Docker engine needed), Chromium for the browser tests,
-# and PostgreSQL, which the state store's tests start as a process (tests/postgres.py).
+# PostgreSQL, which the state store's tests start as a process (tests/postgres.py),
+# and Redis for the KV store's shared tier (the tests start their own redis-server process).
 if [ "${1:-}" = "--test" ]; then
     missing=()
     command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)
     compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || command -v initdb >/dev/null 2>&1 || missing+=(postgresql)
+    command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
     if [ ${#missing[@]} -gt 0 ]; then
         if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
             echo "installing ${missing[*]} (apt-get)"

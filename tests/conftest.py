@@ -151,3 +151,38 @@ def postgres():  # noqa: ANN201 - a tests.postgres.Postgres
     server = Postgres()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of the tests' own on loopback (scripts/setup.sh --test installs it), with a
+    memory bound and LRU eviction as the KV store's README asks of a shared Redis."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (scripts/setup.sh --test installs it)")
+    port = free_port()
+    folder = tmp_path_factory.mktemp("redis")
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)]
+    ARTIFACTS.mkdir(exist_ok=True)
+    with open(ARTIFACTS / "redis.log", "ab") as log:
+        process = subprocess.Popen(
+            ["redis-server", *args, "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"], stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        import redis
+
+        client = redis.Redis(port=port)
+        wait_until(lambda: _pings(client), 20, "redis-server")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop(process)
+
+
+def _pings(client) -> bool:  # noqa: ANN001 - a redis.Redis
+    import redis
+
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False

@@ -167,6 +167,14 @@ def test_long_context_defaults_and_chat_cycles_fixed_prompts(tokenizer):
         workloads.build("bogus", [1], None, 8, None, tokenizer)
 
 
+def test_agent_turns_share_one_long_system_prompt(tokenizer):
+    agent = workloads.build("agent", [1], 3, 8, 600, tokenizer, seed=2)
+    assert 590 <= len(tokenizer.encode(agent.system)) <= 600 and '"type": "function"' in agent.system
+    turns = agent.levels[1]
+    assert len(set(turns)) == 3 and all(len(tokenizer.encode(t)) < 40 for t in turns)
+    assert workloads.build("agent", [1], 3, 8, 600, tokenizer, seed=3).system != agent.system
+
+
 def test_parse_peer():
     assert parse_peer("llama.cpp=http://127.0.0.1:8081/v1/").label == "llama.cpp"
     assert parse_peer("llama.cpp=http://127.0.0.1:8081/v1/").url == "http://127.0.0.1:8081"

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     gc.freeze()
     logging.getLogger(__name__).info("worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks)
     proc.run()
+    if engine.kv_store is not None:
+        engine.kv_store.close()
 
 
 def fail_to_start(config: WorkerConfig, name: str, curve_keys: tuple[str, str] | None, exc: Exception) -> None:

@@ -15,6 +15,7 @@ contents and hash until it is taken for other tokens, so a later request with th
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from worker.request import Request
@@ -66,25 +67,65 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or request.block_ids or request.sampling.prompt_logprobs is not None:
             return 0
+        self.queried_tokens += request.num_tokens
+        for block_id, block_hash in self._cached_run(request):
+            self._take(block_id)
+            request.block_ids.append(block_id)
+            request.block_hashes.append(block_hash)
+        reused = len(request.block_ids) * self.block_size
+        request.num_computed_tokens = reused
+        self.hit_tokens += reused
+        return reused
+
+    def cached_prefix_blocks(self, request: Request) -> int:
+        """How many leading blocks ``match_prefix`` would share now (nothing is taken)."""
+        if not self.enable_prefix_caching or request.sampling.prompt_logprobs is not None:
+            return 0
+        return sum(1 for _ in self._cached_run(request))
+
+    def _cached_run(self, request: Request) -> Iterator[tuple[int, int]]:
+        """(block id, hash) of the prompt's leading blocks that are cached, all but its last token."""
         size = self.block_size
         parent: int | None = None
         tokens = request.token_ids
-        usable = (len(tokens) - 1) // size
-        self.queried_tokens += request.num_tokens
-        for index in range(usable):
+        for index in range((len(tokens) - 1) // size):
             chunk = tuple(tokens[index * size : (index + 1) * size])
             block_hash = chain_hash(parent, chunk)
             block_id = self._cached.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
-                break
+                return
+            yield block_id, block_hash
+            parent = block_hash
+
+    def adopt(self, request: Request, num_blocks: int) -> list[int]:
+        """Give a request up to ``num_blocks`` more blocks (as many as are free) whose contents the
+        caller fills from elsewhere (the KV store), counted as computed and registered like computed
+        ones; returns their ids. The request's blocks so far must all be full and computed."""
+        size = self.block_size
+        taken: list[int] = []
+        for _ in range(min(num_blocks, len(self._free))):
+            block_id = next(iter(self._free))
+            self._forget(block_id)
             self._take(block_id)
             request.block_ids.append(block_id)
-            request.block_hashes.append(block_hash)
-            parent = block_hash
-        reused = len(request.block_ids) * size
-        request.num_computed_tokens = reused
-        self.hit_tokens += reused
-        return reused
+            taken.append(block_id)
+        request.num_computed_tokens = len(request.block_ids) * size
+        self.register_full_blocks(request)
+        return taken
+
+    def pin(self, block_id: int) -> None:
+        """Hold a block that is in use, so it is not reused until ``unpin`` (the store's writer reads it)."""
+        self._take(block_id)
+
+    def unpin(self, block_id: int) -> None:
+        self._drop(block_id)
+
+    def _drop(self, block_id: int) -> None:
+        """One reference less; the last one puts the block at the back of the LRU free list."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if it can't."""
@@ -117,10 +158,7 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Drop the request's references, last block first, so prefixes outlive their tails in the LRU."""
         for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            self._drop(block_id)
         request.block_ids.clear()
         request.block_hashes.clear()
 

@@ -1,14 +1,48 @@
-"""An engine for a model: its runner (model, KV cache, kernels) built first, then the engine around it."""
+"""An engine for a model: its runner (model, KV cache, kernels) built first, then the engine around it,
+linked to a KV store (worker/kv_store) when ``--kv-store`` names one."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import logging
+
+from common.config import parse_size
 from common.model_source import ModelSource
 from worker.config import WorkerConfig
 from worker.engine import Engine
+from worker.kv_store import Fingerprint, KVStore, open_tier
 from worker.runner import ModelRunner, pick_device
+from worker.runner.kv_blocks import CpuBlockIO, weights_digest
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(source: ModelSource, config: WorkerConfig) -> Engine:
     """Batch limits left at 0 are filled in for the device first: the runner sizes CUDA graphs by them."""
     config = config.for_device(pick_device(config.device).type)
-    return Engine(ModelRunner(source, config), config)
+    runner = ModelRunner(source, config)
+    return Engine(runner, config, kv_store_link(source, config, runner))
+
+
+def kv_store_link(source: ModelSource, config: WorkerConfig, runner: ModelRunner) -> functools.partial[KVStore] | None:
+    """What links the engine's block manager to the ``--kv-store``, or None without one."""
+    if not config.kv_store:
+        return None
+    if not config.prefix_caching:
+        raise ValueError("--kv-store is a tier under the prefix cache: it needs --prefix-caching")
+    io = CpuBlockIO(runner.kv_caches)
+    dtype = str(runner.dtype).removeprefix("torch.")
+    model_config = runner.model.config.to_json_string(use_diff=False)
+    fingerprint = Fingerprint(
+        model=source.name,
+        weights=weights_digest(runner.model, source.cache_dir(config.cache_dir, f"weights-digest-{dtype}")),
+        config=hashlib.blake2b(model_config.encode(), digest_size=16).hexdigest(),
+        dtype=io.dtype,
+        layout=io.layout,
+        block_size=config.block_size,
+        quantization=runner.quantization,
+    )
+    tier = open_tier(config.kv_store, fingerprint, parse_size(config.kv_store_size))
+    log.info("KV store: %s, blocks of fingerprint %s (%s, %s)", tier.description, fingerprint.hex, source.name, dtype)
+    return functools.partial(KVStore, tier, io, fingerprint.digest())

@@ -32,6 +32,13 @@ WORKER_FLAGS = [
         int,
     ),
     Flag("prefix-caching", True, "Reuse the KV blocks of prompt prefixes seen before (a shared system prompt, earlier turns)", bool),
+    Flag(
+        "kv-store",
+        None,
+        "A second tier for prefix-cache blocks that outlives the worker and is shared by the pool: a folder (workers of this "
+        "machine, or of many on a shared filesystem) or redis://HOST:PORT/DB (workers anywhere); off when not given (worker/kv_store)",
+    ),
+    Flag("kv-store-size", "10GiB", "Most bytes a --kv-store folder may hold; beyond, the least recently used blocks go (Redis: its own maxmemory)"),
     Flag("max-model-len", 0, "Longest sequence (prompt + output) accepted; 0 means the model's own limit", int),
     Flag(
         "skip-self-check",
@@ -104,6 +111,8 @@ class WorkerConfig(SharedConfig):
     max_num_batched_tokens: int = 0
     max_prefill_chunk: int = 0
     prefix_caching: bool = True
+    kv_store: str | None = None
+    kv_store_size: str = "10GiB"
     max_model_len: int = 0
     model_impl: str = "auto"
     skip_self_check: bool = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from common.grammar import GrammarError
@@ -13,6 +14,7 @@ from common.protocol import FinishReason, Heartbeat, NewRequest, RequestOutput, 
 from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
 from worker.isolation import run_isolating
+from worker.kv_store.link import KVStore
 from worker.request import Request, RequestStatus
 from worker.scheduler import RunOutput, ScheduledBatch, Scheduler
 from worker.speculative import Speculator
@@ -37,14 +39,22 @@ class Runner(Protocol):
 class Engine:
     """Continuous batching over a paged KV cache: ``add_request``/``abort`` between steps, ``step`` to run."""
 
-    def __init__(self, runner: Runner, config: WorkerConfig) -> None:
+    def __init__(self, runner: Runner, config: WorkerConfig, kv_store: Callable[[BlockManager], KVStore] | None = None) -> None:
+        """``kv_store``: links the block manager to a KV store (worker/build.py), when there is one."""
         config = config.for_device(runner.device_type)
         self.runner = runner
         self.blocks = BlockManager(runner.num_blocks, config.block_size, config.prefix_caching)
+        self.kv_store = kv_store(self.blocks) if kv_store is not None else None
         self.max_model_len = runner.max_model_len
         self.speculator = Speculator(config.speculate, self.blocks, self.max_model_len, config.max_num_batched_tokens)
         self.scheduler = Scheduler(
-            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.max_prefill_chunk, self.speculator
+            self.blocks,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.max_prefill_chunk,
+            self.speculator,
+            self.kv_store,
         )
         self.max_num_seqs = config.max_num_seqs
         self._rejected: list[RequestOutput] = []
@@ -85,6 +95,8 @@ class Engine:
             return
         self._requests[request.request_id] = request
         self.scheduler.add(request)
+        if self.kv_store is not None:
+            self.kv_store.lookup(request, self.blocks.cached_prefix_blocks(request))
         log.info(
             "request %s queued: %d prompt tokens, up to %d new",
             request.request_id,
@@ -255,4 +267,5 @@ class Engine:
             prefix_queried_tokens=self.blocks.queried_tokens,
             spec_proposed_tokens=self.speculator.proposed_tokens,
             spec_accepted_tokens=self.speculator.accepted_tokens,
+            **(self.kv_store.figures() if self.kv_store is not None else {}),
         )

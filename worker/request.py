@@ -5,8 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from common.protocol import FinishReason, Guide, NewRequest, SamplingParams, TokenLogprobs, WorkerEvent
+
+if TYPE_CHECKING:
+    from worker.kv_store.link import Lookup
 
 
 class RequestStatus(IntEnum):
@@ -60,6 +64,7 @@ class Request:
     outputs_sent: int = 0  # the next output's sequence number
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens this step verifies after the last token
     events: list[WorkerEvent] | None = None  # trace events not yet sent; None when the request is not traced
+    kv_store: Lookup | None = None  # its blocks' keys and what the KV store staged for it (worker/kv_store)
 
     @classmethod
     def from_wire(cls, new: NewRequest, eos_token_ids: frozenset[int]) -> Request:

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.protocol import TokenLogprobs
 from worker.block_manager import BlockManager
 from worker.request import Request, RequestStatus
 from worker.speculative import Speculator
+
+if TYPE_CHECKING:
+    from worker.kv_store.link import KVStore
 
 PREFILL_REFERENCE_CONTEXT = 512  # context up to which a prompt chunk may use the whole max_prefill_chunk
 MIN_PREFILL_CHUNK = 8
@@ -81,8 +85,10 @@ class Scheduler:
         max_model_len: int,
         max_prefill_chunk: int | None = None,
         speculator: Speculator | None = None,
+        kv_store: KVStore | None = None,
     ) -> None:
         self.blocks = blocks
+        self.kv_store = kv_store  # a second tier under the prefix cache (worker/kv_store), when on
         self.speculator = speculator  # drafts for a lone decoding request, when speculation is on
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -104,6 +110,8 @@ class Scheduler:
         """Pick this step's batch: running requests first, then newly admitted ones; a lone decoding
         request may get drafts to verify (worker/speculative.py)."""
         batch = ScheduledBatch()
+        if self.kv_store is not None:
+            self.kv_store.release_written()
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         self._budget = self.max_num_batched_tokens
         self._prefill_budget = self.max_prefill_chunk if decoding else self.max_num_batched_tokens
@@ -155,7 +163,11 @@ class Scheduler:
         """Admit waiting requests in order while the budgets, batch size and free blocks allow."""
         while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self.kv_store is not None and not self.kv_store.ready(request, wait=not batch):
+                break  # its blocks are still being read from the store; others run meanwhile
             cached = self.blocks.match_prefix(request)
+            if self.kv_store is not None:
+                cached += self.kv_store.load(request)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = cached
             num_tokens = self._take(request)
@@ -210,6 +222,8 @@ class Scheduler:
             # Computed: what ran, but never the newest token, which is only sampled (nor what an end cut off).
             request.num_computed_tokens = min(request.num_computed_tokens + num_tokens, request.num_tokens - (1 if tokens else 0))
             self.blocks.register_full_blocks(request)
+            if self.kv_store is not None:
+                self.kv_store.write_behind(request)
         for request in finished:
             self._retire(request)
         return finished
@@ -227,4 +241,6 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        if self.kv_store is not None:
+            self.kv_store.cancel(request)
         self.blocks.free(request)

@@ -58,7 +58,7 @@ def env(workload: dict) -> dict[str, Any]:
 
 
 def test_overlays_exist():
-    assert OVERLAYS == ["cpu", "gpu", "multi-model"]
+    assert OVERLAYS == ["cpu", "gpu", "kv-store-shared", "multi-model"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -144,6 +144,31 @@ def test_workers_keep_models_on_a_volume(overlay):
         assert mounts["model-cache"] == env(worker)["LLMPOOL_CACHE_DIR"] and "model-cache" in claims
         assert env(worker)["LLMPOOL_KERNEL_DIR"].startswith(env(worker)["LLMPOOL_CACHE_DIR"] + "/")
         assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > float(env(worker)["LLMPOOL_DRAIN_TIMEOUT"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_keep_their_kv_store_on_a_volume(overlay):
+    """--kv-store is a folder on a volume mounted in the pod: the worker's own cache volume (a
+    restarted pod reads its predecessor's blocks), or a ReadWriteMany claim every worker shares."""
+    objs = objects(overlay)
+    for worker in workloads(objs, "worker"):
+        store = env(worker)["LLMPOOL_KV_STORE"]
+        mounts = {m["mountPath"]: m["name"] for m in container(worker)["volumeMounts"]}
+        (mount,) = [path for path in mounts if store == path or store.startswith(path + "/")]
+        volume = mounts[mount]
+        claims = {c["metadata"]["name"]: c["spec"] for c in worker["spec"]["volumeClaimTemplates"]}
+        pod_claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"] for v in worker["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v
+        }
+        if volume in pod_claims:
+            assert find(objs, "PersistentVolumeClaim", pod_claims[volume])["spec"]["accessModes"] == ["ReadWriteMany"]
+        else:
+            assert volume in claims, f"{store} is on no persistent volume"
+        from common.config import parse_size
+
+        assert parse_size(env(worker)["LLMPOOL_KV_STORE_SIZE"]) > 0
+    if overlay == "kv-store-shared":
+        assert {env(w)["LLMPOOL_KV_STORE"] for w in workloads(objs, "worker")} == {"/kv-store"}
 
 
 def test_kernel_dir_is_read_by_the_worker():

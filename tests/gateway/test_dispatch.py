@@ -395,3 +395,21 @@ def test_prefix_affinity_sends_a_shared_prefix_to_the_same_worker_unless_it_is_m
     del workers[b"b"]  # the owner of the prefix left: the best one takes it
     assert affinity.choose("m", system + [4], workers.get, best=a) is a
     assert affinity.hits == 1
+
+
+def test_prefix_affinity_lets_workers_sharing_a_kv_store_take_each_others_prefixes():
+    """Workers whose heartbeats name the same KV store read a prefix any of them computed: the
+    prefix stays on its worker only while that worker is no busier than the least loaded one."""
+    a, b, c = (WorkerInfo(name, ready(name.decode()), 0.0, load=Heartbeat(kv_store_id="s1-fp")) for name in (b"a", b"b", b"c"))
+    c.load = Heartbeat(kv_store_id="s2-fp")  # another store (or another model fingerprint)
+    workers = {w.identity: w for w in (a, b, c)}
+    affinity = PrefixAffinity(slack_tokens=1000)
+    system = list(range(600))
+    assert affinity.choose("m", system + [1], workers.get, best=a) is a
+    assert affinity.choose("m", system + [2], workers.get, best=b) is a  # a tie: a's RAM beats b's store read
+    a.outstanding_tokens = 300  # busier, though well within the slack: b loads the prefix from the store
+    assert affinity.choose("m", system + [3], workers.get, best=b) is b
+    assert affinity.store_routed == 1
+    b.outstanding_tokens = 600  # b holds it now; c does not share the store: the slack applies as before
+    assert affinity.choose("m", system + [4], workers.get, best=c) is b
+    assert affinity.store_routed == 1 and affinity.hits == 2
