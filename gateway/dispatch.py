@@ -87,6 +87,7 @@ class Dispatcher:
             "add_messages_sent": self.add_messages_sent,
             "resumed": self.resumed,
             "affinity_hits": self.affinity.hits if self.affinity else 0,
+            "store_routed": self.affinity.store_routed if self.affinity else 0,
         }
 
     def submit(self, request: NewRequest, model: str, trace: Trace = UNTRACED, delivered: list[int] | None = None) -> RequestStream:

@@ -204,11 +204,10 @@ class PoolCollector(Collector):
         yield GaugeMetricFamily("llmpool_inflight_requests", "Requests the gateway is waiting on", value=snapshot["inflight"])
         yield GaugeMetricFamily("llmpool_gateway_queued_requests", "Requests queued for an admission slot", value=self.admission.waiting)
         yield CounterMetricFamily("llmpool_gateway_rejected_requests", "Requests refused with 429", value=self.admission.rejected)
-        affinity = self.client.dispatch.affinity
         yield CounterMetricFamily(
             "llmpool_kv_store_routed_requests",
             "Requests sent away from their prefix's worker to a less loaded one that reads the prefix from a KV store they share",
-            value=affinity.store_routed if affinity is not None else 0,
+            value=snapshot["store_routed"],
         )
         yield CounterMetricFamily("llmpool_resumed_requests", "Requests moved to another worker after theirs died", value=snapshot["resumed"])
         yield from gauges.values()

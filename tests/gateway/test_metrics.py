@@ -44,7 +44,7 @@ def test_dead_workers_are_counted_as_they_are_now_and_departures_as_a_counter():
 
 def test_kv_store_figures_come_from_the_heartbeats():
     async def scenario(client, worker):
-        metrics = Metrics(client, Admission(4, 4))
+        metrics = Metrics(client.snapshot, Admission(4, 4))
         await worker.send(READY)
         await eventually(lambda: len(client.workers) == 1)
         assert not [name for name, _ in samples(metrics) if name.startswith("llmpool_worker_kv_store")]  # no store: no series
