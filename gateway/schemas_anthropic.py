@@ -44,6 +44,14 @@ class AnthropicToolChoice(msgspec.Struct, kw_only=True):
     disable_parallel_tool_use: bool | None = None
 
 
+class ThinkingConfig(msgspec.Struct, kw_only=True):
+    """``enabled`` with ``budget_tokens`` (the worker ends the thinking there), ``disabled`` (no
+    thinking: a budget of 0), ``adaptive`` (no budget)."""
+
+    type: str
+    budget_tokens: int | None = None
+
+
 class CountTokensRequest(SamplingOptions, kw_only=True):
     """The prompt part of a request (sampling fields are accepted so a whole request counts too)."""
 
@@ -52,7 +60,7 @@ class CountTokensRequest(SamplingOptions, kw_only=True):
     system: str | list[SystemBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: dict | None = None  # accepted and ignored: nothing thinks here
+    thinking: ThinkingConfig | None = None  # a reasoning model's thinking budget
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -72,6 +80,11 @@ class TextBlock(msgspec.Struct, kw_only=True, tag="text", tag_field="type"):
     text: str
 
 
+class ThinkingBlock(msgspec.Struct, kw_only=True, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""  # nothing to verify: the thinking comes back as the template reads it
+
+
 class ToolUseBlock(msgspec.Struct, kw_only=True, tag="tool_use", tag_field="type"):
     id: str
     name: str
@@ -88,7 +101,7 @@ class AnthropicUsage(msgspec.Struct, kw_only=True):
 class MessageResponse(msgspec.Struct, kw_only=True):
     id: str
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: str | None  # end_turn, max_tokens, stop_sequence, tool_use
     stop_sequence: str | None
     usage: AnthropicUsage

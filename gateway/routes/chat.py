@@ -13,7 +13,7 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from gateway import core
-from gateway.core import LENGTH, TOOL_CALLS, Finish, GenerationRequest, Text, ToolCallDelta
+from gateway.core import LENGTH, TOOL_CALLS, Finish, GenerationRequest, Text, Thinking, ToolCallDelta
 from gateway.errors import InvalidRequest
 from gateway.generation import now_s
 from gateway.logprobs import chat_logprobs
@@ -84,6 +84,8 @@ def generation_request(data: ChatCompletionRequest) -> GenerationRequest:
         n=data.n,
         logprobs=(data.top_logprobs or 0) if data.logprobs else None,
         logprobs_param="top_logprobs",
+        reasoning_effort=data.reasoning_effort,
+        reasoning_budget=data.thinking_token_budget,
     )
 
 
@@ -109,6 +111,8 @@ def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list
     out = []
     for choice in choices:
         message = AssistantMessage(content=choice.content)
+        if choice.reasoning:
+            message.reasoning_content = message.reasoning = choice.reasoning
         if choice.tool_calls:
             message.tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in choice.tool_calls]
         out.append(
@@ -150,6 +154,8 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
         if isinstance(event, Text):
             logprobs = chat_logprobs(generator.token_texts, event.logprobs) if with_logprobs else None
             yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text), logprobs=logprobs)])
+        elif isinstance(event, Thinking):
+            yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(reasoning_content=event.text, reasoning=event.text))])
         elif isinstance(event, ToolCallDelta):
             yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(tool_calls=[_tool_chunk(event.call)]))])
         elif isinstance(event, Finish):

@@ -5,8 +5,9 @@ rendered by the chat template as chat completions are; tools with ``input_schema
 tools, ``tool_choice`` auto / any / tool / none maps onto auto / required / named / none. Errors
 under /v1/messages take Anthropic's shape (``gateway.errors``); the ``anthropic-version`` and
 ``anthropic-beta`` headers and a ``?beta=true`` query are tolerated, and ``x-api-key`` is accepted
-as the key. ``thinking`` is accepted and ignored (nothing thinks here, so no thinking blocks);
-images, documents and Anthropic's server tools are 400s naming the field.
+as the key. A reasoning model's thinking comes as ``thinking`` blocks (``thinking.budget_tokens``
+bounds it); thinking blocks in the history are skipped; images, documents and Anthropic's server
+tools are 400s naming the field.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from gateway.core import (
     Finish,
     GenerationRequest,
     Text,
+    Thinking,
     ToolCallDelta,
     Usage,
 )
@@ -48,6 +50,7 @@ from gateway.schemas_anthropic import (
     MessagesRequest,
     SystemBlock,
     TextBlock,
+    ThinkingBlock,
     ToolUseBlock,
 )
 
@@ -126,7 +129,21 @@ def generation_request(req: CountTokensRequest) -> GenerationRequest:
         tool_choice=choice,
         parallel_tool_calls=parallel,
         tool_name_param="tools[{}].name",
+        reasoning_budget=_thinking_budget(req),
+        budget_param="thinking.budget_tokens",
     )
+
+
+def _thinking_budget(req: CountTokensRequest) -> int | None:
+    """``thinking`` as a budget: enabled's own, none for disabled (0), none at all for adaptive."""
+    thinking = req.thinking
+    if thinking is None or thinking.type == "adaptive":
+        return None
+    if thinking.type == "disabled":
+        return 0
+    if thinking.type != "enabled" or thinking.budget_tokens is None:
+        raise InvalidRequest('`thinking` must be {"type": "enabled", "budget_tokens": N}, disabled or adaptive', param="thinking")
+    return thinking.budget_tokens
 
 
 def _tools(req: CountTokensRequest) -> tuple[list[dict], str | dict | None, bool | None]:
@@ -172,6 +189,14 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _close_block(kind: str | None, index: int) -> list[dict]:
+    """The events that close the open block (a thinking block's signature first, as Anthropic's)."""
+    if kind is None:
+        return []
+    signature = [{"type": "content_block_delta", "index": index, "delta": {"type": "signature_delta", "signature": ""}}] if kind == "thinking" else []
+    return [*signature, {"type": "content_block_stop", "index": index}]
+
+
 def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
@@ -192,7 +217,8 @@ class MessagesController(Controller):
 
 def _message(generation: core.Generation, choices: list[core.Choice]) -> MessageResponse:
     (choice,) = choices
-    content: list[TextBlock | ToolUseBlock] = [TextBlock(text=choice.content)] if choice.content else []
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock] = [ThinkingBlock(thinking=choice.reasoning)] if choice.reasoning else []
+    content += [TextBlock(text=choice.content)] if choice.content else []
     content += [ToolUseBlock(id=_tool_id(c.id), name=c.name, input=_input(c.arguments)) for c in choice.tool_calls]
     finish: Finish = choice.finish  # type: ignore[assignment]
     return MessageResponse(
@@ -236,18 +262,20 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
                 started = True
                 for opening in start():
                     yield opening
-            if isinstance(event, Text) and event.text:
-                if kind != "text":
-                    if kind is not None:
-                        yield {"type": "content_block_stop", "index": blocks}
-                    blocks, kind = blocks + 1, "text"
-                    yield {"type": "content_block_start", "index": blocks, "content_block": {"type": "text", "text": ""}}
-                yield {"type": "content_block_delta", "index": blocks, "delta": {"type": "text_delta", "text": event.text}}
+            if isinstance(event, (Text, Thinking)) and event.text:
+                block_type, field = ("text", "text") if isinstance(event, Text) else ("thinking", "thinking")
+                if kind != block_type:
+                    for closing in _close_block(kind, blocks):
+                        yield closing
+                    blocks, kind = blocks + 1, block_type
+                    opened = {"type": "text", "text": ""} if block_type == "text" else {"type": "thinking", "thinking": "", "signature": ""}
+                    yield {"type": "content_block_start", "index": blocks, "content_block": opened}
+                yield {"type": "content_block_delta", "index": blocks, "delta": {"type": f"{field}_delta", field: event.text}}
             elif isinstance(event, ToolCallDelta):
                 call = event.call
                 if call.id is not None:
-                    if kind is not None:
-                        yield {"type": "content_block_stop", "index": blocks}
+                    for closing in _close_block(kind, blocks):
+                        yield closing
                     blocks, kind = blocks + 1, "tool_use"
                     block = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
                     yield {"type": "content_block_start", "index": blocks, "content_block": block}
@@ -261,8 +289,8 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
                 yield opening
         yield exc.anthropic_body()
         return
-    if kind is not None:
-        yield {"type": "content_block_stop", "index": blocks}
+    for closing in _close_block(kind, blocks):
+        yield closing
     assert finish is not None
     delta = {"stop_reason": STOP_REASONS[finish.reason], "stop_sequence": finish.stop_sequence}
     yield {"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}
