@@ -102,15 +102,12 @@ class Output:
         yield self.event(f"response.{self.response.status}", response=self.response)
 
     def _text(self, event: Text) -> list[Event]:
-        out = []
-        if not isinstance(self._open, OutputMessage):
-            out += self._close("completed")
-            self._open = OutputMessage(id=self._item_id("msg"), status="in_progress", content=[])
-            self.response.output.append(self._open)
-            out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
-            self._open.content.append(OutputText(text=""))
-            out.append(self._part_event("response.content_part.added", part=self._open.content[0]))
-        part = self._open.content[0]
+        out = (
+            []
+            if isinstance(self._open, OutputMessage)
+            else self._open_item(OutputMessage(id=self._item_id("msg"), status="in_progress", content=[]), OutputText(text=""))
+        )
+        part = self._open.content[0]  # type: ignore[union-attr]
         logprobs = self._logprobs(event)
         part.text += event.text
         part.logprobs.extend(logprobs)
@@ -119,16 +116,23 @@ class Output:
         return out
 
     def _thinking(self, event: Thinking) -> list[Event]:
-        out = []
-        if not isinstance(self._open, ReasoningItem):
-            out += self._close("completed")
-            self._open = ReasoningItem(id=self._item_id("rs"), status="in_progress", content=[])
-            self.response.output.append(self._open)
-            out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
-            self._open.content.append(ReasoningText(text=""))
-            out.append(self._part_event("response.content_part.added", part=self._open.content[0]))
-        self._open.content[0].text += event.text
+        out = (
+            []
+            if isinstance(self._open, ReasoningItem)
+            else self._open_item(ReasoningItem(id=self._item_id("rs"), status="in_progress", content=[]), ReasoningText(text=""))
+        )
+        self._open.content[0].text += event.text  # type: ignore[union-attr]
         out.append(self._part_event("response.reasoning_text.delta", delta=event.text))
+        return out
+
+    def _open_item(self, item: OutputMessage | ReasoningItem, part: OutputText | ReasoningText) -> list[Event]:
+        """Close the open item and start ``item`` with its one (empty) text part."""
+        out = self._close("completed")
+        self._open = item
+        self.response.output.append(item)
+        out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=item))
+        item.content.append(part)  # type: ignore[arg-type]
+        out.append(self._part_event("response.content_part.added", part=part))
         return out
 
     def _part_event(self, kind: str, **fields: Any) -> Event:

@@ -10,14 +10,14 @@ prompt (so the random model thinks until its budget ends it) unless ``enable_thi
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import anthropic
 import jsonschema
 import openai
 import pytest
 
-from tests.conftest import MODEL, start_serve
+from tests.conftest import start_serve
+from tests.integration.test_fleet import build_tiny_qwen
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -30,36 +30,15 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 MESSAGES = [{"role": "user", "content": "Is 7 prime?"}]
 
 
-def build_thinker(folder: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from common.config import CACHE_DIR
-    from common.model_source import load_tokenizer, resolve_model
-
-    tokenizer = load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())
+def with_thinking(tokenizer) -> None:  # noqa: ANN001 - a transformers tokenizer
     tokenizer.add_tokens(["<think>", "</think>"])  # added, not special: the text keeps them
     tokenizer.chat_template = TEMPLATE
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):  # noqa: ANN201 - a tests.conftest.Server
     folder = tmp_path_factory.mktemp("thinker") / NAME
-    build_thinker(folder)
+    build_tiny_qwen(folder, with_thinking)
     server = start_serve("reasoning", 1, "--model", str(folder), "--served-model-name", NAME, "--dtype", "float32", "--max-model-len", "1024")
     yield server
     server.stop()
