@@ -60,6 +60,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["tool_call_id"] = message.tool_call_id
         if message.name is not None:
             item["name"] = message.name
+        if message.reasoning_content or message.reasoning:  # as Qwen3's and DeepSeek's templates name it
+            item["reasoning_content"] = message.reasoning_content or message.reasoning
         result.append(item)
     return result
 

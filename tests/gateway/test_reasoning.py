@@ -70,3 +70,11 @@ def test_markers_come_from_the_template_and_the_vocabulary():
     assert (auto.start_id, auto.end_id) == tuple(tokenizer.convert_tokens_to_ids(["<think>", "</think>"]))
     assert model_markers("deepseek_r1", tokenizer, "").assume_thinking
     assert model_markers("none", tokenizer, "<think>") is None
+
+
+def test_earlier_thinking_reaches_the_template_as_reasoning_content():
+    from gateway.routes.chat import message_dicts
+    from gateway.schemas import ChatMessage
+
+    turns = message_dicts([ChatMessage(role="user", content="2+2?"), ChatMessage(role="assistant", content="4", reasoning="2 and 2 make 4")])
+    assert turns[1]["reasoning_content"] == "2 and 2 make 4" and "reasoning_content" not in turns[0]
