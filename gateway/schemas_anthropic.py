@@ -8,11 +8,13 @@ from gateway.schemas import SamplingOptions
 
 
 class ContentBlock(msgspec.Struct, kw_only=True):
-    """A content block: ``text``, ``tool_use`` (an assistant's call), ``tool_result`` (its answer);
-    ``thinking`` blocks are skipped, images and documents refused."""
+    """A content block: ``text``, ``tool_use`` (an assistant's call), ``tool_result`` (its answer),
+    ``thinking`` (an assistant's earlier thinking, ``reasoning_content`` to the template); images and
+    documents refused."""
 
     type: str
     text: str | None = None
+    thinking: str | None = None
     id: str | None = None
     name: str | None = None
     input: dict | None = None

@@ -1,13 +1,13 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the generation core.
 
-``system`` and the messages (text, ``tool_use`` and ``tool_result`` blocks) become chat messages,
-rendered by the chat template as chat completions are; tools with ``input_schema`` become function
+``system`` and the messages (text, ``tool_use``, ``tool_result`` and ``thinking`` blocks) become
+chat messages, rendered by the chat template as chat completions are; tools with ``input_schema`` become function
 tools, ``tool_choice`` auto / any / tool / none maps onto auto / required / named / none. Errors
 under /v1/messages take Anthropic's shape (``gateway.errors``); the ``anthropic-version`` and
 ``anthropic-beta`` headers and a ``?beta=true`` query are tolerated, and ``x-api-key`` is accepted
 as the key. A reasoning model's thinking comes as ``thinking`` blocks (``thinking.budget_tokens``
-bounds it); thinking blocks in the history are skipped; images, documents and Anthropic's server
-tools are 400s naming the field.
+bounds it), and earlier thinking blocks go to the template as ``reasoning_content``; images,
+documents and Anthropic's server tools are 400s naming the field.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from gateway.schemas_anthropic import (
 )
 
 STOP_REASONS = {core.END: "end_turn", STOP_SEQUENCE: "stop_sequence", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
-_SKIPPED = ("thinking", "redacted_thinking")
+_SKIPPED = ("redacted_thinking",)
 
 
 def _text(blocks: str | list[ContentBlock] | None, param: str) -> str:
@@ -86,11 +86,13 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
-        text, tool_calls = "", []
+        text, tool_calls, thinking = "", [], ""
         for j, block in enumerate(message.content):
             param = f"messages[{i}].content[{j}]"
             if block.type == "text":
                 text += block.text or ""
+            elif block.type == "thinking":  # earlier thinking: for the templates that keep it
+                thinking += block.thinking or ""
             elif block.type == "tool_use" and message.role == "assistant":
                 calls.call(block.id, f"{param}.id")
                 arguments = orjson.dumps(block.input or {}).decode()
@@ -103,7 +105,8 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
             elif block.type not in _SKIPPED:
                 raise InvalidRequest(f"`{param}`: {block.type} blocks are not supported in a {message.role} message on this server", param=param)
         if text or tool_calls or message.role == "assistant":
-            out.append({"role": message.role, "content": text, **({"tool_calls": tool_calls} if tool_calls else {})})
+            extra = {"tool_calls": tool_calls} if tool_calls else {}
+            out.append({"role": message.role, "content": text, **extra, **({"reasoning_content": thinking} if thinking else {})})
     return out
 
 

@@ -78,3 +78,16 @@ def test_earlier_thinking_reaches_the_template_as_reasoning_content():
 
     turns = message_dicts([ChatMessage(role="user", content="2+2?"), ChatMessage(role="assistant", content="4", reasoning="2 and 2 make 4")])
     assert turns[1]["reasoning_content"] == "2 and 2 make 4" and "reasoning_content" not in turns[0]
+
+
+def test_earlier_thinking_blocks_reach_the_template_as_reasoning_content():
+    from gateway.routes.messages import chat_messages
+    from gateway.schemas_anthropic import AnthropicMessage, ContentBlock
+
+    history = [
+        AnthropicMessage(role="user", content="2+2?"),
+        AnthropicMessage(role="assistant", content=[ContentBlock(type="thinking", thinking="2 and 2 make 4"), ContentBlock(type="text", text="4")]),
+        AnthropicMessage(role="user", content="And 3+3?"),
+    ]
+    turns = chat_messages(None, history)
+    assert turns[1] == {"role": "assistant", "content": "4", "reasoning_content": "2 and 2 make 4"}
