@@ -140,20 +140,20 @@ def test_a_thinking_budget_forces_the_end_marker_then_the_grammar_applies(engine
 
 def test_a_resumed_request_keeps_its_thinking_budget(engine, tokenizer):
     start, end = thinking_markers(tokenizer)
-    engine.add_request(NewRequest("whole", PROMPTS[0], 10, SamplingParams(temperature=0), reasoning=Reasoning(start, end, ThinkState.THINKING, 5)))
+    engine.add_request(NewRequest("whole", PROMPTS[0], 5, SamplingParams(temperature=0), reasoning=Reasoning(start, end, ThinkState.THINKING, 3)))
     whole = drain(engine)[0]["whole"]
-    assert whole[5] == end
+    assert whole[3] == end and end not in whole[:3]
     engine.add_request(
         NewRequest(
             "rest",
-            PROMPTS[0] + whole[:3],
-            7,
+            PROMPTS[0] + whole[:2],
+            3,
             SamplingParams(temperature=0),
-            resumed_tokens=3,
-            reasoning=Reasoning(start, end, ThinkState.THINKING, 5),
+            resumed_tokens=2,  # a worker died after two thinking tokens: one more, then the end marker
+            reasoning=Reasoning(start, end, ThinkState.THINKING, 3),
         )
     )
-    assert whole[:3] + drain(engine)[0]["rest"] == whole
+    assert whole[:2] + drain(engine)[0]["rest"] == whole
 
 
 GUIDED_STEP_IMPORTS = """
