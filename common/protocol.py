@@ -86,6 +86,17 @@ class Guide(Wire):
     spec: str = ""
 
 
+class Reasoning(Wire):
+    """A reasoning model's thinking section, as the worker enforces it (common/reasoning.py): the
+    marker tokens, where the prompt left the thinking (``ThinkState``), and how many thinking tokens
+    may come before the worker forces the end marker (None: no bound but ``max_new_tokens``)."""
+
+    start_token_id: int
+    end_token_id: int
+    state: int = 0
+    budget: int | None = None
+
+
 class NewRequest(Wire):
     """A request as the worker needs it: token ids in, budget and stop rules."""
 
@@ -102,6 +113,9 @@ class NewRequest(Wire):
     # W3C trace context of the gateway's span for this request (``traceparent``, ``tracestate``), so
     # a worker's own spans or events join the same trace; empty when tracing is off.
     trace_context: dict[str, str] = {}
+    # A reasoning model's thinking (None: no thinking markers): a guide applies only after the
+    # thinking ends, and a budget ends it.
+    reasoning: Reasoning | None = None
 
 
 class Ready(Wire):
@@ -326,29 +340,3 @@ def decode(frames: list[bytes] | list[memoryview]) -> Message:
         return decoder.decode(frames[1])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"bad {MsgType(header[1]).name} payload: {exc}") from None
-
-
-def salvage_requests(frames: list[bytes] | list[memoryview]) -> tuple[list[NewRequest], list[tuple[str, str]]] | None:
-    """An AddRequests that did not decode as a whole (say one prompt held ``true``), read request by
-    request: the requests that decode, and (request id, why) for those that don't, so each can be
-    answered instead of the whole message vanishing. None when the frames are not an AddRequests of
-    this protocol version at all; a request without a readable id cannot be answered and is left out."""
-    if len(frames) != 2 or bytes(frames[0]) != bytes((PROTOCOL_VERSION, MsgType.ADD_REQUESTS)):
-        return None
-    try:
-        payload = msgspec.msgpack.decode(frames[1])
-    except msgspec.DecodeError:
-        return None
-    items = payload[0] if isinstance(payload, list) and payload else None  # AddRequests is [requests]
-    if not isinstance(items, list):
-        return None
-    good: list[NewRequest] = []
-    bad: list[tuple[str, str]] = []
-    for item in items:
-        try:
-            good.append(msgspec.convert(item, NewRequest))
-        except msgspec.ValidationError as exc:
-            request_id = item[0] if isinstance(item, list) and item else None  # a NewRequest's id comes first
-            if isinstance(request_id, str):
-                bad.append((request_id, f"the worker could not read the request: {exc}"))
-    return good, bad

@@ -25,6 +25,7 @@ from gateway.errors import EXCEPTION_HANDLERS
 from gateway.generation import Lanes
 from gateway.metrics import Metrics, http_metrics_middleware
 from gateway.model_registry import ModelRegistry
+from gateway.reasoning import PARSERS as REASONING_PARSERS
 from gateway.request_body import GatewayRequest
 from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
@@ -81,6 +82,8 @@ def head_as_get(handler: ASGIApp) -> ASGIApp:
 def create_app(config: GatewayConfig) -> Litestar:
     if config.tool_call_parser not in PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}; got {config.tool_call_parser!r}")
+    if config.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; got {config.reasoning_parser!r}")
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -96,7 +99,9 @@ def create_app(config: GatewayConfig) -> Litestar:
             config.curve_authorized_keys,
         )
         admission = Admission(config.max_concurrent_requests, config.max_waiting_requests, stall_s=config.hung_timeout)
-        models = ModelRegistry(client, Metrics(client.snapshot, admission), admission, Lanes(config.tokenizer_threads), config.request_timeout)
+        models = ModelRegistry(
+            client, Metrics(client.snapshot, admission), admission, Lanes(config.tokenizer_threads), config.request_timeout, config.reasoning_parser
+        )
         client.learn_model = models.learn
         app.state.allow_request_chat_template = config.allow_request_chat_template
         app.state.api_keys = keys

@@ -61,6 +61,12 @@ GATEWAY_FLAGS = [
         "hermes",
         'How tool calls are read from the model\'s own output (tool_choice auto): hermes, i.e. <tool_call>{"name": ..., "arguments": ...}</tool_call>',
     ),
+    Flag(
+        "reasoning-parser",
+        "auto",
+        "How a reasoning model's thinking is split from its answer: auto (the <think>-style markers its chat template names), "
+        "deepseek_r1, qwen3, or none",
+    ),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
     Flag("otlp-endpoint", None, "OpenTelemetry: OTLP/HTTP endpoint to export traces to (e.g. http://collector:4318); tracing is off without it"),
     Flag("otlp-service-name", "llmpool-gateway", "OpenTelemetry: the service.name of this gateway's spans"),
@@ -113,6 +119,7 @@ class GatewayConfig(SharedConfig):
     request_timeout: float = 600.0
     tokenizer_threads: int = 2
     tool_call_parser: str = "hermes"
+    reasoning_parser: str = "auto"
     otlp_endpoint: str | None = None
     otlp_service_name: str = "llmpool-gateway"
     state_url: str | None = None

@@ -9,8 +9,8 @@ streamed as they come (``events``), or folded into one ``Choice`` per generation
 Stop strings, tool-call parsing, grammars, logprobs, the detokenizer, admission and errors all
 live below this line, written once.
 
-Events of one choice come in this order: ``PromptLogprobs`` (echo only), then ``Text`` and
-``ToolCallDelta`` as the text grows, then one ``Finish``. Choices (``n``, several prompts)
+Events of one choice come in this order: ``PromptLogprobs`` (echo only), then a reasoning model's
+``Thinking``, then ``Text`` and ``ToolCallDelta`` as the text grows, then one ``Finish``. Choices (``n``, several prompts)
 interleave, each event naming its choice by ``index``.
 """
 
@@ -65,6 +65,10 @@ class GenerationRequest:
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     tool_name_param: str = "tools[{}].function.name"
+    reasoning_effort: str | None = None  # a reasoning model's thinking budget by name (gateway/reasoning.py)
+    reasoning_budget: int | None = None  # ... or in tokens; either way the worker ends the thinking there
+    effort_param: str = "reasoning_effort"
+    budget_param: str = "thinking_token_budget"
     n: int = 1  # generations per prompt
     n_param: str = "n"  # ``best_of`` in legacy completions
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
@@ -86,6 +90,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens read from the prefix cache
+    reasoning_tokens: int = 0  # of the completion tokens, those of the thinking (its markers included)
 
     @property
     def total_tokens(self) -> int:
@@ -97,6 +102,14 @@ class Text:
     index: int
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens behind this text, when asked for
+
+
+@dataclass(slots=True)
+class Thinking:
+    """New text of a reasoning model's thinking (never part of ``Text``)."""
+
+    index: int
+    text: str
 
 
 @dataclass(slots=True)
@@ -119,7 +132,7 @@ class Finish:
     stop_sequence: str | None = None
 
 
-Event = Text | ToolCallDelta | PromptLogprobs | Finish
+Event = Text | Thinking | ToolCallDelta | PromptLogprobs | Finish
 
 
 @dataclass(slots=True)
@@ -127,7 +140,8 @@ class Choice:
     """One generation, whole."""
 
     index: int
-    text: str = ""  # what is not tool calls
+    text: str = ""  # what is not tool calls (nor thinking)
+    reasoning: str = ""  # a reasoning model's thinking
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)
@@ -144,7 +158,12 @@ class Choice:
 def total_usage(finishes: list[Finish], n: int = 1) -> Usage:
     """Usage of all choices; each prompt counts once however many choices (``n``) it had."""
     prompts = [f.usage for f in finishes[::n]]
-    return Usage(sum(u.prompt_tokens for u in prompts), sum(f.usage.completion_tokens for f in finishes), sum(u.cached_tokens for u in prompts))
+    return Usage(
+        sum(u.prompt_tokens for u in prompts),
+        sum(f.usage.completion_tokens for f in finishes),
+        sum(u.cached_tokens for u in prompts),
+        sum(f.usage.reasoning_tokens for f in finishes),
+    )
 
 
 async def start(generator: Generator, req: GenerationRequest, request: Request | None = None) -> Generation:
@@ -193,6 +212,7 @@ class Generation:
         self.prompts = prepared.prompts  # token ids, one list per prompt
         self.tools = prepared.tools
         self.parsers = prepared.parsers
+        self.thinkers = prepared.thinkers
         self.stops = prepared.stops
         self.news = prepared.news
         self.slots = slots
@@ -211,8 +231,16 @@ class Generation:
                 yield PromptLogprobs(index, delta.prompt_logprobs)
             if self.first_usage is None and index == 0:
                 self.first_usage = Usage(delta.prompt_tokens, 0, delta.cached_tokens)
+            thinker, text = self.thinkers[index] if self.thinkers else None, delta.text
+            if thinker is not None:  # the thinking first: the tool calls and the answer come after it
+                thinking, text = thinker.push(text)
+                if delta.finish_reason is not None:
+                    more, rest = thinker.finish()
+                    thinking, text = thinking + more, text + rest
+                if thinking:
+                    yield Thinking(index, thinking)
             parser = parsers[index]
-            text, calls = (delta.text, []) if parser is None else parser.push(delta.text)
+            text, calls = (text, []) if parser is None else parser.push(text)
             if delta.finish_reason is not None and parser is not None:
                 rest, more = parser.finish()
                 text, calls = text + rest, calls + more
@@ -221,7 +249,7 @@ class Generation:
             for call in calls:
                 yield ToolCallDelta(index, call)
             if delta.finish_reason is not None:
-                usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens)
+                usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens, delta.reasoning_tokens)
                 self._meter(index, usage)
                 yield Finish(index, _reason(delta, parser is not None and bool(parser.calls)), usage, delta.stop_sequence)
 
@@ -250,6 +278,8 @@ class Generation:
                     choice.tool_calls.append(ToolCall(call.name or "", call.arguments, call.id))
                 else:
                     choice.tool_calls[call.index].arguments += call.arguments
+            elif isinstance(event, Thinking):
+                choice.reasoning += event.text
             elif isinstance(event, PromptLogprobs):
                 choice.prompt_logprobs.extend(event.logprobs)
             else:

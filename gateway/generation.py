@@ -19,12 +19,14 @@ from typing import Any, TypeVar
 from litestar import Request
 
 from common.protocol import FinishReason, NewRequest, RequestOutput, TokenLogprobs
+from common.reasoning import ThinkTracker
 from gateway import tracing
 from gateway.admission import Admission, Slot
 from gateway.errors import ClientGone, GenerationFailed, InvalidRequest, NoWorkerAvailable, RequestTimeout
 from gateway.logprobs import TokenLogprob, TokenTexts
 from gateway.metrics import Metrics, RequestClock
 from gateway.pool import RequestStream, Trace
+from gateway.reasoning import Markers
 from gateway.stop import StopChecker
 from gateway.templates import Budget, ChatTemplate
 from gateway.tokenizer import IncrementalDetokenizer
@@ -49,6 +51,7 @@ class TextDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of this delta's tokens, when asked for
     prompt_logprobs: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)  # echo: every prompt token's
     stop_sequence: str | None = None  # the stop string that ended the text, when one did
+    reasoning_tokens: int = 0  # of the completion tokens so far, those of a reasoning model's thinking
 
 
 class Lanes:
@@ -78,6 +81,7 @@ class Generator:
         metrics: Metrics,
         admission: Admission,
         timeout_s: float,
+        reasoning: Markers | None = None,
     ) -> None:
         self.client = client
         self.vocab_size = len(tokenizer)
@@ -89,6 +93,7 @@ class Generator:
         self.template = template
         self.model_name = model_name
         self.lanes = lanes
+        self.reasoning = reasoning  # a reasoning model's thinking markers (gateway/reasoning.py)
 
     def chat_prompt_ids(
         self,
@@ -197,6 +202,7 @@ class Generator:
                 trace.end("error")
                 raise
         clock = RequestClock(self.metrics, request.request_id, self.model_name)
+        thinking = ThinkTracker(request.reasoning) if request.reasoning is not None else None  # counts reasoning tokens
         sent = covered = 0  # characters of text sent, and of the tokens whose logprobs were sent
         try:
             while True:
@@ -215,6 +221,8 @@ class Generator:
                     clock.outcome = "error"
                     raise item
                 text = detokenizer.push(item.new_token_ids)
+                for token in item.new_token_ids if thinking is not None else ():
+                    thinking.push(token)
                 finish = item.finish_reason
                 if finish is not None:
                     text += detokenizer.flush()
@@ -233,6 +241,7 @@ class Generator:
                 sent += len(text)
                 delta = TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs)
                 delta.stop_sequence = stop.matched if stopped else None
+                delta.reasoning_tokens = thinking.reasoning_tokens if thinking is not None else 0
                 if item.prompt_logprobs is not None:
                     ids = request.prompt_token_ids
                     delta.prompt_logprobs = [(ids[0], None), *zip(ids[1:], item.prompt_logprobs)]

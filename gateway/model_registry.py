@@ -18,6 +18,7 @@ from gateway.admission import Admission
 from gateway.errors import NotFound, NoWorkerAvailable
 from gateway.generation import Generator, Lanes
 from gateway.metrics import Metrics
+from gateway.reasoning import model_markers
 from gateway.templates import ChatTemplate
 from gateway.worker_client import WorkerClient
 
@@ -27,12 +28,15 @@ log = logging.getLogger(__name__)
 class ModelRegistry:
     """Served model name -> its Generator, plus the pool every model shares."""
 
-    def __init__(self, client: WorkerClient, metrics: Metrics, admission: Admission, lanes: Lanes, timeout_s: float) -> None:
+    def __init__(
+        self, client: WorkerClient, metrics: Metrics, admission: Admission, lanes: Lanes, timeout_s: float, reasoning_parser: str = "auto"
+    ) -> None:
         self.client = client
         self.metrics = metrics
         self.admission = admission
         self.lanes = lanes
         self.timeout_s = timeout_s
+        self.reasoning_parser = reasoning_parser
         self.generators: dict[str, Generator] = {}
         self.first_seen: dict[str, int] = {}  # model -> unix time it was learned (``created`` in /v1/models)
 
@@ -41,8 +45,9 @@ class ModelRegistry:
         tokenizer = await asyncio.to_thread(unpack_tokenizer, info.files)
         source = read_chat_template(None, info.chat_template or getattr(tokenizer, "chat_template", None))
         template = ChatTemplate(source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token})
+        markers = await asyncio.to_thread(model_markers, self.reasoning_parser, tokenizer, source)
         self.generators[info.model] = Generator(
-            self.client, tokenizer, template, info.model, self.lanes, self.metrics, self.admission, self.timeout_s
+            self.client, tokenizer, template, info.model, self.lanes, self.metrics, self.admission, self.timeout_s, markers
         )
         self.first_seen.setdefault(info.model, int(time.time()))
 

@@ -19,6 +19,8 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: which call it answers
+    reasoning_content: str | None = None  # an assistant's earlier thinking (``reasoning`` too): templates that keep it read it
+    reasoning: str | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -66,6 +68,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    reasoning_effort: str | None = None  # a reasoning model's thinking budget by name (README: Reasoning models)
+    thinking_token_budget: int | None = None  # ... or in tokens (vLLM's name)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -96,11 +100,16 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET  # a reasoning model's
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):
@@ -118,6 +127,9 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
+    # A reasoning model's thinking, under both names clients read (vLLM's older and newer).
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -154,6 +166,8 @@ class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallChunk] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking, under both names
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -8,11 +8,13 @@ from gateway.schemas import SamplingOptions
 
 
 class ContentBlock(msgspec.Struct, kw_only=True):
-    """A content block: ``text``, ``tool_use`` (an assistant's call), ``tool_result`` (its answer);
-    ``thinking`` blocks are skipped, images and documents refused."""
+    """A content block: ``text``, ``tool_use`` (an assistant's call), ``tool_result`` (its answer),
+    ``thinking`` (an assistant's earlier thinking, ``reasoning_content`` to the template); images and
+    documents refused."""
 
     type: str
     text: str | None = None
+    thinking: str | None = None
     id: str | None = None
     name: str | None = None
     input: dict | None = None
@@ -44,6 +46,14 @@ class AnthropicToolChoice(msgspec.Struct, kw_only=True):
     disable_parallel_tool_use: bool | None = None
 
 
+class ThinkingConfig(msgspec.Struct, kw_only=True):
+    """``enabled`` with ``budget_tokens`` (the worker ends the thinking there), ``disabled`` (no
+    thinking: a budget of 0), ``adaptive`` (no budget)."""
+
+    type: str
+    budget_tokens: int | None = None
+
+
 class CountTokensRequest(SamplingOptions, kw_only=True):
     """The prompt part of a request (sampling fields are accepted so a whole request counts too)."""
 
@@ -52,7 +62,7 @@ class CountTokensRequest(SamplingOptions, kw_only=True):
     system: str | list[SystemBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: dict | None = None  # accepted and ignored: nothing thinks here
+    thinking: ThinkingConfig | None = None  # a reasoning model's thinking budget
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -72,6 +82,11 @@ class TextBlock(msgspec.Struct, kw_only=True, tag="text", tag_field="type"):
     text: str
 
 
+class ThinkingBlock(msgspec.Struct, kw_only=True, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""  # nothing to verify: the thinking comes back as the template reads it
+
+
 class ToolUseBlock(msgspec.Struct, kw_only=True, tag="tool_use", tag_field="type"):
     id: str
     name: str
@@ -88,7 +103,7 @@ class AnthropicUsage(msgspec.Struct, kw_only=True):
 class MessageResponse(msgspec.Struct, kw_only=True):
     id: str
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: str | None  # end_turn, max_tokens, stop_sequence, tool_use
     stop_sequence: str | None
     usage: AnthropicUsage

@@ -64,9 +64,10 @@ class ResponsesRequest(SamplingOptions, kw_only=True):
     top_logprobs: int | None = None
     metadata: dict | None = None
     user: str | None = None
-    # Accepted and ignored: no reasoning happens, so none is reported; truncation is always "disabled"
-    # (a prompt too long is a 400); include asks for extra fields we never have.
-    reasoning: dict | None = None
+    # ``effort`` bounds a reasoning model's thinking (README: Reasoning models); truncation is always
+    # "disabled" (a prompt too long is a 400); include asks for extra fields we never have.
+    reasoning: Reasoning | None = None
+    thinking_token_budget: int | None = None  # vLLM's budget in tokens, as chat's (wins over reasoning.effort)
     truncation: str | None = None
     include: list[str] | None = None
     background: bool | None = None  # run detached from the connection; poll with GET, stop with POST .../cancel
@@ -106,7 +107,20 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, tag="function_call", tag_fi
     status: str
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(msgspec.Struct, kw_only=True, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, kw_only=True, tag="reasoning", tag_field="type"):
+    """A reasoning model's thinking, as its text (no summary is made)."""
+
+    id: str
+    status: str
+    content: list[ReasoningText]
+    summary: list = msgspec.field(default_factory=list)
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(msgspec.Struct):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -25,6 +25,7 @@ from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
 from gateway import tracing
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator
+from gateway.reasoning import ReasoningParser, thinking_budget
 from gateway.schemas import MAX_LOGPROBS, SamplingOptions
 from gateway.templates import Budget
 from gateway.tools import ToolOutputParser, ToolPlan, check_tool_calls, tool_plan
@@ -47,6 +48,7 @@ class Prepared:
     tools: ToolPlan
     parsers: list[ToolOutputParser | None]  # each choice's reader of tool calls (None: no tools)
     stops: list[str]
+    thinkers: list[ReasoningParser | None] = field(default_factory=list)  # each choice's splitter of thinking (None: none)
 
 
 async def prepare(generator: Generator, req: GenerationRequest, request: Request | None = None, admit: bool = True) -> Prepared:
@@ -75,7 +77,8 @@ async def prepare(generator: Generator, req: GenerationRequest, request: Request
     if not admit:
         return Prepared(prompts, [], checked.plan, checked.parsers, checked.stops)
     max_model_len, kv_capacity = generator.client.limits(generator.model_name)
-    sampling, news = checked.sampling, []
+    sampling, news, thinkers = checked.sampling, [], []
+    markers = generator.reasoning if checked.messages is not None else None  # a chat's thinking, not a raw prompt's
     for p, ids in enumerate(prompts):
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -83,6 +86,7 @@ async def prepare(generator: Generator, req: GenerationRequest, request: Request
         if req.sampling.min_tokens > budget:
             raise InvalidRequest(f"`min_tokens` ({req.sampling.min_tokens}) is more than the token budget ({budget})", param="min_tokens")
         rid = f"{req.request_id}-p{p}" if len(prompts) > 1 else req.request_id
+        thinking = markers.spec(ids, checked.budget) if markers is not None else None
         for choice in range(req.n):  # each copy its own request id, and with a seed, its own seed derived from it
             seeded = msgspec.structs.replace(sampling, seed=(sampling.seed + choice) % 2**63) if choice and sampling.seed is not None else sampling
             news.append(
@@ -94,9 +98,11 @@ async def prepare(generator: Generator, req: GenerationRequest, request: Request
                     stop_token_ids=checked.stop_token_ids,
                     ignore_eos=req.sampling.ignore_eos,
                     guide=checked.guide,
+                    reasoning=thinking,
                 )
             )
-    return Prepared(prompts, news, checked.plan, checked.parsers, checked.stops)
+            thinkers.append(ReasoningParser(markers, thinking.state) if markers is not None and thinking is not None else None)
+    return Prepared(prompts, news, checked.plan, checked.parsers, checked.stops, thinkers)
 
 
 @dataclass(slots=True)
@@ -112,6 +118,7 @@ class _Checked:
     chars: int  # characters to tokenize (big inputs take their own lane)
     messages: list[dict] | None  # the conversation as the template reads it (tools described for one that can't)
     variables: dict[str, Any]  # the template's own: chat_template_kwargs and the tools
+    budget: int | None  # thinking tokens before the worker ends the thinking (None: no bound)
 
 
 def _check(generator: Generator, req: GenerationRequest, request: Request | None) -> _Checked:
@@ -126,6 +133,7 @@ def _check(generator: Generator, req: GenerationRequest, request: Request | None
     sampling.prompt_logprobs = req.prompt_logprobs
     stop_token_ids = check_token_ids(list(req.sampling.stop_token_ids or []), generator.vocab_size, "stop_token_ids")
     fmt = format_guide(req.response_format, req.format_param)
+    budget = thinking_budget(req.reasoning_effort, req.reasoning_budget, req.effort_param, req.budget_param)
     if req.template is not None and not (request is not None and request.app.state.allow_request_chat_template):
         raise InvalidRequest(
             "`chat_template` in a request is refused on this server (templates come from the server side; "
@@ -149,7 +157,9 @@ def _check(generator: Generator, req: GenerationRequest, request: Request | None
         source = req.template or generator.template.source
         messages = plan.prompt_messages(req.messages, source)
         variables = {**(req.template_kwargs or {}), **plan.template_variables(source)}
-    return _Checked(sampling, stop_token_ids, stops, forced or fmt, plan, parsers, chars, messages, variables)
+        if budget == 0:  # no thinking: a template that can leave it out (Qwen3's enable_thinking) does
+            variables.setdefault("enable_thinking", False)
+    return _Checked(sampling, stop_token_ids, stops, forced or fmt, plan, parsers, chars, messages, variables, budget)
 
 
 def _prompt_size(generator: Generator, req: GenerationRequest) -> int:

@@ -4,7 +4,9 @@ Each guided request owns an llguidance matcher. Before sampling, the matchers of
 fill one bitmask (a bit per vocabulary entry); allowed tokens keep their logits, the rest become
 -inf, so guided and free requests share the batch and free rows are never touched. After sampling,
 each matcher consumes its row's token. Once the grammar is complete the mask allows only the
-end-of-sequence tokens, so the request stops the ordinary way.
+end-of-sequence tokens, so the request stops the ordinary way. A reasoning model's grammar starts
+after its thinking (common/reasoning.py): thinking rows are not masked and their tokens not
+consumed, and a row that may still open its thinking may also take the start marker.
 
 llguidance was chosen over xgrammar by measurement on this machine (default model's tokenizer, a
 3-field JSON schema; scripts in the commit message): both compute a mask in well under 0.1 ms
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from common.grammar import GrammarError, grammar_text
+from common.reasoning import ThinkState, ThinkTracker
 from worker.request import Request
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,8 @@ class GuidedDecoding:
         if matcher.is_error():
             raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
         generated = request.generated_token_ids
+        if request.reasoning is not None:  # the grammar starts after the thinking
+            generated = ThinkTracker(request.reasoning.spec).answer_tokens(generated)
         if generated and not matcher.consume_tokens(generated):
             raise GrammarError(f"the tokens generated before the resume do not fit the grammar: {matcher.get_error()}")
         self._matchers[request.request_id] = matcher
@@ -74,7 +79,9 @@ class GuidedDecoding:
         """Logits with every token the grammar forbids at -inf, for the guided rows only."""
         if not self._matchers:
             return logits
-        rows = [(i, m) for i, r in enumerate(requests) if (m := self._matchers.get(r.request_id)) is not None and not m.is_error()]
+        rows = [
+            (i, m) for i, r in enumerate(requests) if (m := self._matchers.get(r.request_id)) is not None and not m.is_error() and _constrained(r)
+        ]
         if not rows:
             return logits
         # llguidance.numpy, not llguidance.torch: importing the latter imports torch's compiler
@@ -86,6 +93,10 @@ class GuidedDecoding:
             lln.fill_next_token_bitmask(matcher, bitmask, j)
         index = torch.tensor([i for i, _ in rows], device=logits.device)
         allowed = _unpack(torch.from_numpy(bitmask), logits.shape[-1]).to(logits.device)
+        for j, (i, _) in enumerate(rows):  # a model that may still open its thinking may do so
+            think = requests[i].reasoning
+            if think is not None and think.may_open:
+                allowed[j, think.spec.start_token_id] = True
         guided = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
         return logits.index_copy(0, index, guided)
 
@@ -95,7 +106,9 @@ class GuidedDecoding:
             return
         for request, token in zip(requests, tokens):
             matcher = self._matchers.get(request.request_id)
-            if matcher is not None and not matcher.consume_token(token):
+            if matcher is None or request.reasoning is not None and not request.reasoning.answers(token):
+                continue  # thinking: the grammar has not started
+            if not matcher.consume_token(token):
                 log.warning(
                     "request %s: token %d rejected by its grammar: %s",
                     request.request_id,
@@ -103,6 +116,12 @@ class GuidedDecoding:
                     matcher.get_error(),
                     extra={"request_id": request.request_id},
                 )
+
+
+def _constrained(request: Request) -> bool:
+    """The grammar applies: no thinking, or it is over (or may not come: the model may still open it)."""
+    think = request.reasoning
+    return think is None or think.state != ThinkState.THINKING
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -45,6 +45,7 @@ from common.protocol import (
     StepOutputs,
     WorkerError,
 )
+from common.salvage import salvage_requests
 from worker.gateways import Gateways
 from worker.handshake import GatewayLink
 from worker.heartbeat import Vitals
@@ -331,7 +332,7 @@ class WorkerProc:
         """A message that did not decode: if it is an AddRequests, keep the requests that do decode
         and answer the others with an error (the gateway would otherwise wait on them until its
         timeout); anything else is dropped."""
-        salvaged = protocol.salvage_requests(frames)
+        salvaged = salvage_requests(frames)
         if salvaged is None:
             log.warning("dropped a malformed message: %s", exc)
             return None

@@ -8,6 +8,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from common.protocol import FinishReason, Guide, NewRequest, SamplingParams, TokenLogprobs, WorkerEvent
+from common.reasoning import ThinkTracker
 
 if TYPE_CHECKING:
     from worker.kv_store.link import Lookup
@@ -65,11 +66,12 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens this step verifies after the last token
     events: list[WorkerEvent] | None = None  # trace events not yet sent; None when the request is not traced
     kv_store: Lookup | None = None  # its blocks' keys and what the KV store staged for it (worker/kv_store)
+    reasoning: ThinkTracker | None = None  # a reasoning model's thinking: its budget, and where a guide starts
 
     @classmethod
     def from_wire(cls, new: NewRequest, eos_token_ids: frozenset[int]) -> Request:
         stop = frozenset(new.stop_token_ids) | (frozenset() if new.ignore_eos else eos_token_ids)
-        return cls(
+        request = cls(
             request_id=new.request_id,
             token_ids=list(new.prompt_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids),
@@ -79,7 +81,12 @@ class Request:
             guide=new.guide,
             output_start=len(new.prompt_token_ids) - min(new.resumed_tokens, len(new.prompt_token_ids)),
             events=[] if new.trace_context else None,
+            reasoning=None if new.reasoning is None else ThinkTracker(new.reasoning),
         )
+        if request.reasoning is not None:  # a resumed request: its thinking goes on where it was
+            for token in request.generated_token_ids:
+                request.reasoning.push(token)
+        return request
 
     def record(self, name: str, **attributes: int | float | str | bool) -> None:
         """Note a trace event (sent with the next output); callers check ``events is not None``
@@ -118,6 +125,8 @@ class Request:
     def append_token(self, token_id: int, max_model_len: int) -> None:
         """Add a sampled token and decide whether the request is done."""
         self.token_ids.append(token_id)
+        if self.reasoning is not None:
+            self.reasoning.push(token_id)
         if token_id in self.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
         elif self.num_output_tokens >= self.max_new_tokens or self.num_tokens >= max_model_len:

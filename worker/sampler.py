@@ -56,6 +56,7 @@ class Sampler:
         logits = _adjust(raw_logits.to(torch.float32, copy=True), requests)
         if self.guided is not None:
             logits = self.guided.mask(logits, requests)
+        logits = _force(logits, requests)
         if all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
         greedy = logits.argmax(dim=-1) if any(p.temperature == 0 for p in params) else None
@@ -109,6 +110,17 @@ class Sampler:
         chosen = torch.tensor(emitted, device=raw_logits.device)
         logprobs = _logprobs(raw_logits[: len(emitted)], chosen, rows[: len(emitted)])
         return emitted, None if params.logprobs is None else logprobs
+
+
+def _force(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Rows whose thinking budget is spent take the end marker, whatever the sampling: every other
+    token at -inf (greedy and sampled alike then pick it)."""
+    for row, request in enumerate(requests):
+        token = request.reasoning.forced() if request.reasoning is not None else None
+        if token is not None:
+            logits[row].fill_(float("-inf"))
+            logits[row, token] = 0.0
+    return logits
 
 
 def _plain(p: SamplingParams) -> bool:

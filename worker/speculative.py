@@ -56,9 +56,11 @@ def propose(token_ids: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram:
 
 
 def may_speculate(request: Request) -> bool:
-    """Greedy or unseeded sampled, and not guided (see the module docstring)."""
+    """Greedy or unseeded sampled, not guided, and no thinking budget to force an end marker at
+    (see the module docstring)."""
     sampling = request.sampling
-    return request.guide is None and (sampling.temperature == 0 or sampling.seed is None)
+    budgeted = request.reasoning is not None and request.reasoning.spec.budget is not None
+    return request.guide is None and not budgeted and (sampling.temperature == 0 or sampling.seed is None)
 
 
 class Speculator:

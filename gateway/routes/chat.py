@@ -13,7 +13,7 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from gateway import core
-from gateway.core import LENGTH, TOOL_CALLS, Finish, GenerationRequest, Text, ToolCallDelta
+from gateway.core import LENGTH, TOOL_CALLS, Finish, GenerationRequest, Text, Thinking, ToolCallDelta
 from gateway.errors import InvalidRequest
 from gateway.generation import now_s
 from gateway.logprobs import chat_logprobs
@@ -60,6 +60,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["tool_call_id"] = message.tool_call_id
         if message.name is not None:
             item["name"] = message.name
+        if message.reasoning_content or message.reasoning:  # as Qwen3's and DeepSeek's templates name it
+            item["reasoning_content"] = message.reasoning_content or message.reasoning
         result.append(item)
     return result
 
@@ -84,6 +86,8 @@ def generation_request(data: ChatCompletionRequest) -> GenerationRequest:
         n=data.n,
         logprobs=(data.top_logprobs or 0) if data.logprobs else None,
         logprobs_param="top_logprobs",
+        reasoning_effort=data.reasoning_effort,
+        reasoning_budget=data.thinking_token_budget,
     )
 
 
@@ -109,6 +113,8 @@ def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list
     out = []
     for choice in choices:
         message = AssistantMessage(content=choice.content)
+        if choice.reasoning:
+            message.reasoning_content = message.reasoning = choice.reasoning
         if choice.tool_calls:
             message.tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in choice.tool_calls]
         out.append(
@@ -150,6 +156,8 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
         if isinstance(event, Text):
             logprobs = chat_logprobs(generator.token_texts, event.logprobs) if with_logprobs else None
             yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text), logprobs=logprobs)])
+        elif isinstance(event, Thinking):
+            yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(reasoning_content=event.text, reasoning=event.text))])
         elif isinstance(event, ToolCallDelta):
             yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(tool_calls=[_tool_chunk(event.call)]))])
         elif isinstance(event, Finish):

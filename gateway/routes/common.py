@@ -12,7 +12,7 @@ from litestar.response import Stream
 
 from gateway.core import Choice, Generation, Usage
 from gateway.errors import InvalidRequest
-from gateway.schemas import ErrorBody, PromptTokensDetails
+from gateway.schemas import CompletionTokensDetails, ErrorBody, PromptTokensDetails
 from gateway.schemas import Usage as OpenAIUsage
 from gateway.streaming import SSE_HEADERS, sse_events
 
@@ -72,6 +72,7 @@ def openai_usage(usage: Usage) -> OpenAIUsage:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         prompt_tokens_details=PromptTokensDetails(usage.cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(usage.reasoning_tokens) if usage.reasoning_tokens else msgspec.UNSET,
     )
 
 

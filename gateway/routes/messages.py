@@ -1,12 +1,13 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the generation core.
 
-``system`` and the messages (text, ``tool_use`` and ``tool_result`` blocks) become chat messages,
-rendered by the chat template as chat completions are; tools with ``input_schema`` become function
+``system`` and the messages (text, ``tool_use``, ``tool_result`` and ``thinking`` blocks) become
+chat messages, rendered by the chat template as chat completions are; tools with ``input_schema`` become function
 tools, ``tool_choice`` auto / any / tool / none maps onto auto / required / named / none. Errors
 under /v1/messages take Anthropic's shape (``gateway.errors``); the ``anthropic-version`` and
 ``anthropic-beta`` headers and a ``?beta=true`` query are tolerated, and ``x-api-key`` is accepted
-as the key. ``thinking`` is accepted and ignored (nothing thinks here, so no thinking blocks);
-images, documents and Anthropic's server tools are 400s naming the field.
+as the key. A reasoning model's thinking comes as ``thinking`` blocks (``thinking.budget_tokens``
+bounds it), and earlier thinking blocks go to the template as ``reasoning_content``; images,
+documents and Anthropic's server tools are 400s naming the field.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from gateway.core import (
     Finish,
     GenerationRequest,
     Text,
+    Thinking,
     ToolCallDelta,
     Usage,
 )
@@ -48,11 +50,12 @@ from gateway.schemas_anthropic import (
     MessagesRequest,
     SystemBlock,
     TextBlock,
+    ThinkingBlock,
     ToolUseBlock,
 )
 
 STOP_REASONS = {core.END: "end_turn", STOP_SEQUENCE: "stop_sequence", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
-_SKIPPED = ("thinking", "redacted_thinking")
+_SKIPPED = ("redacted_thinking",)
 
 
 def _text(blocks: str | list[ContentBlock] | None, param: str) -> str:
@@ -83,11 +86,13 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
-        text, tool_calls = "", []
+        text, tool_calls, thinking = "", [], ""
         for j, block in enumerate(message.content):
             param = f"messages[{i}].content[{j}]"
             if block.type == "text":
                 text += block.text or ""
+            elif block.type == "thinking":  # earlier thinking: for the templates that keep it
+                thinking += block.thinking or ""
             elif block.type == "tool_use" and message.role == "assistant":
                 calls.call(block.id, f"{param}.id")
                 arguments = orjson.dumps(block.input or {}).decode()
@@ -100,7 +105,8 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
             elif block.type not in _SKIPPED:
                 raise InvalidRequest(f"`{param}`: {block.type} blocks are not supported in a {message.role} message on this server", param=param)
         if text or tool_calls or message.role == "assistant":
-            out.append({"role": message.role, "content": text, **({"tool_calls": tool_calls} if tool_calls else {})})
+            extra = {"tool_calls": tool_calls} if tool_calls else {}
+            out.append({"role": message.role, "content": text, **extra, **({"reasoning_content": thinking} if thinking else {})})
     return out
 
 
@@ -126,7 +132,21 @@ def generation_request(req: CountTokensRequest) -> GenerationRequest:
         tool_choice=choice,
         parallel_tool_calls=parallel,
         tool_name_param="tools[{}].name",
+        reasoning_budget=_thinking_budget(req),
+        budget_param="thinking.budget_tokens",
     )
+
+
+def _thinking_budget(req: CountTokensRequest) -> int | None:
+    """``thinking`` as a budget: enabled's own, none for disabled (0), none at all for adaptive."""
+    thinking = req.thinking
+    if thinking is None or thinking.type == "adaptive":
+        return None
+    if thinking.type == "disabled":
+        return 0
+    if thinking.type != "enabled" or thinking.budget_tokens is None:
+        raise InvalidRequest('`thinking` must be {"type": "enabled", "budget_tokens": N}, disabled or adaptive', param="thinking")
+    return thinking.budget_tokens
 
 
 def _tools(req: CountTokensRequest) -> tuple[list[dict], str | dict | None, bool | None]:
@@ -172,6 +192,14 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _close_block(kind: str | None, index: int) -> list[dict]:
+    """The events that close the open block (a thinking block's signature first, as Anthropic's)."""
+    if kind is None:
+        return []
+    signature = [{"type": "content_block_delta", "index": index, "delta": {"type": "signature_delta", "signature": ""}}] if kind == "thinking" else []
+    return [*signature, {"type": "content_block_stop", "index": index}]
+
+
 def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
@@ -192,7 +220,8 @@ class MessagesController(Controller):
 
 def _message(generation: core.Generation, choices: list[core.Choice]) -> MessageResponse:
     (choice,) = choices
-    content: list[TextBlock | ToolUseBlock] = [TextBlock(text=choice.content)] if choice.content else []
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock] = [ThinkingBlock(thinking=choice.reasoning)] if choice.reasoning else []
+    content += [TextBlock(text=choice.content)] if choice.content else []
     content += [ToolUseBlock(id=_tool_id(c.id), name=c.name, input=_input(c.arguments)) for c in choice.tool_calls]
     finish: Finish = choice.finish  # type: ignore[assignment]
     return MessageResponse(
@@ -236,18 +265,20 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
                 started = True
                 for opening in start():
                     yield opening
-            if isinstance(event, Text) and event.text:
-                if kind != "text":
-                    if kind is not None:
-                        yield {"type": "content_block_stop", "index": blocks}
-                    blocks, kind = blocks + 1, "text"
-                    yield {"type": "content_block_start", "index": blocks, "content_block": {"type": "text", "text": ""}}
-                yield {"type": "content_block_delta", "index": blocks, "delta": {"type": "text_delta", "text": event.text}}
+            if isinstance(event, (Text, Thinking)) and event.text:
+                block_type, field = ("text", "text") if isinstance(event, Text) else ("thinking", "thinking")
+                if kind != block_type:
+                    for closing in _close_block(kind, blocks):
+                        yield closing
+                    blocks, kind = blocks + 1, block_type
+                    opened = {"type": "text", "text": ""} if block_type == "text" else {"type": "thinking", "thinking": "", "signature": ""}
+                    yield {"type": "content_block_start", "index": blocks, "content_block": opened}
+                yield {"type": "content_block_delta", "index": blocks, "delta": {"type": f"{field}_delta", field: event.text}}
             elif isinstance(event, ToolCallDelta):
                 call = event.call
                 if call.id is not None:
-                    if kind is not None:
-                        yield {"type": "content_block_stop", "index": blocks}
+                    for closing in _close_block(kind, blocks):
+                        yield closing
                     blocks, kind = blocks + 1, "tool_use"
                     block = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
                     yield {"type": "content_block_start", "index": blocks, "content_block": block}
@@ -261,8 +292,8 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
                 yield opening
         yield exc.anthropic_body()
         return
-    if kind is not None:
-        yield {"type": "content_block_stop", "index": blocks}
+    for closing in _close_block(kind, blocks):
+        yield closing
     assert finish is not None
     delta = {"stop_reason": STOP_REASONS[finish.reason], "stop_sequence": finish.stop_sequence}
     yield {"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}

@@ -1,5 +1,6 @@
-"""A Responses API answer built from the core's events: its output items (a ``message`` with
-``output_text``, a ``function_call`` per call) and, streamed, OpenAI's typed events in order, each
+"""A Responses API answer built from the core's events: its output items (a reasoning model's
+``reasoning`` with its ``reasoning_text``, a ``message`` with ``output_text``, a ``function_call``
+per call) and, streamed, OpenAI's typed events in order, each
 with an increasing ``sequence_number``, encoded as they are made (``gateway.state.runs.Event``).
 Item ids derive from the response's id and the item's place, so a gateway that takes a response
 over and replays it makes the same events."""
@@ -13,7 +14,7 @@ from typing import Any
 import msgspec
 
 from gateway import core
-from gateway.core import LENGTH, Finish, Text, ToolCallDelta
+from gateway.core import LENGTH, Finish, Text, Thinking, ToolCallDelta
 from gateway.errors import GatewayError
 from gateway.generation import Generator
 from gateway.logprobs import chat_logprobs
@@ -25,6 +26,8 @@ from gateway.schemas_responses import (
     OutputMessage,
     OutputText,
     OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponseUsage,
@@ -43,7 +46,7 @@ class Output:
         self.response = response
         self.with_logprobs = with_logprobs
         self._sequence = itertools.count()
-        self._open: OutputMessage | FunctionCallItem | None = None
+        self._open: ReasoningItem | OutputMessage | FunctionCallItem | None = None
 
     def event(self, kind: str, **fields: Any) -> Event:
         """The event as JSON now: later changes to the items it names (text growing) are not in it."""
@@ -72,12 +75,15 @@ class Output:
             if isinstance(event, Text) and (event.text or event.logprobs):
                 for out in self._text(event):
                     yield out
+            elif isinstance(event, Thinking):
+                for out in self._thinking(event):
+                    yield out
             elif isinstance(event, ToolCallDelta):
                 for out in self._call(event):
                     yield out
             elif isinstance(event, Finish):
                 finish = event
-        if not self.response.output:  # nothing at all was said: an empty message, as OpenAI answers
+        if not any(isinstance(item, OutputMessage | FunctionCallItem) for item in self.response.output):  # nothing said: an empty message, as OpenAI
             for out in self._text(Text(0, "")):
                 yield out
         incomplete = finish is not None and finish.reason == LENGTH
@@ -88,7 +94,7 @@ class Output:
             input_tokens=usage.prompt_tokens,
             input_tokens_details=InputTokensDetails(usage.cached_tokens),
             output_tokens=usage.completion_tokens,
-            output_tokens_details=OutputTokensDetails(0),
+            output_tokens_details=OutputTokensDetails(usage.reasoning_tokens),
             total_tokens=usage.total_tokens,
         )
         self.response.status = "incomplete" if incomplete else "completed"
@@ -96,15 +102,12 @@ class Output:
         yield self.event(f"response.{self.response.status}", response=self.response)
 
     def _text(self, event: Text) -> list[Event]:
-        out = []
-        if not isinstance(self._open, OutputMessage):
-            out += self._close("completed")
-            self._open = OutputMessage(id=self._item_id("msg"), status="in_progress", content=[])
-            self.response.output.append(self._open)
-            out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
-            self._open.content.append(OutputText(text=""))
-            out.append(self._part_event("response.content_part.added", part=self._open.content[0]))
-        part = self._open.content[0]
+        out = (
+            []
+            if isinstance(self._open, OutputMessage)
+            else self._open_item(OutputMessage(id=self._item_id("msg"), status="in_progress", content=[]), OutputText(text=""))
+        )
+        part = self._open.content[0]  # type: ignore[union-attr]
         logprobs = self._logprobs(event)
         part.text += event.text
         part.logprobs.extend(logprobs)
@@ -112,8 +115,28 @@ class Output:
             out.append(self._part_event("response.output_text.delta", delta=event.text, logprobs=logprobs))
         return out
 
+    def _thinking(self, event: Thinking) -> list[Event]:
+        out = (
+            []
+            if isinstance(self._open, ReasoningItem)
+            else self._open_item(ReasoningItem(id=self._item_id("rs"), status="in_progress", content=[]), ReasoningText(text=""))
+        )
+        self._open.content[0].text += event.text  # type: ignore[union-attr]
+        out.append(self._part_event("response.reasoning_text.delta", delta=event.text))
+        return out
+
+    def _open_item(self, item: OutputMessage | ReasoningItem, part: OutputText | ReasoningText) -> list[Event]:
+        """Close the open item and start ``item`` with its one (empty) text part."""
+        out = self._close("completed")
+        self._open = item
+        self.response.output.append(item)
+        out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=item))
+        item.content.append(part)  # type: ignore[arg-type]
+        out.append(self._part_event("response.content_part.added", part=part))
+        return out
+
     def _part_event(self, kind: str, **fields: Any) -> Event:
-        """An event of the text part of the message being written (the last output item)."""
+        """An event of the text part of the item being written (the last output item)."""
         return self.event(kind, item_id=self._open.id, output_index=len(self.response.output) - 1, content_index=0, **fields)  # type: ignore[union-attr]
 
     def _logprobs(self, event: Text) -> list[Logprob]:
@@ -147,7 +170,11 @@ class Output:
             return []
         index = self.response.output.index(item)
         out = []
-        if isinstance(item, OutputMessage):
+        if isinstance(item, ReasoningItem):
+            part = item.content[0]
+            out.append(self.event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text))
+            out.append(self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part))
+        elif isinstance(item, OutputMessage):
             part = item.content[0]
             out.append(
                 self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text, logprobs=part.logprobs)
@@ -164,6 +191,8 @@ class Output:
 
 async def _replay(choice: core.Choice) -> AsyncIterator[core.Event]:
     """A collected choice as the events that made it."""
+    if choice.reasoning:
+        yield Thinking(0, choice.reasoning)
     if choice.text or choice.logprobs:
         yield Text(0, choice.text if not choice.tool_calls else (choice.content or ""), choice.logprobs)
     for i, call in enumerate(choice.tool_calls):

@@ -23,7 +23,7 @@ from litestar.response import Stream
 
 from common.protocol import RequestOutput
 from gateway.errors import NotFound
-from gateway.schemas_responses import InputItem, OutputMessage, ResponseObject, ResponsesRequest
+from gateway.schemas_responses import FunctionCallItem, InputItem, OutputMessage, ResponseObject, ResponsesRequest
 from gateway.state.records import ResponseRecord
 from gateway.state.runs import Event, Run
 from gateway.state.service import StateService
@@ -45,12 +45,13 @@ class _EventType(msgspec.Struct):
 
 
 def output_messages(output: list) -> list[dict[str, Any]]:
-    """A response's output as the chat messages that continue its conversation."""
+    """A response's output as the chat messages that continue its conversation (its thinking left
+    out, as reasoning models' templates leave out earlier turns' thinking)."""
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     for item in output:
         if isinstance(item, OutputMessage):
             message["content"] += "".join(part.text for part in item.content)
-        else:
+        elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             message.setdefault("tool_calls", []).append(call)
     return [message]

@@ -11,8 +11,9 @@ order, each with an increasing ``sequence_number``. A stored response that strea
 ``background`` logs its events as it goes, so it can be followed again (``?stream=true``) on any
 gateway and taken over when its own gateway dies (``response_runs.py``).
 
-Accepted and ignored: ``reasoning`` (nothing reasons here, so no reasoning items and 0 reasoning
-tokens), ``truncation`` (always ``disabled``: a prompt too long is a 400), ``include``,
+A reasoning model's thinking is a ``reasoning`` item before the message (``reasoning_text``
+content, streamed as ``response.reasoning_text.delta``), counted in ``reasoning_tokens``;
+``reasoning.effort`` bounds it. Accepted and ignored: ``reasoning.summary``, ``truncation`` (always ``disabled``: a prompt too long is a 400), ``include``,
 ``max_tool_calls``, ``service_tier``, ``prompt_cache_key``. Refused with a 400 naming the field:
 ``prompt``, built-in tools (anything but ``function`` in ``tools``), image and file inputs,
 ``item_reference`` items.
@@ -43,7 +44,7 @@ from gateway.routes.common import documented, json_response
 from gateway.routes.conversations import conversation_id
 from gateway.routes.response_output import Output
 from gateway.routes.response_runs import Turn, chunk_hook, follow, framed, input_items, not_stored, sse_stream, start_run
-from gateway.schemas_responses import DeletedResponse, InputItem, InputPart, ResponseObject, ResponsesRequest, TextConfig
+from gateway.schemas_responses import DeletedResponse, InputItem, InputPart, Reasoning, ResponseObject, ResponsesRequest, TextConfig
 from gateway.state.limits import check_budget, check_metadata, check_user
 from gateway.state.runs import Event
 from gateway.state.service import StateService
@@ -130,6 +131,9 @@ def generation_request(req: ResponsesRequest, conversation: list[dict[str, Any]]
         tool_name_param="tools[{}].name",
         logprobs=req.top_logprobs,
         logprobs_param="top_logprobs",
+        reasoning_effort=req.reasoning.effort if req.reasoning else None,
+        effort_param="reasoning.effort",
+        reasoning_budget=req.thinking_token_budget,
     )
 
 
@@ -285,4 +289,5 @@ def _envelope(generator: Generator, req: ResponsesRequest) -> ResponseObject:
         metadata=req.metadata or {},
         user=req.user,
         background=bool(req.background),
+        reasoning=req.reasoning or Reasoning(),
     )

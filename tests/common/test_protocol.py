@@ -19,6 +19,7 @@ from common.protocol import (
     StepOutputs,
     WorkerError,
 )
+from common.salvage import salvage_requests
 
 MESSAGES = [
     Ready("w0", "m", 8192, 46592, 16, 128, "cpu", "bfloat16"),
@@ -95,11 +96,11 @@ def test_an_add_requests_with_one_unreadable_request_is_salvaged_request_by_requ
     frames = [frames[0], msgspec.msgpack.encode(payload)]
     with pytest.raises(ProtocolError, match="Expected `int`, got `bool`"):
         protocol.decode(frames)
-    salvaged, refused = protocol.salvage_requests(frames)
+    salvaged, refused = salvage_requests(frames)
     assert salvaged == [good]
     assert [rid for rid, _ in refused] == ["bad"] and "Expected `int`, got `bool`" in refused[0][1]
-    assert protocol.salvage_requests(protocol.encode(Abort(["x"]))) is None
-    assert protocol.salvage_requests([frames[0], b"\xc1"]) is None
+    assert salvage_requests(protocol.encode(Abort(["x"]))) is None
+    assert salvage_requests([frames[0], b"\xc1"]) is None
 
 
 def test_handshake_event_numbers_are_libzmqs():

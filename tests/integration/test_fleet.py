@@ -12,7 +12,9 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -27,8 +29,9 @@ ENV = {"LLMPOOL_API_KEY": API_KEY, "LLMPOOL_THREADS": "1"}
 MODELS = ("smol", "smol-copy", "tiny-qwen")
 
 
-def build_tiny_qwen(folder: Path) -> None:
-    """A 2-layer Qwen2 with random weights and the default model's tokenizer (so it needs nothing online)."""
+def build_tiny_qwen(folder: Path, extend: Callable[[Any], None] | None = None) -> None:
+    """A 2-layer Qwen2 with random weights and the default model's tokenizer (so it needs nothing
+    online), which ``extend`` may change first (tokens added, another chat template)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -36,6 +39,8 @@ def build_tiny_qwen(folder: Path) -> None:
     from common.model_source import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())
+    if extend is not None:
+        extend(tokenizer)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=64,

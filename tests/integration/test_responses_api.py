@@ -159,7 +159,7 @@ def test_unsupported_or_bad_fields_are_400s_naming_the_field(server, body, param
     assert response.json()["error"]["param"] == param
 
 
-def test_reasoning_is_accepted_and_ignored_and_the_short_path_works(server):
+def test_reasoning_on_a_model_that_does_not_think_reports_none_and_the_short_path_works(server):
     response = server.post(
         "/responses",
         json={

@@ -13,7 +13,8 @@ import torch
 
 from common.config import CACHE_DIR
 from common.model_source import load_tokenizer, resolve_model
-from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
+from common.protocol import Guide, GuideKind, NewRequest, Reasoning, SamplingParams
+from common.reasoning import ThinkState
 from tests.worker.test_engine import PROMPTS
 from worker.build import build_engine
 from worker.config import WorkerConfig
@@ -108,6 +109,53 @@ def test_an_invalid_grammar_is_an_error_for_that_request_only(engine):
     assert len(tokens["good"]) == 8
 
 
+def thinking_markers(tokenizer) -> tuple[int, int]:  # noqa: ANN001
+    """Two ordinary tokens of SmolLM2 that stand in for <think> and </think> (the worker only sees ids)."""
+    start, end = tokenizer.convert_tokens_to_ids(["think", "done"])
+    return start, end
+
+
+def test_a_thinking_budget_forces_the_end_marker_then_the_grammar_applies(engine, tokenizer):
+    """Thinking is free sampling (the grammar would forbid its first token); the budget ends it
+    with the end marker; the answer after it follows the grammar to its end."""
+    start, end = thinking_markers(tokenizer)
+    guide = Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    engine.add_request(NewRequest("free", PROMPTS[1], 4, SamplingParams(temperature=0)))
+    engine.add_request(
+        NewRequest("think", PROMPTS[1], 80, SamplingParams(temperature=0), guide=guide, reasoning=Reasoning(start, end, ThinkState.THINKING, 4))
+    )
+    # The model may open its thinking (the start marker, which a bias makes certain) despite the grammar.
+    opened = SamplingParams(temperature=0, logit_bias={start: 100.0})
+    engine.add_request(NewRequest("open", PROMPTS[2], 80, opened, guide=guide, reasoning=Reasoning(start, end, ThinkState.PENDING, 3)))
+    tokens, errors, _ = drain(engine)
+    assert not errors
+    think, free = tokens["think"], tokens["free"]
+    assert think[:4] == free and not tokenizer.decode(free[:1]).lstrip().startswith("{")  # thinking the grammar would forbid
+    assert think[4] == end
+    jsonschema.validate(json.loads(tokenizer.decode(think[5:], skip_special_tokens=True)), SCHEMA)
+    opened_tokens = tokens["open"]
+    assert opened_tokens[:4] == [start] * 4 and opened_tokens[4] == end  # the biased marker, 3 more thinking tokens, the end
+    jsonschema.validate(json.loads(tokenizer.decode(opened_tokens[5:], skip_special_tokens=True)), SCHEMA)
+
+
+def test_a_resumed_request_keeps_its_thinking_budget(engine, tokenizer):
+    start, end = thinking_markers(tokenizer)
+    engine.add_request(NewRequest("whole", PROMPTS[0], 5, SamplingParams(temperature=0), reasoning=Reasoning(start, end, ThinkState.THINKING, 3)))
+    whole = drain(engine)[0]["whole"]
+    assert whole[3] == end and end not in whole[:3]
+    engine.add_request(
+        NewRequest(
+            "rest",
+            PROMPTS[0] + whole[:2],
+            3,
+            SamplingParams(temperature=0),
+            resumed_tokens=2,  # a worker died after two thinking tokens: one more, then the end marker
+            reasoning=Reasoning(start, end, ThinkState.THINKING, 3),
+        )
+    )
+    assert whole[:2] + drain(engine)[0]["rest"] == whole
+
+
 GUIDED_STEP_IMPORTS = """
 import sys
 from types import SimpleNamespace
@@ -118,7 +166,7 @@ from common.protocol import Guide, GuideKind
 from worker.guided import GuidedDecoding
 
 guided = GuidedDecoding(lambda: load_tokenizer(resolve_model("SmolLM2-135M-Instruct"), CACHE_DIR.env_default()), 49152, frozenset([2]))
-request = SimpleNamespace(request_id="r", guide=Guide(GuideKind.JSON_OBJECT), generated_token_ids=[])
+request = SimpleNamespace(request_id="r", guide=Guide(GuideKind.JSON_OBJECT), generated_token_ids=[], reasoning=None)
 guided.add(request)
 masked = guided.mask(torch.zeros(1, 49152), [request])
 print(int(torch.isinf(masked).sum()), "torch._dynamo" in sys.modules)
