@@ -22,7 +22,9 @@ def build_engine(source: ModelSource, config: WorkerConfig) -> Engine:
     """Batch limits left at 0 are filled in for the device first: the runner sizes CUDA graphs by them."""
     config = config.for_device(pick_device(config.device).type)
     runner = ModelRunner(source, config)
-    return Engine(runner, config, kv_store_link(source, config, runner))
+    link = kv_store_link(source, config, runner)
+    runner.drop_float_weights()
+    return Engine(runner, config, link)
 
 
 def kv_store_link(source: ModelSource, config: WorkerConfig, runner: ModelRunner) -> functools.partial[KVStore] | None:
@@ -41,7 +43,7 @@ def kv_store_link(source: ModelSource, config: WorkerConfig, runner: ModelRunner
         dtype=io.dtype,
         layout=io.layout,
         block_size=config.block_size,
-        quantization=runner.quantization,
+        quantization=runner.quantization + ("-only" if runner.paths.rows_only else ""),  # prompts computed from those weights too
     )
     tier = open_tier(config.kv_store, fingerprint, parse_size(config.kv_store_size))
     log.info("KV store: %s, blocks of fingerprint %s (%s, %s)", tier.description, fingerprint.hex, source.name, dtype)

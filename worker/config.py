@@ -70,6 +70,13 @@ WORKER_FLAGS = [
         "or auto (on the CPU unless --dtype float32: q4 for a model that came as 4-bit weights, like the default Q4_1 GGUF, on a CPU with VNNI; else int8)",
     ),
     Flag(
+        "quantized-only",
+        False,
+        "Keep only the C++ step's quantized weights (int8/q4, packed for VNNI): prompts run through that step too, and the model's "
+        "float copy (bf16: 2 bytes a parameter) is freed after the start-up self-check; refused where the step cannot take every batch",
+        bool,
+    ),
+    Flag(
         "cuda-graphs",
         "auto",
         "CUDA graphs for decode steps, one per batch-size bucket (worker/runner/cuda_graphs.py): on, off, or auto (on for a CUDA worker in bfloat16 or "
@@ -117,6 +124,7 @@ class WorkerConfig(SharedConfig):
     model_impl: str = "auto"
     skip_self_check: bool = False
     quantization: str = "auto"
+    quantized_only: bool = False
     cuda_graphs: str = "auto"
     cuda_attention: str = "auto"
     threads: int = 0

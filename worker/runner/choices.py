@@ -4,6 +4,8 @@ cannot honour with an error that says why, rather than ignoring it."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 from pathlib import Path
 
@@ -79,6 +81,41 @@ def pick_impl(choice: str, model: torch.nn.Module) -> LlamaForward | None:
 def build_fused(fast: bool, model: torch.nn.Module, quantization: str, cache: Path | None) -> FusedDecode | None:
     """The C++ decode step's copy of the model when decode steps run there (``pick_decode_path``)."""
     return FusedDecode(model, quantization, cache) if fast else None
+
+
+def rows_only(wanted: bool, fused: FusedDecode | None) -> bool:
+    """``--quantized-only``: every batch, prompts included, runs the C++ step, whose weights must then
+    be packed for its GEMM kernels (int8 or q4 on a CPU with VNNI), else it is refused."""
+    if not wanted:
+        return False
+    if fused is None or not fused.any_batch:
+        why = "the C++ step does not run this model here" if fused is None else "its weights are not packed for every matrix"
+        raise ValueError(
+            f"--quantized-only runs every batch through the C++ step's quantized weights, which cannot take prompts here: {why} "
+            "(it needs --quantization int8 or q4 on a CPU with VNNI, and matrix sizes that are multiples of 16)"
+        )
+    return True
+
+
+def free_float_weights(model: torch.nn.Module) -> int:
+    """Drop the float copy of the decoder layers' weights (and of an untied head): with
+    ``--quantized-only`` the C++ step holds its own quantized copy, and the embedding table is all
+    it reads of the model. Returns the bytes freed."""
+    freed = 0
+    params = list(model.model.layers.parameters())
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+        params.append(head.weight)
+    for param in params:
+        freed += param.numel() * param.element_size()
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    gc.collect()
+    try:  # hand the freed pages back to the system now (glibc keeps them for reuse otherwise)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    log.info("--quantized-only: freed %.0f MB of float weights", freed / 2**20)
+    return freed
 
 
 def use_graphs(choice: str, device: torch.device, native: LlamaForward | None, backend: DecodeBackend) -> bool:

@@ -48,8 +48,9 @@ class RowInputs:
     tables: torch.Tensor  # [rows, widest table]
     lengths: torch.Tensor
     max_len: int
-    keep: torch.Tensor | None  # the rows whose logits are wanted (None: all)
+    keep: torch.Tensor | None  # the rows whose logits are wanted (None: all): sampled rows, then prompt-logprob rows
     sampled_requests: list[Request]
+    prompt_spans: list[tuple[Request, int, int]]  # as FlatInputs'
 
 
 class InputBuilder:
@@ -96,11 +97,10 @@ class InputBuilder:
             if start + n == request.num_tokens:
                 logits_indices.append(first + n - 1)
                 sampled.append(request)
-            if request.sampling.prompt_logprobs is not None:  # positions whose next prompt token needs a logprob
-                low, high = max(start, len(request.prompt_logprobs)), min(start + n, request.num_prompt_tokens - 1)
-                if low < high:
-                    prompt_rows.extend(range(first + low - start, first + high - start))
-                    prompt_spans.append((request, low, high - low))
+            span = self._prompt_span(request, start, n)
+            if span is not None:
+                prompt_rows.extend(range(first + span[1] - start, first + span[1] - start + span[2]))
+                prompt_spans.append(span)
             if n > 1:
                 prefills.append(self.prefill_span(request, first, n))
         metadata = AttentionMetadata(
@@ -120,6 +120,15 @@ class InputBuilder:
             prompt_spans=prompt_spans,
             metadata=metadata,
         )
+
+    @staticmethod
+    def _prompt_span(request: Request, start: int, n: int) -> tuple[Request, int, int] | None:
+        """(request, first position, count) of this chunk's positions whose next prompt token needs a
+        logprob; None when none does."""
+        if request.sampling.prompt_logprobs is None:
+            return None
+        low, high = max(start, len(request.prompt_logprobs)), min(start + n, request.num_prompt_tokens - 1)
+        return (request, low, high - low) if low < high else None
 
     def _decode_groups(self, rows: list[Request]) -> list[DecodeGroup]:
         """Single-token rows in groups: one for a backend that reads each row's own length.
@@ -164,14 +173,22 @@ class InputBuilder:
         tables: list[list[int]] = []
         keep: list[int] = []
         sampled: list[Request] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[Request, int, int]] = []
         for request, n in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
+            first = len(ids)
             ids.extend(request.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             tables.extend([request.block_ids] * n)
             if start + n == request.num_tokens:
                 keep.append(len(ids) - 1)
                 sampled.append(request)
+            span = self._prompt_span(request, start, n)
+            if span is not None:
+                prompt_rows.extend(range(first + span[1] - start, first + span[1] - start + span[2]))
+                prompt_spans.append(span)
+        keep += prompt_rows
         width = max(len(t) for t in tables)
         return RowInputs(
             ids=self.tensor(ids),
@@ -180,8 +197,9 @@ class InputBuilder:
             tables=self.tensor([t + [0] * (width - len(t)) for t in tables]),
             lengths=self.tensor([p + 1 for p in positions]),
             max_len=max(positions) + 1,
-            keep=None if len(keep) == len(ids) else self.tensor(keep),
+            keep=None if keep == list(range(len(ids))) else self.tensor(keep),
             sampled_requests=sampled,
+            prompt_spans=prompt_spans,
         )
 
     def verify_rows(self, request: Request) -> RowInputs:
@@ -199,6 +217,7 @@ class InputBuilder:
             max_len=start + n,
             keep=None,
             sampled_requests=[request],
+            prompt_spans=[],
         )
 
     def verify_flat(self, request: Request) -> FlatInputs:

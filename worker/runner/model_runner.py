@@ -27,7 +27,7 @@ from worker.models import support
 from worker.models.llama import supports as native_supports
 from worker.request import Request
 from worker.runner import kv_cache
-from worker.runner.choices import build_fused, pick_decode_path, pick_device, pick_dtype, pick_impl, use_graphs
+from worker.runner.choices import build_fused, free_float_weights, pick_decode_path, pick_device, pick_dtype, pick_impl, rows_only, use_graphs
 from worker.runner.cuda_graphs import DecodeGraphs
 from worker.runner.inputs import InputBuilder
 from worker.runner.paths import ExecutionPaths
@@ -62,7 +62,8 @@ class ModelRunner:
         self.quantization, fast_decode = pick_decode_path(config.quantization, self.device, self.dtype, model)
         decode_cache = source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}")
         fused = build_fused(fast_decode, model, self.quantization, decode_cache)
-        self.native = pick_impl(config.model_impl, model)
+        only_rows = rows_only(config.quantized_only, fused)
+        self.native = None if only_rows else pick_impl(config.model_impl, model)
         first = self.layers[0]
         backend = choose_decode_backend(
             config.cuda_attention, self.device, self.dtype, HeadShape(first.heads, first.kv_heads, first.k_dim, self.block_size)
@@ -82,9 +83,15 @@ class ModelRunner:
         if graphs:
             max_blocks = -(-self.max_model_len // self.block_size)
             decode_graphs = DecodeGraphs(self.native, self.kv_caches, first.heads, max_blocks, self.num_blocks, config.max_num_seqs, backend)
-        self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, decode_graphs)
+        self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, decode_graphs, rows_only=only_rows)
         if check is not None:
             check.run(self)
+
+    def drop_float_weights(self) -> None:
+        """With ``--quantized-only``, free the model's float weights once nothing needs them (after
+        the self-check and the KV store's weights digest; worker/build.py calls it last)."""
+        if self.paths.rows_only:
+            free_float_weights(self.model)
 
     @property
     def decode_backend(self) -> str:
@@ -121,12 +128,14 @@ class ModelRunner:
         if paths.takes_graph(batch):
             return paths.graph(batch), batch.requests
         if paths.takes_rows(batch):
-            rows = self.inputs.rows(batch)
-            return paths.rows(rows), rows.sampled_requests
-        flat = self.inputs.flat(batch)
-        logits = paths.flat(flat)
-        self._record_prompt_logprobs(logits[len(flat.sampled_requests) :], flat.prompt_spans)
-        return logits[: len(flat.sampled_requests)], flat.sampled_requests
+            inputs = self.inputs.rows(batch)
+            logits = paths.rows(inputs)
+        else:
+            inputs = self.inputs.flat(batch)
+            logits = paths.flat(inputs)
+        sampled = len(inputs.sampled_requests)
+        self._record_prompt_logprobs(logits[sampled:], inputs.prompt_spans)
+        return logits[:sampled], inputs.sampled_requests
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> RunOutput:
         """One token per row (row i is requests[i]), and the logprobs of the rows that asked."""

@@ -11,7 +11,7 @@
   74-88 ms with the chunks in the torch path beside the C++ decode rows.
 - ``flat``: the torch path (the native forward or transformers' classes) over one flat sequence;
   prefill-only batches (oneDNN's bf16 GEMMs and SDPA do large chunks faster) and prompts that want
-  logprobs always take it.
+  logprobs take it, except with ``--quantized-only``, where every batch is rows.
 - ``verify``: a lone request's drafts (worker/speculative.py), as rows on the C++ path, else as a
   prompt chunk.
 """
@@ -44,6 +44,7 @@ class ExecutionPaths:
         fused: FusedDecode | None,
         inputs: InputBuilder,
         graphs: DecodeGraphs | None,
+        rows_only: bool = False,
     ) -> None:
         self.model = model
         self.native = native
@@ -51,6 +52,7 @@ class ExecutionPaths:
         self.fast = fused is not None
         self.inputs = inputs
         self.graphs = graphs
+        self.rows_only = rows_only  # --quantized-only: the model's float weights are gone; every batch is rows
 
     def takes_graph(self, batch: ScheduledBatch) -> bool:
         return self.graphs is not None and len(batch) <= self.graphs.max_rows and all(map(is_decode_row, batch.requests, batch.num_new_tokens))
@@ -68,6 +70,8 @@ class ExecutionPaths:
 
     def takes_rows(self, batch: ScheduledBatch) -> bool:
         """Whether the C++ step takes the batch (see the module docstring)."""
+        if self.rows_only:
+            return True
         if not self.fast:
             return False
         decodes = sum(map(is_decode_row, batch.requests, batch.num_new_tokens))
@@ -88,6 +92,6 @@ class ExecutionPaths:
 
     def verify(self, request: Request) -> torch.Tensor:
         """Logits of the last token and of each draft after it."""
-        if self.fast and 1 + len(request.draft_token_ids) <= FAST_DECODE_MAX_ROWS:
+        if self.rows_only or (self.fast and 1 + len(request.draft_token_ids) <= FAST_DECODE_MAX_ROWS):
             return self.rows(self.inputs.verify_rows(request))
         return self.flat(self.inputs.verify_flat(request))
