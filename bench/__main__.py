@@ -194,13 +194,15 @@ def main() -> None:
         url = args.url.rstrip("/") if args.url else None
         if url is None:
             extra = [a for flags in args.server_arg for a in flags.split()]
+            if not args.gateway_overhead:  # the model measured, unless a --server-arg names another
+                extra = [f"--model={args.model}", *extra]
             processes, url = servers.start_llmpool(args.workers, extra, args.gateway_overhead, args.fake_step_ms)
         measured = [servers.Server(args.label, url), *peers]
         if args.start_llama_server:
             process, peer_url = start_llama_server(args, work, max(levels), out)
             processes.append(process)
             measured.append(servers.Server("llama.cpp", peer_url))
-        results["servers"] = run_all(measured, args.model, work, levels)
+        results["servers"] = run_all(measured, servers.served_name(args.model), work, levels)
     finally:
         servers.stop(processes)
     report(results, args.baseline, out)

@@ -25,7 +25,12 @@ fi
 SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -d "$SRC" ] || tar -xzf "$SDIST" -C "$DIR"
 
+# ggml's AMX matmul (compiled in by -march=native on a CPU with AMX) crashed this project's VMs with a
+# general-protection fault in ggml_backend_amx_mul_mat at warm-up (Sapphire Rapids, 2026-11-26), so
+# it is left out; llama.cpp then runs its AVX-512 VNNI/BF16 kernels, as on CPUs without AMX.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON \
-  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX"
 nice -n 10 cmake --build "$DIR/build" --target llama-server llama-quantize -j "$JOBS"
 echo "built $DIR/build/bin/llama-server and llama-quantize"

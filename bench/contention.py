@@ -67,7 +67,7 @@ def main() -> None:
     rows = []
     processes, url = servers.start_llmpool(1, [f"--model={args.model}", *args.server_arg], False)
     try:
-        rows.append(measure("llmpool", url, args.model, args.rounds, args.tokens))
+        rows.append(measure("llmpool", url, servers.served_name(args.model), args.rounds, args.tokens))
     finally:
         servers.stop(processes)
     if args.llama_server:
@@ -78,7 +78,7 @@ def main() -> None:
         command = servers.llama_server_command(args.llama_server, gguf, servers.free_port(), 1, 2048, 2, [])
         process, peer = servers.start_llama_server(command, Path("bench-results") / "llama-server-contention.log")
         try:
-            rows.append(measure("llama.cpp", peer, args.model, args.rounds, args.tokens))
+            rows.append(measure("llama.cpp", peer, servers.served_name(args.model), args.rounds, args.tokens))
         finally:
             servers.stop([process])
     if args.out:

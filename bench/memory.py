@@ -96,7 +96,7 @@ def main() -> None:
     for label, extra in (("llmpool", []), ("llmpool --quantized-only", ["--quantized-only"])):
         processes, url = servers.start_llmpool(1, [f"--model={args.model}", *extra], False)
         try:
-            rows.append(measure(label, url, args.model, worker_pid(processes[0].pid), prompts))
+            rows.append(measure(label, url, servers.served_name(args.model), worker_pid(processes[0].pid), prompts))
         finally:
             servers.stop(processes)
     if args.llama_server:
@@ -107,7 +107,7 @@ def main() -> None:
         command = servers.llama_server_command(args.llama_server, gguf, servers.free_port(), 1, args.input_len + 64, 2, [])
         process, peer = servers.start_llama_server(command, Path("bench-results") / "llama-server-memory.log")
         try:
-            rows.append(measure("llama-server", peer, args.model, process.pid, prompts))
+            rows.append(measure("llama-server", peer, servers.served_name(args.model), process.pid, prompts))
         finally:
             servers.stop([process])
     result = {"model": args.model, "input_len": args.input_len, "bf16_matmul_tflops": round(limit, 2), "rows": rows}

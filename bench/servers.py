@@ -31,6 +31,14 @@ def parse_peer(spec: str) -> Server:
     return Server(label or url.split("://", 1)[1], url)
 
 
+def served_name(model: str) -> str:
+    """The name `llmpool serve --model MODEL` registers the model under (a GGUF path: its file name
+    without ``.gguf``), which requests must name."""
+    from common.model_source import resolve_model
+
+    return resolve_model(model).name
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
