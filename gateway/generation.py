@@ -148,8 +148,10 @@ class Generator:
         over SMALL_JOB_CHARS characters and requests' own templates (``budget``) go to their own
         lane; a budgeted render stops when its caller is cancelled, or when ``request``'s client
         hangs up."""
-        lane = self.lanes.big if size > SMALL_JOB_CHARS or budget is not None else self.lanes.small
-        work = asyncio.get_running_loop().run_in_executor(lane, fn, *args)
+        lane = "big" if size > SMALL_JOB_CHARS or budget is not None else "small"
+        job = (self.lanes.big if lane == "big" else self.lanes.small).submit(fn, *args)
+        self.metrics.track_job(lane, job, lambda: budget.stopped if budget is not None else None)
+        work = asyncio.wrap_future(job)
         try:
             return await (unless_disconnected(request, work) if budget is not None and request is not None else work)
         except (asyncio.CancelledError, ClientGone):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -41,7 +42,28 @@ class Metrics:
         self.ttft = Histogram("llmpool_time_to_first_token_seconds", "Submit to first token", model, buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("llmpool_inter_token_latency_seconds", "Gap between tokens, per token", model, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("llmpool_e2e_request_latency_seconds", "Submit to last token", model, buckets=LATENCY_BUCKETS, registry=r)
+        lane = ["lane"]  # small, or big: inputs over SMALL_JOB_CHARS and requests' own templates
+        self.tokenize_jobs = Gauge("llmpool_gateway_tokenize_jobs", "Tokenizing and template jobs queued or running, by lane", lane, registry=r)
+        self.tokenize_jobs_ended = Counter(
+            "llmpool_gateway_tokenize_jobs_ended",
+            "Tokenizing and template jobs ended, by lane and outcome (done, error, deadline, cancelled: its client left)",
+            ["lane", "outcome"],
+            registry=r,
+        )
         r.register(PoolCollector(snapshot, admission))
+
+    def track_job(self, lane: str, job: Future, stopped: Callable[[], str | None]) -> None:
+        """Count ``job`` as queued or running in ``lane`` until it ends, then its outcome: a backlog
+        of big jobs, or templates that run to their deadline, show here first (and tests wait on it).
+        ``stopped`` says why a template's budget stopped it, if it did."""
+        self.tokenize_jobs.labels(lane).inc()
+
+        def ended(done: Future) -> None:
+            self.tokenize_jobs.labels(lane).dec()
+            outcome = "cancelled" if done.cancelled() else stopped() or ("error" if done.exception() else "done")
+            self.tokenize_jobs_ended.labels(lane, outcome).inc()
+
+        job.add_done_callback(ended)
 
     def path_label(self, path: str) -> str:
         return path if path in KNOWN_PATHS else "other"

@@ -53,14 +53,17 @@ class Budget:
         self.seconds = seconds
         self.deadline = float("inf")  # set by ``start``: time queued for a thread does not count
         self.cancelled = threading.Event()
+        self.stopped: str | None = None  # why check() stopped the render ("cancelled", "deadline"): for the metrics
 
     def start(self) -> None:
         self.deadline = time.monotonic() + self.seconds
 
     def check(self) -> None:
         if self.cancelled.is_set():
+            self.stopped = "cancelled"
             raise RenderAborted("the request was cancelled")
         if time.monotonic() > self.deadline:
+            self.stopped = "deadline"
             raise RenderAborted(f"rendering took longer than {self.seconds:g} s")
 
     def trace(self, frame: Any, event: str, arg: Any) -> Any:

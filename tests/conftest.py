@@ -34,7 +34,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.2) -> None:
+    """Poll ``check`` every ``interval`` seconds until it holds; TimeoutError after ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -42,7 +43,7 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 

@@ -12,17 +12,26 @@ from gateway.core import _admit
 from gateway.errors import InvalidRequest, Overloaded, RequestTimeout
 
 
+async def queued(admission: Admission, count: int) -> None:
+    """Until ``count`` requests wait in the queue (a task started with create_task gets there on its
+    first run): the waits below are seen, not assumed from a yield."""
+    for _ in range(100):
+        if admission.waiting == count:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{admission.waiting} requests wait, not {count}")
+
+
 def test_slots_then_queue_then_refusal():
     async def scenario():
         admission = Admission(max_concurrent=2, max_waiting=1)
         (a,), (b,) = await admission.acquire(), await admission.acquire()
-        queued = asyncio.create_task(admission.acquire())
-        await asyncio.sleep(0)
-        assert admission.waiting == 1 and not queued.done()
+        third = asyncio.create_task(admission.acquire())
+        await queued(admission, 1)
         with pytest.raises(Overloaded):
             await admission.acquire()  # refused at once, not after waiting
         a.release()
-        (c,) = await asyncio.wait_for(queued, 1)
+        (c,) = await asyncio.wait_for(third, 1)
         assert admission.waiting == 0
         for slot in (b, c):
             slot.release()
@@ -50,8 +59,8 @@ def test_requests_that_each_need_most_slots_never_deadlock():
         admission = Admission(max_concurrent=4, max_waiting=8)
         first = await admission.acquire(3)
         second = asyncio.create_task(admission.acquire(3))
-        await asyncio.sleep(0)
-        assert not second.done() and admission.free == 1  # it holds nothing while it waits
+        await queued(admission, 1)
+        assert admission.free == 1  # it holds nothing while it waits
         for slot in first:
             slot.release()
         got = await asyncio.wait_for(second, 1)
@@ -65,14 +74,14 @@ def test_first_come_first_served_a_big_request_is_not_starved():
         admission = Admission(max_concurrent=4, max_waiting=8)
         held = await admission.acquire(2)
         big = asyncio.create_task(admission.acquire(4))
-        await asyncio.sleep(0)
+        await queued(admission, 1)
         small = asyncio.create_task(admission.acquire(1))  # 2 slots are free, but the big one came first
-        await asyncio.sleep(0)
-        assert not small.done() and admission.waiting == 2
+        await queued(admission, 2)
+        assert admission.free == 2
         for slot in held:
             slot.release()
         granted = await asyncio.wait_for(big, 1)
-        assert not small.done()
+        assert admission.waiting == 1 and admission.free == 0  # the small one still waits: all 4 went to the big one
         for slot in granted:
             slot.release()
         await asyncio.wait_for(small, 1)
@@ -85,10 +94,9 @@ def test_a_cancelled_wait_takes_nothing_and_lets_the_next_in():
         admission = Admission(max_concurrent=2, max_waiting=8)
         held = await admission.acquire(1)
         big = asyncio.create_task(admission.acquire(2))
-        await asyncio.sleep(0)
+        await queued(admission, 1)
         small = asyncio.create_task(admission.acquire(1))
-        await asyncio.sleep(0)
-        assert not small.done()  # behind the big one
+        await queued(admission, 2)  # behind the big one, though a slot is free
         big.cancel()  # its client left
         await asyncio.wait_for(small, 1)  # the head changed: the small one fits now
         assert admission.waiting == 0 and admission.free == 0
@@ -111,7 +119,8 @@ def test_stalled_only_while_requests_wait_without_progress():
         admission = Admission(max_concurrent=1, max_waiting=8, stall_s=0.05)
         held = await admission.acquire()
         waiter = asyncio.create_task(admission.acquire())
-        await asyncio.sleep(0.1)
+        await queued(admission, 1)
+        await asyncio.sleep(0.1)  # twice stall_s: the time without progress is the behaviour here
         assert admission.stalled()  # the wait makes no progress
         held[0].release()
         await asyncio.wait_for(waiter, 1)

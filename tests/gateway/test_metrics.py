@@ -1,10 +1,15 @@
 """/metrics' pool figures against fake workers on real sockets."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.protocol import Goodbye, Heartbeat, Ready
 from gateway.admission import Admission
+from gateway.dispatch import Dispatcher
 from gateway.metrics import Metrics
+from tests.conftest import wait_until
 from tests.gateway.test_worker_client import READY, FakeWorker, eventually, run
 
 
@@ -60,3 +65,33 @@ def test_kv_store_figures_come_from_the_heartbeats():
         assert seen[("llmpool_kv_store_routed_requests_total", ())] == 0
 
     run(scenario)
+
+
+def test_tokenize_jobs_are_counted_while_queued_and_by_how_they_ended():
+    """One thread in the lane: a job that runs, one queued behind it, one that fails, one cancelled
+    before it ran, and a template render its budget stopped."""
+    metrics = Metrics(Dispatcher(1.0, 3).snapshot, Admission(4, 4))
+    release = threading.Event()
+    lane = ThreadPoolExecutor(max_workers=1)
+    try:
+        running = lane.submit(release.wait, 10)
+        metrics.track_job("big", running, lambda: None)
+        failing = lane.submit(lambda: 1 / 0)
+        metrics.track_job("big", failing, lambda: None)
+        never = lane.submit(int)
+        metrics.track_job("big", never, lambda: None)
+        stopped = lane.submit(int)
+        metrics.track_job("big", stopped, lambda: "deadline")
+        assert samples(metrics)[("llmpool_gateway_tokenize_jobs", (("lane", "big"),))] == 4
+        assert never.cancel()
+        release.set()
+
+        def ended() -> dict[str, float]:
+            seen = samples(metrics).items()
+            return {dict(labels)["outcome"]: v for (name, labels), v in seen if name == "llmpool_gateway_tokenize_jobs_ended_total"}
+
+        wait_until(lambda: sum(ended().values()) == 4, 10, "the jobs to end")  # a future's callbacks run just after its result is set
+        assert ended() == {"done": 1, "error": 1, "cancelled": 1, "deadline": 1}
+        assert samples(metrics)[("llmpool_gateway_tokenize_jobs", (("lane", "big"),))] == 0
+    finally:
+        lane.shutdown()

@@ -81,14 +81,11 @@ HOSTILE = [
 
 @pytest.mark.parametrize("source", HOSTILE)
 def test_a_hostile_request_template_is_a_400_naming_chat_template(source):
-    import time
-
     template = ChatTemplate("{{ messages[0]['content'] }}", {"bos_token": "<s>"}).with_source(source)
-    started = time.monotonic()
     with pytest.raises(InvalidRequest) as refused:
         template.render([{"role": "user", "content": "Hi"}])
     assert refused.value.param == "chat_template"
-    assert time.monotonic() - started < 1.5
+    assert "took longer than" not in refused.value.message, "stopped by its own rule, not by the 2 s render deadline"
 
 
 def test_a_request_template_that_loops_without_output_stops_at_its_deadline():

@@ -111,7 +111,7 @@ def test_the_admission_wait_ends_at_the_timeout_and_when_the_client_leaves(small
         # It waits for the held stream, which ends at its own deadline (earlier than this one's: first
         # come, first served), so it ends within --request-timeout, the wait included, either way.
         assert late.status_code in (200, 504), late.text
-        assert time.monotonic() - started < TIMEOUT_S + 2
+        assert time.monotonic() - started < TIMEOUT_S + 10  # not counted, the wait would add up to TIMEOUT_S more
     wait_until(lambda: small_server.workers()[0]["running"] == 0, 30, "the held stream's choices to end")
     ok = httpx.post(url, json={**hold, "n": 1, "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, start_serve, wait_until
+from tests.gateway.test_worker_client import eventually
 
 FAST = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 
@@ -322,6 +323,8 @@ def test_a_request_naming_tokens_the_model_lacks_fails_alone_among_16_streams(po
     server, _ = pool
     client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
 
+    running: set[int] = set()  # streams that have their first chunk
+
     async def stream(i: int) -> tuple[str, str]:
         parts, finish = [], None
         async for chunk in await client.chat.completions.create(
@@ -332,6 +335,7 @@ def test_a_request_naming_tokens_the_model_lacks_fails_alone_among_16_streams(po
             stream=True,
             extra_body={"ignore_eos": True},
         ):
+            running.add(i)
             parts.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
         return "".join(parts), finish
@@ -344,10 +348,11 @@ def test_a_request_naming_tokens_the_model_lacks_fails_alone_among_16_streams(po
         return response.status_code, response.json()
 
     async def run(with_bad: bool) -> tuple[list, list]:
+        running.clear()
         streams = [asyncio.create_task(stream(i)) for i in range(16)]
         refused = []
         if with_bad:
-            await asyncio.sleep(0.5)  # the streams are running
+            await eventually(lambda: len(running) == 16, 120)  # every stream is running
             refused = await asyncio.gather(*(bad(p, ids) for p in ("chat/completions", "completions") for ids in ([999999], [2**63])))
         return await asyncio.gather(*streams), refused
 
@@ -381,6 +386,8 @@ def test_a_gateway_paused_for_8_s_blames_no_worker_and_every_stream_completes(po
     gateway = server.processes[0]
     client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
 
+    running: set[int] = set()  # streams that have their first chunk
+
     async def stream(i: int) -> tuple[str, str, int]:
         parts, finish, usage = [], None, None
         async for chunk in await client.chat.completions.create(
@@ -392,6 +399,7 @@ def test_a_gateway_paused_for_8_s_blames_no_worker_and_every_stream_completes(po
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         ):
+            running.add(i)
             usage = chunk.usage or usage
             if chunk.choices:
                 parts.append(chunk.choices[0].delta.content or "")
@@ -399,13 +407,14 @@ def test_a_gateway_paused_for_8_s_blames_no_worker_and_every_stream_completes(po
         return "".join(parts), finish, usage.completion_tokens
 
     async def run(pause: bool) -> list:
+        running.clear()
         streams = [asyncio.create_task(stream(i)) for i in range(16)]
         if pause:
-            await asyncio.sleep(1.0)
+            await eventually(lambda: len(running) == 16, 120)  # every stream is running
             assert not any(s.done() for s in streams), "the streams should still be running"
             gateway.send_signal(signal.SIGSTOP)
             try:
-                await asyncio.sleep(8)
+                await asyncio.sleep(8)  # the pause itself: four times the workers' liveness
             finally:
                 gateway.send_signal(signal.SIGCONT)
         return await asyncio.gather(*streams, return_exceptions=True)

@@ -6,15 +6,30 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MODEL, start_serve
+from tests.conftest import MODEL, start_serve, wait_until
 from tests.gateway.test_templates import HOSTILE
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]
+
+
+def lane_jobs(server, lane: str) -> Counter[str]:
+    """The gateway's tokenize and template jobs in ``lane`` (gateway/metrics.py): ``in_flight``
+    (queued or running), and those ended by outcome (``done``, ``error``, ``deadline``, ``cancelled``)."""
+    jobs: Counter[str] = Counter()
+    for family in text_string_to_metric_families(server.get("/metrics").text):
+        for s in family.samples:
+            if s.labels.get("lane") == lane and s.name == "llmpool_gateway_tokenize_jobs":
+                jobs["in_flight"] = s.value
+            elif s.labels.get("lane") == lane and s.name == "llmpool_gateway_tokenize_jobs_ended_total":
+                jobs[s.labels["outcome"]] = s.value
+    return jobs
 
 
 def schema(depth: int) -> dict:
@@ -90,18 +105,20 @@ def test_huge_prompts_are_refused_before_tokenizing(server):
         ("/tokenize", {"prompt": "hello " * 524_288}, "prompt"),
         ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hello " * 524_288}]}, None),
     ]
+    before = {lane: lane_jobs(server, lane) for lane in ("small", "big")}
     for path, body, param in cases:
-        started = time.monotonic()
         response = server.post(path, json=body)
         assert response.status_code == 400, response.text
-        assert time.monotonic() - started < 2.0, path  # 4.5 s (3 MiB) and 5.3 s (100k messages) when tokenized first
+        # Tokenized first, it took 4.5 s (3 MiB) and 5.3 s (100k messages): no job reached a lane.
+        assert {lane: lane_jobs(server, lane) for lane in ("small", "big")} == before, path
         if param:
             assert response.json()["error"]["param"] == param and response.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_big_tokenizing_jobs_do_not_hold_up_small_ones(server):
-    """Inputs near the bound tokenize in their own lane: a dozen in flight (about 0.12 s each), a
-    small request still gets its tokens at once (sharing two threads, it waited for ~0.7 s)."""
+    """Inputs near the bound tokenize in their own lane: with a dozen queued there (about 0.12 s
+    each), a small request still gets its tokens at once, before most of them end (sharing two
+    threads, it waited for ~0.7 s, behind every one queued before it)."""
     letters = random.Random(1)  # varied text: repeated words tokenize from a cache, too fast to matter
     big = {"prompt": "".join(letters.choice("abcdefghijklmnopqrstuvwxyz     ,.") for _ in range(130_000))}  # just under 8192 x 16
     done: list[float] = []
@@ -111,17 +128,19 @@ def test_big_tokenizing_jobs_do_not_hold_up_small_ones(server):
             assert http.post(server.base_url + "/tokenize", json=big).status_code == 200
         done.append(time.monotonic())
 
+    before = lane_jobs(server, "big")
     threads = [threading.Thread(target=send_big) for _ in range(12)]
     for thread in threads:
         thread.start()
-    time.sleep(0.1)
-    started = time.monotonic()
+    wait_until(lambda: lane_jobs(server, "big").total() - before.total() >= 12, 60, "the 12 big jobs in their lane", interval=0.01)
+    queued = lane_jobs(server, "big")["in_flight"]
     small = server.post("/tokenize", json={"prompt": "hi"})
-    small_s = time.monotonic() - started
+    answered = time.monotonic()
     for thread in threads:
         thread.join()
-    assert small.status_code == 200
-    assert small_s < 0.3 and small_s < (max(done) - started) / 2, (small_s, [d - started for d in done])
+    assert small.status_code == 200 and queued >= 4, queued
+    # Behind them, it would end after all of them; in its own lane, before most of them.
+    assert sum(d > answered for d in done) >= queued / 2, (queued, [round(d - answered, 2) for d in done])
 
 
 def test_tokenize_counts_what_chat_sends(server):
@@ -157,28 +176,34 @@ def test_looping_templates_end_at_their_deadline_and_hold_up_no_one(templating):
         with httpx.Client(timeout=60) as http:
             results.append(http.post(templating.base_url + "/v1/chat/completions", json={**CHAT, "chat_template": LOOP}))
 
+    before = lane_jobs(templating, "big")
     threads = [threading.Thread(target=send_loop) for _ in range(2)]
     started = time.monotonic()
     for thread in threads:
         thread.start()
-    time.sleep(0.2)
+    wait_until(lambda: lane_jobs(templating, "big")["in_flight"] == 2, 30, "both loops in their lane")  # one runs, one waits
     small = templating.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
-    small_s = time.monotonic() - started
+    loops_ended_first = len(results)
     for thread in threads:
         thread.join()
-    assert small.status_code == 200 and small_s < 1.5, small_s
+    assert small.status_code == 200 and loops_ended_first == 0, "the small request waited for a loop"
     assert [r.status_code for r in results] == [400, 400] and all(r.json()["error"]["param"] == "chat_template" for r in results)
-    assert time.monotonic() - started < 8  # each stops after its 2 s budget (they take one lane, in turn)
+    assert lane_jobs(templating, "big")["deadline"] == before["deadline"] + 2
+    assert time.monotonic() - started < 8  # each stops after its 2 s budget (they take one lane, in turn: 4 s)
 
 
 def test_a_client_that_leaves_stops_its_template(templating):
-    """The first request hangs up after 0.3 s: its render stops, so the next one (same lane) starts at once."""
+    """The first request hangs up after 0.3 s: its render stops then, not at its 2 s deadline, and
+    the next one (same lane) runs to its own deadline."""
+    before = lane_jobs(templating, "big")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(templating.base_url + "/tokenize", json={"messages": CHAT["messages"], "chat_template": LOOP}, timeout=0.3)
-    started = time.monotonic()
+    wait_until(lambda: lane_jobs(templating, "big")["in_flight"] == 0, 30, "the render to stop")
+    stopped = lane_jobs(templating, "big")
+    assert (stopped["cancelled"], stopped["deadline"]) == (before["cancelled"] + 1, before["deadline"]), stopped
     response = templating.post("/tokenize", json={"messages": CHAT["messages"], "chat_template": LOOP})
     assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template"
-    assert time.monotonic() - started < 2.9  # its own 2 s, not the first one's remaining 1.7 s too
+    assert lane_jobs(templating, "big")["deadline"] == before["deadline"] + 1
 
 
 def test_tokenize_honours_a_request_template(templating):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import MODEL, Server, free_port, spawn
+from tests.conftest import MODEL, Server, free_port, spawn, wait_until
 
 HEADER_TIMEOUT, BODY_TIMEOUT, KEEP_ALIVE, MAX_CONNECTIONS = 1.0, 1.5, 1.0, 64
 LIMITS = ["--header-timeout", "1", "--body-timeout", "1.5", "--keep-alive-timeout", "1", "--max-connections", str(MAX_CONNECTIONS)]
@@ -109,7 +109,8 @@ def test_a_huge_header_does_not_stall_a_stream_in_flight(gateway):
         pass
     streamer.join(60)
     assert sent < 16 * 2**20, f"the gateway read {sent >> 20} MiB of one header"
-    assert len(gaps) > 100 and max(gaps) < 1.0, f"{len(gaps)} lines, longest gap {max(gaps):.2f} s"
+    # Stalled, the stream stopped for 12-26 s; its gaps are tens of ms (3 s: room for a busy machine).
+    assert len(gaps) > 100 and max(gaps) < 3.0, f"{len(gaps)} lines, longest gap {max(gaps):.2f} s"
 
 
 def test_slow_and_silent_clients_are_closed_after_the_header_timeout(gateway):
@@ -167,10 +168,7 @@ def test_connections_over_the_cap_get_a_503_and_the_gateway_recovers(gateway):
     finally:
         for sock in held:
             sock.close()
-    deadline = time.monotonic() + 5  # the gateway sees the closes as it reads them
-    while gateway.get("/health").status_code != 200 and time.monotonic() < deadline:
-        pass
-    assert gateway.get("/health").status_code == 200
+    wait_until(lambda: gateway.get("/health").status_code == 200, 30, "a free connection again", interval=0.05)  # as it reads the closes
 
 
 @pytest.mark.parametrize("path", ["/health", "/ready", "/workers", "/metrics", "/v1/models", f"/v1/models/{MODEL}", "/", "/static/app.js"])

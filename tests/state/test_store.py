@@ -161,7 +161,7 @@ def test_a_dead_gateways_run_is_claimed_by_one_gateway(url):
     async def main() -> None:
         stores = [await opened(url) for _ in range(3)]
         dead, *alive = stores
-        leases = [Leases(s.db, s.gateway_id, lease_s=0.5) for s in stores]
+        leases = [Leases(s.db, s.gateway_id, lease_s=1.5) for s in stores]  # room for a busy machine between renew and check
         for lease in leases:
             await lease.renew()
         start = record("orphan", owner_of("k"))
@@ -172,7 +172,10 @@ def test_a_dead_gateways_run_is_claimed_by_one_gateway(url):
         dead.writer.started(plain)
         await dead.writer.final(record("other", owner_of("k")))  # flushes the start row with it
         assert await leases[1].orphans() == []
-        await asyncio.sleep(0.6)
+        deadline = asyncio.get_running_loop().time() + 10
+        while await leases[1].alive(dead.gateway_id):  # until the dead one's lease runs out
+            assert asyncio.get_running_loop().time() < deadline, "the lease never ran out"
+            await asyncio.sleep(0.05)
         await leases[1].renew()
         await leases[2].renew()
         assert not await leases[1].alive(dead.gateway_id) and await leases[1].alive(alive[1].gateway_id)
