@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -54,10 +55,19 @@ class FusedDecode:
         self.experts = [tensors.get(f"e.{e}.{part}") for e in range(count) for part in ("up_w", "up_scale", "down_w", "down_scale")]
         self.lm_head, self.lm_head_scale = tensors["lm_head"], tensors.get("lm_head_scale")
         self.ints, self.floats = _numbers(self.family)
+        self.family = _without_matrices(self.family)
         matrices = [t for name, t in tensors.items() if name.endswith(("qkv_w", "o_w", "up_w", "down_w")) or name == "lm_head"]
         # The packers leave a shape they cannot block (int8: N % 16 or K % 64; q4: N % 16) in the
         # row layout, whose matrix-vector loops are slower than the torch path beyond a few rows.
         self.any_batch = self.packed and all(t.dim() == 4 for t in matrices)
+
+    def own_copies(self) -> None:
+        """Copy every weight into memory of its own, off any file it was read from (the conversion
+        cache's file is mapped; its mapping stays while one tensor of it lives)."""
+        self.weights = [None if t is None else t.clone() for t in self.weights]
+        self.experts = [None if t is None else t.clone() for t in self.experts]
+        self.lm_head = self.lm_head.clone()
+        self.lm_head_scale = None if self.lm_head_scale is None else self.lm_head_scale.clone()
 
     @torch.inference_mode()
     def __call__(
@@ -101,6 +111,14 @@ def supports(model: torch.nn.Module) -> str | None:
     except NotFast as exc:
         return str(exc)
     return None
+
+
+def _without_matrices(f: Family) -> Family:
+    """The description without its weight matrices, once the step has its own copies: the model's
+    tensors it refers to (and the stacked gate/up copies it made) would otherwise stay alive, and
+    the file they were mapped from with them."""
+    layers = [replace(layer, qkv=[], o=None, up=None, down=None, experts=[], router=None, shared_gate=None) for layer in f.layers]
+    return replace(f, layers=layers)
 
 
 def _numbers(f: Family) -> tuple[list[int], list[float]]:

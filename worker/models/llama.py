@@ -111,10 +111,10 @@ class LlamaForward:
         return _Layer(
             layer_idx=index,
             num_key_value_groups=self.heads // self.kv_heads,
-            input_norm=block.input_layernorm.weight.detach(),
+            input_norm=block.input_layernorm.weight.detach().clone(),  # copies: no view keeps the model's file mapped
             qkv=_Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), bias),
-            o_proj=_Linear(attn.o_proj.weight, None if attn.o_proj.bias is None else attn.o_proj.bias.detach()),  # attention_bias
-            post_norm=block.post_attention_layernorm.weight.detach(),
+            o_proj=_Linear(attn.o_proj.weight, None if attn.o_proj.bias is None else attn.o_proj.bias.detach().clone()),  # attention_bias
+            post_norm=block.post_attention_layernorm.weight.detach().clone(),
             gate_up=_Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
             down=_Linear(mlp.down_proj.weight),
         )

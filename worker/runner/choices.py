@@ -97,10 +97,12 @@ def rows_only(wanted: bool, fused: FusedDecode | None) -> bool:
     return True
 
 
-def free_float_weights(model: torch.nn.Module) -> int:
+def free_float_weights(model: torch.nn.Module, fused: FusedDecode) -> int:
     """Drop the float copy of the decoder layers' weights (and of an untied head): with
     ``--quantized-only`` the C++ step holds its own quantized copy, and the embedding table is all
-    it reads of the model. Returns the bytes freed."""
+    it reads of the model. What is kept is copied out of the files it may have been mapped from
+    (the conversion caches), so those mappings, and their pages in the resident set, go too.
+    Returns the bytes freed."""
     freed = 0
     params = list(model.model.layers.parameters())
     head = model.get_output_embeddings()
@@ -109,6 +111,8 @@ def free_float_weights(model: torch.nn.Module) -> int:
     for param in params:
         freed += param.numel() * param.element_size()
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    keep_off_files(model)
+    fused.own_copies()
     gc.collect()
     try:  # hand the freed pages back to the system now (glibc keeps them for reuse otherwise)
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -116,6 +120,15 @@ def free_float_weights(model: torch.nn.Module) -> int:
         pass
     log.info("--quantized-only: freed %.0f MB of float weights", freed / 2**20)
     return freed
+
+
+def keep_off_files(model: torch.nn.Module) -> None:
+    """Copy the model's weights into memory of their own. Loaded weights are views of the mapped
+    conversion-cache file, and the whole mapping stays resident while one of them lives: once the
+    native forward has taken the layers (its own packed copies), the embedding and the norms kept
+    the 1B model's 2 GB file in the resident set."""
+    for kept in (*model.parameters(), *model.buffers()):
+        kept.data = kept.data.clone()
 
 
 def use_graphs(choice: str, device: torch.device, native: LlamaForward | None, backend: DecodeBackend) -> bool:

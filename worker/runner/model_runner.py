@@ -27,7 +27,17 @@ from worker.models import support
 from worker.models.llama import supports as native_supports
 from worker.request import Request
 from worker.runner import kv_cache
-from worker.runner.choices import build_fused, free_float_weights, pick_decode_path, pick_device, pick_dtype, pick_impl, rows_only, use_graphs
+from worker.runner.choices import (
+    build_fused,
+    free_float_weights,
+    keep_off_files,
+    pick_decode_path,
+    pick_device,
+    pick_dtype,
+    pick_impl,
+    rows_only,
+    use_graphs,
+)
 from worker.runner.cuda_graphs import DecodeGraphs
 from worker.runner.inputs import InputBuilder
 from worker.runner.paths import ExecutionPaths
@@ -64,6 +74,8 @@ class ModelRunner:
         fused = build_fused(fast_decode, model, self.quantization, decode_cache)
         only_rows = rows_only(config.quantized_only, fused)
         self.native = None if only_rows else pick_impl(config.model_impl, model)
+        if self.native is not None and self.device.type == "cpu":
+            keep_off_files(model)  # what is left of it after the native forward took the layers
         first = self.layers[0]
         backend = choose_decode_backend(
             config.cuda_attention, self.device, self.dtype, HeadShape(first.heads, first.kv_heads, first.k_dim, self.block_size)
@@ -91,7 +103,7 @@ class ModelRunner:
         """With ``--quantized-only``, free the model's float weights once nothing needs them (after
         the self-check and the KV store's weights digest; worker/build.py calls it last)."""
         if self.paths.rows_only:
-            free_float_weights(self.model)
+            free_float_weights(self.model, self.paths.fused)
 
     @property
     def decode_backend(self) -> str:
