@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
+from pathlib import Path
 
 from common.config import parse_size
 from common.model_source import ModelSource
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.kv_store import Fingerprint, KVStore, open_tier
+from worker.pooling_spec import PoolingSpec, pooling_spec
 from worker.runner import ModelRunner, pick_device
 from worker.runner.kv_blocks import CpuBlockIO, weights_digest
 
@@ -21,8 +24,27 @@ log = logging.getLogger(__name__)
 def build_engine(source: ModelSource, config: WorkerConfig) -> Engine:
     """Batch limits left at 0 are filled in for the device first: the runner sizes CUDA graphs by them."""
     config = config.for_device(pick_device(config.device).type)
+    spec = pooling_of(source, config)
+    if spec is not None:
+        from worker.runner.pooling_runner import PoolingRunner
+
+        if config.kv_store:
+            raise ValueError("--kv-store holds KV blocks; a pooling model keeps none (leave it out)")
+        return Engine(PoolingRunner(source, config, spec), config)
     runner = ModelRunner(source, config)
     return Engine(runner, config, kv_store_link(source, config, runner))
+
+
+def pooling_of(source: ModelSource, config: WorkerConfig) -> PoolingSpec | None:
+    """How the model pools (worker/pooling_spec.py), from its config.json; None: it generates."""
+    folder = Path(source.path)
+    if source.gguf_file is not None or not (folder / "config.json").is_file():
+        return pooling_spec(source.path, [], False, config.pooling, config.pooling_normalize)
+    from worker.runner.pooling_runner import is_encoder_type
+
+    model_config = json.loads((folder / "config.json").read_text())
+    encoder = is_encoder_type(model_config.get("model_type", ""))
+    return pooling_spec(source.path, model_config.get("architectures") or [], encoder, config.pooling, config.pooling_normalize)
 
 
 def kv_store_link(source: ModelSource, config: WorkerConfig, runner: ModelRunner) -> functools.partial[KVStore] | None:
