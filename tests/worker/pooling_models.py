@@ -92,6 +92,8 @@ def cross_encoder(folder: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(config("bert", num_labels=1)).eval()
     _randomize_norms(model)
+    with torch.no_grad():  # a spread of scores (the default init gives them all within 1e-4), so rankings are clear
+        model.classifier.weight.normal_(0, 2.0)
     model.config.sentence_transformers = {"activation_fn": "torch.nn.modules.activation.Sigmoid"}
     model.save_pretrained(folder)
     tokenizer(folder)
