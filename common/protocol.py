@@ -76,6 +76,8 @@ class GuideKind:
 
     JSON_SCHEMA = "json_schema"  # spec: a JSON Schema document (as JSON text)
     JSON_OBJECT = "json_object"  # any JSON object; spec unused
+    REGEX = "regex"  # spec: a regular expression the whole output matches (a choice is an escaped alternation)
+    GRAMMAR = "grammar"  # spec: a Lark grammar (llguidance's dialect), or GBNF as llguidance reads it
 
 
 class Guide(Wire):
@@ -113,8 +115,7 @@ class Ready(Wire):
     max_batch_size: int
     device: str
     dtype: str
-    # Digest of the model's tokenizer files and chat template (``ModelInfo``): a gateway that holds
-    # no tokenizer with this digest asks for them once (``DescribeModel``).
+    # Digest of the tokenizer files and chat template (``ModelInfo``): a gateway without it asks once (``DescribeModel``).
     tokenizer_digest: str = ""
     pooling: PoolingInfo | None = None  # a pooling model's abilities (None: a generation model)
 
@@ -325,10 +326,9 @@ def decode(frames: list[bytes] | list[memoryview]) -> Message:
 
 
 def salvage_requests(frames: list[bytes] | list[memoryview]) -> tuple[list[NewRequest], list[tuple[str, str]]] | None:
-    """An AddRequests that did not decode as a whole (say one prompt held ``true``), read request by
-    request: the requests that decode, and (request id, why) for those that don't, so each can be
-    answered instead of the whole message vanishing. None when the frames are not an AddRequests of
-    this protocol version at all; a request without a readable id cannot be answered and is left out."""
+    """An AddRequests that did not decode as a whole (say one prompt held ``true``), read request by request: those
+    that decode, and (request id, why) for those that don't, so each is answered rather than all vanishing. None when
+    the frames are no AddRequests of this version; a request without a readable id cannot be answered: left out."""
     if len(frames) != 2 or bytes(frames[0]) != bytes((PROTOCOL_VERSION, MsgType.ADD_REQUESTS)):
         return None
     try:
