@@ -91,6 +91,14 @@ def test_models_say_what_they_do_and_requests_for_something_else_are_400(pooling
         sdk.embeddings.create(model="embed", input="hi", dimensions=16)
 
 
+def test_pooling_routes_are_typed_in_openapi(pooling_server):
+    server, _ = pooling_server
+    document = server.get("/schema/openapi.json").json()
+    for path, schema in (("/v1/embeddings", "EmbeddingRequest"), ("/v1/rerank", "RerankRequest"), ("/v1/score", "ScoreRequest")):
+        assert schema in str(document["paths"][path]["post"]["requestBody"]), path
+    assert {"EmbeddingList", "RerankResponse", "ScoreResponse"} <= set(document["components"]["schemas"])
+
+
 @pytest.mark.parametrize(
     ("path", "body", "words"),
     [

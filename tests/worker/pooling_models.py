@@ -1,6 +1,7 @@
-"""Tiny random pooling models (hidden 64, 2 layers, seeded), saved the way a worker loads them: a
-sentence-transformers folder written by hand (``modules.json``, ``1_Pooling/config.json``, a
-``Normalize`` module where asked), a cross-encoder, or a bare encoder for ``--pooling``.
+"""Tiny random pooling models (tests/worker/families.py's sizes: hidden 64, 2 layers; seeded), saved
+the way a worker loads them: a sentence-transformers folder written by hand (``modules.json``,
+``1_Pooling/config.json``, a ``Normalize`` module where asked), a cross-encoder, or a bare encoder
+for ``--pooling``.
 
 Every model shares one WordPiece tokenizer of 256 entries (special tokens, letters, short words);
 it appends ``[SEP]``, so a decoder's last-token pooling reads an end marker, as Qwen3-Embedding's
@@ -14,19 +15,10 @@ import string
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, BertTokenizerFast
+from transformers import AutoModel, AutoModelForSequenceClassification, BertTokenizerFast
 
-SIZES = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    max_position_embeddings=512,
-    pad_token_id=0,
-)
+from tests.worker.families import family_config
+
 WORDS = "the a of to and in is was for on that with as it by be at from this are or an not have which one cat dog sat mat paris france capital river".split()
 PST = "sentence_transformers.models."
 # name -> (model type, pooling modes of 1_Pooling/config.json, Normalize, config extras)
@@ -54,17 +46,11 @@ def tokenizer(folder: Path) -> BertTokenizerFast:
     return tok
 
 
-def config(model_type: str, **extra: object) -> object:
-    default = AutoConfig.for_model(model_type)
-    settings = {k: v for k, v in SIZES.items() if hasattr(default, k)} | extra
-    return AutoConfig.for_model(model_type, **settings)
-
-
 def embedder(name: str, folder: Path, seed: int = 0, sentence_transformers: bool = True) -> Path:
     """A random ``EMBEDDERS[name]`` saved in ``folder``, as a sentence-transformers folder unless told not."""
     model_type, modes, normalize, extra = EMBEDDERS[name]
     torch.manual_seed(seed)
-    model = AutoModel.from_config(config(model_type, **extra)).eval()
+    model = AutoModel.from_config(family_config(model_type, extra)).eval()
     _randomize_norms(model)
     model.save_pretrained(folder)
     tokenizer(folder)
@@ -90,7 +76,7 @@ def embedder(name: str, folder: Path, seed: int = 0, sentence_transformers: bool
 def cross_encoder(folder: Path, seed: int = 0) -> Path:
     """A BERT cross-encoder (one relevance logit) as sentence-transformers' CrossEncoder saves one."""
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config("bert", num_labels=1)).eval()
+    model = AutoModelForSequenceClassification.from_config(family_config("bert", {"num_labels": 1})).eval()
     _randomize_norms(model)
     with torch.no_grad():  # a spread of scores (the default init gives them all within 1e-4), so rankings are clear
         model.classifier.weight.normal_(0, 2.0)
