@@ -3,7 +3,7 @@ the way a worker loads them: a sentence-transformers folder written by hand (``m
 ``1_Pooling/config.json``, a ``Normalize`` module where asked), a cross-encoder, or a bare encoder
 for ``--pooling``.
 
-Every model shares one WordPiece tokenizer of 256 entries (special tokens, letters, short words);
+Every model shares one WordPiece tokenizer of 105 entries (special tokens, letters, short words);
 it appends ``[SEP]``, so a decoder's last-token pooling reads an end marker, as Qwen3-Embedding's
 tokenizer appends ``<|endoftext|>``.
 """
@@ -40,8 +40,7 @@ def tokenizer(folder: Path) -> BertTokenizerFast:
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     pieces = list(string.ascii_lowercase) + [f"##{c}" for c in string.ascii_lowercase] + list(string.digits + ".,?!'")
     vocab = (special + pieces + WORDS)[:256]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True)
+    tok = BertTokenizerFast(vocab={token: i for i, token in enumerate(vocab)}, do_lower_case=True)
     tok.save_pretrained(folder)
     return tok
 
