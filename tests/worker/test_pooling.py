@@ -134,6 +134,24 @@ def test_pooling_flag_without_a_sentence_transformers_folder(folders: dict[str, 
             assert abs(np.linalg.norm(vector(out["r0"])) - 1) > 1e-3
 
 
+def test_a_causal_lm_pooled_by_its_last_token(tmp_path: Path) -> None:
+    """``--pooling last`` makes a causal LM checkpoint a decoder embedder (its base model's last hidden
+    state at the last token, normalized); ``auto`` leaves it a generation model."""
+    from transformers import AutoModel
+
+    from tests.worker.families import build
+
+    build("qwen3", {}, tmp_path)
+    ids = [[5, 9, 14, 3], [7, 8, 9, 10, 11, 12, 3], [40, 3]]
+    base = AutoModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = [torch.nn.functional.normalize(base(torch.tensor([x])).last_hidden_state[0, -1], dim=-1) for x in ids]
+    out = run(engine_for(tmp_path, pooling="last"), embed_requests(ids))
+    for i, reference in enumerate(expected):
+        assert cosine(vector(out[f"r{i}"]), reference.numpy()) >= 0.9999
+    assert pooling_spec(str(tmp_path), ["Qwen3ForCausalLM"], False, "auto", True) is None
+
+
 def test_refusals_name_what_is_not_supported(tmp_path: Path) -> None:
     (tmp_path / "1_Pooling").mkdir()
     modules = [
