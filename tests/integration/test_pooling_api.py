@@ -21,7 +21,9 @@ def pooling_server(tmp_path_factory):  # noqa: ANN201 - (Server, folders)
     tmp = tmp_path_factory.mktemp("pooling-api")
     embed = pooling_models.embedder("bert-mean", tmp / "embed")
     rerank = pooling_models.cross_encoder(tmp / "rerank")
-    server = start_serve("serve-pooling", 2, "--models", f"embed={embed},rerank={rerank}", "--workers", "1", "--dtype", "float32")
+    models = f"embed={embed},rerank={rerank}"
+    # Four admission slots: a request of more inputs runs in waves.
+    server = start_serve("serve-pooling", 2, "--models", models, "--workers", "1", "--dtype", "float32", "--max-concurrent-requests", "4")
     try:
         yield server, {"embed": embed, "rerank": rerank}
     finally:
@@ -54,6 +56,15 @@ def test_openai_sdk_embeddings_match_sentence_transformers(pooling_server, sdk):
     assert cosine(one.data[0].embedding, expected[0]) >= 0.9999
     assert all(cosine(d.embedding, e) >= 0.9999 for d, e in zip(by_ids.data, expected))
     assert cosine(one_ids.data[0].embedding, expected[1]) >= 0.9999
+
+
+def test_more_inputs_than_admission_slots_run_in_waves_and_keep_their_order(sdk):
+    texts = [f"{word} cat" for word in ("the", "a", "one", "dog", "mat", "river", "paris", "france", "capital", "sat", "on")]
+    together = sdk.embeddings.create(model="embed", input=texts, encoding_format="float").data
+    assert [d.index for d in together] == list(range(len(texts)))
+    for i in (0, 5, 10):
+        alone = sdk.embeddings.create(model="embed", input=texts[i], encoding_format="float").data[0]
+        assert cosine(alone.embedding, together[i].embedding) >= 0.9999
 
 
 def test_rerank_and_score_match_the_cross_encoder(pooling_server):
