@@ -25,26 +25,30 @@ def build_engine(source: ModelSource, config: WorkerConfig) -> Engine:
     """Batch limits left at 0 are filled in for the device first: the runner sizes CUDA graphs by them."""
     config = config.for_device(pick_device(config.device).type)
     spec = pooling_of(source, config)
-    if spec is not None:
+    if spec is not None and not spec.generates:
         from worker.runner.pooling_runner import PoolingRunner
 
         if config.kv_store:
             raise ValueError("--kv-store holds KV blocks; a pooling model keeps none (leave it out)")
         return Engine(PoolingRunner(source, config, spec), config)
-    runner = ModelRunner(source, config)
+    runner = ModelRunner(source, config, spec)
     return Engine(runner, config, kv_store_link(source, config, runner))
 
 
 def pooling_of(source: ModelSource, config: WorkerConfig) -> PoolingSpec | None:
     """How the model pools (worker/pooling_spec.py), from its config.json; None: it generates."""
     folder = Path(source.path)
-    if source.gguf_file is not None or not (folder / "config.json").is_file():
+    if source.gguf_file is not None:
+        return pooling_spec(source.path, [], False, config.pooling, config.pooling_normalize, causal=True)
+    if not (folder / "config.json").is_file():
         return pooling_spec(source.path, [], False, config.pooling, config.pooling_normalize)
     from worker.runner.pooling_runner import is_encoder_type
 
     model_config = json.loads((folder / "config.json").read_text())
     encoder = is_encoder_type(model_config.get("model_type", ""))
-    return pooling_spec(source.path, model_config.get("architectures") or [], encoder, config.pooling, config.pooling_normalize)
+    architectures = model_config.get("architectures") or []
+    causal = any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures)
+    return pooling_spec(source.path, architectures, encoder, config.pooling, config.pooling_normalize, causal)
 
 
 def kv_store_link(source: ModelSource, config: WorkerConfig, runner: ModelRunner) -> functools.partial[KVStore] | None:

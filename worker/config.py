@@ -88,7 +88,8 @@ WORKER_FLAGS = [
         "auto",
         "Serve the model as an embedder: auto (a sentence-transformers folder's own modules.json and 1_Pooling config; a cross-encoder "
         "by its classifier head; an encoder such as BERT: cls; a causal LM: generation), none (generate), or cls, mean, max, last, "
-        "mean_sqrt_len (this pooling of the last hidden states; last for a decoder embedder such as Qwen3-Embedding)",
+        "mean_sqrt_len (this pooling of the last hidden states; last for a decoder embedder such as Qwen3-Embedding; a causal LM "
+        "then generates too, chat and embedding rows sharing its steps)",
     ),
     Flag("pooling-normalize", True, "L2-normalize the vectors of a model pooled by --pooling (a sentence-transformers folder says for itself)", bool),
     Flag(

@@ -40,24 +40,28 @@ class PoolingSpec:
     normalize: bool = False
     activation: str = "sigmoid"  # of a cross-encoder's one logit (score)
     max_seq_length: int | None = None  # sentence-transformers' own bound on the tokens it reads
+    generates: bool = False  # a causal LM pooled by --pooling: it generates too, and both share its steps
 
     def info(self, dimensions: int, config: object) -> PoolingInfo:
         tasks = [PoolingTask.EMBED, PoolingTask.SCORE] if self.task == PoolingTask.EMBED else [PoolingTask.SCORE]
+        tasks = [PoolingTask.GENERATE, *tasks] if self.generates else tasks
         sizes = getattr(config, "matryoshka_dimensions", None) or []
         matryoshka = bool(getattr(config, "is_matryoshka", False) or sizes)
         return PoolingInfo(tasks, "+".join(self.methods), self.normalize, dimensions, matryoshka, list(sizes))
 
 
-def pooling_spec(path: str, architectures: list[str], encoder: bool, pooling: str, normalize: bool) -> PoolingSpec | None:
-    """How the model in ``path`` pools; None for a model to generate with. ``pooling`` is the flag:
+def pooling_spec(path: str, architectures: list[str], encoder: bool, pooling: str, normalize: bool, causal: bool = False) -> PoolingSpec | None:
+    """How the model in ``path`` pools; None for a model that only generates. ``pooling`` is the flag:
     ``auto`` (the folder says; an encoder with no word pools its first token, as vLLM's BERT does),
-    ``none`` (generate), or a method, which makes a causal LM an embedder of its last hidden states."""
+    ``none`` (generate), or a method. A method on a ``causal`` LM (a GGUF file, a ...ForCausalLM
+    folder without a sentence-transformers config) keeps it generating and pools its last hidden
+    states too, in the same steps; on any other model it makes an embedder."""
     if pooling not in POOLING_CHOICES:
         raise ValueError(f"--pooling must be one of {', '.join(POOLING_CHOICES)}; got {pooling!r}")
     folder = Path(path)
     if pooling == "none" or not folder.is_dir():
         if pooling not in ("auto", "none"):
-            raise ValueError(f"--pooling {pooling} needs a model folder (config.json and weights); got {path}")
+            raise ValueError(f"--pooling {pooling} needs a model folder (config.json and weights) or a GGUF file; got {path}")
         return None
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return _cross_encoder(folder)
@@ -65,7 +69,7 @@ def pooling_spec(path: str, architectures: list[str], encoder: bool, pooling: st
         return _sentence_transformers(folder, pooling, normalize)
     if pooling == "auto":
         return PoolingSpec(PoolingTask.EMBED, path, ["cls"], normalize) if encoder else None
-    return PoolingSpec(PoolingTask.EMBED, path, [pooling], normalize)
+    return PoolingSpec(PoolingTask.EMBED, path, [pooling], normalize, generates=causal)
 
 
 def _sentence_transformers(folder: Path, pooling: str, normalize: bool) -> PoolingSpec:

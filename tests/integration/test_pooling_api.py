@@ -8,7 +8,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import start_serve
+from tests.conftest import MODEL, spawn, start_serve
 from tests.worker import pooling_models
 
 st = pytest.importorskip("sentence_transformers")
@@ -25,6 +25,10 @@ def pooling_server(tmp_path_factory):  # noqa: ANN201 - (Server, folders)
     # Four admission slots: a request of more inputs runs in waves.
     server = start_serve("serve-pooling", 2, "--models", models, "--workers", "1", "--dtype", "float32", "--max-concurrent-requests", "4")
     try:
+        # A third model: the chat model that also embeds (--pooling last), its own worker on the same gateway.
+        args = ["worker", "--gateway-address", server.zmq_address, "--model", MODEL, "--served-model-name", "smol-embed", "--pooling", "last"]
+        server.processes.append(spawn([*args, "--worker-name", "smol-embed", "--dtype", "float32"], "serve-pooling-smol-embed"))
+        server.wait_for_workers(3)
         yield server, {"embed": embed, "rerank": rerank}
     finally:
         server.stop()
@@ -65,6 +69,25 @@ def test_more_inputs_than_admission_slots_run_in_waves_and_keep_their_order(sdk)
     for i in (0, 5, 10):
         alone = sdk.embeddings.create(model="embed", input=texts[i], encoding_format="float").data[0]
         assert cosine(alone.embedding, together[i].embedding) >= 0.9999
+
+
+def test_a_chat_model_that_also_embeds_serves_both_at_once(pooling_server, sdk):
+    """--pooling last on the chat model: chat streams and embeddings share its worker's steps."""
+    server, _ = pooling_server
+    card = next(m for m in server.get("/v1/models").json()["data"] if m["id"] == "smol-embed")
+    assert card["capabilities"] == ["generate", "embed", "score"] and card["pooling"]["method"] == "last"
+    alone = sdk.chat.completions.create(model="smol-embed", messages=[{"role": "user", "content": "Count to five."}], max_tokens=12, temperature=0)
+    stream = sdk.chat.completions.create(
+        model="smol-embed", messages=[{"role": "user", "content": "Count to five."}], max_tokens=12, temperature=0, stream=True
+    )
+    text, embedded = "", []
+    for chunk in stream:  # embeddings asked for while the stream runs
+        if len(embedded) < 3:
+            embedded.append(sdk.embeddings.create(model="smol-embed", input=TEXTS).data)
+        text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+    assert text == alone.choices[0].message.content  # greedy float32: the same text with embeddings beside it
+    assert all(cosine(a.embedding, b.embedding) >= 0.9999 for data in embedded[1:] for a, b in zip(embedded[0], data))
+    assert len(embedded[0][0].embedding) == 576
 
 
 def test_rerank_and_score_match_the_cross_encoder(pooling_server):

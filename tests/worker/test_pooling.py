@@ -134,10 +134,11 @@ def test_pooling_flag_without_a_sentence_transformers_folder(folders: dict[str, 
             assert abs(np.linalg.norm(vector(out["r0"])) - 1) > 1e-3
 
 
-def test_a_causal_lm_pooled_by_its_last_token(tmp_path: Path) -> None:
-    """``--pooling last`` makes a causal LM checkpoint a decoder embedder (its base model's last hidden
-    state at the last token, normalized); ``auto`` leaves it a generation model."""
-    from transformers import AutoModel
+def test_a_causal_lm_with_pooling_generates_and_embeds_in_the_same_steps(tmp_path: Path) -> None:
+    """``--pooling last`` on a causal LM checkpoint: its base model's last hidden state at the last
+    token, normalized, as transformers computes it, from pooling rows that share a step with a
+    generating request (whose greedy tokens stay generate's); ``auto`` leaves it generating only."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
     from tests.worker.families import build
 
@@ -146,10 +147,27 @@ def test_a_causal_lm_pooled_by_its_last_token(tmp_path: Path) -> None:
     base = AutoModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = [torch.nn.functional.normalize(base(torch.tensor([x])).last_hidden_state[0, -1], dim=-1) for x in ids]
-    out = run(engine_for(tmp_path, pooling="last"), embed_requests(ids))
+        greedy = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).generate(
+            torch.tensor([[4, 5, 6]]), max_new_tokens=6, do_sample=False
+        )
+    engine = engine_for(tmp_path, pooling="last", kv_cache_memory="16MiB")
+    assert engine.pooling.info.tasks == ["generate", "embed", "score"]
+    generation = NewRequest("gen", [4, 5, 6], 6, ignore_eos=True)
+    generation.sampling.temperature = 0.0
+    engine.add_request(generation)
+    first = engine.step()  # the prompt's step
+    assert first.outputs[0].new_token_ids
+    for request in embed_requests(ids):
+        engine.add_request(request)
+    outputs = {o.request_id: o for o in engine.step().outputs}
+    assert set(outputs) == {"gen", "r0", "r1", "r2"}  # a decode row and three pooling rows in one step
+    tokens = first.outputs[0].new_token_ids + outputs["gen"].new_token_ids
+    while engine.has_work():
+        tokens += [t for o in engine.step().outputs for t in o.new_token_ids]
+    assert tokens == greedy[0, 3:].tolist()
     for i, reference in enumerate(expected):
-        assert cosine(vector(out[f"r{i}"]), reference.numpy()) >= 0.9999
-    assert pooling_spec(str(tmp_path), ["Qwen3ForCausalLM"], False, "auto", True) is None
+        assert cosine(vector(outputs[f"r{i}"]), reference.numpy()) >= 0.9999
+    assert pooling_spec(str(tmp_path), ["Qwen3ForCausalLM"], False, "auto", True, causal=True) is None
 
 
 def test_refusals_name_what_is_not_supported(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassificati
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from common.model_source import ModelSource
-from common.pooling import PoolingInfo, PoolingParams, PoolingTask
+from common.pooling import PoolingInfo, PoolingTask
 from common.protocol import NewRequest
 from worker.config import WorkerConfig
 from worker.models import support
@@ -87,35 +87,43 @@ class PoolingRunner:
         """Each row's vector (or a cross-encoder's one score) as float32 little-endian bytes."""
         if self.spec.task == PoolingTask.SCORE and self.causal and len(rows) > 1:
             return [v for row in rows for v in self.pool([row])]  # a causal classifier finds its last token by the pad id
-        width = max(len(r.prompt_token_ids) for r in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        types = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            n = len(row.prompt_token_ids)
-            ids[i, :n] = torch.tensor(row.prompt_token_ids)
-            mask[i, :n] = 1
-            if row.pooling is not None and row.pooling.token_type_ids:
-                types[i, :n] = torch.tensor(row.pooling.token_type_ids[:n])
-        inputs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+        inputs = padded(rows, self.device)
+        types = inputs.pop("token_type_ids")
         if self.takes_token_types:
-            inputs["token_type_ids"] = types.to(self.device)
+            inputs["token_type_ids"] = types
         out = self.model(**inputs)
         if self.spec.task == PoolingTask.SCORE:
             logits = out.logits[:, 0].float()
-            vectors = (torch.sigmoid(logits) if self.spec.activation == "sigmoid" else logits)[:, None]
-        else:
-            states = out.last_hidden_state.float()
-            vectors = torch.cat([pooled(states, mask.to(self.device), m) for m in self.spec.methods], dim=-1)
-        return [self._finish(v, row.pooling) for v, row in zip(vectors.cpu(), rows)]
+            scores = (torch.sigmoid(logits) if self.spec.activation == "sigmoid" else logits)[:, None]
+            return [score.numpy().astype("<f4").tobytes() for score in scores.cpu()]
+        return vectors(out.last_hidden_state, inputs["attention_mask"], rows, self.spec)
 
-    def _finish(self, vector: torch.Tensor, params: PoolingParams | None) -> bytes:
-        """Matryoshka truncation first, then normalization (vLLM's and OpenAI's order)."""
-        if params is not None and params.dimensions is not None:
-            vector = vector[: params.dimensions]
-        if self.spec.normalize and self.spec.task == PoolingTask.EMBED:
+
+def padded(rows: list[NewRequest], device: torch.device) -> dict[str, torch.Tensor]:
+    """The rows as one right-padded batch: ids, attention mask, token types (a pair's segments)."""
+    width = max(len(r.prompt_token_ids) for r in rows)
+    ids, mask, types = (torch.zeros((len(rows), width), dtype=torch.long) for _ in range(3))
+    for i, row in enumerate(rows):
+        n = len(row.prompt_token_ids)
+        ids[i, :n] = torch.tensor(row.prompt_token_ids)
+        mask[i, :n] = 1
+        if row.pooling is not None and row.pooling.token_type_ids:
+            types[i, :n] = torch.tensor(row.pooling.token_type_ids[:n])
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "token_type_ids": types.to(device)}
+
+
+def vectors(states: torch.Tensor, mask: torch.Tensor, rows: list[NewRequest], spec: PoolingSpec) -> list[bytes]:
+    """Each row's vector from its token states, pooled as ``spec`` says; Matryoshka truncation first,
+    then normalization (vLLM's and OpenAI's order); float32 little-endian bytes."""
+    pooled_rows = torch.cat([pooled(states.float(), mask, m) for m in spec.methods], dim=-1).cpu()
+    out = []
+    for vector, row in zip(pooled_rows, rows):
+        if row.pooling is not None and row.pooling.dimensions is not None:
+            vector = vector[: row.pooling.dimensions]
+        if spec.normalize:
             vector = F.normalize(vector, p=2, dim=-1)
-        return vector.contiguous().numpy().astype("<f4").tobytes()
+        out.append(vector.contiguous().numpy().astype("<f4").tobytes())
+    return out
 
 
 def is_encoder_type(model_type: str) -> bool:
