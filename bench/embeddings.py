@@ -10,9 +10,11 @@ folder written here). Then:
    while a client keeps sending embedding requests of ``--load-batch`` inputs: output tokens/s and
    the median inter-token latency, both ways.
 
-The two workers are separate processes sharing the machine's cores (a pooling worker holds one
-model; chat and embedding rows share a step only within a worker serving both kinds). On a shared
-machine, read the ratios, not the absolute figures; the load average is printed.
+The two workers are separate processes sharing the machine's cores. ``--shared`` instead serves
+the chat model alone with ``--pooling last`` (one worker that generates and embeds, chat and
+embedding rows in the same steps): texts/s on the default model's architecture, and chat beside
+embeddings within one worker. On a shared machine, read the ratios, not the absolute figures; the
+load average is printed.
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ def build_embedder(folder: Path, layers: int, hidden: int, seed: int = 0) -> Pat
     return folder
 
 
+VOCAB = 26  # token ids 5..30: in both models' vocabularies (the embedder's letters)
+
+
 def inputs(count: int, tokens: int, offset: int) -> list[list[int]]:
-    return [[5 + (offset + i * 7 + j * 13) % 26 for j in range(tokens)] for i in range(count)]  # the letters of its vocabulary
+    return [[5 + (offset + i * 7 + j * 13) % VOCAB for j in range(tokens)] for i in range(count)]
 
 
 def post(client: httpx.Client, body: dict) -> None:
@@ -66,31 +71,31 @@ def post(client: httpx.Client, body: dict) -> None:
         raise SystemExit(f"/v1/embeddings answered {response.status_code}: {response.text}")
 
 
-def texts_per_s(url: str, batch: int, tokens: int, requests: int) -> float:
+def texts_per_s(url: str, model: str, batch: int, tokens: int, requests: int) -> float:
     """Inputs per second over ``requests`` sequential requests (after one warm-up)."""
     with httpx.Client(base_url=url, timeout=600) as client:
-        post(client, {"model": "embed", "input": inputs(batch, tokens, 0)})
+        post(client, {"model": model, "input": inputs(batch, tokens, 0)})
         start = time.perf_counter()
         for r in range(requests):
-            post(client, {"model": "embed", "input": inputs(batch, tokens, r + 1)})
+            post(client, {"model": model, "input": inputs(batch, tokens, r + 1)})
         return batch * requests / (time.perf_counter() - start)
 
 
-async def embedding_load(url: str, batch: int, tokens: int, stop: asyncio.Event) -> int:
+async def embedding_load(url: str, model: str, batch: int, tokens: int, stop: asyncio.Event) -> int:
     """Embedding requests back to back until ``stop``; returns the inputs embedded."""
     done = 0
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         while not stop.is_set():
-            response = await client.post("/v1/embeddings", json={"model": "embed", "input": inputs(batch, tokens, done)})
+            response = await client.post("/v1/embeddings", json={"model": model, "input": inputs(batch, tokens, done)})
             response.raise_for_status()
             done += batch
     return done
 
 
-async def chat_level(url: str, streams: int, requests: int, max_tokens: int, load_batch: int, tokens: int) -> tuple[dict, float]:
+async def chat_level(url: str, model: str, streams: int, requests: int, max_tokens: int, load_batch: int, tokens: int) -> tuple[dict, float]:
     """The chat workload's figures, with an embedding load beside it when ``load_batch`` > 0."""
     stop = asyncio.Event()
-    load = asyncio.create_task(embedding_load(url, load_batch, tokens, stop)) if load_batch else None
+    load = asyncio.create_task(embedding_load(url, model, load_batch, tokens, stop)) if load_batch else None
     timings, wall = await run_level(url, CHAT_MODEL, PROMPTS, streams, requests, max_tokens)
     stop.set()
     embedded = await load if load is not None else 0
@@ -109,19 +114,25 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--load-batch", type=int, default=8, help="inputs per request of the embedding load beside chat")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--shared", action="store_true", help="one worker of the chat model that also embeds (--pooling last)")
     args = parser.parse_args()
-    folder = build_embedder(Path(tempfile.mkdtemp(prefix="bench-embed-")) / "embed", args.layers, args.hidden)
-    processes, url = servers.start_llmpool(
-        2, ["--models", f"{CHAT_MODEL}={CHAT_MODEL},embed={folder}", "--workers", "1", "--dtype", args.dtype], False
-    )
+    model = CHAT_MODEL if args.shared else "embed"
+    if args.shared:
+        processes, url = servers.start_llmpool(1, ["--pooling", "last", "--dtype", args.dtype], False)
+        what = f"{CHAT_MODEL} embedding by its last token (--pooling last), one worker for both"
+    else:
+        folder = build_embedder(Path(tempfile.mkdtemp(prefix="bench-embed-")) / "embed", args.layers, args.hidden)
+        models = f"{CHAT_MODEL}={CHAT_MODEL},embed={folder}"
+        processes, url = servers.start_llmpool(2, ["--models", models, "--workers", "1", "--dtype", args.dtype], False)
+        what = f"BERT {args.layers} layers x {args.hidden}, its own worker"
     try:
-        print(f"load average {os.getloadavg()[0]:.1f}; embedder: BERT {args.layers} layers x {args.hidden}, {args.tokens}-token inputs")
-        for batch in (int(b) for b in args.batches.split(",")):
+        print(f"load average {os.getloadavg()[0]:.1f}; embedder: {what}; {args.tokens}-token inputs")
+        for batch in (int(b) for b in args.batches.split(",") if b):
             requests = args.requests or max(4, 256 // batch)
-            print(f"batch {batch:>3}: {texts_per_s(url, batch, args.tokens, requests):7.1f} texts/s ({requests} requests)")
+            print(f"batch {batch:>3}: {texts_per_s(url, model, batch, args.tokens, requests):7.1f} texts/s ({requests} requests)")
         rows = {}
         for name, load_batch in (("chat alone", 0), (f"chat + embeddings (batch {args.load_batch})", args.load_batch), ("chat alone again", 0)):
-            row, embedded = asyncio.run(chat_level(url, args.streams, args.chat_requests, args.max_tokens, load_batch, args.tokens))
+            row, embedded = asyncio.run(chat_level(url, model, args.streams, args.chat_requests, args.max_tokens, load_batch, args.tokens))
             rows[name] = row
             extra = f", embeddings beside: {embedded:.1f} texts/s" if load_batch else ""
             print(

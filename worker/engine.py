@@ -60,7 +60,12 @@ class Engine:
         self.max_num_seqs = config.max_num_seqs
         # Pooling requests (embeddings, scores): run beside the batch in each step, with no KV blocks.
         self.pooling = PoolingQueue(
-            getattr(runner, "pooling", None), runner.vocab_size, self.max_model_len, config.max_num_batched_tokens, self.max_num_seqs
+            getattr(runner, "pooling", None),
+            runner.vocab_size,
+            self.max_model_len,
+            config.max_num_batched_tokens,
+            self.max_num_seqs,
+            config.max_prefill_chunk,
         )
         self._rejected: list[RequestOutput] = []
         self._requests: dict[str, Request] = {}
@@ -177,10 +182,11 @@ class Engine:
     def step(self) -> StepOutputs:
         """Schedule a batch, run the model once over it, and report what each request gained."""
         outputs, self._rejected = self._rejected, []
-        rows = self.pooling.take()  # pooling rows run first, beside the batch, and finish in this step
+        batch = self.scheduler.schedule()
+        # Pooling rows share the step's budget with the batch, run beside it, and finish in this step.
+        rows = self.pooling.take(batch.total_tokens, len(batch)) if batch else self.pooling.take()
         outputs += self.pooling.run(self.runner.pool, rows) if rows else []
         pooled_tokens = sum(len(r.prompt_token_ids) for r in rows)
-        batch = self.scheduler.schedule()
         if not batch:
             if rows:
                 self._count_step(len(rows), pooled_tokens)

@@ -21,12 +21,13 @@ Pool = Callable[[list[NewRequest]], list[bytes]]
 class PoolingQueue:
     """The pooling requests waiting for a step, and running them through the runner's ``pool``."""
 
-    def __init__(self, info: PoolingInfo | None, vocab_size: int, max_model_len: int, max_tokens: int, max_rows: int) -> None:
+    def __init__(self, info: PoolingInfo | None, vocab_size: int, max_model_len: int, max_tokens: int, max_rows: int, chunk: int) -> None:
         self.info = info
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_tokens = max_tokens  # a step's token budget (--max-num-batched-tokens)
         self.max_rows = max_rows
+        self.chunk = chunk  # most pooling tokens beside a running batch (--max-prefill-chunk): its streams' pace holds
         self.waiting: deque[NewRequest] = deque()
 
     def check(self, new: NewRequest) -> str | None:
@@ -55,13 +56,16 @@ class PoolingQueue:
     def add(self, new: NewRequest) -> None:
         self.waiting.append(new)
 
-    def take(self) -> list[NewRequest]:
-        """This step's rows: the oldest first, within the step's token budget (at least one)."""
+    def take(self, used_tokens: int = 0, used_rows: int = 0) -> list[NewRequest]:
+        """This step's rows, the oldest first: beside a batch (``used_*``), within what it left of the
+        step's budget and at most ``chunk`` tokens, as prompt chunks beside decodes are; alone, the
+        whole budget. Always at least one, so neither long prompts nor busy streams starve them."""
         rows: list[NewRequest] = []
-        tokens = 0
-        while self.waiting and len(rows) < self.max_rows:
+        tokens = used_tokens
+        budget = min(self.max_tokens, used_tokens + self.chunk) if used_rows else self.max_tokens
+        while self.waiting and (not rows or used_rows + len(rows) < self.max_rows):
             size = len(self.waiting[0].prompt_token_ids)
-            if rows and tokens + size > self.max_tokens:
+            if rows and tokens + size > budget:
                 break
             rows.append(self.waiting.popleft())
             tokens += size

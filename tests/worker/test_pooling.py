@@ -222,7 +222,7 @@ def test_pooling_rows_run_beside_generation_in_one_step_and_keep_no_blocks() -> 
     assert engine.blocks.num_free_blocks == free and engine.blocks.hit_tokens == 0
 
 
-def test_aborting_a_queued_pooling_request_and_the_budget_per_step() -> None:
+def test_aborting_a_queued_pooling_request_and_the_budget_a_step_shares_with_its_batch() -> None:
     engine = Engine(PoolingFakeRunner(), WorkerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_prefill_chunk=8, block_size=4))
     for i in range(4):
         engine.add_request(NewRequest(f"e{i}", [1, 2, 3], 1, pooling=PoolingParams("embed")))
@@ -230,6 +230,10 @@ def test_aborting_a_queued_pooling_request_and_the_budget_per_step() -> None:
     assert aborted.finish_reason == FinishReason.ABORT
     assert [sorted(o.request_id for o in engine.step().outputs) for _ in range(2)] == [["e0", "e1"], ["e2"]]  # 8 tokens a step
     assert not engine.has_work()
+    engine.add_request(NewRequest("gen", list(range(1, 8)), 2))  # the batch takes 7 of the step's 8 tokens
+    for i in range(2):
+        engine.add_request(NewRequest(f"p{i}", [1, 2, 3], 1, pooling=PoolingParams("embed")))
+    assert [sorted(o.request_id for o in engine.step().outputs) for _ in range(2)] == [["gen", "p0"], ["gen", "p1"]]  # at least one a step
     engine.add_request(NewRequest("long", list(range(1, 2000)), 1, pooling=PoolingParams("embed")))
     (too_long,) = engine.step().outputs
     assert too_long.bad_request and "more than this model's limit" in too_long.error
