@@ -4,9 +4,11 @@ the gateway checks it first so that a bad schema is a 400 before any response st
 from __future__ import annotations
 
 import json
+import re
 
 from common.protocol import Guide, GuideKind
 
+_GBNF = re.compile(r"^\s*root\s*::=", re.MULTILINE)
 # JSON in the usual compact-but-readable style; free whitespace lets small models loop on newlines.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -24,9 +26,17 @@ def grammar_text(guide: Guide) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_STYLE)  # type: ignore[arg-type]
         if guide.kind == GuideKind.JSON_SCHEMA:
             return llguidance.LLMatcher.grammar_from_json_schema(json.loads(guide.spec), defaults=_JSON_STYLE)  # type: ignore[arg-type]
+        if guide.kind == GuideKind.REGEX:
+            return llguidance.LLMatcher.grammar_from_regex(guide.spec)
+        if guide.kind == GuideKind.GRAMMAR:  # GBNF (llama.cpp's, xgrammar's: its start rule is root) or Lark
+            return llguidance.grammar_from("ebnf" if _GBNF.search(guide.spec) else "lark", guide.spec)
     except (ValueError, TypeError) as exc:
-        raise GrammarError(f"the {guide.kind} grammar is invalid: {exc}") from None
+        raise GrammarError(f"the {_named(guide)} is invalid: {exc}") from None
     raise GrammarError(f"unknown grammar kind {guide.kind!r}")
+
+
+def _named(guide: Guide) -> str:
+    return "grammar" if guide.kind == GuideKind.GRAMMAR else f"{guide.kind} grammar"
 
 
 def check_guide(guide: Guide) -> None:
@@ -35,7 +45,7 @@ def check_guide(guide: Guide) -> None:
 
     error = llguidance.LLMatcher.validate_grammar(grammar_text(guide))
     if error:
-        raise GrammarError(f"the {guide.kind} grammar is invalid: {error}")
+        raise GrammarError(f"the {_named(guide)} is invalid: {error}")
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")

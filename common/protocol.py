@@ -9,8 +9,8 @@ token ids of each request in one worker step). Nothing is ever pickled.
 Array form makes field order part of the contract: add fields at the end of a message, with a
 default (a shorter array decodes, its missing trailing fields taking their defaults), and bump
 PROTOCOL_VERSION for anything else. A peer of another version is refused at the handshake
-(``refusal``), in words that version can read. (``omit_defaults`` leaves out nothing in array form
-as of msgspec 0.22, jcrist/msgspec#720; it is set for when it does.)
+(``refusal``), in words that version can read. (``omit_defaults`` omits nothing in array form as of
+msgspec 0.22, jcrist/msgspec#720.)
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from enum import IntEnum
 from typing import Union
 
 import msgspec
+
+from common.pooling import PoolingInfo, PoolingParams
 
 PROTOCOL_VERSION = 2  # 1: the same messages as named maps (dataclasses)
 
@@ -52,11 +54,8 @@ class FinishReason:
 
 
 class SamplingParams(Wire):
-    """Per-request sampling; ``temperature == 0`` means greedy, ``top_k == 0`` means off.
-
-    Penalties, bias and ``min_tokens`` change the logits before the choice, greedy or not (OpenAI's
-    and vLLM's semantics); their defaults leave the logits untouched.
-    """
+    """Per-request sampling; ``temperature == 0`` means greedy, ``top_k == 0`` means off. Penalties, bias
+    and ``min_tokens`` change the logits before the choice, greedy or not (OpenAI's and vLLM's semantics)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -77,6 +76,8 @@ class GuideKind:
 
     JSON_SCHEMA = "json_schema"  # spec: a JSON Schema document (as JSON text)
     JSON_OBJECT = "json_object"  # any JSON object; spec unused
+    REGEX = "regex"  # spec: a regular expression the whole output matches (a choice is an escaped alternation)
+    GRAMMAR = "grammar"  # spec: a Lark grammar (llguidance's dialect), or GBNF as llguidance reads it
 
 
 class Guide(Wire):
@@ -107,15 +108,14 @@ class NewRequest(Wire):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     guide: Guide | None = None
-    # A request resumed after its worker died: the last ``resumed_tokens`` prompt tokens were
-    # generated (they count for penalties, min_tokens and the grammar's state).
+    # Resumed after its worker died: the last ``resumed_tokens`` prompt tokens were generated (penalties, min_tokens, grammar).
     resumed_tokens: int = 0
-    # W3C trace context of the gateway's span for this request (``traceparent``, ``tracestate``), so
-    # a worker's own spans or events join the same trace; empty when tracing is off.
+    # W3C trace context of the gateway's span (``traceparent``, ``tracestate``): a worker's events join its trace; {} untraced.
     trace_context: dict[str, str] = {}
     # A reasoning model's thinking (None: no thinking markers): a guide applies only after the
     # thinking ends, and a budget ends it.
     reasoning: Reasoning | None = None
+    pooling: PoolingParams | None = None  # a pooling request (common/pooling.py): one pass, no token sampled
 
 
 class Ready(Wire):
@@ -129,9 +129,9 @@ class Ready(Wire):
     max_batch_size: int
     device: str
     dtype: str
-    # Digest of the model's tokenizer files and chat template (``ModelInfo``): a gateway that holds
-    # no tokenizer with this digest asks for them once (``DescribeModel``).
+    # Digest of the tokenizer files and chat template (``ModelInfo``): a gateway without it asks once (``DescribeModel``).
     tokenizer_digest: str = ""
+    pooling: PoolingInfo | None = None  # a pooling model's abilities (None: a generation model)
 
 
 class DescribeModel(Wire):
@@ -167,15 +167,13 @@ class Heartbeat(Wire):
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
     draining: bool = False  # finishing its requests before leaving: send it no new ones
-    # Its speed when busy: an average of tokens per second of step time over recent steps that ran
-    # work (0 until it has run any). Routing weighs outstanding work by it, so a faster worker gets more.
+    # Its speed when busy: tokens per second of step time over recent steps that ran work (0 until any): routing weighs by it.
     capacity_tokens_per_s: float = 0.0
     spec_proposed_tokens: int = 0  # speculative decoding: draft tokens proposed so far
     spec_accepted_tokens: int = 0  # ... and accepted by the verifying step
-    # The KV store under the prefix cache (worker/kv_store), when the worker has one: workers with the
-    # same id read each other's blocks (one store, one model fingerprint), so routing need not keep a
-    # prefix on the worker that computed it. Hits and misses count blocks; the rest are since start,
-    # but size (the store's, as last measured) and evictions (this worker's; Redis: the server's).
+    # The KV store under the prefix cache (worker/kv_store), if any: workers with the same id read each other's blocks (one
+    # store, one model fingerprint), so routing need not keep a prefix on the worker that computed it. Hits and misses count
+    # blocks; the rest are since start, but size (the store's, last measured) and evictions (this worker's; Redis: the server's).
     kv_store_id: str = ""
     kv_store_hits: int = 0
     kv_store_misses: int = 0
@@ -231,6 +229,7 @@ class RequestOutput(Wire):
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token: prompt tokens 1..n-1
     seq: int = 0  # this output's number among its request's outputs (0, 1, ...): a gap means one was lost
     events: list[WorkerEvent] = []  # worker events since the last output (tracing on)
+    pooled: bytes | None = None  # a pooling request's vector: float32, little-endian (common/pooling.py)
 
 
 class StepOutputs(Wire):
@@ -272,8 +271,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.items()}
 
 
-# Socket-monitor events that tell how a connection's handshake ended (CURVE refusals included):
-# libzmq's ZMQ_EVENT_HANDSHAKE_* values (common/ does not import zmq; the sockets live elsewhere).
+# How a connection's handshake ended (CURVE refusals too): libzmq's ZMQ_EVENT_HANDSHAKE_* (common/ has no zmq).
 HANDSHAKE_SUCCEEDED = 0x1000
 HANDSHAKE_EVENTS = {
     HANDSHAKE_SUCCEEDED: "succeeded",
@@ -308,8 +306,7 @@ class VersionMismatch(ProtocolError):
 
 
 def refusal(version: int, message: str) -> list[bytes] | None:
-    """A ``WorkerError`` that a peer of ``version`` reads, to tell a worker why it is refused: version
-    1 decoded the same error from a map. None for a version this side cannot write (a newer one)."""
+    """Why a worker is refused, as a ``WorkerError`` a peer of ``version`` reads (1: as a map); None for a newer version."""
     if version == PROTOCOL_VERSION:
         return encode(WorkerError(message))
     if version == 1:

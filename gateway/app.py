@@ -30,9 +30,11 @@ from gateway.request_body import GatewayRequest
 from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
 from gateway.routes.conversations import ConversationsController
+from gateway.routes.embeddings import EmbeddingsController
 from gateway.routes.health import health, metrics, ready, workers
 from gateway.routes.messages import MessagesController
 from gateway.routes.models import ModelsController
+from gateway.routes.rerank import rerank, score
 from gateway.routes.response_items import ResponseItemsController
 from gateway.routes.response_runs import take_over
 from gateway.routes.responses import ResponsesController
@@ -137,6 +139,9 @@ def create_app(config: GatewayConfig) -> Litestar:
             MessagesController,
             ModelsController,
             TokenizeController,
+            EmbeddingsController,
+            rerank,
+            score,
             ready,
             workers,
             metrics,

@@ -23,8 +23,10 @@ from typing import Any
 
 from litestar import Request
 
+from common.pooling import PoolingTask
 from common.protocol import RequestOutput, TokenLogprobs
 from gateway import tracing
+from gateway.abilities import require
 from gateway.admission import Slot
 from gateway.auth import caller_owner
 from gateway.errors import GatewayError, RequestTimeout
@@ -172,6 +174,7 @@ async def start(generator: Generator, req: GenerationRequest, request: Request |
     or not at all. The admission wait counts toward ``--request-timeout`` and ends when
     ``request``'s client hangs up."""
     deadline = asyncio.get_running_loop().time() + generator.timeout_s
+    require(generator, PoolingTask.GENERATE)  # an embedding model's is a 400 that says what it serves
     if req.request_id is None:
         req.request_id = request_id(request.headers.get("x-request-id") if request is not None else None)
     prepared = await prepare(generator, req, request)
@@ -180,7 +183,7 @@ async def start(generator: Generator, req: GenerationRequest, request: Request |
         req.owner = caller_owner(request)
     tracing.describe_request(generator.model_name, req, prepared.prompts)
     with tracing.span("queue"):
-        slots = await _admit(generator, len(prepared.news), deadline, request)
+        slots = await admit(generator, len(prepared.news), deadline, request)
     return Generation(generator, req, prepared, slots, deadline)
 
 
@@ -189,7 +192,7 @@ async def prompt_ids(generator: Generator, req: GenerationRequest, request: Requ
     return (await prepare(generator, req, request, admit=False)).prompts
 
 
-async def _admit(generator: Generator, count: int, deadline: float, request: Request | None) -> list[Slot]:
+async def admit(generator: Generator, count: int, deadline: float, request: Request | None) -> list[Slot]:
     async def wait() -> list[Slot]:
         try:
             async with asyncio.timeout_at(deadline):

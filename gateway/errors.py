@@ -96,8 +96,10 @@ ANTHROPIC_PATH = "/v1/messages"
 
 
 def speaks_anthropic(request: Request) -> bool:
-    """Errors under /v1/messages take Anthropic's shape, whatever raised them (a guard, routing, a body)."""
-    return request.url.path.startswith(ANTHROPIC_PATH)
+    """Errors under /v1/messages take Anthropic's shape, whatever raised them (a guard, routing, a body);
+    so do /v1/models' when the anthropic SDK asks (it sends ``anthropic-version``)."""
+    path = request.url.path
+    return path.startswith(ANTHROPIC_PATH) or (path.startswith("/v1/models") and "anthropic-version" in request.headers)
 
 
 def error_response(error: GatewayError, anthropic: bool = False) -> Response:

@@ -14,6 +14,7 @@ import time
 
 from common.model_source import read_chat_template, unpack_tokenizer
 from common.protocol import ModelInfo
+from gateway.abilities import tasks
 from gateway.admission import Admission
 from gateway.errors import NotFound, NoWorkerAvailable
 from gateway.generation import Generator, Lanes
@@ -76,8 +77,14 @@ class ModelRegistry:
         pool = self.client.models.get(name)
         workers = list(pool.workers.values()) if pool is not None else []
         card: dict = {"id": name, "object": "model", "created": self.first_seen.get(name, 0), "owned_by": "llmpool", "workers": len(workers)}
+        info = workers[0].ready.pooling if workers else None
+        card["capabilities"] = tasks(info)  # generate, or embed and score (gateway/abilities.py)
         if workers:
             card["max_model_len"] = min(w.ready.max_model_len for w in workers)
+        if info is not None:
+            card["pooling"] = {"method": info.method, "normalize": info.normalize, "dimensions": info.dimensions}
+            if info.matryoshka:
+                card["pooling"]["matryoshka_dimensions"] = info.matryoshka_dimensions or None
         return card
 
     def close(self) -> None:

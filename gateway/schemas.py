@@ -56,6 +56,12 @@ class SamplingFields(SamplingOptions, kw_only=True):
     stop: str | list[str] | None = None
     user: str | None = None
     response_format: dict | None = None  # text, json_object or json_schema (guided decoding)
+    # vLLM's guided decoding (gateway/structured_outputs.py): >= 0.12's one field, and the older ones
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -261,6 +261,8 @@ def format_guide(fmt: dict | None, param: str) -> Guide | None:
     if fmt is None or fmt.get("type") == "text":
         return None
     kind = fmt.get("type")
+    if kind in (GuideKind.REGEX, GuideKind.GRAMMAR) and "spec" in fmt:  # vLLM's guided fields (gateway/structured_outputs.py)
+        return Guide(kind, fmt["spec"])
     if kind == "json_object":
         return Guide(GuideKind.JSON_OBJECT)
     if kind == "json_schema":

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
+from pathlib import Path
 
 from common.config import parse_size
 from common.model_source import ModelSource
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.kv_store import Fingerprint, KVStore, open_tier
+from worker.pooling_spec import PoolingSpec, pooling_spec
 from worker.runner import ModelRunner, pick_device
 from worker.runner.kv_blocks import CpuBlockIO, weights_digest
 
@@ -21,10 +24,33 @@ log = logging.getLogger(__name__)
 def build_engine(source: ModelSource, config: WorkerConfig) -> Engine:
     """Batch limits left at 0 are filled in for the device first: the runner sizes CUDA graphs by them."""
     config = config.for_device(pick_device(config.device).type)
-    runner = ModelRunner(source, config)
+    spec = pooling_of(source, config)
+    if spec is not None and not spec.generates:
+        from worker.runner.pooling_runner import PoolingRunner
+
+        if config.kv_store:
+            raise ValueError("--kv-store holds KV blocks; a pooling model keeps none (leave it out)")
+        return Engine(PoolingRunner(source, config, spec), config)
+    runner = ModelRunner(source, config, spec)
     link = kv_store_link(source, config, runner)
     runner.drop_float_weights()
     return Engine(runner, config, link)
+
+
+def pooling_of(source: ModelSource, config: WorkerConfig) -> PoolingSpec | None:
+    """How the model pools (worker/pooling_spec.py), from its config.json; None: it generates."""
+    folder = Path(source.path)
+    if source.gguf_file is not None:
+        return pooling_spec(source.path, [], False, config.pooling, config.pooling_normalize, causal=True)
+    if not (folder / "config.json").is_file():
+        return pooling_spec(source.path, [], False, config.pooling, config.pooling_normalize)
+    from worker.runner.pooling_runner import is_encoder_type
+
+    model_config = json.loads((folder / "config.json").read_text())
+    encoder = is_encoder_type(model_config.get("model_type", ""))
+    architectures = model_config.get("architectures") or []
+    causal = any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures)
+    return pooling_spec(source.path, architectures, encoder, config.pooling, config.pooling_normalize, causal)
 
 
 def kv_store_link(source: ModelSource, config: WorkerConfig, runner: ModelRunner) -> functools.partial[KVStore] | None:

@@ -91,6 +91,15 @@ WORKER_FLAGS = [
         "start, else triton)",
     ),
     Flag(
+        "pooling",
+        "auto",
+        "Serve the model as an embedder: auto (a sentence-transformers folder's own modules.json and 1_Pooling config; a cross-encoder "
+        "by its classifier head; an encoder such as BERT: cls; a causal LM: generation), none (generate), or cls, mean, max, last, "
+        "mean_sqrt_len (this pooling of the last hidden states; last for a decoder embedder such as Qwen3-Embedding; a causal LM "
+        "then generates too, chat and embedding rows sharing its steps)",
+    ),
+    Flag("pooling-normalize", True, "L2-normalize the vectors of a model pooled by --pooling (a sentence-transformers folder says for itself)", bool),
+    Flag(
         "speculate",
         0,
         "Speculative decoding: up to N draft tokens per step for a lone request, looked up in its own prompt and output (n-grams), "
@@ -130,6 +139,8 @@ class WorkerConfig(SharedConfig):
     threads: int = 0
     adaptive_threads: bool = True
     speculate: int = 0
+    pooling: str = "auto"
+    pooling_normalize: bool = True
     drain_timeout: float = 30.0
     curve_client_secret_key: str | None = None
     curve_server_public_key: str | None = None

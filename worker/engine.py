@@ -15,6 +15,7 @@ from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
 from worker.isolation import run_isolating
 from worker.kv_store.link import KVStore
+from worker.pooling import PoolingQueue, ended
 from worker.request import Request, RequestStatus
 from worker.scheduler import RunOutput, ScheduledBatch, Scheduler
 from worker.speculative import Speculator
@@ -57,6 +58,15 @@ class Engine:
             self.kv_store,
         )
         self.max_num_seqs = config.max_num_seqs
+        # Pooling requests (embeddings, scores): run beside the batch in each step, with no KV blocks.
+        self.pooling = PoolingQueue(
+            getattr(runner, "pooling", None),
+            runner.vocab_size,
+            self.max_model_len,
+            config.max_num_batched_tokens,
+            self.max_num_seqs,
+            config.max_prefill_chunk,
+        )
         self._rejected: list[RequestOutput] = []
         self._requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -67,6 +77,13 @@ class Engine:
     def add_request(self, new: NewRequest) -> None:
         """Queue a request; one that can never fit, or names tokens the model does not have, is
         answered with an error at the next step (never let into a batch it would break)."""
+        problem = self.pooling.check(new)  # a generation request to a pooling model, or a bad pooling one
+        if problem is not None:
+            self.reject(new.request_id, problem, len(new.prompt_token_ids), bad_request=True)
+            return
+        if new.pooling is not None:
+            self.pooling.add(new)
+            return
         request = Request.from_wire(new, self.runner.eos_token_ids)
         if request.events is not None:
             request.record("admitted", prompt_tokens=request.num_prompt_tokens)
@@ -148,24 +165,32 @@ class Engine:
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; returns their final outputs."""
         aborted = self.scheduler.finish(set(request_ids), RequestStatus.FINISHED_ABORTED)
-        return [self._finish_output(r, []) for r in aborted]
+        pooled = [ended(r, None, FinishReason.ABORT) for r in self.pooling.remove(set(request_ids))]
+        return [self._finish_output(r, []) for r in aborted] + pooled
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """After an error inside a step: end every request with the error and leave the cache empty."""
         failed = self.scheduler.finish(set(self._requests), RequestStatus.FINISHED_ERROR)
         for request in failed:
             request.error = message
-        return [self._finish_output(r, []) for r in failed]
+        pooled = [ended(r, message) for r in self.pooling.remove({r.request_id for r in self.pooling.waiting})]
+        return [self._finish_output(r, []) for r in failed] + pooled
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._rejected)
+        return self.scheduler.has_work() or bool(self._rejected) or bool(self.pooling.waiting)
 
     def step(self) -> StepOutputs:
         """Schedule a batch, run the model once over it, and report what each request gained."""
         outputs, self._rejected = self._rejected, []
         batch = self.scheduler.schedule()
+        # Pooling rows share the step's budget with the batch, run beside it, and finish in this step.
+        rows = self.pooling.take(batch.total_tokens, len(batch)) if batch else self.pooling.take()
+        outputs += self.pooling.run(self.runner.pool, rows) if rows else []
+        pooled_tokens = sum(len(r.prompt_token_ids) for r in rows)
         if not batch:
-            return StepOutputs(outputs)
+            if rows:
+                self._count_step(len(rows), pooled_tokens)
+            return StepOutputs(outputs, batch_size=len(rows), num_tokens=pooled_tokens)
         size, num_tokens = len(batch), batch.total_tokens
         result, culprits = run_isolating(self.runner.execute, batch)
         outputs += self._fail_alone(culprits, size)
@@ -173,8 +198,8 @@ class Engine:
         before = [r.num_tokens for r in batch.requests]
         finished = set(self.scheduler.update(batch, result.sampled))
         outputs += self._outputs(batch, before, finished, result)
-        self._count_step(size, result.num_tokens)
-        return StepOutputs(outputs, batch_size=size, num_tokens=num_tokens)
+        self._count_step(size + len(rows), result.num_tokens + pooled_tokens)
+        return StepOutputs(outputs, batch_size=size + len(rows), num_tokens=num_tokens + pooled_tokens)
 
     def _outputs(self, batch: ScheduledBatch, before: list[int], finished: set[Request], result: RunOutput) -> list[RequestOutput]:
         """Each request's new tokens (a stop or the length limit may cut a verified run short)."""
@@ -256,7 +281,7 @@ class Engine:
         self._forget_old_steps(time.monotonic())
         return Heartbeat(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + len(self.pooling.waiting),
             free_blocks=self.blocks.num_free_blocks,
             total_blocks=self.blocks.num_blocks,
             tokens_per_s=self._recent_sum / 10.0,

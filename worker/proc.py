@@ -99,6 +99,7 @@ class WorkerProc:
             device=device,
             dtype=dtype,
             tokenizer_digest=tokenizer.digest if tokenizer else "",
+            pooling=getattr(getattr(engine, "pooling", None), "info", None),  # a pooling model's abilities
         )
         self.gateways = Gateways(address, self.name, self.ready, curve_keys, heartbeat_interval, heartbeat_liveness)
         self.stopping = False

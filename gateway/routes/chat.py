@@ -18,7 +18,7 @@ from gateway.errors import InvalidRequest
 from gateway.generation import now_s
 from gateway.logprobs import chat_logprobs
 from gateway.model_registry import ModelRegistry
-from gateway.routes.common import answer, documented, openai_format, openai_usage
+from gateway.routes.common import answer, documented, openai_usage
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -33,6 +33,7 @@ from gateway.schemas import (
     ToolCallChunk,
     ToolCallOut,
 )
+from gateway.structured_outputs import format_param, output_format
 from gateway.tools import CallDelta
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -79,7 +80,8 @@ def generation_request(data: ChatCompletionRequest) -> GenerationRequest:
         max_tokens=data.max_completion_tokens if completion else data.max_tokens,
         max_tokens_param="max_completion_tokens" if completion else "max_tokens",
         stop=data.stop,
-        response_format=openai_format(data.response_format),
+        response_format=output_format(data),
+        format_param=format_param(data),
         tools=data.tools,
         tool_choice=data.tool_choice,
         parallel_tool_calls=data.parallel_tool_calls,

@@ -18,8 +18,9 @@ from gateway.errors import InvalidRequest
 from gateway.generation import now_s
 from gateway.logprobs import completion_logprobs
 from gateway.model_registry import ModelRegistry
-from gateway.routes.common import answer, documented, openai_format, openai_usage
+from gateway.routes.common import answer, documented, openai_usage
 from gateway.schemas import Completion, CompletionChoice, CompletionRequest
+from gateway.structured_outputs import format_param, output_format
 
 MAX_BEST_OF = 16
 
@@ -35,7 +36,8 @@ def generation_request(data: CompletionRequest) -> GenerationRequest:
         prompts=_prompts(data.prompt),
         max_tokens=1 if _prompt_only(data) else budget,  # scoring the prompt: the one token made is dropped
         stop=data.stop,
-        response_format=openai_format(data.response_format),
+        response_format=output_format(data),
+        format_param=format_param(data),
         n=copies,
         n_param="n" if data.best_of is None else "best_of",
         logprobs=0 if copies > data.n and data.logprobs is None else data.logprobs,  # ranking by cumulative logprob needs them

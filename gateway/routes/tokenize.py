@@ -3,9 +3,9 @@ exactly what prompt a chat request becomes (the same template, tools and bounds 
 
 from __future__ import annotations
 
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import JSONBody
+from litestar.params import FromQuery, JSONBody
 
 from gateway import core
 from gateway.core import GenerationRequest
@@ -55,3 +55,24 @@ class TokenizeController(Controller):
         check_token_ids(req.tokens, generator.vocab_size, "tokens")
         text = await generator.run_in_pool(generator.tokenizer.decode, req.tokens, size=len(req.tokens))
         return json_response({"prompt": text})
+
+    @get("/tokenizer_info", responses=documented(None))
+    async def tokenizer_info(self, models: NamedDependency[ModelRegistry], model: FromQuery[str | None] = None) -> Response:
+        """vLLM's: the tokenizer's class and settings, its special tokens and chat template, so a client
+        (lm-eval's remote tokenizer) need not download the tokenizer to count or render."""
+        generator = models.get(model)
+        tokenizer = generator.tokenizer
+        info = {k: v for k, v in tokenizer.init_kwargs.items() if k not in ("tokenizer_object", "added_tokens_decoder") and _plain(v)}
+        info |= {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        info |= {"tokenizer_class": type(tokenizer).__name__, "vocab_size": generator.vocab_size, "chat_template": generator.template.source}
+        info["model_max_length"] = generator.max_model_len() or info.get("model_max_length")
+        return json_response(info)
+
+
+def _plain(value: object) -> bool:
+    """Whether a setting is JSON as it is (a tokenizer's init kwargs also hold objects)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, dict) and all(isinstance(k, str) and _plain(v) for k, v in value.items())

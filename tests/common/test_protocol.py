@@ -66,8 +66,8 @@ def test_a_one_token_output_is_compact():
     names (the dataclasses with key names took 232 bytes); a shorter array takes the defaults."""
     rid = "0123456789abcdef0123456789abcdef"
     frames = protocol.encode(StepOutputs([RequestOutput(rid, [1234], None, 25, 7, 0, seq=6)], batch_size=1, num_tokens=1))
-    assert msgspec.msgpack.decode(frames[1]) == [[[rid, [1234], None, 25, 7, 0, None, False, None, None, 6, []]], 1, 1]
-    assert sum(map(len, frames)) == 55
+    assert msgspec.msgpack.decode(frames[1]) == [[[rid, [1234], None, 25, 7, 0, None, False, None, None, 6, [], None]], 1, 1]
+    assert sum(map(len, frames)) == 56  # 55 before ``pooled`` (a pooling request's vector) came at the end
     short = protocol.decode([frames[0], msgspec.msgpack.encode([[[rid, [1234]]]])])
     assert short == StepOutputs([RequestOutput(rid, [1234])])
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from gateway.admission import Admission
-from gateway.core import _admit
+from gateway.core import admit
 from gateway.errors import InvalidRequest, Overloaded, RequestTimeout
 
 
@@ -164,9 +164,9 @@ def test_the_admission_wait_counts_toward_the_request_timeout():
         held = await admission.acquire()
         deadline = asyncio.get_running_loop().time() + 0.05
         with pytest.raises(RequestTimeout):
-            await asyncio.wait_for(_admit(generator, 1, deadline, None), 5)
+            await asyncio.wait_for(admit(generator, 1, deadline, None), 5)
         assert admission.waiting == 0
         held[0].release()
-        assert len(await _admit(generator, 1, asyncio.get_running_loop().time() + 5, None)) == 1
+        assert len(await admit(generator, 1, asyncio.get_running_loop().time() + 5, None)) == 1
 
     asyncio.run(scenario())

@@ -62,10 +62,12 @@ def keyed_server():
 def test_api_key_closes_everything_but_health(keyed_server):
     url = keyed_server.base_url
     assert httpx.get(url + "/health").status_code == 200
-    for path in ("/v1/models", "/workers", "/metrics", "/ready"):
+    for path in ("/v1/models", "/workers", "/metrics", "/ready", "/tokenizer_info"):
         response = httpx.get(url + path)
         assert response.status_code == 401, path
         assert response.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/v1/embeddings", "/v1/rerank", "/v1/score", "/rerank", "/score"):  # the pooling routes: chat's rule
+        assert httpx.post(url + path, json={}).status_code == 401, path
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer key-two"}).status_code == 200
     with pytest.raises(openai.AuthenticationError):

@@ -8,6 +8,7 @@ kv_cache.py      how many KV blocks fit the budget, and their tensors (per-layer
 inputs.py        a batch as each path's tensors (flat sequence, C++ rows, verify rows)
 paths.py         the execution paths (graph, C++ rows, torch flat, verify), each giving logits
 cuda_graphs.py   captured decode steps per batch-size bucket
+pooling_runner.py  PoolingRunner: a pooling model (embedder, cross-encoder) with no KV cache; pool(rows) -> vectors
 """
 
 from worker.runner.choices import pick_device, pick_dtype

@@ -19,12 +19,15 @@ from __future__ import annotations
 import torch
 
 from common.model_source import ModelSource, load_tokenizer
+from common.protocol import NewRequest
 from worker.attention import HeadShape, choose_decode_backend
+from worker.attention.paged import ATTENTION_NAME
 from worker.config import WorkerConfig
 from worker.guided import GuidedDecoding
 from worker.loader import load_model
 from worker.models import support
 from worker.models.llama import supports as native_supports
+from worker.pooling_spec import PoolingSpec
 from worker.request import Request
 from worker.runner import kv_cache
 from worker.runner.choices import (
@@ -41,6 +44,7 @@ from worker.runner.choices import (
 from worker.runner.cuda_graphs import DecodeGraphs
 from worker.runner.inputs import InputBuilder
 from worker.runner.paths import ExecutionPaths
+from worker.runner.pooling_runner import padded, vectors
 from worker.runner.probe import learn_layers
 from worker.sampler import Sampler, prompt_logprobs
 from worker.scheduler import RunOutput, ScheduledBatch
@@ -51,7 +55,8 @@ from worker.threads import team_size
 class ModelRunner:
     """Owns the model, the KV-cache tensors and the sampler."""
 
-    def __init__(self, source: ModelSource, config: WorkerConfig) -> None:
+    def __init__(self, source: ModelSource, config: WorkerConfig, pooling: PoolingSpec | None = None) -> None:
+        """``pooling``: the model also pools its last hidden states (``--pooling`` on a causal LM)."""
         self.threads = team_size(config.threads)
         torch.set_num_threads(self.threads)
         self.device = pick_device(config.device)
@@ -63,6 +68,9 @@ class ModelRunner:
         support.refuse_by_name(model.config.model_type, self.architecture, native_supports(model) and config.model_impl != "transformers")
         self.max_model_len = support.max_model_len(text, config.max_model_len)
         self.model = model.to(self.device).eval()
+        self.reference_impl = model.config._attn_implementation  # generate's (sdpa, or eager): pooling forwards run it
+        self.pooling_spec = pooling
+        self.pooling = pooling.info(len(pooling.methods) * text.hidden_size, text) if pooling is not None else None
         try:
             self.layers = learn_layers(model)
         except support.UnsupportedModel as exc:
@@ -73,7 +81,13 @@ class ModelRunner:
         decode_cache = source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}")
         fused = build_fused(fast_decode, model, self.quantization, decode_cache)
         only_rows = rows_only(config.quantized_only, fused)
-        self.native = None if only_rows else pick_impl(config.model_impl, model)
+        impl = config.model_impl
+        if pooling is not None:  # the native forward takes over the layers that a pooling forward runs (wrong vectors)
+            if impl == "native" or only_rows:
+                flag = "--model-impl native" if impl == "native" else "--quantized-only"
+                raise ValueError(f"--pooling on a generating model runs transformers' classes on its float weights: {flag} cannot be used with it")
+            impl = "transformers"
+        self.native = None if only_rows else pick_impl(impl, model)
         if self.native is not None and self.device.type == "cpu":
             keep_off_files(model)  # what is left of it after the native forward took the layers
         first = self.layers[0]
@@ -121,6 +135,20 @@ class ModelRunner:
 
     def remove_request(self, request: Request) -> None:
         self.sampler.remove_request(request.request_id)
+
+    @torch.inference_mode()
+    def pool(self, rows: list[NewRequest]) -> list[bytes]:
+        """Pooling rows through the base model's own forward (generate's attention, no KV cache), as the
+        pooling runner does; between two of the engine's steps, so the paged attention is put back."""
+        assert self.pooling_spec is not None
+        inputs = padded(rows, self.device)
+        del inputs["token_type_ids"]
+        self.model.set_attn_implementation(self.reference_impl)
+        try:
+            states = self.model.base_model(**inputs, use_cache=False).last_hidden_state
+        finally:
+            self.model.set_attn_implementation(ATTENTION_NAME)
+        return vectors(states, inputs["attention_mask"], rows, self.pooling_spec)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunOutput:
