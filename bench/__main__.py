@@ -224,7 +224,9 @@ def run_fleet(args: argparse.Namespace) -> None:
     fleet.run(args, Path(args.out), Path(__file__).resolve().parent.parent)
 
 
-def start_llama_server(args: argparse.Namespace, work: workloads.Workload, slots: int, out: Path) -> tuple[subprocess.Popen, str]:
+def start_llama_server(
+    args: argparse.Namespace, work: workloads.Workload, slots: int, out: Path
+) -> tuple[subprocess.Popen, str]:
     """llama-server on the model's own GGUF, with room for every stream's prompt and output."""
     from common.model_source import resolve_model
 
@@ -273,7 +275,9 @@ def run_all(
     for level in levels:
         prompts = work.levels[level]
         for server in measured:
-            timings, wall = run(run_level(server.url, model, prompts, level, len(prompts), work.output_len, work.system))
+            timings, wall = run(
+                run_level(server.url, model, prompts, level, len(prompts), work.output_len, work.system)
+            )
             row = summarize(level, timings, wall)
             found[server.label]["levels"].append(row)
             print(
@@ -284,7 +288,9 @@ def run_all(
             )
             per_request = row["total_input_tokens"] / max(1, row["completed"])
             if work.input_len and row["completed"] and abs(per_request - work.input_len) > 0.01 * work.input_len:
-                print(f"  note: {server.label} counted {per_request:.0f} prompt tokens per request, not {work.input_len}")
+                print(
+                    f"  note: {server.label} counted {per_request:.0f} prompt tokens per request, not {work.input_len}"
+                )
     try:
         workers = httpx.get(measured[0].url + "/workers", timeout=5).json()["workers"]
         found[measured[0].label]["workers"] = workers
@@ -308,8 +314,12 @@ def report(results: dict, baseline: bool, out: Path) -> None:
     )
     if baseline:
         base = results["baseline"]["output_throughput"]
-        results["ratios_vs_baseline"] = {r["concurrency"]: round(r["output_throughput"] / base, 2) for r in measured[ours]["levels"]}
-        print("\noutput tok/s vs baseline: " + ", ".join(f"{c}: {x}x" for c, x in results["ratios_vs_baseline"].items()))
+        results["ratios_vs_baseline"] = {
+            r["concurrency"]: round(r["output_throughput"] / base, 2) for r in measured[ours]["levels"]
+        }
+        print(
+            "\noutput tok/s vs baseline: " + ", ".join(f"{c}: {x}x" for c, x in results["ratios_vs_baseline"].items())
+        )
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"results-{results['mode']}.json"
     path.write_text(json.dumps(results, indent=2))

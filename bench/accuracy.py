@@ -161,7 +161,9 @@ def main() -> None:
     print(f"{len(PROMPTS)} prompts, {NEW_TOKENS} greedy tokens each, against bf16 generate")
     print(f"{'mode':<12} {'exact':>6} {'close':>6} {'diverge@':>9} {'|dlogp|':>8}")
     for mode, r in results.items():
-        print(f"{mode:<12} {r['exact']:>6.0%} {r['close']:>6.0%} {r['diverge_at']:>9.1f} {r['mean_abs_dlogprob']:>8.4f}")
+        print(
+            f"{mode:<12} {r['exact']:>6.0%} {r['close']:>6.0%} {r['diverge_at']:>9.1f} {r['mean_abs_dlogprob']:>8.4f}"
+        )
     print(json.dumps(results))
 
 

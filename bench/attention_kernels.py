@@ -24,7 +24,7 @@ SHAPES = [(1, 4096), (1, 32768), (32, 1024), (256, 1024)]
 HEADS = {"llama-1b": (32, 8, 64), "smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}
 
 
-def time_us(fn, iterations: int = 50) -> float:  # noqa: ANN001 - a no-argument callable
+def time_us(fn, iterations: int = 50) -> float:  # a no-argument callable
     for _ in range(3):
         fn()
     times = []
@@ -42,7 +42,9 @@ def measure(rows: int, context: int, heads: tuple[int, int, int], dtype: torch.d
     query_heads, kv_heads, head_dim = heads
     device = torch.device("cuda")
     blocks_per_row = -(-context // block_size)
-    k_cache, v_cache = (torch.randn(rows * blocks_per_row, block_size, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+    k_cache, v_cache = (
+        torch.randn(rows * blocks_per_row, block_size, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2)
+    )
     order = torch.randperm(rows * blocks_per_row).tolist()  # scattered pages, as a long-running cache has
     tables = [order[r * blocks_per_row : (r + 1) * blocks_per_row] for r in range(rows)]
     lengths = [context] * rows
@@ -50,7 +52,13 @@ def measure(rows: int, context: int, heads: tuple[int, int, int], dtype: torch.d
     query = torch.randn(rows, query_heads, head_dim, device=device, dtype=dtype)
     scale = head_dim**-0.5
     kv_bytes = 2 * rows * context * kv_heads * head_dim * k_cache.element_size()
-    result: dict = {"rows": rows, "context": context, "heads": heads, "dtype": str(dtype).removeprefix("torch."), "kv_mb": round(kv_bytes / 1e6, 1)}
+    result: dict = {
+        "rows": rows,
+        "context": context,
+        "heads": heads,
+        "dtype": str(dtype).removeprefix("torch."),
+        "kv_mb": round(kv_bytes / 1e6, 1),
+    }
     backends = {"eager": EagerDecode(), "triton": triton_decode.TritonDecode()}
     if flashinfer_decode.available():
         backends["flashinfer"] = flashinfer = flashinfer_decode.FlashInferBackend(device)
@@ -64,8 +72,12 @@ def measure(rows: int, context: int, heads: tuple[int, int, int], dtype: torch.d
         if name == "eager" and rows * context > 256 * 1024:
             continue  # the gathered copy alone would take gigabytes
         out = backend(query, k_cache, v_cache, group, scale).float()
-        us = time_us(lambda: backend(query, k_cache, v_cache, group, scale))  # noqa: B023
-        result[name] = {"us": round(us, 1), "tb_per_s": round(kv_bytes / us / 1e6, 2), "max_error": round((out - want).abs().max().item(), 4)}
+        us = time_us(lambda: backend(query, k_cache, v_cache, group, scale))
+        result[name] = {
+            "us": round(us, 1),
+            "tb_per_s": round(kv_bytes / us / 1e6, 2),
+            "max_error": round((out - want).abs().max().item(), 4),
+        }
     return result
 
 
@@ -74,7 +86,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--models", default="llama-1b,smollm2", help=f"head shapes, of {', '.join(HEADS)}")
     args = parser.parse_args()
-    report = {"gpu": torch.cuda.get_device_name(), "flashinfer": flashinfer_decode.available(), "triton": triton_decode.available(), "runs": []}
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "flashinfer": flashinfer_decode.available(),
+        "triton": triton_decode.available(),
+        "runs": [],
+    }
     if report["flashinfer"]:
         report["flashinfer_version"] = flashinfer_decode.flashinfer.__version__
     for model in args.models.split(","):

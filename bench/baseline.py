@@ -29,7 +29,9 @@ class _Clock(LogitsProcessor):
         return scores
 
 
-def run_baseline(model_spec: str, prompts: list[str], requests: int, max_tokens: int) -> tuple[list[RequestTiming], float]:
+def run_baseline(
+    model_spec: str, prompts: list[str], requests: int, max_tokens: int
+) -> tuple[list[RequestTiming], float]:
     source = resolve_model(model_spec)
     tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.bfloat16).eval()
@@ -37,7 +39,9 @@ def run_baseline(model_spec: str, prompts: list[str], requests: int, max_tokens:
     start = time.perf_counter()
     for i in range(requests):
         messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
         timing = RequestTiming(start=time.perf_counter(), prompt_tokens=len(ids))
         with torch.inference_mode():
             out = model.generate(

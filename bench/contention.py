@@ -50,7 +50,14 @@ def measure(label: str, url: str, model: str, rounds: int, tokens: int) -> dict:
             spinner.kill()
             spinner.wait()
     q, b = statistics.median(quiet), statistics.median(loaded)
-    row = {"server": label, "quiet_s": round(q, 3), "busy_s": round(b, 3), "ratio": round(b / q, 2), "quiet_all": quiet, "busy_all": loaded}
+    row = {
+        "server": label,
+        "quiet_s": round(q, 3),
+        "busy_s": round(b, 3),
+        "ratio": round(b / q, 2),
+        "quiet_all": quiet,
+        "busy_all": loaded,
+    }
     print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
     return row
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 
-def median_s(fn, repeats: int = 20) -> float:  # noqa: ANN001 - a no-argument callable
+def median_s(fn, repeats: int = 20) -> float:  # a no-argument callable
     for _ in range(3):
         fn()
     times = []
@@ -58,7 +58,12 @@ def main() -> None:
     k, _ = runner.kv_caches[0]
     kv_per_token = 2 * len(runner.kv_caches) * k[0, 0].numel() * k.element_size()
     limit = read_limit(weights)
-    report = {"model": args.model, "quantization": runner.quantization, "threads": torch.get_num_threads(), "weight_mb": round(weights / 1e6, 1)}
+    report = {
+        "model": args.model,
+        "quantization": runner.quantization,
+        "threads": torch.get_num_threads(),
+        "weight_mb": round(weights / 1e6, 1),
+    }
     report["read_limit_gb_s"] = round(limit / 1e9, 1)
     block = runner.block_size
     for rows in map(int, args.rows.split(",")):
@@ -73,7 +78,12 @@ def main() -> None:
 
         seconds = median_s(step)
         moved = weights + rows * (args.context + 1) * kv_per_token
-        row = {"rows": rows, "step_ms": round(seconds * 1e3, 3), "gb_s": round(moved / seconds / 1e9, 1), "share": round(moved / seconds / limit, 3)}
+        row = {
+            "rows": rows,
+            "step_ms": round(seconds * 1e3, 3),
+            "gb_s": round(moved / seconds / 1e9, 1),
+            "share": round(moved / seconds / limit, 3),
+        }
         if rows == 1:
             hidden = fused.embed(ids)
             head = median_s(lambda: torch.ops.llmpool.linear(hidden.float(), fused.lm_head, fused.lm_head_scale, None))

@@ -44,17 +44,26 @@ def build_embedder(folder: Path, layers: int, hidden: int, seed: int = 0) -> Pat
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     torch.manual_seed(seed)
-    config = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64, intermediate_size=4 * hidden)
+    config = BertConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64, intermediate_size=4 * hidden
+    )
     BertModel(config).eval().save_pretrained(folder)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(chr(c) for c in range(ord("a"), ord("z") + 1))]
     BertTokenizerFast(vocab={token: i for i, token in enumerate(vocab)}).save_pretrained(folder)
     modules = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
     (folder / "modules.json").write_text(
-        json.dumps([{"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{t}"} for i, (p, t) in enumerate(modules)])
+        json.dumps(
+            [
+                {"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{t}"}
+                for i, (p, t) in enumerate(modules)
+            ]
+        )
     )
     (folder / "1_Pooling").mkdir(exist_ok=True)
     (folder / "2_Normalize").mkdir(exist_ok=True)
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden, "pooling_mode_mean_tokens": True}))
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": hidden, "pooling_mode_mean_tokens": True})
+    )
     return folder
 
 
@@ -92,7 +101,9 @@ async def embedding_load(url: str, model: str, batch: int, tokens: int, stop: as
     return done
 
 
-async def chat_level(url: str, model: str, streams: int, requests: int, max_tokens: int, load_batch: int, tokens: int) -> tuple[dict, float]:
+async def chat_level(
+    url: str, model: str, streams: int, requests: int, max_tokens: int, load_batch: int, tokens: int
+) -> tuple[dict, float]:
     """The chat workload's figures, with an embedding load beside it when ``load_batch`` > 0."""
     stop = asyncio.Event()
     load = asyncio.create_task(embedding_load(url, model, load_batch, tokens, stop)) if load_batch else None
@@ -103,18 +114,26 @@ async def chat_level(url: str, model: str, streams: int, requests: int, max_toke
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.embeddings", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.embeddings", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", default="1,8,64", help="inputs per embeddings request, comma-separated")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per input")
-    parser.add_argument("--requests", type=int, default=0, help="requests per batch size (0: enough for about 256 inputs, at least 4)")
+    parser.add_argument(
+        "--requests", type=int, default=0, help="requests per batch size (0: enough for about 256 inputs, at least 4)"
+    )
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--streams", type=int, default=4, help="concurrent chat streams")
     parser.add_argument("--chat-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--load-batch", type=int, default=8, help="inputs per request of the embedding load beside chat")
+    parser.add_argument(
+        "--load-batch", type=int, default=8, help="inputs per request of the embedding load beside chat"
+    )
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--shared", action="store_true", help="one worker of the chat model that also embeds (--pooling last)")
+    parser.add_argument(
+        "--shared", action="store_true", help="one worker of the chat model that also embeds (--pooling last)"
+    )
     args = parser.parse_args()
     model = CHAT_MODEL if args.shared else "embed"
     if args.shared:
@@ -129,10 +148,18 @@ def main() -> None:
         print(f"load average {os.getloadavg()[0]:.1f}; embedder: {what}; {args.tokens}-token inputs")
         for batch in (int(b) for b in args.batches.split(",") if b):
             requests = args.requests or max(4, 256 // batch)
-            print(f"batch {batch:>3}: {texts_per_s(url, model, batch, args.tokens, requests):7.1f} texts/s ({requests} requests)")
+            print(
+                f"batch {batch:>3}: {texts_per_s(url, model, batch, args.tokens, requests):7.1f} texts/s ({requests} requests)"
+            )
         rows = {}
-        for name, load_batch in (("chat alone", 0), (f"chat + embeddings (batch {args.load_batch})", args.load_batch), ("chat alone again", 0)):
-            row, embedded = asyncio.run(chat_level(url, model, args.streams, args.chat_requests, args.max_tokens, load_batch, args.tokens))
+        for name, load_batch in (
+            ("chat alone", 0),
+            (f"chat + embeddings (batch {args.load_batch})", args.load_batch),
+            ("chat alone again", 0),
+        ):
+            row, embedded = asyncio.run(
+                chat_level(url, model, args.streams, args.chat_requests, args.max_tokens, load_batch, args.tokens)
+            )
             rows[name] = row
             extra = f", embeddings beside: {embedded:.1f} texts/s" if load_batch else ""
             print(

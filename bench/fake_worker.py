@@ -62,7 +62,9 @@ class FakeEngine:
         ]
 
     def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False) -> None:
-        self.refused.append(RequestOutput(request_id, [], "error", num_prompt_tokens, error=error, bad_request=bad_request))
+        self.refused.append(
+            RequestOutput(request_id, [], "error", num_prompt_tokens, error=error, bad_request=bad_request)
+        )
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         return [RequestOutput(i, [], "abort") for i in request_ids if self.running.pop(i, None)]
@@ -127,7 +129,9 @@ def load_model_info(path: str | None, model: str) -> ModelInfo:
     return info
 
 
-def fake_worker(name: str, args: argparse.Namespace, addresses: list[str], info: ModelInfo | None, fleet: bool = False) -> WorkerProc:
+def fake_worker(
+    name: str, args: argparse.Namespace, addresses: list[str], info: ModelInfo | None, fleet: bool = False
+) -> WorkerProc:
     """One model-less worker: the real socket loop (worker/proc.py) around a FakeEngine; in a
     ``fleet``, stepped inline by the fleet's thread instead of a stepping thread of its own."""
     engine = FakeEngine(args.step_ms / 1000, args.token_ms / 1000, sleeps=not fleet)
@@ -269,12 +273,21 @@ class Fleet:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.fake_worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gateway-address", default="tcp://127.0.0.1:5555", help="comma-separated: every worker connects to each")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fake_worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--gateway-address", default="tcp://127.0.0.1:5555", help="comma-separated: every worker connects to each"
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the name to register under")
     parser.add_argument("--step-ms", type=float, default=0.0)
     parser.add_argument("--token-ms", type=float, default=0.0, help="step time grows by this per running request")
-    parser.add_argument("--count", type=int, default=1, help="simulated workers in this process (their loops share one thread and one poller)")
+    parser.add_argument(
+        "--count",
+        type=int,
+        default=1,
+        help="simulated workers in this process (their loops share one thread and one poller)",
+    )
     parser.add_argument("--name", default="fake-worker", help="worker name (a fleet's are NAME-0, NAME-1, ...)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--heartbeat-liveness", type=int, default=5)
@@ -292,7 +305,9 @@ def main() -> None:
     # Three sockets per gateway link (the DEALER and its handshake monitor's pair), all in one context.
     zmq.Context.instance().set(zmq.MAX_SOCKETS, 3 * args.count * len(addresses) + 64)
     log.info("%d simulated workers connecting to %s", args.count, ", ".join(addresses))
-    Fleet([fake_worker(f"{args.name}-{i}", args, addresses, info, fleet=True) for i in range(args.count)]).run(args.heartbeat_interval)
+    Fleet([fake_worker(f"{args.name}-{i}", args, addresses, info, fleet=True) for i in range(args.count)]).run(
+        args.heartbeat_interval
+    )
 
 
 if __name__ == "__main__":

@@ -19,9 +19,28 @@ import tempfile
 import time
 from pathlib import Path
 
-FAMILIES = ["llama", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "granite", "olmo2", "smollm3", "mixtral", "qwen3_moe", "olmoe"]
+FAMILIES = [
+    "llama",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "granite",
+    "olmo2",
+    "smollm3",
+    "mixtral",
+    "qwen3_moe",
+    "olmoe",
+]
 SHAPE = dict(
-    hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=32000,
 )
 MOE = {"num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 704}
 
@@ -31,7 +50,9 @@ def build(kind: str, folder: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = {**MOE, "intermediate_size": 704} if kind in ("mixtral", "qwen3_moe", "olmoe") else {}
-    config = AutoConfig.for_model(kind, **{**SHAPE, **extra}, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model(
+        kind, **{**SHAPE, **extra}, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
@@ -46,13 +67,18 @@ def step_ms(folder: Path, rows: int, fused: bool, steps: int = 12) -> float:
 
     settings = {} if fused else {"model_impl": "transformers", "quantization": "none"}
     engine = build_engine(
-        resolve_model(str(folder)), WorkerConfig(dtype="bfloat16", kv_cache_memory="512MiB", max_num_seqs=64, skip_self_check=True, **settings)
+        resolve_model(str(folder)),
+        WorkerConfig(dtype="bfloat16", kv_cache_memory="512MiB", max_num_seqs=64, skip_self_check=True, **settings),
     )
     if not fused:  # bf16 on a CPU takes the C++ step wherever it knows the family: switch it off here
         engine.runner.paths.fast = False
-    assert engine.runner.paths.fast == fused and (fused or engine.runner.native is None), "the path asked for is the one that runs"
+    assert engine.runner.paths.fast == fused and (fused or engine.runner.native is None), (
+        "the path asked for is the one that runs"
+    )
     for i in range(rows):
-        engine.add_request(NewRequest(f"r{i}", [3 + i, 7, 11, 13], steps + 4, SamplingParams(temperature=0), ignore_eos=True))
+        engine.add_request(
+            NewRequest(f"r{i}", [3 + i, 7, 11, 13], steps + 4, SamplingParams(temperature=0), ignore_eos=True)
+        )
     times = []
     while engine.has_work():
         start = time.perf_counter()

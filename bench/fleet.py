@@ -76,10 +76,14 @@ def _answer_describe(dealers: list[zmq.Socket]) -> None:
             except zmq.Again:
                 break
             if isinstance(protocol.decode(frames), DescribeModel):
-                sock.send_multipart(protocol.encode(ModelInfo(DEFAULT_MODEL, "bench", zlib.compress(msgspec.msgpack.encode({})))))
+                sock.send_multipart(
+                    protocol.encode(ModelInfo(DEFAULT_MODEL, "bench", zlib.compress(msgspec.msgpack.encode({}))))
+                )
 
 
-async def routing_cost(workers: int, requests: int, batch: int, prompt_len: int, profile: cProfile.Profile | None = None) -> dict:
+async def routing_cost(
+    workers: int, requests: int, batch: int, prompt_len: int, profile: cProfile.Profile | None = None
+) -> dict:
     """CPU µs per request of ``submit`` + ``_flush`` with ``workers`` registered, ``batch`` submits per
     loop tick, and of the HTTP side's ``limits()``; CPU µs to handle one worker heartbeat (receive,
     decode, dispatch) and to send one."""
@@ -88,8 +92,14 @@ async def routing_cost(workers: int, requests: int, batch: int, prompt_len: int,
     address = f"ipc://{tempfile.gettempdir()}/llmpool-fleet-{uuid.uuid4().hex[:8]}"
     # Single-model gateways take the model at construction, multi-model ones with each submit.
     single_model = "model" in inspect.signature(WorkerClient).parameters
-    client = WorkerClient(address, **({"model": DEFAULT_MODEL} if single_model else {}), heartbeat_interval=3600, heartbeat_liveness=5)
-    submit = client.submit if single_model else functools.partial(lambda new, submit: submit(new, DEFAULT_MODEL), submit=client.submit)
+    client = WorkerClient(
+        address, **({"model": DEFAULT_MODEL} if single_model else {}), heartbeat_interval=3600, heartbeat_liveness=5
+    )
+    submit = (
+        client.submit
+        if single_model
+        else functools.partial(lambda new, submit: submit(new, DEFAULT_MODEL), submit=client.submit)
+    )
     await client.start()
     context = zmq.Context()
     context.set(zmq.MAX_SOCKETS, workers + 64)
@@ -112,7 +122,10 @@ async def routing_cost(workers: int, requests: int, batch: int, prompt_len: int,
 
         rng = random.Random(0)
         news = [
-            NewRequest(f"r{i}", [rng.randrange(1000, 40000) for _ in range(prompt_len)], 8, SamplingParams(temperature=0.8)) for i in range(requests)
+            NewRequest(
+                f"r{i}", [rng.randrange(1000, 40000) for _ in range(prompt_len)], 8, SamplingParams(temperature=0.8)
+            )
+            for i in range(requests)
         ]
         per_request = []
         for start in range(0, requests, batch):
@@ -201,13 +214,20 @@ def profile_top(profile: cProfile.Profile, lines: int = 12) -> list[str]:
 # ---- end to end -----------------------------------------------------------------------------------
 
 
-def _log(name: str):  # noqa: ANN202 - an open file
+def _log(name: str):  # an open file
     """Each process's output in the temp folder (llmpool-fleet-NAME.log), to read after a run."""
     return open(Path(tempfile.gettempdir()) / f"llmpool-fleet-{name}.log", "wb")
 
 
 def start_fleet(
-    workers: int, processes: int, gateways: int, step_ms: float, interval: float, model_info: Path, root: Path, extra: list[str]
+    workers: int,
+    processes: int,
+    gateways: int,
+    step_ms: float,
+    interval: float,
+    model_info: Path,
+    root: Path,
+    extra: list[str],
 ) -> tuple[list[subprocess.Popen], list[subprocess.Popen], list[str]]:
     """``gateways`` gateways and ``workers`` simulated workers in ``processes`` processes, each worker
     registered with every gateway; returns once every gateway lists them all."""
@@ -216,7 +236,17 @@ def start_fleet(
     heartbeat = ["--heartbeat-interval", str(interval)]
     gateway_procs = [
         subprocess.Popen(
-            [python, "-m", "gateway", "--port", str(http), "--zmq-bind", f"tcp://127.0.0.1:{zmq_port}", *heartbeat, *extra],
+            [
+                python,
+                "-m",
+                "gateway",
+                "--port",
+                str(http),
+                "--zmq-bind",
+                f"tcp://127.0.0.1:{zmq_port}",
+                *heartbeat,
+                *extra,
+            ],
             cwd=root,
             stdout=_log(f"gateway-{i}"),
             stderr=subprocess.STDOUT,
@@ -230,7 +260,17 @@ def start_fleet(
     shares = [workers // processes + (i < workers % processes) for i in range(processes)]
     fleet_procs = [
         subprocess.Popen(
-            [python, "-m", "bench.fake_worker", "--gateway-address", addresses, "--count", str(share), "--name", f"fleet{i}"]
+            [
+                python,
+                "-m",
+                "bench.fake_worker",
+                "--gateway-address",
+                addresses,
+                "--count",
+                str(share),
+                "--name",
+                f"fleet{i}",
+            ]
             + ["--step-ms", str(step_ms), "--model-info", str(model_info), *heartbeat],
             cwd=root,
             stdout=_log(f"fleet{i}"),
@@ -240,7 +280,9 @@ def start_fleet(
         if share
     ]
     for url in urls:
-        servers.wait_ready(url, "/workers", gateway_procs + fleet_procs, lambda r: len(r.json()["workers"]) == workers, timeout_s=180)
+        servers.wait_ready(
+            url, "/workers", gateway_procs + fleet_procs, lambda r: len(r.json()["workers"]) == workers, timeout_s=180
+        )
     return gateway_procs, fleet_procs, urls
 
 
@@ -248,7 +290,14 @@ def measure_fleet(workers: int, args, model_info: Path, root: Path) -> dict:
     """Heartbeat CPU of the idle gateways and fleet, then requests/s through the first gateway."""
     run = _event_loop_runner()
     gateway_procs, fleet_procs, urls = start_fleet(
-        workers, args.fleet_processes, 2, args.fake_step_ms, args.heartbeat_interval, model_info, root, args.extra_server_args
+        workers,
+        args.fleet_processes,
+        2,
+        args.fake_step_ms,
+        args.heartbeat_interval,
+        model_info,
+        root,
+        args.extra_server_args,
     )
     try:
         time.sleep(args.heartbeat_interval * 2)  # registrations settle, heartbeats spread out
@@ -256,7 +305,12 @@ def measure_fleet(workers: int, args, model_info: Path, root: Path) -> dict:
         registered = [len(httpx.get(url + "/workers", timeout=30).json()["workers"]) for url in urls]
         prompts = [f"Say something about the number {i}." for i in range(64)]
         run(run_level(urls[0], DEFAULT_MODEL, prompts, 4, 8, args.output_len))  # warm-up
-        found = {"workers": workers, "gateway_idle_cpu_pct": idle[:2], "fleet_idle_cpu_pct": idle[2:], "registered_after_idle": registered}
+        found = {
+            "workers": workers,
+            "gateway_idle_cpu_pct": idle[:2],
+            "fleet_idle_cpu_pct": idle[2:],
+            "registered_after_idle": registered,
+        }
         rows = []
         for level in args.fleet_levels:
             before = [cpu_seconds(p.pid) for p in gateway_procs]
@@ -319,7 +373,9 @@ def run(args, out: Path, root: Path) -> dict:
                 f"heartbeat handling {row['heartbeat_receive_us']} µs in + {row['heartbeat_send_us']} µs out = {hb_pct:.2f} % of a core",
                 flush=True,
             )
-    asyncio.run(routing_cost(largest, min(args.routing_requests, 5000), 1, 200, profile))  # a profiled run apart: cProfile slows it
+    asyncio.run(
+        routing_cost(largest, min(args.routing_requests, 5000), 1, 200, profile)
+    )  # a profiled run apart: cProfile slows it
     out.mkdir(parents=True, exist_ok=True)
     profile.dump_stats(str(out / "fleet-routing.prof"))
     results["routing_profile_top"] = profile_top(profile)

@@ -39,7 +39,9 @@ def make(out: Path, types: list[str]) -> list[Path]:
     source = out / "llama-1b-bf16.gguf"
     if not source.is_file():
         convert = llama_cpp_dir() / "convert_hf_to_gguf.py"
-        subprocess.run([sys.executable, str(convert), str(hf), "--outfile", str(source), "--outtype", "bf16"], check=True)
+        subprocess.run(
+            [sys.executable, str(convert), str(hf), "--outfile", str(source), "--outtype", "bf16"], check=True
+        )
     quantize = ROOT / ".llama.cpp" / "build" / "bin" / "llama-quantize"
     for kind, target in zip(types, wanted):
         if not target.is_file():

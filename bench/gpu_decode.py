@@ -48,7 +48,14 @@ def step_bytes(engine: Engine, context: int) -> int:
     tensors = list(runner.model.parameters())  # tied embeddings and LM head are one parameter
     if native is not None:  # the fused copies replaced the layers' own weights
         for layer in native.layers:
-            tensors += [layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight, layer.input_norm, layer.post_norm]
+            tensors += [
+                layer.qkv.weight,
+                layer.o_proj.weight,
+                layer.gate_up.weight,
+                layer.down.weight,
+                layer.input_norm,
+                layer.post_norm,
+            ]
     k, v = runner.kv_caches[0]
     per_token = 2 * len(runner.kv_caches) * k[0, 0].numel() * k.element_size()
     return sum(t.numel() * t.element_size() for t in tensors) + context * per_token
@@ -74,7 +81,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--attention", default="triton,flashinfer", help="decode attention backends to time (flashinfer only where it is installed)")
+    parser.add_argument(
+        "--attention",
+        default="triton,flashinfer",
+        help="decode attention backends to time (flashinfer only where it is installed)",
+    )
     args = parser.parse_args()
     attentions = [a for a in args.attention.split(",") if a != "flashinfer" or flashinfer_decode.available()]
     name = torch.cuda.get_device_name()
@@ -85,7 +96,9 @@ def main() -> None:
     for model in args.models:
         for attention, graphs in runs:
             settings = {"cuda_graphs": graphs, "cuda_attention": attention}
-            config = WorkerConfig(model=model, device="cuda", dtype="bfloat16", kv_cache_memory="4GiB", max_num_seqs=8, **settings)
+            config = WorkerConfig(
+                model=model, device="cuda", dtype="bfloat16", kv_cache_memory="4GiB", max_num_seqs=8, **settings
+            )
             engine = build_engine(resolve_model(model), config)
             decode_ms(engine, 32, 16)  # warm-up
             ms = decode_ms(engine, args.prompt_len, args.new_tokens)

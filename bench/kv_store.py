@@ -46,11 +46,15 @@ CASES = ("recompute", "warm RAM", "second worker", "restart")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.kv_store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kv_store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workload", choices=("long-context", "agent", "chat"), default="long-context")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=2, help="requests per case and round")
-    parser.add_argument("--input-len", type=int, help="long-context: prompt tokens (4096); agent: system prompt tokens (4000)")
+    parser.add_argument(
+        "--input-len", type=int, help="long-context: prompt tokens (4096); agent: system prompt tokens (4000)"
+    )
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--concurrency", default="1,8", help="chat: levels")
     parser.add_argument("--worker-arg", action="append", default=[], help="extra flag for the workers (repeatable)")
@@ -79,7 +83,17 @@ class Pair:
         self.url = f"http://127.0.0.1:{self.port}"
         # A 4,096-token prefill takes 7 s on 2 quiet cores, a minute on a busy machine: past the default hung-worker check.
         self.gateway = self._spawn(
-            ["gateway", "--port", str(self.port), "--zmq-bind", self.zmq, "--hung-timeout", "600", "--request-timeout", "1800"]
+            [
+                "gateway",
+                "--port",
+                str(self.port),
+                "--zmq-bind",
+                self.zmq,
+                "--hung-timeout",
+                "600",
+                "--request-timeout",
+                "1800",
+            ]
         )
         self.worker = self.start_worker()
 
@@ -87,7 +101,16 @@ class Pair:
         return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def start_worker(self) -> subprocess.Popen:
-        args = ["worker", "--gateway-address", self.zmq, "--worker-name", self.name, "--kv-store", str(self.store), *self.worker_args]
+        args = [
+            "worker",
+            "--gateway-address",
+            self.zmq,
+            "--worker-name",
+            self.name,
+            "--kv-store",
+            str(self.store),
+            *self.worker_args,
+        ]
         self.worker = self._spawn(args)
         servers.wait_ready(self.url, "/workers", [self.gateway, self.worker], lambda r: len(r.json()["workers"]) == 1)
         return self.worker
@@ -124,13 +147,21 @@ def store_rounds(args: argparse.Namespace) -> dict:
             time.sleep(1.0)
         for r in range(args.rounds):
             # Fresh prompts every round (agent: a fresh system prompt and turns): nothing cached yet.
-            work = workloads.build(args.workload, [1], 5 * args.requests, args.output_len, args.input_len, tokenizer, seed=1000 + r)
+            work = workloads.build(
+                args.workload, [1], 5 * args.requests, args.output_len, args.input_len, tokenizer, seed=1000 + r
+            )
             prompts, system = work.levels[1], work.system
-            batches = [prompts[: args.requests]] * 4 if not agent else [prompts[i * args.requests : (i + 1) * args.requests] for i in range(1, 5)]
+            batches = (
+                [prompts[: args.requests]] * 4
+                if not agent
+                else [prompts[i * args.requests : (i + 1) * args.requests] for i in range(1, 5)]
+            )
             started = load()
             found = {}
             if agent:
-                found["recompute"] = ttfts(a.url, prompts[: args.requests][:1], args.output_len, system)  # the first turn computes it
+                found["recompute"] = ttfts(
+                    a.url, prompts[: args.requests][:1], args.output_len, system
+                )  # the first turn computes it
             else:
                 found["recompute"] = ttfts(a.url, batches[0], args.output_len, system)
             time.sleep(1.0)  # the writes behind the prefill end (they run on the worker's writer thread)
@@ -186,11 +217,24 @@ def chat_rounds(args: argparse.Namespace) -> dict:
                 ttfts(url, ["Hello there"], 4)
                 for level in levels:
                     started = load()
-                    timings, wall = asyncio.run(run_level(url, MODEL, work.levels[level], level, len(work.levels[level]), args.output_len))
+                    timings, wall = asyncio.run(
+                        run_level(url, MODEL, work.levels[level], level, len(work.levels[level]), args.output_len)
+                    )
                     row = summarize(level, timings, wall) | {"store": setting, "round": r, "load": started}
                     print(
                         json.dumps(
-                            {k: row[k] for k in ("round", "store", "concurrency", "output_throughput", "median_ttft_ms", "median_tpot_ms", "load")}
+                            {
+                                k: row[k]
+                                for k in (
+                                    "round",
+                                    "store",
+                                    "concurrency",
+                                    "output_throughput",
+                                    "median_ttft_ms",
+                                    "median_tpot_ms",
+                                    "load",
+                                )
+                            }
                         )
                     )
                     rows.append(row)
@@ -204,9 +248,14 @@ def chat_rounds(args: argparse.Namespace) -> dict:
                 (on[metric], off[metric])
                 for on in rows
                 for off in rows
-                if on["store"] == "on" and off["store"] == "off" and on["round"] == off["round"] and on["concurrency"] == off["concurrency"] == level
+                if on["store"] == "on"
+                and off["store"] == "off"
+                and on["round"] == off["round"]
+                and on["concurrency"] == off["concurrency"] == level
             ]
-            summary[f"c{level} {metric} on / off (median of rounds)"] = round(statistics.median(x / y for x, y in pairs), 3)
+            summary[f"c{level} {metric} on / off (median of rounds)"] = round(
+                statistics.median(x / y for x, y in pairs), 3
+            )
     return summary
 
 

@@ -75,7 +75,12 @@ def worker_pid(launcher: int) -> int:
 def measure(label: str, url: str, model: str, pid: int, prompts: list[list[int]]) -> dict:
     ttft_s(url, model, prompts[0][:64])  # warm up
     times = [ttft_s(url, model, p) for p in prompts]
-    row = {"server": label, "ttft_s": round(statistics.median(times), 3), "all_s": [round(t, 3) for t in times], **memory_mb(pid)}
+    row = {
+        "server": label,
+        "ttft_s": round(statistics.median(times), 3),
+        "all_s": [round(t, 3) for t in times],
+        **memory_mb(pid),
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -104,7 +109,9 @@ def main() -> None:
 
         source = resolve_model(args.model)
         gguf = Path(source.path) / source.gguf_file
-        command = servers.llama_server_command(args.llama_server, gguf, servers.free_port(), 1, args.input_len + 64, 2, [])
+        command = servers.llama_server_command(
+            args.llama_server, gguf, servers.free_port(), 1, args.input_len + 64, 2, []
+        )
         process, peer = servers.start_llama_server(command, Path("bench-results") / "llama-server-memory.log")
         try:
             rows.append(measure("llama-server", peer, servers.served_name(args.model), process.pid, prompts))

@@ -17,8 +17,20 @@ import argparse
 from pathlib import Path
 
 SHAPES = {
-    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8},
-    "smol": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3},
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    "smol": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    },
 }
 
 
@@ -55,7 +67,9 @@ def build(folder: Path, size: str = "1b", tokenizer_dir: str | None = None, seed
         **SHAPES[size],
     )
     torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialising 1 B weights takes a minute on a CPU
+    with torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"
+    ):  # initialising 1 B weights takes a minute on a CPU
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
@@ -67,7 +81,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--size", choices=sorted(SHAPES), default="1b")
-    parser.add_argument("--tokenizer", help="a folder with the default model's tokenizer (default: from the GGUF package)")
+    parser.add_argument(
+        "--tokenizer", help="a folder with the default model's tokenizer (default: from the GGUF package)"
+    )
     args = parser.parse_args()
     print(build(args.folder, args.size, args.tokenizer))
 

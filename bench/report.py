@@ -26,7 +26,8 @@ def _number(value: float, suffix: str = "") -> str:
 
 def _cells(row: dict, suffix: str = "") -> list[str]:
     return [_number(row[key], suffix) for key in THROUGHPUTS] + [
-        " / ".join(_number(row[f"{stat}_{name}_ms"], suffix) for stat in ("mean", "median", "p99")) for name in LATENCIES
+        " / ".join(_number(row[f"{stat}_{name}_ms"], suffix) for stat in ("mean", "median", "p99"))
+        for name in LATENCIES
     ]
 
 
@@ -39,7 +40,10 @@ def ratios(ours: list[dict], peer: list[dict]) -> list[dict]:
         if other is None:
             continue
         keys = list(THROUGHPUTS) + [f"{stat}_{name}_ms" for name in LATENCIES for stat in ("mean", "median", "p99")]
-        out.append({"concurrency": row["concurrency"]} | {k: round(row[k] / other[k], 2) if other[k] else float("nan") for k in keys})
+        out.append(
+            {"concurrency": row["concurrency"]}
+            | {k: round(row[k] / other[k], 2) if other[k] else float("nan") for k in keys}
+        )
     return out
 
 
@@ -52,7 +56,11 @@ def table(servers: dict[str, list[dict]], ratio_rows: dict[str, list[dict]]) -> 
         for label, rows in servers.items():
             for row in rows:
                 if row["concurrency"] == level:
-                    lines.append("| " + " | ".join([label, str(level), f"{row['completed']} / {row['errors']}"] + _cells(row)) + " |")
+                    lines.append(
+                        "| "
+                        + " | ".join([label, str(level), f"{row['completed']} / {row['errors']}"] + _cells(row))
+                        + " |"
+                    )
         for label, rows in ratio_rows.items():
             for row in rows:
                 if row["concurrency"] == level:

@@ -16,7 +16,12 @@ from collections.abc import Callable
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct", help="as for --model (e.g. a folder from bench.random_llama)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default="SmolLM2-135M-Instruct",
+        help="as for --model (e.g. a folder from bench.random_llama)",
+    )
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 

@@ -70,7 +70,9 @@ def wait_ready(
     raise SystemExit(f"{url} did not become ready")
 
 
-def start_llmpool(workers: int, extra: list[str], fake_worker: bool, fake_step_ms: float = 0.0) -> tuple[list[subprocess.Popen], str]:
+def start_llmpool(
+    workers: int, extra: list[str], fake_worker: bool, fake_step_ms: float = 0.0
+) -> tuple[list[subprocess.Popen], str]:
     """`llmpool serve`, or (fake_worker) the gateway plus the model-less worker."""
     port, zmq = free_port(), f"tcp://127.0.0.1:{free_port()}"
     python = sys.executable

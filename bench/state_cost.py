@@ -36,10 +36,23 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def body(workload: str, prompt: str, tokens: int, store: bool) -> tuple[bytes, bytes]:
     if workload == "chat":
-        payload = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "stream": True}
+        payload = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": tokens,
+            "stream": True,
+        }
         payload |= {"stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.8}
         return b"/v1/chat/completions", orjson.dumps(payload)
-    payload = {"model": MODEL, "input": prompt, "max_output_tokens": tokens, "stream": True, "store": store, "ignore_eos": True, "temperature": 0.8}
+    payload = {
+        "model": MODEL,
+        "input": prompt,
+        "max_output_tokens": tokens,
+        "stream": True,
+        "store": store,
+        "ignore_eos": True,
+        "temperature": 0.8,
+    }
     return b"/v1/responses", orjson.dumps(payload)
 
 
@@ -94,7 +107,9 @@ def children(pid: int) -> list[int]:
     return found
 
 
-async def level(port: int, workload: str, streams: int, requests: int, tokens: int, store: bool, gateway: int, postmaster: int) -> dict:
+async def level(
+    port: int, workload: str, streams: int, requests: int, tokens: int, store: bool, gateway: int, postmaster: int
+) -> dict:
     queue = list(range(requests))
     results: list[dict] = []
 
@@ -123,12 +138,19 @@ async def level(port: int, workload: str, streams: int, requests: int, tokens: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline-tree", type=Path, required=True, help="a checkout of the code before the store (git archive d574bd2)")
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        required=True,
+        help="a checkout of the code before the store (git archive d574bd2)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--fake-worker", action="store_true", help="a model-less worker behind each gateway: the gateway's cost alone")
+    parser.add_argument(
+        "--fake-worker", action="store_true", help="a model-less worker behind each gateway: the gateway's cost alone"
+    )
     parser.add_argument("--step-ms", type=float, default=10.0, help="--fake-worker: its step time")
     parser.add_argument("--out", type=Path, default=Path("bench-results/state-cost.json"))
     args = parser.parse_args()
@@ -163,7 +185,16 @@ def main() -> None:
             if args.fake_worker:
                 gateways[name] = start(["gateway", *address], tree, env, name).pid
                 start(
-                    ["bench.fake_worker", "--gateway-address", f"tcp://127.0.0.1:{zmq}", "--step-ms", str(args.step_ms)], REPO, env, f"{name}-worker"
+                    [
+                        "bench.fake_worker",
+                        "--gateway-address",
+                        f"tcp://127.0.0.1:{zmq}",
+                        "--step-ms",
+                        str(args.step_ms),
+                    ],
+                    REPO,
+                    env,
+                    f"{name}-worker",
                 )
             else:
                 gateways[name] = start(["launcher", "serve", *address, "--workers", "1"], tree, env, name).pid
@@ -171,14 +202,31 @@ def main() -> None:
         import httpx
 
         for name, port in servers.items():
-            wait_until(lambda port=port: httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200, 600, f"{name} ready")
+            wait_until(
+                lambda port=port: httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200,
+                600,
+                f"{name} ready",
+            )
             if not args.fake_worker:  # the launcher's gateway child
-                (gateways[name],) = [pid for pid in children(gateways[name]) if b"gateway" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                (gateways[name],) = [
+                    pid for pid in children(gateways[name]) if b"gateway" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                ]
         runs: dict[str, list[dict]] = {f"{n}/{w}": [] for n in configs for w in ("chat", "responses")}
         for round_ in range(args.rounds):
             for name, (_, _, store) in configs.items():
                 for workload in ("chat", "responses"):
-                    result = asyncio.run(level(servers[name], workload, args.streams, args.requests, args.tokens, store, gateways[name], postmaster))
+                    result = asyncio.run(
+                        level(
+                            servers[name],
+                            workload,
+                            args.streams,
+                            args.requests,
+                            args.tokens,
+                            store,
+                            gateways[name],
+                            postmaster,
+                        )
+                    )
                     runs[f"{name}/{workload}"].append(result)
                     print(f"round {round_ + 1} {name:10s} {workload:9s} {json.dumps(result)}", flush=True)
     finally:
@@ -186,7 +234,10 @@ def main() -> None:
             stop(process, 30)
         postgres.stop()
     medians = ("output_tok_s", "gateway_cpu_us_per_token", "postgres_cpu_us_per_token")
-    summary = {key: {**{f"{m}_median": statistics.median(r[m] for r in rs) for m in medians}, "runs": rs} for key, rs in runs.items()}
+    summary = {
+        key: {**{f"{m}_median": statistics.median(r[m] for r in rs) for m in medians}, "runs": rs}
+        for key, rs in runs.items()
+    }
     args.out.parent.mkdir(exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1))
     for key, value in summary.items():

@@ -63,8 +63,15 @@ def main() -> None:
 
     postgres = Postgres(durable=True)
     try:
-        for name, url in (("sqlite", f"sqlite:///{postgres.folder}/writes.db"), ("postgresql", postgres.database("writes"))):
-            print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in asyncio.run(measure(url)).items()}, flush=True)
+        for name, url in (
+            ("sqlite", f"sqlite:///{postgres.folder}/writes.db"),
+            ("postgresql", postgres.database("writes")),
+        ):
+            print(
+                name,
+                {k: round(v, 3) if isinstance(v, float) else v for k, v in asyncio.run(measure(url)).items()},
+                flush=True,
+            )
     finally:
         postgres.stop()
 

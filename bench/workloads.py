@@ -60,7 +60,11 @@ def one_token_words(tokenizer: Any) -> list[str]:
 def prompt_tokens(tokenizer: Any, content: str) -> int:
     """Tokens of ``content`` as one user message, with the chat template and generation prompt."""
     messages = [{"role": "user", "content": content}]
-    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    return len(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
 
 
 def random_prompt(tokenizer: Any, words: list[str], rng: random.Random, input_len: int) -> str:
@@ -102,7 +106,14 @@ def build(
     words, rng = one_token_words(tokenizer), random.Random(seed)
     if name == "agent":
         turns = {level: [user_turn(words, rng) for _ in range(n)] for level, n in counts.items()}
-        return Workload(name, output_len, None, turns, [user_turn(words, rng) for _ in range(2)], agent_system_prompt(tokenizer, words, rng, length))
+        return Workload(
+            name,
+            output_len,
+            None,
+            turns,
+            [user_turn(words, rng) for _ in range(2)],
+            agent_system_prompt(tokenizer, words, rng, length),
+        )
     # Unique prompts across levels too: a level must not hit the cache the level before filled.
     prompts = {level: [random_prompt(tokenizer, words, rng, length) for _ in range(n)] for level, n in counts.items()}
     warmup = [random_prompt(tokenizer, words, rng, min(length, 256)) for _ in range(2)]
@@ -119,10 +130,17 @@ def agent_system_prompt(tokenizer: Any, words: list[str], rng: random.Random, le
     about ``length`` tokens of the model's tokenizer."""
     import json
 
-    lines = ["You are an autonomous agent. Think step by step, call tools when they help, and answer briefly.", "Tools:"]
+    lines = [
+        "You are an autonomous agent. Think step by step, call tools when they help, and answer briefly.",
+        "Tools:",
+    ]
     while len(tokenizer.encode("\n".join(lines))) < length:
         params = {
-            rng.choice(words): {"type": rng.choice(["string", "integer", "boolean"]), "description": " ".join(rng.sample(words, 6))} for _ in range(4)
+            rng.choice(words): {
+                "type": rng.choice(["string", "integer", "boolean"]),
+                "description": " ".join(rng.sample(words, 6)),
+            }
+            for _ in range(4)
         }
         tool = {
             "name": "_".join(rng.sample(words, 2)),

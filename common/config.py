@@ -64,7 +64,9 @@ def add_flags(parser: argparse.ArgumentParser, title: str, flags: list[Flag]) ->
                 help=help_text,
             )
         else:
-            group.add_argument(f"--{flag.name}", dest=flag.dest, type=flag.type, default=flag.env_default(), help=help_text)
+            group.add_argument(
+                f"--{flag.name}", dest=flag.dest, type=flag.type, default=flag.env_default(), help=help_text
+            )
 
 
 def flags_to_env(namespace: argparse.Namespace, flags: list[Flag]) -> dict[str, str]:
@@ -106,12 +108,18 @@ CACHE_DIR = Flag(
     os.path.join(os.path.expanduser("~"), ".cache", "llmpool"),
     "Where converted GGUF weights (and their quantized decode copies) and tokenizers are cached",
 )
-CHAT_TEMPLATE = Flag("chat-template", None, "Chat template: a name from chat_templates/ (e.g. chatml) or a .jinja path; default: the tokenizer's")
+CHAT_TEMPLATE = Flag(
+    "chat-template",
+    None,
+    "Chat template: a name from chat_templates/ (e.g. chatml) or a .jinja path; default: the tokenizer's",
+)
 MODEL_FLAGS = [MODEL, SERVED_MODEL_NAME, CACHE_DIR, CHAT_TEMPLATE]
 
 # Settings both sides must agree on. The gateway binds, the workers connect.
 HEARTBEAT_INTERVAL = Flag("heartbeat-interval", 1.0, "Seconds between heartbeats, both directions", float)
-HEARTBEAT_LIVENESS = Flag("heartbeat-liveness", 5, "Missed heartbeat intervals after which the peer counts as dead", int)
+HEARTBEAT_LIVENESS = Flag(
+    "heartbeat-liveness", 5, "Missed heartbeat intervals after which the peer counts as dead", int
+)
 LOG_LEVEL = Flag("log-level", "INFO", "DEBUG, INFO, WARNING or ERROR")
 LOG_FORMAT = Flag("log-format", "text", "text, or json (one object per line, with request_id on request events)")
 SHARED_FLAGS = [HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, LOG_LEVEL, LOG_FORMAT]

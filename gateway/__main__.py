@@ -35,7 +35,9 @@ def http_limits(config: GatewayConfig) -> HttpLimits:
 def main(argv: list[str] | None = None) -> None:
     config = from_namespace(GatewayConfig, build_parser().parse_args(argv))
     setup_logging("gateway", config.log_level, config.log_format)
-    server = uvicorn.Server(uvicorn_config(create_app(config), config.host, config.port, http_limits(config), config.shutdown_grace))
+    server = uvicorn.Server(
+        uvicorn_config(create_app(config), config.host, config.port, http_limits(config), config.shutdown_grace)
+    )
     try:
         server.run()
     except KeyboardInterrupt:

@@ -7,7 +7,11 @@ from common.pooling import PoolingInfo, PoolingTask
 from gateway.errors import InvalidRequest
 from gateway.generation import Generator
 
-ENDPOINTS = {PoolingTask.GENERATE: "text generation", PoolingTask.EMBED: "/v1/embeddings", PoolingTask.SCORE: "/v1/score and /v1/rerank"}
+ENDPOINTS = {
+    PoolingTask.GENERATE: "text generation",
+    PoolingTask.EMBED: "/v1/embeddings",
+    PoolingTask.SCORE: "/v1/score and /v1/rerank",
+}
 
 
 def abilities(generator: Generator) -> PoolingInfo | None:
@@ -24,9 +28,17 @@ def require(generator: Generator, task: str) -> PoolingInfo | None:
     """A 400 that says what the model does when it does not do ``task``."""
     info = abilities(generator)
     if task not in tasks(info):
-        what = "a generation model" if info is None else "an embedding model" if PoolingTask.EMBED in info.tasks else "a reranker"
+        what = (
+            "a generation model"
+            if info is None
+            else "an embedding model"
+            if PoolingTask.EMBED in info.tasks
+            else "a reranker"
+        )
         serves = " and ".join(ENDPOINTS[t] for t in tasks(info))
         raise InvalidRequest(
-            f"the model `{generator.model_name}` is {what}: it serves {serves}, not {ENDPOINTS[task]}", param="model", code="model_not_supported"
+            f"the model `{generator.model_name}` is {what}: it serves {serves}, not {ENDPOINTS[task]}",
+            param="model",
+            code="model_not_supported",
         )
     return info

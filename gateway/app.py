@@ -57,15 +57,22 @@ def provide_models(state: State) -> ModelRegistry:
 def openapi_config(keys: frozenset[str]) -> OpenAPIConfig:
     """The OpenAPI document as JSON at /schema/openapi.json (and /schema), behind the API key when
     there is one; no rendered pages, whose scripts came from a CDN."""
-    router = Router(path="/schema", route_handlers=[], include_in_schema=False, guards=[api_key_guard(keys)] if keys else [])
-    return OpenAPIConfig(title="llmpool", version="1", render_plugins=[JsonRenderPlugin(path=["/openapi.json", "/"])], openapi_router=router)
+    router = Router(
+        path="/schema", route_handlers=[], include_in_schema=False, guards=[api_key_guard(keys)] if keys else []
+    )
+    return OpenAPIConfig(
+        title="llmpool",
+        version="1",
+        render_plugins=[JsonRenderPlugin(path=["/openapi.json", "/"])],
+        openapi_router=router,
+    )
 
 
 def _import_tokenizers() -> None:
     """Import what loading the first worker's tokenizer needs while the workers start: 2-3 s of
     imports that otherwise run after the first worker registers (``import transformers`` alone is lazy
     and takes under half of it; ``AutoTokenizer`` pulls in the rest)."""
-    importlib.import_module("transformers").AutoTokenizer  # noqa: B018 - the attribute access is the import
+    importlib.import_module("transformers").AutoTokenizer  # the attribute access is the import
 
 
 def head_as_get(handler: ASGIApp) -> ASGIApp:
@@ -85,7 +92,9 @@ def create_app(config: GatewayConfig) -> Litestar:
     if config.tool_call_parser not in PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}; got {config.tool_call_parser!r}")
     if config.reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; got {config.reasoning_parser!r}")
+        raise ValueError(
+            f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; got {config.reasoning_parser!r}"
+        )
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -102,23 +111,40 @@ def create_app(config: GatewayConfig) -> Litestar:
         )
         admission = Admission(config.max_concurrent_requests, config.max_waiting_requests, stall_s=config.hung_timeout)
         models = ModelRegistry(
-            client, Metrics(client.snapshot, admission), admission, Lanes(config.tokenizer_threads), config.request_timeout, config.reasoning_parser
+            client,
+            Metrics(client.snapshot, admission),
+            admission,
+            Lanes(config.tokenizer_threads),
+            config.request_timeout,
+            config.reasoning_parser,
         )
         client.learn_model = models.learn
         app.state.allow_request_chat_template = config.allow_request_chat_template
         app.state.api_keys = keys
         app.state.models = models
-        limits = Limits(config.state_max_age, config.state_max_bytes, config.state_max_response_bytes, config.state_max_key_bytes)
+        limits = Limits(
+            config.state_max_age, config.state_max_bytes, config.state_max_response_bytes, config.state_max_key_bytes
+        )
         app.state.usage = UsageMeter(models.metrics.registry)
         lease_s = config.heartbeat_interval * config.heartbeat_liveness
         state = await StateService.open(
-            config.state_url or default_state_url(), limits, app.state.usage, config.heartbeat_interval, lease_s, config.state_purge_interval
+            config.state_url or default_state_url(),
+            limits,
+            app.state.usage,
+            config.heartbeat_interval,
+            lease_s,
+            config.state_purge_interval,
         )
         app.state.state = state
         state.start(lambda response_id, gateway: take_over(app, response_id, gateway))
         await client.start()
         threading.Thread(target=_import_tokenizers, daemon=True).start()
-        log.info("gateway on http://%s:%d; models come with the workers that register on %s", config.host, config.port, config.zmq_bind)
+        log.info(
+            "gateway on http://%s:%d; models come with the workers that register on %s",
+            config.host,
+            config.port,
+            config.zmq_bind,
+        )
         try:
             yield
         finally:
@@ -154,14 +180,18 @@ def create_app(config: GatewayConfig) -> Litestar:
         route_handlers=[api, admin, health, *(UI_ROUTES if config.ui else [])],
         request_max_body_size=parse_size(config.max_body_size),
         cors_config=CORSConfig(
-            allow_origins=origins, allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "anthropic-beta"]
+            allow_origins=origins,
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "anthropic-beta"],
         )
         if origins
         else None,
         dependencies={"models": Provide(provide_models, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         request_class=GatewayRequest,
-        middleware=[tracing.middleware, http_metrics_middleware(lambda: getattr(getattr(app.state, "models", None), "metrics", None))],
+        middleware=[
+            tracing.middleware,
+            http_metrics_middleware(lambda: getattr(getattr(app.state, "models", None), "metrics", None)),
+        ],
         lifespan=[lifespan],
         logging_config=None,  # common.logs configures logging, the same way in every process
         openapi_config=openapi_config(keys),

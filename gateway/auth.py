@@ -30,7 +30,10 @@ def _matches(token: str, keys: frozenset[str]) -> bool:
 def api_key_guard(keys: frozenset[str]):
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         if not _matches(presented_key(connection), keys):
-            raise Unauthorized("Incorrect or missing API key: send it as `Authorization: Bearer KEY` (or `x-api-key: KEY`)", code="invalid_api_key")
+            raise Unauthorized(
+                "Incorrect or missing API key: send it as `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
+                code="invalid_api_key",
+            )
 
     return guard
 
@@ -38,7 +41,11 @@ def api_key_guard(keys: frozenset[str]):
 def admin_guard(admin_keys: frozenset[str]):
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         if not admin_keys or not _matches(presented_key(connection), admin_keys):
-            why = "this route wants the admin key (--admin-key)" if admin_keys else "no --admin-key is set, so this route is closed"
+            why = (
+                "this route wants the admin key (--admin-key)"
+                if admin_keys
+                else "no --admin-key is set, so this route is closed"
+            )
             raise Unauthorized(f"Incorrect or missing admin key: {why}", code="invalid_api_key")
 
     return guard

@@ -26,7 +26,9 @@ GATEWAY_FLAGS = [
     Flag("host", "127.0.0.1", "HTTP listen address (0.0.0.0 to accept other hosts)"),
     Flag("port", 8000, "HTTP port", int),
     Flag("zmq-bind", "tcp://127.0.0.1:5555", "Address the ROUTER socket binds for workers (tcp:// or ipc://)"),
-    Flag("api-key", None, "API key(s), comma-separated: every route but /health then wants `Authorization: Bearer KEY`"),
+    Flag(
+        "api-key", None, "API key(s), comma-separated: every route but /health then wants `Authorization: Bearer KEY`"
+    ),
     Flag("max-body-size", "4MiB", "Largest request body accepted; larger ones get 413"),
     Flag("max-header-size", "32KiB", "Largest request head (request line and headers); larger ones get 431"),
     Flag("max-headers", 100, "Most headers in one request; more get 431", int),
@@ -39,21 +41,44 @@ GATEWAY_FLAGS = [
     Flag("body-timeout", 30.0, "Seconds a request's body may take to arrive after its headers; then 408", float),
     Flag("keep-alive-timeout", 30.0, "Seconds an idle kept-alive connection stays open between requests", float),
     Flag("max-connections", 2048, "HTTP connections open at once; more are answered 503 and closed", int),
-    Flag("cors-allow-origins", None, "Origins allowed to call the API from a browser, comma-separated (* for any); CORS is off by default"),
-    Flag("allow-request-chat-template", False, "Let requests bring their own `chat_template` (rendered in the sandbox); refused by default", bool),
+    Flag(
+        "cors-allow-origins",
+        None,
+        "Origins allowed to call the API from a browser, comma-separated (* for any); CORS is off by default",
+    ),
+    Flag(
+        "allow-request-chat-template",
+        False,
+        "Let requests bring their own `chat_template` (rendered in the sandbox); refused by default",
+        bool,
+    ),
     Flag("ui", True, "Serve the playground (/) and operator page (/dashboard)", bool),
     Flag("max-concurrent-requests", 256, "Requests in flight at the workers; more wait in a bounded queue", int),
     Flag("max-waiting-requests", 256, "Requests queued for a slot; past that, 429 with Retry-After at once", int),
     Flag("request-timeout", 600.0, "Seconds a request may take before it is aborted with 504", float),
-    Flag("shutdown-grace", 30.0, "Seconds in-flight requests get to finish after SIGTERM; new connections are refused", float),
-    Flag("hung-timeout", 60.0, "Seconds a worker holding requests may go without producing anything before it counts as hung", float),
+    Flag(
+        "shutdown-grace",
+        30.0,
+        "Seconds in-flight requests get to finish after SIGTERM; new connections are refused",
+        float,
+    ),
+    Flag(
+        "hung-timeout",
+        60.0,
+        "Seconds a worker holding requests may go without producing anything before it counts as hung",
+        float,
+    ),
     Flag(
         "prefix-affinity-slack",
         2048,
         "Route a request to the worker that last saw its prefix unless that worker has this many more outstanding tokens than the least-loaded one; -1 turns affinity off",
         int,
     ),
-    Flag("curve-server-secret-key", None, "CURVE: the gateway's secret key file (from `llmpool keys`); encrypts worker traffic"),
+    Flag(
+        "curve-server-secret-key",
+        None,
+        "CURVE: the gateway's secret key file (from `llmpool keys`); encrypts worker traffic",
+    ),
     Flag("curve-authorized-keys", None, "CURVE: folder of worker public key files allowed to connect"),
     Flag("max-retries", 2, "Times a request is moved to another worker after its worker died, before it fails", int),
     Flag(
@@ -68,7 +93,11 @@ GATEWAY_FLAGS = [
         "deepseek_r1, qwen3, or none",
     ),
     Flag("tokenizer-threads", 2, "Threads that render templates and tokenize off the event loop", int),
-    Flag("otlp-endpoint", None, "OpenTelemetry: OTLP/HTTP endpoint to export traces to (e.g. http://collector:4318); tracing is off without it"),
+    Flag(
+        "otlp-endpoint",
+        None,
+        "OpenTelemetry: OTLP/HTTP endpoint to export traces to (e.g. http://collector:4318); tracing is off without it",
+    ),
     Flag("otlp-service-name", "llmpool-gateway", "OpenTelemetry: the service.name of this gateway's spans"),
     Flag(
         "state-url",
@@ -76,7 +105,12 @@ GATEWAY_FLAGS = [
         "Where stored responses, conversations and usage live: sqlite:///PATH (sqlite:////abs/path) or postgresql://USER:PASS@HOST/DB, "
         "shared by every gateway that names it; default: sqlite:///<cache dir>/state.db",
     ),
-    Flag("state-max-age", "30d", "Stored responses and conversations older than this are purged (90s, 15m, 12h, 30d)", parse_duration),
+    Flag(
+        "state-max-age",
+        "30d",
+        "Stored responses and conversations older than this are purged (90s, 15m, 12h, 30d)",
+        parse_duration,
+    ),
     Flag("state-max-bytes", "8GiB", "The store's size bound: the oldest responses are purged beyond it", parse_size),
     Flag(
         "state-max-response-bytes",
@@ -84,7 +118,12 @@ GATEWAY_FLAGS = [
         "Largest stored response (its input items, instructions, tools, metadata); larger ones are 400s",
         parse_size,
     ),
-    Flag("state-max-key-bytes", "256MiB", "Bytes one API key may keep stored: its oldest responses go beyond it", parse_size),
+    Flag(
+        "state-max-key-bytes",
+        "256MiB",
+        "Bytes one API key may keep stored: its oldest responses go beyond it",
+        parse_size,
+    ),
     Flag("state-purge-interval", 60.0, "Seconds between background purges of expired and excess responses", float),
     Flag("admin-key", None, "Admin key(s), comma-separated: GET /v1/usage wants one (closed without it)"),
 ]

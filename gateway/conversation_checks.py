@@ -15,7 +15,9 @@ class ToolCallLedger:
     """The ids of the tool calls a conversation has made so far: a result must answer one of them."""
 
     def __init__(self, history: Iterable[dict] = ()) -> None:
-        self.ids = {call.get("id") for message in history for call in message.get("tool_calls") or [] if isinstance(call, dict)}
+        self.ids = {
+            call.get("id") for message in history for call in message.get("tool_calls") or [] if isinstance(call, dict)
+        }
 
     def call(self, call_id: str | None, param: str) -> None:
         if not isinstance(call_id, str) or not call_id:
@@ -26,7 +28,9 @@ class ToolCallLedger:
         if not isinstance(call_id, str) or not call_id:
             raise InvalidRequest(f"`{param}` is required: a tool result names the call it answers", param=param)
         if call_id not in self.ids:
-            raise InvalidRequest(f"`{param}` {call_id!r} answers no earlier {call_kind} in the conversation", param=param)
+            raise InvalidRequest(
+                f"`{param}` {call_id!r} answers no earlier {call_kind} in the conversation", param=param
+            )
 
 
 def required_text(value: object, param: str) -> str:

@@ -198,7 +198,9 @@ async def admit(generator: Generator, count: int, deadline: float, request: Requ
             async with asyncio.timeout_at(deadline):
                 return await generator.admission.acquire(count)
         except TimeoutError:
-            raise RequestTimeout(f"the request waited longer than --request-timeout ({generator.timeout_s:g} s) for the server to take it") from None
+            raise RequestTimeout(
+                f"the request waited longer than --request-timeout ({generator.timeout_s:g} s) for the server to take it"
+            ) from None
 
     if request is None:
         return await wait()
@@ -208,7 +210,9 @@ async def admit(generator: Generator, count: int, deadline: float, request: Requ
 class Generation:
     """An admitted request: its events as they come, or its choices once all are done."""
 
-    def __init__(self, generator: Generator, req: GenerationRequest, prepared: Prepared, slots: list[Slot], deadline: float) -> None:
+    def __init__(
+        self, generator: Generator, req: GenerationRequest, prepared: Prepared, slots: list[Slot], deadline: float
+    ) -> None:
         self.generator = generator
         self.deadline = deadline  # the event loop's clock: --request-timeout from the request's start
         self.req = req
@@ -254,7 +258,9 @@ class Generation:
             if delta.finish_reason is not None:
                 usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens, delta.reasoning_tokens)
                 self._meter(index, usage)
-                yield Finish(index, _reason(delta, parser is not None and bool(parser.calls)), usage, delta.stop_sequence)
+                yield Finish(
+                    index, _reason(delta, parser is not None and bool(parser.calls)), usage, delta.stop_sequence
+                )
 
     def _meter(self, index: int, usage: Usage) -> None:
         """Bill a finished choice to its key: its output, and its prompt once per prompt (``n`` share one)."""
@@ -262,7 +268,14 @@ class Generation:
             return
         first = index % self.req.n == 0
         prompt, cached = (usage.prompt_tokens, usage.cached_tokens) if first else (0, 0)
-        self.req.meter.record(self.req.owner or "", self.generator.model_name, prompt, cached, usage.completion_tokens, requests=int(index == 0))
+        self.req.meter.record(
+            self.req.owner or "",
+            self.generator.model_name,
+            prompt,
+            cached,
+            usage.completion_tokens,
+            requests=int(index == 0),
+        )
 
     async def collect(self, request: Request) -> list[Choice]:
         """All choices whole; the generation is aborted if the client hangs up first."""
@@ -293,7 +306,9 @@ class Generation:
         """The deltas of every choice as (choice index, delta), in arrival order."""
         generator, stops, skip = self.generator, self.stops, self.req.sampling.skip_special_tokens
         if len(self.news) == 1:
-            async for delta in generator.stream(self.news[0], self.slots[0], self.deadline, stops, skip, self.req.replay, self.req.on_output):
+            async for delta in generator.stream(
+                self.news[0], self.slots[0], self.deadline, stops, skip, self.req.replay, self.req.on_output
+            ):
                 yield 0, delta
             return
         queue: asyncio.Queue = asyncio.Queue()

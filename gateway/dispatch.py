@@ -78,7 +78,9 @@ class Dispatcher:
     def ready_workers(self) -> list[WorkerInfo]:
         """Workers taking requests and making progress on the ones they hold (for /ready)."""
         now = self.clock()
-        return [w for w in self.roster.workers.values() if not w.load.draining and not w.stalled(now, self.hung_timeout / 2)]
+        return [
+            w for w in self.roster.workers.values() if not w.load.draining and not w.stalled(now, self.hung_timeout / 2)
+        ]
 
     def snapshot(self) -> dict:
         return {
@@ -90,13 +92,17 @@ class Dispatcher:
             "store_routed": self.affinity.store_routed if self.affinity else 0,
         }
 
-    def submit(self, request: NewRequest, model: str, trace: Trace = UNTRACED, delivered: list[int] | None = None) -> RequestStream:
+    def submit(
+        self, request: NewRequest, model: str, trace: Trace = UNTRACED, delivered: list[int] | None = None
+    ) -> RequestStream:
         """Queue a request for a worker of ``model`` (sent at the next ``flush``); its outputs arrive
         on the returned stream. ``delivered``: tokens another gateway already delivered (it died):
         the request continues after them as a dead worker's requests resume, its counts as if it had
         run here throughout."""
         if not self.roster.available(model, self.clock()):
-            raise NoWorkerAvailable(f"no worker of `{model}` is taking requests; start one with `llmpool worker --model ...`")
+            raise NoWorkerAvailable(
+                f"no worker of `{model}` is taking requests; start one with `llmpool worker --model ...`"
+            )
         stream = RequestStream(request, model, trace)
         self.streams[request.request_id] = stream
         if delivered:
@@ -140,7 +146,9 @@ class Dispatcher:
         stream.cost = len(request.prompt_token_ids) + request.max_new_tokens
         worker = pool.choose(stream.cost, self.clock())
         if self.affinity is not None:
-            worker = self.affinity.choose(stream.model, request.prompt_token_ids, lambda identity: pool.taking(identity), worker)
+            worker = self.affinity.choose(
+                stream.model, request.prompt_token_ids, lambda identity: pool.taking(identity), worker
+            )
         worker.outstanding_tokens += stream.cost
         if not worker.inflight:
             worker.last_progress = self.clock()  # the progress clock starts with the work
@@ -205,7 +213,10 @@ class Dispatcher:
         if admitted is None:
             return
         if admitted.stale is not None:  # after adding the new one, so its requests can resume right there
-            self._purge(admitted.stale, f"worker {admitted.worker.ready.worker_name} registered again (restarted or reconnected)")
+            self._purge(
+                admitted.stale,
+                f"worker {admitted.worker.ready.worker_name} registered again (restarted or reconnected)",
+            )
         for stream, reason, _ in list(self._orphans.values()):
             if stream.model == admitted.worker.ready.model:
                 self._resume(stream, reason)
@@ -311,7 +322,9 @@ class Dispatcher:
         stream.retries += 1
         stream.offset = len(stream.generated)
         self._attempts.pop(stream.wire_id, None)
-        stream.wire_id = f"{stream.request_id}.{stream.retries}"  # a late output of the old attempt can't pass for the new one's
+        stream.wire_id = (
+            f"{stream.request_id}.{stream.retries}"  # a late output of the old attempt can't pass for the new one's
+        )
         self._attempts[stream.wire_id] = stream
         request.request_id = stream.wire_id
         self.resumed += 1
@@ -320,7 +333,9 @@ class Dispatcher:
 
     def _finish_delivered(self, stream: RequestStream) -> None:
         """Every token was delivered, only the finish was lost: it ends at its length."""
-        final = RequestOutput(stream.request_id, [], FinishReason.LENGTH, len(stream.request.prompt_token_ids), len(stream.generated))
+        final = RequestOutput(
+            stream.request_id, [], FinishReason.LENGTH, len(stream.request.prompt_token_ids), len(stream.generated)
+        )
         stream.queue.put_nowait(final)
         self.end(stream, None)
 

@@ -29,7 +29,10 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict:
-        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status_code, "api_error"), "message": self.message}}
+        return {
+            "type": "error",
+            "error": {"type": ANTHROPIC_TYPES.get(self.status_code, "api_error"), "message": self.message},
+        }
 
 
 class InvalidRequest(GatewayError):
@@ -105,7 +108,9 @@ def speaks_anthropic(request: Request) -> bool:
 def error_response(error: GatewayError, anthropic: bool = False) -> Response:
     headers = {"Retry-After": "1"} if isinstance(error, (Overloaded, NoWorkerAvailable)) else None
     body = error.anthropic_body() if anthropic else error.body()
-    return Response(content=orjson.dumps(body), status_code=error.status_code, media_type="application/json", headers=headers)
+    return Response(
+        content=orjson.dumps(body), status_code=error.status_code, media_type="application/json", headers=headers
+    )
 
 
 def handle_gateway_error(request: Request, exc: GatewayError) -> Response:

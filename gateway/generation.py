@@ -112,7 +112,10 @@ class Generator:
 
     def prompt_ids(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
         """Each prompt as token ids: a text tokenized, token ids (checked already) as they are."""
-        return [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p for p in prompts]
+        return [
+            self.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
+            for p in prompts
+        ]
 
     def max_model_len(self) -> int | None:
         """The context length every registered worker of this model takes (None while none is registered)."""
@@ -142,7 +145,12 @@ class Generator:
             )
 
     async def run_in_pool(
-        self, fn: Callable[..., Any], *args: Any, size: int = 0, budget: Budget | None = None, request: Request | None = None
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        size: int = 0,
+        budget: Budget | None = None,
+        request: Request | None = None,
     ) -> Any:
         """Tokenizing and template rendering take milliseconds: keep them off the event loop. Inputs
         over SMALL_JOB_CHARS characters and requests' own templates (``budget``) go to their own
@@ -178,7 +186,9 @@ class Generator:
         ``on_output`` sees every new output as it is processed.
         """
         try:
-            async for delta in self._stream(request, deadline, stops or [], skip_special_tokens, replay or [], on_output):
+            async for delta in self._stream(
+                request, deadline, stops or [], skip_special_tokens, replay or [], on_output
+            ):
                 yield delta
         finally:
             slot.release()
@@ -214,7 +224,9 @@ class Generator:
                 else:
                     if stream is None:  # the replay is over: the worker goes on after its tokens
                         clock.outcome = "error"
-                        stream = self.client.submit(request, self.model_name, trace, [t for out in replay for t in out.new_token_ids])
+                        stream = self.client.submit(
+                            request, self.model_name, trace, [t for out in replay for t in out.new_token_ids]
+                        )
                         clock.outcome = "cancelled"
                     item = await self._next(stream, deadline, clock, trace)
                     if on_output is not None and not isinstance(item, GenerationFailed):
@@ -241,7 +253,9 @@ class Generator:
                 if logprobs:  # entries past a stop string go with the cut text
                     logprobs, covered = self._within(logprobs, covered, sent + len(text) if stopped else None)
                 sent += len(text)
-                delta = TextDelta(text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs)
+                delta = TextDelta(
+                    text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs
+                )
                 delta.stop_sequence = stop.matched if stopped else None
                 delta.reasoning_tokens = thinking.reasoning_tokens if thinking is not None else 0
                 if item.prompt_logprobs is not None:
@@ -256,7 +270,9 @@ class Generator:
             if stream is not None and not stream.finished:
                 self.client.abort(request.request_id)
 
-    async def _next(self, stream: RequestStream, deadline: float, clock: RequestClock, trace: Trace) -> RequestOutput | GenerationFailed:
+    async def _next(
+        self, stream: RequestStream, deadline: float, clock: RequestClock, trace: Trace
+    ) -> RequestOutput | GenerationFailed:
         """The worker's next output (with any already waiting folded in), within the deadline."""
         try:
             async with asyncio.timeout_at(deadline):

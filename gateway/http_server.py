@@ -60,7 +60,9 @@ class _Refusals:
         now = time.monotonic()
         if now - self.logged_at >= 10.0:
             self.logged_at = now
-            log.warning("HTTP connections refused so far: %s", ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items())))
+            log.warning(
+                "HTTP connections refused so far: %s", ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
+            )
 
 
 REFUSALS = _Refusals()
@@ -72,7 +74,11 @@ class _Refused(Exception):
 
 def _response(status: int, message: str, extra: bytes = b"") -> bytes:
     body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}})
-    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % (status, _REASONS[status], len(body))
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % (
+        status,
+        _REASONS[status],
+        len(body),
+    )
     return head + extra + b"\r\n" + body
 
 
@@ -96,7 +102,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         if len(self.connections) > self.LIMITS.max_connections:
             self.connections.discard(self)
-            self._close_with(503, f"the gateway holds its limit of {self.LIMITS.max_connections} connections; retry", b"retry-after: 1\r\n")
+            self._close_with(
+                503,
+                f"the gateway holds its limit of {self.LIMITS.max_connections} connections; retry",
+                b"retry-after: 1\r\n",
+            )
             REFUSALS.add("connections over the limit")
             return
         self._arm(self.LIMITS.header_timeout, "header")
@@ -174,7 +184,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing():
             return
-        if phase == "body" and self.flow.read_paused:  # we stopped reading (a pipelined request waits): not the client's delay
+        if (
+            phase == "body" and self.flow.read_paused
+        ):  # we stopped reading (a pipelined request waits): not the client's delay
             self._arm(self.LIMITS.body_timeout, phase)
             return
         if phase == "header" and self._head_bytes == 0:
@@ -182,7 +194,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()  # a connection that never sent a request: nothing to answer
             return
         seconds = self.LIMITS.header_timeout if phase == "header" else self.LIMITS.body_timeout
-        self._refuse(408, f"the request's {'headers' if phase == 'header' else 'body'} did not arrive within {seconds:g} s")
+        self._refuse(
+            408, f"the request's {'headers' if phase == 'header' else 'body'} did not arrive within {seconds:g} s"
+        )
 
     def _refuse(self, status: int, message: str) -> None:
         REFUSALS.add(f"{status}")

@@ -21,7 +21,9 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte <-> printable character table, inverted (character -> byte)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -38,7 +40,9 @@ class TokenTexts:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self._byte_level = _byte_level_alphabet() if "ByteLevel" in type(decoder).__name__ or "ByteLevel" in repr(decoder) else None
+        self._byte_level = (
+            _byte_level_alphabet() if "ByteLevel" in type(decoder).__name__ or "ByteLevel" in repr(decoder) else None
+        )
         self.bytes = lru_cache(maxsize=65536)(self._bytes)
         self._special = frozenset(tokenizer.all_special_ids)
 

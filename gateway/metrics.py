@@ -32,18 +32,37 @@ class Metrics:
         """``snapshot``: the pool as /workers shows it (``WorkerClient.snapshot``), read at each scrape."""
         self.registry = CollectorRegistry()
         r = self.registry
-        self.http_requests = Counter("llmpool_http_requests", "HTTP responses by path and status", ["path", "status"], registry=r)
+        self.http_requests = Counter(
+            "llmpool_http_requests", "HTTP responses by path and status", ["path", "status"], registry=r
+        )
         model = ["model"]
         self.generations = Counter(
-            "llmpool_generations", "Finished generations by model and outcome (stop, length, error, cancelled)", ["model", "outcome"], registry=r
+            "llmpool_generations",
+            "Finished generations by model and outcome (stop, length, error, cancelled)",
+            ["model", "outcome"],
+            registry=r,
         )
-        self.prompt_tokens = Counter("llmpool_prompt_tokens", "Prompt tokens of finished generations", model, registry=r)
+        self.prompt_tokens = Counter(
+            "llmpool_prompt_tokens", "Prompt tokens of finished generations", model, registry=r
+        )
         self.generation_tokens = Counter("llmpool_generation_tokens", "Generated tokens", model, registry=r)
-        self.ttft = Histogram("llmpool_time_to_first_token_seconds", "Submit to first token", model, buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("llmpool_inter_token_latency_seconds", "Gap between tokens, per token", model, buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("llmpool_e2e_request_latency_seconds", "Submit to last token", model, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "llmpool_time_to_first_token_seconds", "Submit to first token", model, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "llmpool_inter_token_latency_seconds",
+            "Gap between tokens, per token",
+            model,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "llmpool_e2e_request_latency_seconds", "Submit to last token", model, buckets=LATENCY_BUCKETS, registry=r
+        )
         lane = ["lane"]  # small, or big: inputs over SMALL_JOB_CHARS and requests' own templates
-        self.tokenize_jobs = Gauge("llmpool_gateway_tokenize_jobs", "Tokenizing and template jobs queued or running, by lane", lane, registry=r)
+        self.tokenize_jobs = Gauge(
+            "llmpool_gateway_tokenize_jobs", "Tokenizing and template jobs queued or running, by lane", lane, registry=r
+        )
         self.tokenize_jobs_ended = Counter(
             "llmpool_gateway_tokenize_jobs_ended",
             "Tokenizing and template jobs ended, by lane and outcome (done, error, deadline, cancelled: its client left)",
@@ -140,26 +159,46 @@ class PoolCollector(Collector):
         snapshot = self.snapshot()
         workers = snapshot["workers"]
         gauges = {
-            "running": GaugeMetricFamily("llmpool_worker_running", "Sequences in the worker's running batch", labels=["worker", "model"]),
-            "waiting": GaugeMetricFamily("llmpool_worker_waiting", "Requests queued on the worker", labels=["worker", "model"]),
-            "kv": GaugeMetricFamily("llmpool_worker_kv_cache_usage_ratio", "Share of KV blocks in use", labels=["worker", "model"]),
-            "tps": GaugeMetricFamily("llmpool_worker_tokens_per_second", "Tokens generated per second, last 10 s", labels=["worker", "model"]),
-            "peak": GaugeMetricFamily("llmpool_worker_peak_batch_size", "Largest batch the worker has run", labels=["worker", "model"]),
+            "running": GaugeMetricFamily(
+                "llmpool_worker_running", "Sequences in the worker's running batch", labels=["worker", "model"]
+            ),
+            "waiting": GaugeMetricFamily(
+                "llmpool_worker_waiting", "Requests queued on the worker", labels=["worker", "model"]
+            ),
+            "kv": GaugeMetricFamily(
+                "llmpool_worker_kv_cache_usage_ratio", "Share of KV blocks in use", labels=["worker", "model"]
+            ),
+            "tps": GaugeMetricFamily(
+                "llmpool_worker_tokens_per_second", "Tokens generated per second, last 10 s", labels=["worker", "model"]
+            ),
+            "peak": GaugeMetricFamily(
+                "llmpool_worker_peak_batch_size", "Largest batch the worker has run", labels=["worker", "model"]
+            ),
             "draining": GaugeMetricFamily(
-                "llmpool_worker_draining", "1 while the worker finishes its requests before leaving", labels=["worker", "model"]
+                "llmpool_worker_draining",
+                "1 while the worker finishes its requests before leaving",
+                labels=["worker", "model"],
             ),
         }
         counters = {
             "hits": CounterMetricFamily(
-                "llmpool_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", labels=["worker", "model"]
+                "llmpool_worker_prefix_cache_hit_tokens",
+                "Prompt tokens served from the prefix cache",
+                labels=["worker", "model"],
             ),
             "queried": CounterMetricFamily(
-                "llmpool_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", labels=["worker", "model"]
+                "llmpool_worker_prefix_cache_queried_tokens",
+                "Prompt tokens looked up in the prefix cache",
+                labels=["worker", "model"],
             ),
-            "preempt": CounterMetricFamily("llmpool_worker_preemptions", "Requests preempted for lack of KV blocks", labels=["worker", "model"]),
+            "preempt": CounterMetricFamily(
+                "llmpool_worker_preemptions", "Requests preempted for lack of KV blocks", labels=["worker", "model"]
+            ),
             "steps": CounterMetricFamily("llmpool_worker_steps", "Engine steps run", labels=["worker", "model"]),
             "proposed": CounterMetricFamily(
-                "llmpool_worker_spec_proposed_tokens", "Speculative decoding: draft tokens proposed", labels=["worker", "model"]
+                "llmpool_worker_spec_proposed_tokens",
+                "Speculative decoding: draft tokens proposed",
+                labels=["worker", "model"],
             ),
             "accepted": CounterMetricFamily(
                 "llmpool_worker_spec_accepted_tokens",
@@ -197,8 +236,12 @@ class PoolCollector(Collector):
                 gauges["kv_store_size"].add_metric(name, w["kv_store_size_bytes"])
                 for field in KV_STORE_COUNTERS:
                     counters[field].add_metric(name, w[field])
-        info = GaugeMetricFamily("llmpool_worker_info", "A registered worker (value 1)", labels=["worker", "device", "dtype", "model"])
-        up = GaugeMetricFamily("llmpool_worker_up", "1 for a registered worker, 0 for a recently dropped one", labels=["worker", "model"])
+        info = GaugeMetricFamily(
+            "llmpool_worker_info", "A registered worker (value 1)", labels=["worker", "device", "dtype", "model"]
+        )
+        up = GaugeMetricFamily(
+            "llmpool_worker_up", "1 for a registered worker, 0 for a recently dropped one", labels=["worker", "model"]
+        )
         for w in workers:
             info.add_metric([w["name"], w["device"], w["dtype"], w["model"]], 1)
             up.add_metric([w["name"], w["model"]], 1)
@@ -221,17 +264,29 @@ class PoolCollector(Collector):
             "Worker registrations dropped (left, died, unreachable, or replaced when it re-registered)",
             value=snapshot["departures"],
         )
-        yield GaugeMetricFamily("llmpool_queue_length", "Requests waiting on all workers", value=sum(w["waiting"] for w in workers))
-        yield GaugeMetricFamily("llmpool_running_batch_size", "Sequences running on all workers", value=sum(w["running"] for w in workers))
-        yield GaugeMetricFamily("llmpool_inflight_requests", "Requests the gateway is waiting on", value=snapshot["inflight"])
-        yield GaugeMetricFamily("llmpool_gateway_queued_requests", "Requests queued for an admission slot", value=self.admission.waiting)
-        yield CounterMetricFamily("llmpool_gateway_rejected_requests", "Requests refused with 429", value=self.admission.rejected)
+        yield GaugeMetricFamily(
+            "llmpool_queue_length", "Requests waiting on all workers", value=sum(w["waiting"] for w in workers)
+        )
+        yield GaugeMetricFamily(
+            "llmpool_running_batch_size", "Sequences running on all workers", value=sum(w["running"] for w in workers)
+        )
+        yield GaugeMetricFamily(
+            "llmpool_inflight_requests", "Requests the gateway is waiting on", value=snapshot["inflight"]
+        )
+        yield GaugeMetricFamily(
+            "llmpool_gateway_queued_requests", "Requests queued for an admission slot", value=self.admission.waiting
+        )
+        yield CounterMetricFamily(
+            "llmpool_gateway_rejected_requests", "Requests refused with 429", value=self.admission.rejected
+        )
         yield CounterMetricFamily(
             "llmpool_kv_store_routed_requests",
             "Requests sent away from their prefix's worker to a less loaded one that reads the prefix from a KV store they share",
             value=snapshot["store_routed"],
         )
-        yield CounterMetricFamily("llmpool_resumed_requests", "Requests moved to another worker after theirs died", value=snapshot["resumed"])
+        yield CounterMetricFamily(
+            "llmpool_resumed_requests", "Requests moved to another worker after theirs died", value=snapshot["resumed"]
+        )
         yield from gauges.values()
         yield from counters.values()
 
@@ -239,10 +294,16 @@ class PoolCollector(Collector):
 # Per-worker KV store counters (worker/kv_store): heartbeat field -> (metric name, help).
 KV_STORE_COUNTERS = {
     "kv_store_hits": ("llmpool_worker_kv_store_hit_blocks", "KV blocks loaded from the KV store instead of computed"),
-    "kv_store_misses": ("llmpool_worker_kv_store_miss_blocks", "KV blocks looked up in the KV store and not found (computed)"),
+    "kv_store_misses": (
+        "llmpool_worker_kv_store_miss_blocks",
+        "KV blocks looked up in the KV store and not found (computed)",
+    ),
     "kv_store_read_bytes": ("llmpool_worker_kv_store_read_bytes", "Bytes read from the KV store"),
     "kv_store_written_bytes": ("llmpool_worker_kv_store_written_bytes", "Bytes written to the KV store"),
-    "kv_store_read_seconds": ("llmpool_worker_kv_store_read_seconds", "Time spent reading from the KV store (read speed: bytes / seconds)"),
+    "kv_store_read_seconds": (
+        "llmpool_worker_kv_store_read_seconds",
+        "Time spent reading from the KV store (read speed: bytes / seconds)",
+    ),
     "kv_store_evictions": (
         "llmpool_worker_kv_store_evictions",
         "KV blocks evicted from the store to keep its size bound (Redis: the server's evictions)",
@@ -251,18 +312,21 @@ KV_STORE_COUNTERS = {
 
 
 def kv_store_counters() -> dict[str, CounterMetricFamily]:
-    return {field: CounterMetricFamily(name, text, labels=["worker", "model"]) for field, (name, text) in KV_STORE_COUNTERS.items()}
+    return {
+        field: CounterMetricFamily(name, text, labels=["worker", "model"])
+        for field, (name, text) in KV_STORE_COUNTERS.items()
+    }
 
 
-def http_metrics_middleware(metrics_of: Callable[[], Metrics | None]):  # noqa: ANN201 - an ASGI middleware factory
+def http_metrics_middleware(metrics_of: Callable[[], Metrics | None]):  # an ASGI middleware factory
     """Count every HTTP response by path and status (streams count when their headers go out)."""
 
-    def factory(app):  # noqa: ANN001, ANN202
-        async def middleware(scope, receive, send):  # noqa: ANN001, ANN202
+    def factory(app):
+        async def middleware(scope, receive, send):
             if scope["type"] != "http":
                 return await app(scope, receive, send)
 
-            async def counting_send(message):  # noqa: ANN001, ANN202
+            async def counting_send(message):
                 if message["type"] == "http.response.start":
                     metrics = metrics_of()
                     if metrics is not None:

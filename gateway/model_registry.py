@@ -30,7 +30,13 @@ class ModelRegistry:
     """Served model name -> its Generator, plus the pool every model shares."""
 
     def __init__(
-        self, client: WorkerClient, metrics: Metrics, admission: Admission, lanes: Lanes, timeout_s: float, reasoning_parser: str = "auto"
+        self,
+        client: WorkerClient,
+        metrics: Metrics,
+        admission: Admission,
+        lanes: Lanes,
+        timeout_s: float,
+        reasoning_parser: str = "auto",
     ) -> None:
         self.client = client
         self.metrics = metrics
@@ -48,7 +54,15 @@ class ModelRegistry:
         template = ChatTemplate(source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token})
         markers = await asyncio.to_thread(model_markers, self.reasoning_parser, tokenizer, source)
         self.generators[info.model] = Generator(
-            self.client, tokenizer, template, info.model, self.lanes, self.metrics, self.admission, self.timeout_s, markers
+            self.client,
+            tokenizer,
+            template,
+            info.model,
+            self.lanes,
+            self.metrics,
+            self.admission,
+            self.timeout_s,
+            markers,
         )
         self.first_seen.setdefault(info.model, int(time.time()))
 
@@ -62,9 +76,13 @@ class ModelRegistry:
             if name in self.client.models:
                 raise NoWorkerAvailable(f"the model `{name}` is starting (its tokenizer is loading); retry shortly")
             served = ", ".join(f"`{m}`" for m in sorted(self.generators)) or "none yet (no worker has registered)"
-            raise NotFound(f"the model `{name}` does not exist; this server serves {served}", param="model", code="model_not_found")
+            raise NotFound(
+                f"the model `{name}` does not exist; this server serves {served}", param="model", code="model_not_found"
+            )
         if not self.client.available(generator.model_name):
-            raise NoWorkerAvailable(f"no worker of `{generator.model_name}` is taking requests right now; retry shortly")
+            raise NoWorkerAvailable(
+                f"no worker of `{generator.model_name}` is taking requests right now; retry shortly"
+            )
         return generator
 
     def cards(self) -> list[dict]:
@@ -76,7 +94,13 @@ class ModelRegistry:
             self.get(name)  # the 404
         pool = self.client.models.get(name)
         workers = list(pool.workers.values()) if pool is not None else []
-        card: dict = {"id": name, "object": "model", "created": self.first_seen.get(name, 0), "owned_by": "llmpool", "workers": len(workers)}
+        card: dict = {
+            "id": name,
+            "object": "model",
+            "created": self.first_seen.get(name, 0),
+            "owned_by": "llmpool",
+            "workers": len(workers),
+        }
         info = workers[0].ready.pooling if workers else None
         card["capabilities"] = tasks(info)  # generate, or embed and score (gateway/abilities.py)
         if workers:

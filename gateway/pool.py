@@ -130,7 +130,9 @@ class ModelPool:
         """Workers of this model that take new requests (registered and not draining)."""
         if self._available is None:
             self._available = [w for w in self.workers.values() if not w.load.draining]
-        if self._available is not None and now - self._median_at > 1.0:  # speeds move with heartbeats: once a second is enough
+        if (
+            self._available is not None and now - self._median_at > 1.0
+        ):  # speeds move with heartbeats: once a second is enough
             speeds = sorted(w.load.capacity_tokens_per_s for w in self._available if w.load.capacity_tokens_per_s > 0)
             self._median_speed, self._median_at = (speeds[len(speeds) // 2] if speeds else 1.0), now
         return self._available
@@ -152,7 +154,9 @@ class ModelPool:
         """The worker expected to finish ``cost`` more tokens of work soonest."""
         available = self.available(now)
         candidates = available
-        if len(available) > self.SCAN_LIMIT:  # a window at a random place: O(SCAN_LIMIT), unlike random.sample's bookkeeping
+        if (
+            len(available) > self.SCAN_LIMIT
+        ):  # a window at a random place: O(SCAN_LIMIT), unlike random.sample's bookkeeping
             start = random.randrange(len(available))
             candidates = available[start : start + self.SCAN_LIMIT]
             candidates += available[: self.SCAN_LIMIT - len(candidates)]
@@ -279,7 +283,9 @@ class PrefixAffinity:
     def _keys(self, model: str, prompt: list[int]) -> list[int]:
         return [hash((model, tuple(prompt[:n]))) for n in self.LENGTHS if len(prompt) > n]
 
-    def choose(self, model: str, prompt: list[int], candidate: Callable[[bytes], WorkerInfo | None], best: WorkerInfo) -> WorkerInfo:
+    def choose(
+        self, model: str, prompt: list[int], candidate: Callable[[bytes], WorkerInfo | None], best: WorkerInfo
+    ) -> WorkerInfo:
         """The worker that last got this prompt's longest known prefix (``candidate`` says whether
         it can still take it), unless it is much busier than ``best`` (or busier at all, when
         ``best`` can read the prefix from a KV store they share)."""
@@ -324,5 +330,12 @@ class StartFailures:
     def recent(self, registered: set[str]) -> list[dict]:
         """The failures of the last ``MEMORY_S`` seconds, but for names that registered since."""
         now = time.monotonic()
-        self._by_name = {name: seen for name, seen in self._by_name.items() if now - seen[1] < self.MEMORY_S and name not in registered}
-        return [{"worker": name, "error": message, "seconds_ago": round(now - when, 1)} for name, (message, when) in sorted(self._by_name.items())]
+        self._by_name = {
+            name: seen
+            for name, seen in self._by_name.items()
+            if now - seen[1] < self.MEMORY_S and name not in registered
+        }
+        return [
+            {"worker": name, "error": message, "seconds_ago": round(now - when, 1)}
+            for name, (message, when) in sorted(self._by_name.items())
+        ]

@@ -49,7 +49,9 @@ def inputs_of(value: object, param: str, vocab_size: int) -> list[Input]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value:
-        raise InvalidRequest(f"`{param}` must be a non-empty string, list of strings, or list of token-id lists", param=param)
+        raise InvalidRequest(
+            f"`{param}` must be a non-empty string, list of strings, or list of token-id lists", param=param
+        )
     if all(type(v) is int for v in value):
         value = [value]
     if len(value) > MAX_INPUTS:
@@ -67,20 +69,29 @@ def inputs_of(value: object, param: str, vocab_size: int) -> list[Input]:
     return out
 
 
-async def pool(generator: Generator, inputs: list[Input], task: str, request: Request, dimensions: int | None = None) -> list[Pooled]:
+async def pool(
+    generator: Generator, inputs: list[Input], task: str, request: Request, dimensions: int | None = None
+) -> list[Pooled]:
     """Every input's vector (a cross-encoder's: its one score), in order; 400s before any work."""
     deadline = asyncio.get_running_loop().time() + generator.timeout_s
     generator.check_prompt_size(max((len(x.text or "") + len(x.pair or "") for x in inputs), default=0), param="input")
     with tracing.span("tokenize"):
-        encoded = await generator.run_in_pool(_tokenize, generator, inputs, size=sum(len(x.text or "") + len(x.pair or "") for x in inputs))
+        encoded = await generator.run_in_pool(
+            _tokenize, generator, inputs, size=sum(len(x.text or "") + len(x.pair or "") for x in inputs)
+        )
     limit = generator.max_model_len()
     for i, (ids, _) in enumerate(encoded):
         if limit is not None and len(ids) > limit:
             raise InvalidRequest(
-                f"input {i} has {len(ids)} tokens, more than this model's limit of {limit}", param="input", code="context_length_exceeded"
+                f"input {i} has {len(ids)} tokens, more than this model's limit of {limit}",
+                param="input",
+                code="context_length_exceeded",
             )
     rid = request_id(request.headers.get("x-request-id"))
-    news = [NewRequest(f"{rid}-{i}", ids, 1, pooling=PoolingParams(task, types, dimensions)) for i, (ids, types) in enumerate(encoded)]
+    news = [
+        NewRequest(f"{rid}-{i}", ids, 1, pooling=PoolingParams(task, types, dimensions))
+        for i, (ids, types) in enumerate(encoded)
+    ]
     wave = generator.admission.max_concurrent
     outputs: list[RequestOutput] = []
     for start in range(0, len(news), wave):
@@ -104,7 +115,9 @@ def _tokenize(generator: Generator, inputs: list[Input]) -> list[tuple[list[int]
     return out
 
 
-async def _wave(generator: Generator, news: list[NewRequest], slots: list[Slot], deadline: float) -> list[RequestOutput]:
+async def _wave(
+    generator: Generator, news: list[NewRequest], slots: list[Slot], deadline: float
+) -> list[RequestOutput]:
     """Every request's output; the first failure ends the others (they are aborted on their workers)."""
     tasks = [asyncio.ensure_future(_one(generator, new, slot, deadline)) for new, slot in zip(news, slots)]
     try:

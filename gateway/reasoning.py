@@ -27,7 +27,15 @@ log = logging.getLogger(__name__)
 PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
 MARKERS = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("◁think▷", "◁/think▷"))
 # ``reasoning_effort`` (OpenAI's names) as thinking-token budgets; max: no budget but max_tokens.
-EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768, "max": None}
+EFFORT_BUDGETS: dict[str, int | None] = {
+    "none": 0,
+    "minimal": 256,
+    "low": 1024,
+    "medium": 4096,
+    "high": 16384,
+    "xhigh": 32768,
+    "max": None,
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,7 +50,9 @@ class Markers:
 
     def spec(self, prompt: list[int], budget: int | None) -> Reasoning:
         """The wire description of one prompt's thinking."""
-        return Reasoning(self.start_id, self.end_id, initial_state(prompt, self.start_id, self.end_id, self.assume_thinking), budget)
+        return Reasoning(
+            self.start_id, self.end_id, initial_state(prompt, self.start_id, self.end_id, self.assume_thinking), budget
+        )
 
 
 def model_markers(parser: str, tokenizer: Any, template_source: str) -> Markers | None:
@@ -58,7 +68,12 @@ def model_markers(parser: str, tokenizer: Any, template_source: str) -> Markers 
         if None not in ids:
             return Markers(start, end, ids[0], ids[1], parser == "deepseek_r1")  # type: ignore[arg-type]
         if parser != "auto":
-            log.warning("--reasoning-parser %s: the tokenizer has no single tokens for %s and %s; no thinking is split out", parser, start, end)
+            log.warning(
+                "--reasoning-parser %s: the tokenizer has no single tokens for %s and %s; no thinking is split out",
+                parser,
+                start,
+                end,
+            )
     return None
 
 
@@ -79,7 +94,9 @@ def thinking_budget(effort: str | None, budget: int | None, effort_param: str, b
     if effort is None:
         return None
     if effort not in EFFORT_BUDGETS:
-        raise InvalidRequest(f"`{effort_param}` must be one of {', '.join(EFFORT_BUDGETS)}; got {effort!r}", param=effort_param)
+        raise InvalidRequest(
+            f"`{effort_param}` must be one of {', '.join(EFFORT_BUDGETS)}; got {effort!r}", param=effort_param
+        )
     return EFFORT_BUDGETS[effort]
 
 

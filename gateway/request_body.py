@@ -59,7 +59,9 @@ def check_depth(body: bytes) -> None:
     if too_deep(body):
         field = deep_field(body)
         raise InvalidRequest(
-            f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep" + (f" (in `{field}`)" if field else ""), param=field
+            f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep"
+            + (f" (in `{field}`)" if field else ""),
+            param=field,
         )
 
 
@@ -78,7 +80,9 @@ def check_strict(value: Any, model: type) -> None:
             return
         found = _LOCATION.match(str(strict_error))
         problem, field = (found.group(1), found.group(2)) if found else (str(strict_error), None)
-        raise InvalidRequest(f"invalid type for `{field}`: {problem}" if field else f"invalid request body: {problem}", param=field) from None
+        raise InvalidRequest(
+            f"invalid type for `{field}`: {problem}" if field else f"invalid request body: {problem}", param=field
+        ) from None
 
 
 class GatewayRequest(Request):

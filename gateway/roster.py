@@ -34,7 +34,9 @@ class Admitted(NamedTuple):
 
 
 class Roster:
-    def __init__(self, interval: float, liveness: int, learns: bool, reachable: Callable[[bytes], bool], outbox: Outbox) -> None:
+    def __init__(
+        self, interval: float, liveness: int, learns: bool, reachable: Callable[[bytes], bool], outbox: Outbox
+    ) -> None:
         """``learns``: tokenizers are loaded from the workers' ModelInfo (False: a model's first
         digest is taken on trust, as the socket tests and the fleet benchmark want). ``reachable``
         says whether the ROUTER can still route to an identity (it sends that peer a heartbeat)."""
@@ -56,7 +58,9 @@ class Roster:
         """(max_model_len, kv capacity) that every registered worker of ``model`` can take; 503 if none."""
         pool = self.models.get(model)
         if pool is None or not pool.workers:
-            raise NoWorkerAvailable(f"no worker of `{model}` is registered; start one with `llmpool worker --model ...`")
+            raise NoWorkerAvailable(
+                f"no worker of `{model}` is registered; start one with `llmpool worker --model ...`"
+            )
         return pool.limits()
 
     def available(self, model: str, now: float) -> list[WorkerInfo]:
@@ -77,7 +81,9 @@ class Roster:
             pool.digest = ready.tokenizer_digest  # nothing to load: take it on trust
         if pool.digest is not None and ready.tokenizer_digest != pool.digest:
             self.refuse(
-                identity, ready.worker_name, f"its tokenizer or chat template for {ready.model!r} differs from the one its other workers brought"
+                identity,
+                ready.worker_name,
+                f"its tokenizer or chat template for {ready.model!r} differs from the one its other workers brought",
             )
             return None
         if pool.digest is None:
@@ -105,9 +111,18 @@ class Roster:
         then unreachable (ROUTER_MANDATORY), or silent for two heartbeats, and is replaced."""
         fresh = self.interval * (self.liveness - 2)
         held = self._identity_of.get(name)
-        others = [held] if held is not None and held != identity and held in self.workers and self.workers[held].expiry - now > fresh else []
+        others = (
+            [held]
+            if held is not None
+            and held != identity
+            and held in self.workers
+            and self.workers[held].expiry - now > fresh
+            else []
+        )
         others += [
-            other for other, (r, heard) in self.joining.items() if r.worker_name == name and other != identity and now - heard < 2 * self.interval
+            other
+            for other, (r, heard) in self.joining.items()
+            if r.worker_name == name and other != identity and now - heard < 2 * self.interval
         ]
         return next((other for other in others if self.reachable(other)), None)
 
@@ -119,7 +134,12 @@ class Roster:
         self.workers[identity] = pool.workers[identity] = worker
         pool.changed()
         log.info(
-            "worker %s registered for %s (%s, %s, %d KV tokens)", ready.worker_name, ready.model, ready.device, ready.dtype, ready.kv_capacity_tokens
+            "worker %s registered for %s (%s, %s, %d KV tokens)",
+            ready.worker_name,
+            ready.model,
+            ready.device,
+            ready.dtype,
+            ready.kv_capacity_tokens,
         )
         return Admitted(worker, previous if previous is not None and previous.identity != identity else None)
 
@@ -132,7 +152,9 @@ class Roster:
         pool = self.models[worker.ready.model]
         pool.workers.pop(worker.identity, None)
         pool.changed()
-        self.departed.append({"name": worker.ready.worker_name, "model": worker.ready.model, "reason": reason, "at": time.time()})
+        self.departed.append(
+            {"name": worker.ready.worker_name, "model": worker.ready.model, "reason": reason, "at": time.time()}
+        )
         self.departures += 1
         return True
 
@@ -154,7 +176,11 @@ class Roster:
     def _ask_description(self, pool: ModelPool, now: float) -> None:
         """Ask one joining worker of ``pool``'s model for its tokenizer, unless one was asked within
         a liveness period (its answer may still come; a dead one is replaced by the next joiner)."""
-        if pool.describing is not None and pool.describing[0] in self.joining and now - pool.describing[1] < self.interval * self.liveness:
+        if (
+            pool.describing is not None
+            and pool.describing[0] in self.joining
+            and now - pool.describing[1] < self.interval * self.liveness
+        ):
             return
         asked = next((identity for identity, (ready, _) in self.joining.items() if ready.model == pool.name), None)
         if asked is None:
@@ -187,7 +213,9 @@ class Roster:
         if pool.learning:
             pool.learning = False
             if error is not None:
-                log.error("could not load the tokenizer of %s that worker %r sent: %s", info.model, identity[:64], error)
+                log.error(
+                    "could not load the tokenizer of %s that worker %r sent: %s", info.model, identity[:64], error
+                )
                 self.joining.pop(identity, None)
                 pool.describing = None
                 self._ask_description(pool, now)
@@ -203,7 +231,9 @@ class Roster:
             else:
                 del self.joining[joiner]
                 self.refuse(
-                    joiner, ready.worker_name, f"its tokenizer or chat template for {ready.model!r} differs from the one its other workers brought"
+                    joiner,
+                    ready.worker_name,
+                    f"its tokenizer or chat template for {ready.model!r} differs from the one its other workers brought",
                 )
         return admitted
 

@@ -19,7 +19,9 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: which call it answers
-    reasoning_content: str | None = None  # an assistant's earlier thinking (``reasoning`` too): templates that keep it read it
+    reasoning_content: str | None = (
+        None  # an assistant's earlier thinking (``reasoning`` too): templates that keep it read it
+    )
     reasoning: str | None = None
 
 

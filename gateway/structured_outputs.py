@@ -53,7 +53,10 @@ def _given(data: SamplingFields) -> list[tuple[str, str, object]]:
     found = [(f"guided_{k}", k, getattr(data, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")]
     nested = data.structured_outputs or {}
     if not isinstance(nested, dict):
-        raise InvalidRequest("`structured_outputs` must be an object (json, json_object, regex, choice or grammar)", param="structured_outputs")
+        raise InvalidRequest(
+            "`structured_outputs` must be an object (json, json_object, regex, choice or grammar)",
+            param="structured_outputs",
+        )
     found += [(f"structured_outputs.{k}", k, nested.get(k)) for k in _KINDS]
     return [item for item in found if item[2] is not None and item[2] is not False]
 

@@ -96,7 +96,12 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     _OPS = {"*": operator.mul, "+": operator.add, "**": operator.pow, "%": operator.mod}
 
     def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
-        if op == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT and not (isinstance(left, (int, float)) and abs(left) <= 1):
+        if (
+            op == "**"
+            and isinstance(right, (int, float))
+            and abs(right) > MAX_EXPONENT
+            and not (isinstance(left, (int, float)) and abs(left) <= 1)
+        ):
             raise SecurityError(f"a power above {MAX_EXPONENT} is not allowed in a chat template")
         if op == "*":
             sized, count = (left, right) if _sized(left) else (right, left)
@@ -146,7 +151,9 @@ def _bounded_filters(env: BoundedSandbox) -> None:
         def bounded(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
             for value in (*args, *kwargs.values()):
                 if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_VALUE_LEN:
-                    raise SecurityError(f"a number above {MAX_VALUE_LEN} is not allowed as a filter argument in a chat template")
+                    raise SecurityError(
+                        f"a number above {MAX_VALUE_LEN} is not allowed as a filter argument in a chat template"
+                    )
             return _original(*args, **kwargs)
 
         if hasattr(original, "jinja_pass_arg"):  # pass_eval_context and friends
@@ -193,7 +200,9 @@ class ChatTemplate:
         extra = variables or {}
         reserved = sorted(RESERVED_VARIABLES.union(self.special_tokens).intersection(extra))
         if reserved:
-            raise InvalidRequest(f"`chat_template_kwargs` may not set {', '.join(reserved)}", param="chat_template_kwargs")
+            raise InvalidRequest(
+                f"`chat_template_kwargs` may not set {', '.join(reserved)}", param="chat_template_kwargs"
+            )
         context = {**extra, "messages": messages, "add_generation_prompt": add_generation_prompt, **self.special_tokens}
         budget = budget or (Budget() if self.from_request else None)
         try:

@@ -19,7 +19,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True, token_bytes: Callable[[int], bytes] | None = None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        skip_special_tokens: bool = True,
+        token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.token_bytes = token_bytes  # a token's exact bytes, to tell a cut character from a real U+FFFD

@@ -130,7 +130,10 @@ class ToolPlan:
 
 
 def tool_plan(
-    tools: list | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None, name_param: str = "tools[{}].function.name"
+    tools: list | None,
+    tool_choice: str | dict | None,
+    parallel_tool_calls: bool | None,
+    name_param: str = "tools[{}].function.name",
 ) -> ToolPlan:
     """Check ``tools`` and ``tool_choice`` (400s name the field; ``name_param`` is where a dialect
     keeps a tool's name) and decide the mode."""
@@ -138,15 +141,21 @@ def tool_plan(
     for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise InvalidRequest(f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}', param=f"tools[{i}]")
+            raise InvalidRequest(
+                f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}', param=f"tools[{i}]"
+            )
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidRequest(f"`{name_param.format(i)}` must be a non-empty string", param=name_param.format(i))
         if any(f["name"] == function["name"] for f in functions):
             raise InvalidRequest(
-                f"`{name_param.format(i)}` {function['name']!r} names two tools; tool names must be unique", param=name_param.format(i)
+                f"`{name_param.format(i)}` {function['name']!r} names two tools; tool names must be unique",
+                param=name_param.format(i),
             )
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-            raise InvalidRequest(f"`tools[{i}].function.parameters` must be a JSON Schema object", param=f"tools[{i}].function.parameters")
+            raise InvalidRequest(
+                f"`tools[{i}].function.parameters` must be a JSON Schema object",
+                param=f"tools[{i}].function.parameters",
+            )
         functions.append(function)
     choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
     parallel = parallel_tool_calls is not False
@@ -154,12 +163,18 @@ def tool_plan(
         function = choice.get("function")
         name = function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
         if not isinstance(name, str):
-            raise InvalidRequest('`tool_choice` must be {"type": "function", "function": {"name": "..."}}', param="tool_choice")
+            raise InvalidRequest(
+                '`tool_choice` must be {"type": "function", "function": {"name": "..."}}', param="tool_choice"
+            )
         if name not in {f["name"] for f in functions}:
-            raise InvalidRequest(f"`tool_choice` names a function that is not in `tools`: {name!r}", param="tool_choice")
+            raise InvalidRequest(
+                f"`tool_choice` names a function that is not in `tools`: {name!r}", param="tool_choice"
+            )
         return ToolPlan(functions, "named", name, parallel)
     if choice not in ("none", "auto", "required"):
-        raise InvalidRequest(f"`tool_choice` must be none, auto, required or a named function; got {choice!r}", param="tool_choice")
+        raise InvalidRequest(
+            f"`tool_choice` must be none, auto, required or a named function; got {choice!r}", param="tool_choice"
+        )
     if choice != "none" and not functions:
         raise InvalidRequest(f"`tool_choice` {choice!r} needs `tools`", param="tool_choice")
     return ToolPlan(functions, choice, None, parallel)
@@ -174,10 +189,13 @@ def check_tool_calls(calls: object, param: str) -> list[dict]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise InvalidRequest(
-                f'`{param}[{j}]` must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}', param=f"{param}[{j}].function"
+                f'`{param}[{j}]` must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}',
+                param=f"{param}[{j}].function",
             )
         if not isinstance(function.get("arguments", "{}"), (str, dict)):
-            raise InvalidRequest(f"`{param}[{j}].function.arguments` must be a JSON string", param=f"{param}[{j}].function.arguments")
+            raise InvalidRequest(
+                f"`{param}[{j}].function.arguments` must be a JSON string", param=f"{param}[{j}].function.arguments"
+            )
     return calls
 
 
@@ -266,7 +284,11 @@ def _json_calls(text: str) -> list[ToolCall]:
         return []
     if not isinstance(items, list):
         return []
-    return [ToolCall(i["name"], orjson.dumps(i.get("arguments", {})).decode()) for i in items if isinstance(i, dict) and "name" in i]
+    return [
+        ToolCall(i["name"], orjson.dumps(i.get("arguments", {})).decode())
+        for i in items
+        if isinstance(i, dict) and "name" in i
+    ]
 
 
 _CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
@@ -301,5 +323,7 @@ def _hermes_calls(text: str) -> list[ToolCall]:
             continue
         if isinstance(call, dict) and isinstance(call.get("name"), str):
             arguments = call.get("arguments", call.get("parameters", {}))
-            calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()))
+            calls.append(
+                ToolCall(call["name"], arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode())
+            )
     return calls

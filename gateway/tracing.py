@@ -107,7 +107,11 @@ class GenerationTrace:
         self.span = request.child(
             "generate",
             SpanKind.CLIENT,
-            {"llmpool.request_id": new.request_id, "gen_ai.request.max_tokens": new.max_new_tokens, "gen_ai.usage.input_tokens": self.counts[0]},
+            {
+                "llmpool.request_id": new.request_id,
+                "gen_ai.request.max_tokens": new.max_new_tokens,
+                "gen_ai.usage.input_tokens": self.counts[0],
+            },
         )
         _PROPAGATOR.inject(new.trace_context, context=trace.set_span_in_context(self.span))
 
@@ -123,7 +127,9 @@ class GenerationTrace:
     def worker_events(self, events: list[WorkerEvent], worker_name: str) -> None:
         """What happened to the request inside its worker, as events at their own times."""
         for event in events:
-            self.span.add_event(event.name, {**event.attributes, WORKER_NAME: worker_name}, timestamp=event.time_unix_nano)
+            self.span.add_event(
+                event.name, {**event.attributes, WORKER_NAME: worker_name}, timestamp=event.time_unix_nano
+            )
 
     def output(self, item: RequestOutput | Exception) -> None:
         """An output from the worker (or the failure that ends the choice)."""
@@ -134,12 +140,18 @@ class GenerationTrace:
         if item.new_token_ids and not self.first_token:
             self.first_token = True
             now = time.time_ns()
-            self.span.add_event("first_token", {"gen_ai.response.time_to_first_chunk": (now - self.started_ns) / 1e9}, timestamp=now)
+            self.span.add_event(
+                "first_token", {"gen_ai.response.time_to_first_chunk": (now - self.started_ns) / 1e9}, timestamp=now
+            )
 
     def end(self, outcome: str) -> None:
         """``outcome``: the finish reason (stop, length), or cancelled, timeout, error."""
         prompt, output, cached = self.counts
-        usage = {"gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": output, "gen_ai.usage.cache_read.input_tokens": cached}
+        usage = {
+            "gen_ai.usage.input_tokens": prompt,
+            "gen_ai.usage.output_tokens": output,
+            "gen_ai.usage.cache_read.input_tokens": cached,
+        }
         self.span.set_attributes(usage)
         if outcome in ("cancelled", "timeout", "error"):
             self.span.set_attribute("llmpool.outcome", outcome)
@@ -159,7 +171,9 @@ def traces_url(endpoint: str) -> str:
     """The OTLP/HTTP traces URL: a bare collector address (http://collector:4318) gets /v1/traces."""
     parts = urlsplit(endpoint)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"--otlp-endpoint must be an http:// or https:// URL (an OTLP/HTTP collector); got {endpoint!r}")
+        raise ValueError(
+            f"--otlp-endpoint must be an http:// or https:// URL (an OTLP/HTTP collector); got {endpoint!r}"
+        )
     return endpoint.rstrip("/") + "/v1/traces" if parts.path in ("", "/") else endpoint
 
 
@@ -202,11 +216,22 @@ def middleware(app: Any) -> Any:
         operation = GENERATION_PATHS.get(path)
         if operation is None:
             return await app(scope, receive, send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in (b"traceparent", b"tracestate", b"user-agent")}
-        attributes = {"http.request.method": "POST", "http.route": path, "url.path": scope["path"], "gen_ai.operation.name": operation}
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k in (b"traceparent", b"tracestate", b"user-agent")
+        }
+        attributes = {
+            "http.request.method": "POST",
+            "http.route": path,
+            "url.path": scope["path"],
+            "gen_ai.operation.name": operation,
+        }
         if "user-agent" in headers:
             attributes["user_agent.original"] = headers["user-agent"]
-        span = tracer.start_span(f"POST {path}", context=_PROPAGATOR.extract(headers), kind=SpanKind.SERVER, attributes=attributes)
+        span = tracer.start_span(
+            f"POST {path}", context=_PROPAGATOR.extract(headers), kind=SpanKind.SERVER, attributes=attributes
+        )
         request = RequestTrace(tracer, span)
         token = _current.set(request)
 

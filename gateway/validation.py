@@ -48,10 +48,14 @@ class Prepared:
     tools: ToolPlan
     parsers: list[ToolOutputParser | None]  # each choice's reader of tool calls (None: no tools)
     stops: list[str]
-    thinkers: list[ReasoningParser | None] = field(default_factory=list)  # each choice's splitter of thinking (None: none)
+    thinkers: list[ReasoningParser | None] = field(
+        default_factory=list
+    )  # each choice's splitter of thinking (None: none)
 
 
-async def prepare(generator: Generator, req: GenerationRequest, request: Request | None = None, admit: bool = True) -> Prepared:
+async def prepare(
+    generator: Generator, req: GenerationRequest, request: Request | None = None, admit: bool = True
+) -> Prepared:
     """Check ``req`` and tokenize its prompt; with ``admit``, also check each prompt's budget and
     build the wire requests. ``request`` (the HTTP request) says whether a request's own template
     is allowed, and its client's hanging up stops that template's render."""
@@ -73,7 +77,9 @@ async def prepare(generator: Generator, req: GenerationRequest, request: Request
         prompts = [ids]
     else:
         with tracing.span("tokenize"):
-            prompts = await generator.run_in_pool(generator.prompt_ids, req.prompts, req.add_special_tokens, size=checked.chars)
+            prompts = await generator.run_in_pool(
+                generator.prompt_ids, req.prompts, req.add_special_tokens, size=checked.chars
+            )
     if not admit:
         return Prepared(prompts, [], checked.plan, checked.parsers, checked.stops)
     max_model_len, kv_capacity = generator.client.limits(generator.model_name)
@@ -84,11 +90,17 @@ async def prepare(generator: Generator, req: GenerationRequest, request: Request
             raise InvalidRequest("the prompt is empty", param="prompt")
         budget = max_new_tokens(req.max_tokens, req.max_tokens_param, len(ids), max_model_len, kv_capacity)
         if req.sampling.min_tokens > budget:
-            raise InvalidRequest(f"`min_tokens` ({req.sampling.min_tokens}) is more than the token budget ({budget})", param="min_tokens")
+            raise InvalidRequest(
+                f"`min_tokens` ({req.sampling.min_tokens}) is more than the token budget ({budget})", param="min_tokens"
+            )
         rid = f"{req.request_id}-p{p}" if len(prompts) > 1 else req.request_id
         thinking = markers.spec(ids, checked.budget) if markers is not None else None
         for choice in range(req.n):  # each copy its own request id, and with a seed, its own seed derived from it
-            seeded = msgspec.structs.replace(sampling, seed=(sampling.seed + choice) % 2**63) if choice and sampling.seed is not None else sampling
+            seeded = (
+                msgspec.structs.replace(sampling, seed=(sampling.seed + choice) % 2**63)
+                if choice and sampling.seed is not None
+                else sampling
+            )
             news.append(
                 NewRequest(
                     request_id=f"{rid}-{choice}" if choice else rid,
@@ -101,7 +113,9 @@ async def prepare(generator: Generator, req: GenerationRequest, request: Request
                     reasoning=thinking,
                 )
             )
-            thinkers.append(ReasoningParser(markers, thinking.state) if markers is not None and thinking is not None else None)
+            thinkers.append(
+                ReasoningParser(markers, thinking.state) if markers is not None and thinking is not None else None
+            )
     return Prepared(prompts, news, checked.plan, checked.parsers, checked.stops, thinkers)
 
 
@@ -127,7 +141,9 @@ def _check(generator: Generator, req: GenerationRequest, request: Request | None
     if not 1 <= req.n <= MAX_N:
         raise InvalidRequest(f"`{req.n_param}` must be between 1 and {MAX_N}; got {req.n}", param=req.n_param)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise InvalidRequest(f"`{req.logprobs_param}` must be between 0 and {MAX_LOGPROBS}; got {req.logprobs}", param=req.logprobs_param)
+        raise InvalidRequest(
+            f"`{req.logprobs_param}` must be between 0 and {MAX_LOGPROBS}; got {req.logprobs}", param=req.logprobs_param
+        )
     stops = stop_strings(req.stop, req.stop_param)
     sampling = sampling_params(req.sampling, generator.vocab_size, req.logprobs)
     sampling.prompt_logprobs = req.prompt_logprobs
@@ -141,12 +157,18 @@ def _check(generator: Generator, req: GenerationRequest, request: Request | None
             param="chat_template",
         )
     count = max(len(req.prompts), 1) * req.n
-    what = f"{len(req.prompts)} prompts × `{req.n_param}` {req.n}" if len(req.prompts) > 1 else f"`{req.n_param}` {req.n}"
+    what = (
+        f"{len(req.prompts)} prompts × `{req.n_param}` {req.n}" if len(req.prompts) > 1 else f"`{req.n_param}` {req.n}"
+    )
     generator.admission.check_fits(count, req.n_param if req.n > 1 else "prompt", what)
     chars = _prompt_size(generator, req)
     plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_name_param)
     forced = plan.guide()  # a forced call's grammar; the tools the model may call must compile too
-    guides = [(fmt, req.format_param), (forced, "tools"), *((g, f"tools[{i}]") for i, g in enumerate(plan.optional_guides()))]
+    guides = [
+        (fmt, req.format_param),
+        (forced, "tools"),
+        *((g, f"tools[{i}]") for i, g in enumerate(plan.optional_guides())),
+    ]
     for guide, param in guides:
         problem = _grammar_problem(guide.kind, guide.spec) if guide is not None else None
         if problem is not None:
@@ -167,7 +189,9 @@ def _prompt_size(generator: Generator, req: GenerationRequest) -> int:
     could never hold, prompts per request) and token ids and earlier tool calls are well formed."""
     if req.messages is None:
         if len(req.prompts) > MAX_PROMPTS:
-            raise InvalidRequest(f"`prompt` may hold at most {MAX_PROMPTS} prompts; got {len(req.prompts)}", param="prompt")
+            raise InvalidRequest(
+                f"`prompt` may hold at most {MAX_PROMPTS} prompts; got {len(req.prompts)}", param="prompt"
+            )
         for prompt in req.prompts:
             if not isinstance(prompt, str):
                 check_token_ids(prompt, generator.vocab_size, "prompt")
@@ -178,7 +202,9 @@ def _prompt_size(generator: Generator, req: GenerationRequest) -> int:
     for i, message in enumerate(req.messages):
         content = message.get("content")
         total += len(content) if isinstance(content, str) else 0
-        for call in check_tool_calls(message["tool_calls"], f"messages[{i}].tool_calls") if message.get("tool_calls") else ():
+        for call in (
+            check_tool_calls(message["tool_calls"], f"messages[{i}].tool_calls") if message.get("tool_calls") else ()
+        ):
             arguments = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
             total += len(arguments) if isinstance(arguments, str) else 0  # earlier calls' arguments count too
     generator.check_prompt_size(total, len(req.messages))
@@ -205,7 +231,9 @@ def _logit_bias(req: SamplingOptions, vocab_size: int) -> dict[int, float]:
     bias = {}
     for key, value in (req.logit_bias or {}).items():
         if not _DECIMAL.fullmatch(key) or not 0 <= int(key) < vocab_size:
-            raise InvalidRequest(f"`logit_bias` keys must be token ids from 0 to {vocab_size - 1}; got {key!r}", param="logit_bias")
+            raise InvalidRequest(
+                f"`logit_bias` keys must be token ids from 0 to {vocab_size - 1}; got {key!r}", param="logit_bias"
+            )
         if not -100 <= value <= 100:
             raise InvalidRequest(f"`logit_bias` values must be between -100 and 100; got {value}", param="logit_bias")
         bias[int(key)] = value
@@ -226,7 +254,10 @@ def sampling_params(req: SamplingOptions, vocab_size: int, logprobs: int | None 
     _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     _check_range(req.min_p, "min_p", 0.0, 1.0)
     if req.repetition_penalty is not None and not 0 < req.repetition_penalty <= 10:
-        raise InvalidRequest(f"`repetition_penalty` must be above 0 and at most 10; got {req.repetition_penalty}", param="repetition_penalty")
+        raise InvalidRequest(
+            f"`repetition_penalty` must be above 0 and at most 10; got {req.repetition_penalty}",
+            param="repetition_penalty",
+        )
     if req.min_tokens < 0:
         raise InvalidRequest(f"`min_tokens` must be 0 or more; got {req.min_tokens}", param="min_tokens")
     return SamplingParams(
@@ -261,7 +292,9 @@ def format_guide(fmt: dict | None, param: str) -> Guide | None:
     if fmt is None or fmt.get("type") == "text":
         return None
     kind = fmt.get("type")
-    if kind in (GuideKind.REGEX, GuideKind.GRAMMAR) and "spec" in fmt:  # vLLM's guided fields (gateway/structured_outputs.py)
+    if (
+        kind in (GuideKind.REGEX, GuideKind.GRAMMAR) and "spec" in fmt
+    ):  # vLLM's guided fields (gateway/structured_outputs.py)
         return Guide(kind, fmt["spec"])
     if kind == "json_object":
         return Guide(GuideKind.JSON_OBJECT)

@@ -53,7 +53,9 @@ class WorkerClient:
         self.interval = heartbeat_interval
         self.curve_secret_key = curve_secret_key
         self.curve_authorized_keys = curve_authorized_keys
-        self.dispatch = Dispatcher(heartbeat_interval, heartbeat_liveness, max_retries, hung_timeout, affinity_slack, reachable=self._reachable)
+        self.dispatch = Dispatcher(
+            heartbeat_interval, heartbeat_liveness, max_retries, hung_timeout, affinity_slack, reachable=self._reachable
+        )
         self.learn_model = learn_model
         self.dropped_frames = 0
         self._authenticator: zmq.auth.asyncio.AsyncioAuthenticator | None = None
@@ -74,7 +76,9 @@ class WorkerClient:
         self._socket = sock
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._heartbeat_loop())]
         if self.curve_secret_key:
-            self._tasks.append(asyncio.create_task(self._watch_handshakes(sock.get_monitor_socket(protocol.HANDSHAKE_EVENT_MASK))))
+            self._tasks.append(
+                asyncio.create_task(self._watch_handshakes(sock.get_monitor_socket(protocol.HANDSHAKE_EVENT_MASK)))
+            )
         log.info("waiting for workers on %s", self.bind_address)
 
     def _enable_curve(self, sock: zmq.Socket) -> None:
@@ -135,7 +139,9 @@ class WorkerClient:
     def snapshot(self) -> dict:
         return {**self.dispatch.snapshot(), "dropped_frames": self.dropped_frames}
 
-    def submit(self, request: NewRequest, model: str, trace: Trace = UNTRACED, delivered: list[int] | None = None) -> RequestStream:
+    def submit(
+        self, request: NewRequest, model: str, trace: Trace = UNTRACED, delivered: list[int] | None = None
+    ) -> RequestStream:
         """Send a request to a worker of ``model`` (at the end of this loop tick, with the others of
         the tick); its outputs arrive on the returned stream. ``delivered``: see ``Dispatcher.submit``."""
         stream = self.dispatch.submit(request, model, trace, delivered)
@@ -284,7 +290,11 @@ class WorkerClient:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event != protocol.HANDSHAKE_SUCCEEDED:
-                    log.warning("a worker's handshake on %s %s", self.bind_address, protocol.HANDSHAKE_EVENTS.get(event, str(event)))
+                    log.warning(
+                        "a worker's handshake on %s %s",
+                        self.bind_address,
+                        protocol.HANDSHAKE_EVENTS.get(event, str(event)),
+                    )
         finally:
             monitor.close(linger=0)
 
@@ -295,5 +305,7 @@ class _Authenticator(zmq.auth.asyncio.AsyncioAuthenticator):
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
         allowed, reason = await super()._authenticate_curve(domain, client_key)
         if not allowed:
-            log.warning("refused a worker's CURVE key %s: %s", z85.encode(client_key).decode(), reason.decode(errors="replace"))
+            log.warning(
+                "refused a worker's CURVE key %s: %s", z85.encode(client_key).decode(), reason.decode(errors="replace")
+            )
         return allowed, reason

@@ -84,10 +84,15 @@ class Child:
         relay = self.module == "worker"
         self.ready, self.restart_at = False, None
         self.process = subprocess.Popen(
-            [sys.executable, "-m", self.module], env=self.env, preexec_fn=_die_with_parent, stderr=subprocess.PIPE if relay else None
+            [sys.executable, "-m", self.module],
+            env=self.env,
+            preexec_fn=_die_with_parent,
+            stderr=subprocess.PIPE if relay else None,
         )
         if relay:
-            threading.Thread(target=self._relay, args=(self.process.stderr,), name=f"{self.name}-stderr", daemon=True).start()
+            threading.Thread(
+                target=self._relay, args=(self.process.stderr,), name=f"{self.name}-stderr", daemon=True
+            ).start()
         log.info("started %s (pid %d)", self.name, self.process.pid)
 
     def _relay(self, stream: IO[bytes]) -> None:
@@ -122,7 +127,10 @@ class Supervisor:
         for served, model in models or [(None, None)]:
             prefix = f"{served}-worker" if served else "worker"
             env = {**worker_env, **({"LLMPOOL_MODEL": model, "LLMPOOL_SERVED_MODEL_NAME": served} if served else {})}
-            self.workers += [Child(f"{prefix}-{i}", "worker", {**env, "LLMPOOL_WORKER_NAME": f"{prefix}-{i}"}) for i in range(args.workers)]
+            self.workers += [
+                Child(f"{prefix}-{i}", "worker", {**env, "LLMPOOL_WORKER_NAME": f"{prefix}-{i}"})
+                for i in range(args.workers)
+            ]
         self.grace = args.kill_after
         self.tries = max(1, args.worker_start_tries)
         self.stopping = False
@@ -172,7 +180,14 @@ class Supervisor:
             delay = min(MAX_RESTART_DELAY_S, 2.0 ** max(0, worker.failed_starts - 1))
             worker.restarts += 1
             worker.restart_at = now + delay
-            log.warning("%s exited with code %s%s; restarting in %.0f s (restart %d)", worker.name, returncode, why, delay, worker.restarts)
+            log.warning(
+                "%s exited with code %s%s; restarting in %.0f s (restart %d)",
+                worker.name,
+                returncode,
+                why,
+                delay,
+                worker.restarts,
+            )
 
     def stop(self) -> None:
         children = [c.process for c in (*self.workers, self.gateway) if c.process and c.process.poll() is None]
@@ -215,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("folder", help="where to write gateway.key(_secret) and worker-N.key(_secret)")
     keys.add_argument("--workers", type=int, default=1, help="worker key pairs to make")
     store = commands.add_parser("kv-store", help="what a KV store (--kv-store) holds, or empty it")
-    store.add_argument("action", choices=["stats", "clear"], help="stats: blocks and bytes per model fingerprint (JSON); clear: remove every block")
+    store.add_argument(
+        "action",
+        choices=["stats", "clear"],
+        help="stats: blocks and bytes per model fingerprint (JSON); clear: remove every block",
+    )
     store.add_argument("store", help="the store: a folder, or redis://HOST:PORT/DB")
     return parser
 
@@ -241,7 +260,9 @@ def make_keys(folder: str, workers: int) -> None:
     for path in publics:
         os.chmod(path, 0o644)
     print(f"gateway: --curve-server-secret-key {folder}/gateway.key_secret --curve-authorized-keys {folder}/authorized")
-    print(f"worker N: --curve-client-secret-key {folder}/worker-N.key_secret --curve-server-public-key {folder}/gateway.key")
+    print(
+        f"worker N: --curve-client-secret-key {folder}/worker-N.key_secret --curve-server-public-key {folder}/gateway.key"
+    )
 
 
 def kv_store(action: str, store: str) -> None:

@@ -108,7 +108,17 @@ def start_serve(name: str, workers: int, *extra: str, env: dict[str, str] | None
     """``llmpool serve`` (the launcher) with ``workers`` local workers, waited on until they registered."""
     api_key = (env or {}).get("LLMPOOL_API_KEY", "").split(",")[0] or None
     server = Server(free_port(), free_port(), api_key=api_key)
-    args = ["launcher", "serve", "--workers", str(workers), "--port", str(server.port), "--zmq-bind", server.zmq_address, *extra]
+    args = [
+        "launcher",
+        "serve",
+        "--workers",
+        str(workers),
+        "--port",
+        str(server.port),
+        "--zmq-bind",
+        server.zmq_address,
+        *extra,
+    ]
     server.processes.append(spawn(args, name, env))
     try:
         server.wait_for_workers(workers)
@@ -127,7 +137,7 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
-def client(server: Server):  # noqa: ANN201 - an openai.OpenAI
+def client(server: Server):  # an openai.OpenAI
     """The OpenAI SDK pointed at the shared server, as a user would point it."""
     import openai
 
@@ -135,7 +145,7 @@ def client(server: Server):  # noqa: ANN201 - an openai.OpenAI
 
 
 @pytest.fixture(scope="session")
-def tokenizer():  # noqa: ANN201 - a transformers tokenizer
+def tokenizer():  # a transformers tokenizer
     from common.config import CACHE_DIR
     from common.model_source import load_tokenizer, resolve_model
 
@@ -143,7 +153,7 @@ def tokenizer():  # noqa: ANN201 - a transformers tokenizer
 
 
 @pytest.fixture(scope="session")
-def postgres():  # noqa: ANN201 - a tests.postgres.Postgres
+def postgres():  # a tests.postgres.Postgres
     """A real PostgreSQL server (Debian's package) for the whole session; skipped where none is installed."""
     from tests.postgres import Postgres, binaries
 
@@ -168,7 +178,9 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ARTIFACTS.mkdir(exist_ok=True)
     with open(ARTIFACTS / "redis.log", "ab") as log:
         process = subprocess.Popen(
-            ["redis-server", *args, "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"], stdout=log, stderr=subprocess.STDOUT
+            ["redis-server", *args, "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         import redis
@@ -180,7 +192,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stop(process)
 
 
-def _pings(client) -> bool:  # noqa: ANN001 - a redis.Redis
+def _pings(client) -> bool:  # a redis.Redis
     import redis
 
     try:

@@ -19,7 +19,10 @@ USER = "llmpool"
 
 def binaries() -> Path | None:
     """The folder of initdb and pg_ctl (Debian keeps them off PATH, under /usr/lib/postgresql/N/bin)."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0)
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0,
+    )
     if found:
         return Path(found[-1]).parent
     initdb = shutil.which("initdb")
@@ -32,7 +35,9 @@ class Postgres:
     def __init__(self, durable: bool = False) -> None:
         bin_dir = binaries()
         if bin_dir is None:
-            raise FileNotFoundError("PostgreSQL is not installed (apt-get install postgresql; scripts/setup.sh --test does it)")
+            raise FileNotFoundError(
+                "PostgreSQL is not installed (apt-get install postgresql; scripts/setup.sh --test does it)"
+            )
         self.folder = Path(tempfile.mkdtemp(prefix="llmpool-pg-"))
         self.port = free_port()
         self.as_root = os.geteuid() == 0
@@ -44,7 +49,21 @@ class Postgres:
         if not durable:  # a test server: nothing needs to survive a power cut
             options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         self.pg_ctl = str(bin_dir / "pg_ctl")
-        self._run([self.pg_ctl, "-D", str(data), "-o", options, "-l", str(self.folder / "server.log"), "-w", "-t", "60", "start"])
+        self._run(
+            [
+                self.pg_ctl,
+                "-D",
+                str(data),
+                "-o",
+                options,
+                "-l",
+                str(self.folder / "server.log"),
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ]
+        )
         self.data = data
 
     def _run(self, command: list[str]) -> None:

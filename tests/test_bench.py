@@ -98,7 +98,9 @@ async def _stream_server(events: list[dict], bodies: list[dict]) -> asyncio.Serv
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1])
+        length = int(
+            next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1]
+        )
         bodies.append(orjson.loads(await reader.readexactly(length)))
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         for payload in [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]:
@@ -133,7 +135,9 @@ def test_client_reads_llama_server_stream():
             2,
         )  # empty content is no token
     assert {b["messages"][0]["content"] for b in bodies} == {"a", "b", "c"}
-    assert all(b["max_tokens"] == 7 and b["ignore_eos"] and b["stream_options"] == {"include_usage": True} for b in bodies)
+    assert all(
+        b["max_tokens"] == 7 and b["ignore_eos"] and b["stream_options"] == {"include_usage": True} for b in bodies
+    )
 
 
 def test_client_counts_chunks_when_the_server_reports_no_usage():
@@ -204,15 +208,34 @@ def test_a_fleet_process_registers_many_workers_with_every_gateway(tmp_path):
         for i, (http, zmq) in enumerate(gateways)
     ]
     addresses = ",".join(f"tcp://127.0.0.1:{zmq}" for _, zmq in gateways)
-    fleet = ["bench.fake_worker", "--gateway-address", addresses, "--count", "8", "--name", "sim", "--model-info", str(tmp_path / "model-info")]
+    fleet = [
+        "bench.fake_worker",
+        "--gateway-address",
+        addresses,
+        "--count",
+        "8",
+        "--name",
+        "sim",
+        "--model-info",
+        str(tmp_path / "model-info"),
+    ]
     processes.append(spawn(fleet, "fleet-workers"))
     try:
         for http, _ in gateways:
             url = f"http://127.0.0.1:{http}"
-            wait_until(lambda url=url: len(httpx.get(url + "/workers", timeout=5).json()["workers"]) == 8, 120, "8 simulated workers")
+            wait_until(
+                lambda url=url: len(httpx.get(url + "/workers", timeout=5).json()["workers"]) == 8,
+                120,
+                "8 simulated workers",
+            )
             names = {w["name"] for w in httpx.get(url + "/workers", timeout=5).json()["workers"]}
             assert names == {f"sim-{i}" for i in range(8)}
-            body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True}
+            body = {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5,
+                "ignore_eos": True,
+            }
             reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=30).json()
             assert reply["usage"]["completion_tokens"] == 5 and reply["choices"][0]["finish_reason"] == "length"
     finally:

@@ -39,14 +39,27 @@ def test_import_direction(package):
 
 
 def test_zmq_is_confined_to_the_socket_modules():
-    users = {str(p.relative_to(REPO)) for pkg in ("gateway", "worker") for p in (REPO / pkg).rglob("*.py") if "zmq" in imported_modules(p)}
+    users = {
+        str(p.relative_to(REPO))
+        for pkg in ("gateway", "worker")
+        for p in (REPO / pkg).rglob("*.py")
+        if "zmq" in imported_modules(p)
+    }
     assert users == {"gateway/worker_client.py", "worker/proc.py", "worker/gateways.py", "worker/handshake.py"}
 
 
 MAX_LINES = 350
 # Modules still over the bound, each with the most lines it may have until it is split. Lower a
-# figure when a module shrinks; remove it once under the bound (none is over now).
-OVER_THE_BOUND: dict[str, int] = {}
+# figure when a module shrinks; remove it once under the bound. These six went over when ruff's line
+# length went from 150 to 120 (issue 26's habits), by 2-15 lines each.
+OVER_THE_BOUND: dict[str, int] = {
+    "gateway/dispatch.py": 365,
+    "gateway/generation.py": 352,
+    "gateway/validation.py": 352,
+    "gateway/routes/messages.py": 365,
+    "gateway/routes/responses.py": 353,
+    "worker/proc.py": 354,
+}
 
 
 def test_modules_stay_small():

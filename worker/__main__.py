@@ -29,14 +29,20 @@ def main(argv: list[str] | None = None) -> None:
     from worker.stepper import StepThread
 
     name = config.worker_name or f"{socket.gethostname()}-{os.getpid()}"
-    curve_keys = (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None
+    curve_keys = (
+        (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None
+    )
     stepper = StepThread()  # steps run off the socket thread, on the thread that loads the model
     try:
         source = resolve_model(config.model, config.served_model_name)
-        engine = stepper.call(build_engine, source, config)  # first: an unsupported model is refused before anything else
+        engine = stepper.call(
+            build_engine, source, config
+        )  # first: an unsupported model is refused before anything else
         tokenizer = load_tokenizer(source, config.cache_dir)  # cached after the first run (GGUF: about 3 s once)
-        bundle = bundle_tokenizer(tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None)))
-    except Exception as exc:  # noqa: BLE001 - said once, to the log and to the gateways, then the exit code tells the launcher
+        bundle = bundle_tokenizer(
+            tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None))
+        )
+    except Exception as exc:  # said once, to the log and to the gateways, then the exit code tells the launcher
         fail_to_start(config, name, curve_keys, exc)
     runner = engine.runner
     team = None
@@ -67,7 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     # over 128 batch-1 decode steps (2 ms a token on average, in pauses of tens of ms); after
     # freezing, 4 ms.
     gc.freeze()
-    logging.getLogger(__name__).info("worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks)
+    logging.getLogger(__name__).info(
+        "worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks
+    )
     proc.run()
     if engine.kv_store is not None:
         engine.kv_store.close()

@@ -69,7 +69,8 @@ def kv_store_link(source: ModelSource, config: WorkerConfig, runner: ModelRunner
         dtype=io.dtype,
         layout=io.layout,
         block_size=config.block_size,
-        quantization=runner.quantization + ("-only" if runner.paths.rows_only else ""),  # prompts computed from those weights too
+        quantization=runner.quantization
+        + ("-only" if runner.paths.rows_only else ""),  # prompts computed from those weights too
     )
     tier = open_tier(config.kv_store, fingerprint, parse_size(config.kv_store_size))
     log.info("KV store: %s, blocks of fingerprint %s (%s, %s)", tier.description, fingerprint.hex, source.name, dtype)

@@ -18,27 +18,47 @@ WORKER_FLAGS = [
     ),
     Flag("worker-name", None, "Name this worker registers under (default: host-pid)"),
     Flag("device", "auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N"),
-    Flag("dtype", "auto", "auto (bfloat16: 2x fp32's speed on an AVX-512-bf16 CPU and on GPUs), bfloat16, float16, float32"),
     Flag(
-        "kv-cache-memory", "auto", "KV cache size: bytes (e.g. 2GiB), a fraction of free GPU memory (e.g. 0.85), or auto (1GiB on CPU, 0.85 on GPU)"
+        "dtype",
+        "auto",
+        "auto (bfloat16: 2x fp32's speed on an AVX-512-bf16 CPU and on GPUs), bfloat16, float16, float32",
+    ),
+    Flag(
+        "kv-cache-memory",
+        "auto",
+        "KV cache size: bytes (e.g. 2GiB), a fraction of free GPU memory (e.g. 0.85), or auto (1GiB on CPU, 0.85 on GPU)",
     ),
     Flag("block-size", 16, "Tokens per KV-cache block", int),
     Flag("max-num-seqs", 0, "Most sequences in one step (the batch size limit); 0: 128 on the CPU, 256 on a GPU", int),
-    Flag("max-num-batched-tokens", 0, "Token budget of one step; longer prompts are prefilled in chunks; 0: 512 on the CPU, 8192 on a GPU", int),
+    Flag(
+        "max-num-batched-tokens",
+        0,
+        "Token budget of one step; longer prompts are prefilled in chunks; 0: 512 on the CPU, 8192 on a GPU",
+        int,
+    ),
     Flag(
         "max-prefill-chunk",
         0,
         "Most prompt tokens in one step while other requests are decoding (keeps their inter-token latency steady); 0: 64 on the CPU, 2048 on a GPU",
         int,
     ),
-    Flag("prefix-caching", True, "Reuse the KV blocks of prompt prefixes seen before (a shared system prompt, earlier turns)", bool),
+    Flag(
+        "prefix-caching",
+        True,
+        "Reuse the KV blocks of prompt prefixes seen before (a shared system prompt, earlier turns)",
+        bool,
+    ),
     Flag(
         "kv-store",
         None,
         "A second tier for prefix-cache blocks that outlives the worker and is shared by the pool: a folder (workers of this "
         "machine, or of many on a shared filesystem) or redis://HOST:PORT/DB (workers anywhere); off when not given (worker/kv_store)",
     ),
-    Flag("kv-store-size", "10GiB", "Most bytes a --kv-store folder may hold; beyond, the least recently used blocks go (Redis: its own maxmemory)"),
+    Flag(
+        "kv-store-size",
+        "10GiB",
+        "Most bytes a --kv-store folder may hold; beyond, the least recently used blocks go (Redis: its own maxmemory)",
+    ),
     Flag("max-model-len", 0, "Longest sequence (prompt + output) accepted; 0 means the model's own limit", int),
     Flag(
         "skip-self-check",
@@ -47,7 +67,11 @@ WORKER_FLAGS = [
         "a failing worker would serve wrong text",
         bool,
     ),
-    Flag("model-impl", "auto", "native (fused Llama-family forward), transformers (any causal LM), or auto (native where supported)"),
+    Flag(
+        "model-impl",
+        "auto",
+        "native (fused Llama-family forward), transformers (any causal LM), or auto (native where supported)",
+    ),
     Flag("drain-timeout", 30.0, "Seconds a draining worker (after SIGTERM) may spend finishing its requests", float),
     Flag("curve-client-secret-key", None, "CURVE: this worker's secret key file (from `llmpool keys`)"),
     Flag("curve-server-public-key", None, "CURVE: the gateway's public key file"),
@@ -98,7 +122,12 @@ WORKER_FLAGS = [
         "mean_sqrt_len (this pooling of the last hidden states; last for a decoder embedder such as Qwen3-Embedding; a causal LM "
         "then generates too, chat and embedding rows sharing its steps)",
     ),
-    Flag("pooling-normalize", True, "L2-normalize the vectors of a model pooled by --pooling (a sentence-transformers folder says for itself)", bool),
+    Flag(
+        "pooling-normalize",
+        True,
+        "L2-normalize the vectors of a model pooled by --pooling (a sentence-transformers folder says for itself)",
+        bool,
+    ),
     Flag(
         "speculate",
         0,

@@ -40,7 +40,9 @@ class Runner(Protocol):
 class Engine:
     """Continuous batching over a paged KV cache: ``add_request``/``abort`` between steps, ``step`` to run."""
 
-    def __init__(self, runner: Runner, config: WorkerConfig, kv_store: Callable[[BlockManager], KVStore] | None = None) -> None:
+    def __init__(
+        self, runner: Runner, config: WorkerConfig, kv_store: Callable[[BlockManager], KVStore] | None = None
+    ) -> None:
         """``kv_store``: links the block manager to a KV store (worker/build.py), when there is one."""
         config = config.for_device(runner.device_type)
         self.runner = runner
@@ -100,7 +102,7 @@ class Engine:
         except GrammarError as exc:
             self.reject(new.request_id, str(exc), request.num_prompt_tokens, bad_request=True, traced=request)
             return
-        except Exception as exc:  # noqa: BLE001 - e.g. a seed the generator refuses: this request's fault
+        except Exception as exc:  # e.g. a seed the generator refuses: this request's fault
             self.runner.remove_request(request)
             self.reject(
                 new.request_id,
@@ -122,7 +124,14 @@ class Engine:
             extra={"request_id": request.request_id},
         )
 
-    def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False, traced: Request | None = None) -> None:
+    def reject(
+        self,
+        request_id: str,
+        error: str,
+        num_prompt_tokens: int = 0,
+        bad_request: bool = False,
+        traced: Request | None = None,
+    ) -> None:
         """Answer a request that will not run with an error (sent with the next step's outputs);
         ``traced``: the refused request, whose trace events (if it has any) go along."""
         log.warning("request %s refused: %s", request_id, error, extra={"request_id": request_id})
@@ -131,14 +140,26 @@ class Engine:
             traced.record("finished", finish_reason=FinishReason.ERROR, output_tokens=0)
             events = traced.take_events()
         self._rejected.append(
-            RequestOutput(request_id, [], FinishReason.ERROR, num_prompt_tokens, error=error, bad_request=bad_request, events=events)
+            RequestOutput(
+                request_id,
+                [],
+                FinishReason.ERROR,
+                num_prompt_tokens,
+                error=error,
+                bad_request=bad_request,
+                events=events,
+            )
         )
 
     def _invalid_ids(self, new: NewRequest) -> str | None:
         """Token ids must index the vocabulary, in every field that carries them: one out of range
         (999999, 2**63) would fail the step of the whole batch, not just this request."""
         vocab = self.runner.vocab_size
-        fields = {"prompt": new.prompt_token_ids, "stop_token_ids": new.stop_token_ids, "logit_bias": new.sampling.logit_bias}
+        fields = {
+            "prompt": new.prompt_token_ids,
+            "stop_token_ids": new.stop_token_ids,
+            "logit_bias": new.sampling.logit_bias,
+        }
         for name, ids in fields.items():
             if any(not 0 <= t < vocab for t in ids):
                 return f"{name} names a token outside the vocabulary (0 to {vocab - 1})"
@@ -159,7 +180,9 @@ class Engine:
         if total > self.max_model_len:
             return f"prompt ({request.num_prompt_tokens}) + max tokens ({request.max_new_tokens}) exceeds the context length ({self.max_model_len})"
         if blocks_for(total, self.blocks.block_size) > self.blocks.num_blocks:
-            return f"prompt + max tokens ({total}) exceeds this worker's KV cache ({self.blocks.capacity_tokens} tokens)"
+            return (
+                f"prompt + max tokens ({total}) exceeds this worker's KV cache ({self.blocks.capacity_tokens} tokens)"
+            )
         return None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -201,7 +224,9 @@ class Engine:
         self._count_step(size + len(rows), result.num_tokens + pooled_tokens)
         return StepOutputs(outputs, batch_size=size + len(rows), num_tokens=num_tokens + pooled_tokens)
 
-    def _outputs(self, batch: ScheduledBatch, before: list[int], finished: set[Request], result: RunOutput) -> list[RequestOutput]:
+    def _outputs(
+        self, batch: ScheduledBatch, before: list[int], finished: set[Request], result: RunOutput
+    ) -> list[RequestOutput]:
         """Each request's new tokens (a stop or the length limit may cut a verified run short)."""
         outputs = []
         for request, start in zip(batch.requests, before):
@@ -230,7 +255,9 @@ class Engine:
             outputs.append(self._finish_output(request, []))
         return outputs
 
-    def _output(self, request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+    def _output(
+        self, request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None
+    ) -> RequestOutput:
         prompt = None
         if new_token_ids and request.sampling.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             prompt, request.prompt_logprobs_sent = request.prompt_logprobs, True  # complete once a token is sampled
@@ -249,7 +276,9 @@ class Engine:
             events=request.take_events(),
         )
 
-    def _finish_output(self, request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+    def _finish_output(
+        self, request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None
+    ) -> RequestOutput:
         log.info(
             "request %s %s: %d generated, %d prompt tokens from the prefix cache",
             request.request_id,
@@ -259,7 +288,9 @@ class Engine:
             extra={"request_id": request.request_id, "finish_reason": request.finish_reason},
         )
         if request.events is not None:
-            request.record("finished", finish_reason=request.finish_reason or "", output_tokens=request.num_output_tokens)
+            request.record(
+                "finished", finish_reason=request.finish_reason or "", output_tokens=request.num_output_tokens
+            )
         del self._requests[request.request_id]
         self.runner.remove_request(request)
         return self._output(request, new_token_ids, logprobs)

@@ -23,7 +23,15 @@ MAX_BACKOFF_S = 32.0
 
 
 class Gateways:
-    def __init__(self, addresses: str, name: str, ready: Ready, curve_keys: tuple[str, str] | None, interval: float, liveness: int) -> None:
+    def __init__(
+        self,
+        addresses: str,
+        name: str,
+        ready: Ready,
+        curve_keys: tuple[str, str] | None,
+        interval: float,
+        liveness: int,
+    ) -> None:
         self.addresses = addresses
         self.name = name
         self.ready = ready

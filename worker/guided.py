@@ -51,7 +51,9 @@ class GuidedDecoding:
     def _build_tokenizer(self) -> Any:
         import llguidance.hf
 
-        return llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+        return llguidance.hf.from_tokenizer(
+            self._load_tokenizer(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+        )
 
     def _tokenizer(self) -> Any:
         return self._lltokenizer.result()
@@ -80,7 +82,9 @@ class GuidedDecoding:
         if not self._matchers:
             return logits
         rows = [
-            (i, m) for i, r in enumerate(requests) if (m := self._matchers.get(r.request_id)) is not None and not m.is_error() and _constrained(r)
+            (i, m)
+            for i, r in enumerate(requests)
+            if (m := self._matchers.get(r.request_id)) is not None and not m.is_error() and _constrained(r)
         ]
         if not rows:
             return logits

@@ -159,7 +159,9 @@ def new_dealer(context: zmq.Context, name: str, curve_keys: tuple[str, str] | No
     return sock
 
 
-def report_start_failure(addresses: str, name: str, message: str, curve_keys: tuple[str, str] | None, wait_s: float = 2.0) -> None:
+def report_start_failure(
+    addresses: str, name: str, message: str, curve_keys: tuple[str, str] | None, wait_s: float = 2.0
+) -> None:
     """Tell every gateway why this worker cannot start (before it exits), so that its ``/health``
     says what is failing: a ``WorkerError`` from a peer that never registered. Best effort, at most
     ``wait_s`` per gateway: an unreachable gateway must not hold the exit up."""

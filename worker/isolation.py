@@ -18,13 +18,20 @@ from worker.scheduler import RunOutput, ScheduledBatch
 log = logging.getLogger(__name__)
 
 
-def run_isolating(execute: Callable[[ScheduledBatch], RunOutput], batch: ScheduledBatch) -> tuple[RunOutput, dict[str, Exception]]:
+def run_isolating(
+    execute: Callable[[ScheduledBatch], RunOutput], batch: ScheduledBatch
+) -> tuple[RunOutput, dict[str, Exception]]:
     """``execute(batch)``; if it raises, the results of the rows that run cleanly and each culprit's error."""
     try:
         return execute(batch), {}
-    except Exception as exc:  # noqa: BLE001 - one request's bad state must not fail the others
+    except Exception as exc:  # one request's bad state must not fail the others
         first = exc
-    log.warning("step of %d requests failed (%s: %s); rerunning it in parts to find the request at fault", len(batch), type(first).__name__, first)
+    log.warning(
+        "step of %d requests failed (%s: %s); rerunning it in parts to find the request at fault",
+        len(batch),
+        type(first).__name__,
+        first,
+    )
     result = RunOutput()
     culprits: dict[str, Exception] = {}
     parts = halves(batch) if len(batch) > 1 else []
@@ -34,7 +41,7 @@ def run_isolating(execute: Callable[[ScheduledBatch], RunOutput], batch: Schedul
         part = parts.pop()
         try:
             result.update(execute(part))
-        except Exception as part_exc:  # noqa: BLE001 - narrowing down to the failing row
+        except Exception as part_exc:  # narrowing down to the failing row
             if len(part) == 1:
                 culprits[part.requests[0].request_id] = part_exc
             else:

@@ -43,14 +43,14 @@ def cached_tensors(folder: Path | None, build: Callable[[], dict[str, torch.Tens
     if folder is not None and (folder / "tensors.safetensors").is_file():
         try:
             return load_file(folder / "tensors.safetensors")
-        except Exception as exc:  # noqa: BLE001 - a damaged file costs a rebuild, not the worker
+        except Exception as exc:  # a damaged file costs a rebuild, not the worker
             log.warning("could not read %s (%s); building them again", folder, exc)
             shutil.rmtree(folder, ignore_errors=True)  # else the new copy could not take its place
     tensors = build()
     if folder is not None:
         try:
             save_to_cache(folder, lambda tmp: save_file(tensors, str(tmp / "tensors.safetensors")))
-        except Exception as exc:  # noqa: BLE001 - a full disk or a read-only cache costs speed, not the worker
+        except Exception as exc:  # a full disk or a read-only cache costs speed, not the worker
             log.warning("could not cache tensors in %s: %s", folder, exc)
     return tensors
 

@@ -21,7 +21,9 @@ Pool = Callable[[list[NewRequest]], list[bytes]]
 class PoolingQueue:
     """The pooling requests waiting for a step, and running them through the runner's ``pool``."""
 
-    def __init__(self, info: PoolingInfo | None, vocab_size: int, max_model_len: int, max_tokens: int, max_rows: int, chunk: int) -> None:
+    def __init__(
+        self, info: PoolingInfo | None, vocab_size: int, max_model_len: int, max_tokens: int, max_rows: int, chunk: int
+    ) -> None:
         self.info = info
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -49,7 +51,9 @@ class PoolingQueue:
             return f"the input has {len(ids)} tokens, more than this model's limit of {self.max_model_len}"
         if any(not 0 <= t < self.vocab_size for t in ids):
             return f"the input names a token outside the vocabulary (0 to {self.vocab_size - 1})"
-        if params.dimensions is not None and not (self.info.matryoshka and 0 < params.dimensions <= self.info.dimensions):
+        if params.dimensions is not None and not (
+            self.info.matryoshka and 0 < params.dimensions <= self.info.dimensions
+        ):
             return f"`dimensions` {params.dimensions} is not one this model gives (it is not Matryoshka, or has {self.info.dimensions})"
         return None
 
@@ -82,7 +86,7 @@ class PoolingQueue:
         """Each row's output; when the batch fails, each row runs alone, so only a culprit fails."""
         try:
             return [done(row, vector) for row, vector in zip(rows, pool(rows))]
-        except Exception as exc:  # noqa: BLE001 - one request must not fail the others
+        except Exception as exc:  # one request must not fail the others
             if len(rows) == 1:
                 log.error("pooling request %s failed: %s: %s", rows[0].request_id, type(exc).__name__, exc)
                 return [ended(rows[0], f"step failed: {type(exc).__name__}: {exc}")]

@@ -50,7 +50,9 @@ class PoolingSpec:
         return PoolingInfo(tasks, "+".join(self.methods), self.normalize, dimensions, matryoshka, list(sizes))
 
 
-def pooling_spec(path: str, architectures: list[str], encoder: bool, pooling: str, normalize: bool, causal: bool = False) -> PoolingSpec | None:
+def pooling_spec(
+    path: str, architectures: list[str], encoder: bool, pooling: str, normalize: bool, causal: bool = False
+) -> PoolingSpec | None:
     """How the model in ``path`` pools; None for a model that only generates. ``pooling`` is the flag:
     ``auto`` (the folder says; an encoder with no word pools its first token, as vLLM's BERT does),
     ``none`` (generate), or a method. A method on a ``causal`` LM (a GGUF file, a ...ForCausalLM
@@ -61,7 +63,9 @@ def pooling_spec(path: str, architectures: list[str], encoder: bool, pooling: st
     folder = Path(path)
     if pooling == "none" or not folder.is_dir():
         if pooling not in ("auto", "none"):
-            raise ValueError(f"--pooling {pooling} needs a model folder (config.json and weights) or a GGUF file; got {path}")
+            raise ValueError(
+                f"--pooling {pooling} needs a model folder (config.json and weights) or a GGUF file; got {path}"
+            )
         return None
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return _cross_encoder(folder)
@@ -87,12 +91,16 @@ def _sentence_transformers(folder: Path, pooling: str, normalize: bool) -> Pooli
         elif kind == "Normalize":
             spec.normalize = True
         else:
-            raise UnsupportedModel(f"the sentence-transformers module {module.get('type')!r} ({module.get('path')}) is not supported")
+            raise UnsupportedModel(
+                f"the sentence-transformers module {module.get('type')!r} ({module.get('path')}) is not supported"
+            )
     if pooling != "auto":  # the flag wins over the folder, as vLLM's --pooler-config does
         spec.methods, spec.normalize = [pooling], normalize
     unsupported = [m for m in spec.methods if m not in METHODS]
     if unsupported or not spec.methods:
-        raise UnsupportedModel(f"pooling {'+'.join(unsupported) or 'none'} is not supported (supported: {', '.join(METHODS)})")
+        raise UnsupportedModel(
+            f"pooling {'+'.join(unsupported) or 'none'} is not supported (supported: {', '.join(METHODS)})"
+        )
     return spec
 
 
@@ -100,8 +108,12 @@ def _cross_encoder(folder: Path) -> PoolingSpec:
     config = json.loads((folder / "config.json").read_text())
     labels = len(config.get("id2label") or {}) or config.get("num_labels", 1)
     if labels != 1:
-        raise UnsupportedModel(f"a sequence classifier with {labels} labels is not a reranker (one relevance logit); it is not supported")
+        raise UnsupportedModel(
+            f"a sequence classifier with {labels} labels is not a reranker (one relevance logit); it is not supported"
+        )
     named = (config.get("sentence_transformers") or {}).get("activation_fn", "torch.nn.modules.activation.Sigmoid")
     if named not in ACTIVATIONS:
-        raise UnsupportedModel(f"the cross-encoder's activation {named!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        raise UnsupportedModel(
+            f"the cross-encoder's activation {named!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+        )
     return PoolingSpec(PoolingTask.SCORE, str(folder), activation=ACTIVATIONS[named])

@@ -199,7 +199,12 @@ class WorkerProc:
         return wait_s
 
     def _needs_engine(self, now: float) -> bool:
-        return bool(self._inbox) or self.draining_since is not None or self.gateways.heartbeat_due(now) or self.gateways.silent(now)
+        return (
+            bool(self._inbox)
+            or self.draining_since is not None
+            or self.gateways.heartbeat_due(now)
+            or self.gateways.silent(now)
+        )
 
     def _tend_engine(self) -> None:
         """The engine is ours between two steps: hand it what arrived, end a drain that is done,
@@ -207,7 +212,9 @@ class WorkerProc:
         self._send_outputs()  # every step that ended: before any abort's outputs or heartbeat
         self._apply_inbox()
         now = time.monotonic()
-        if self.draining_since is not None and (not self.engine.has_work() or now - self.draining_since > self.drain_timeout):
+        if self.draining_since is not None and (
+            not self.engine.has_work() or now - self.draining_since > self.drain_timeout
+        ):
             self.stopping = True
             return
         self._judge_silences(now)
@@ -282,7 +289,9 @@ class WorkerProc:
                 msg = self._salvage(link, frames, exc)
                 if msg is None:
                     continue
-            if isinstance(msg, WorkerError):  # a refusal (a live worker has our name): the link stays silent and retries
+            if isinstance(
+                msg, WorkerError
+            ):  # a refusal (a live worker has our name): the link stays silent and retries
                 log.error("the gateway at %s: %s", link.address, msg.message)
                 continue
             got = True
@@ -338,6 +347,8 @@ class WorkerProc:
             log.warning("dropped a malformed message: %s", exc)
             return None
         good, bad = salvaged
-        log.warning("an AddRequests did not decode (%s): %d of its requests run, %d are refused", exc, len(good), len(bad))
+        log.warning(
+            "an AddRequests did not decode (%s): %d of its requests run, %d are refused", exc, len(good), len(bad)
+        )
         self._inbox.append((link, Refused(bad)))
         return AddRequests(good)

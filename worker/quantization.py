@@ -20,7 +20,9 @@ def on_4bit_grid(model: torch.nn.Module, sample: int = 4) -> bool:
     """Whether the model's first ``sample`` projections hold at most 16 distinct values in every
     group of 32 inputs: weights de-quantized from a 4-bit file (GGUF Q4_0, Q4_1, Q4_K), which q4
     stores again without loss, while int8's per-row scale would round them once more."""
-    linears = [m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name][:sample]
+    linears = [
+        m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name
+    ][:sample]
     for weight in linears:
         if weight.shape[1] % Q4_GROUP:
             return False
@@ -74,7 +76,12 @@ def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = ((high - low) / 15).half()
     m = low.half()
     step = d.float().unsqueeze(-1)
-    q = torch.where(step > 0, (groups - m.float().unsqueeze(-1)) / step.clamp(min=1e-30), 0.0).round_().clamp_(0, 15).to(torch.uint8)
+    q = (
+        torch.where(step > 0, (groups - m.float().unsqueeze(-1)) / step.clamp(min=1e-30), 0.0)
+        .round_()
+        .clamp_(0, 15)
+        .to(torch.uint8)
+    )
     packed = q[..., :16] | (q[..., 16:] << 4)
     return packed.reshape(n, k // 2).contiguous(), torch.stack([d, m], dim=-1).contiguous()
 

@@ -63,7 +63,9 @@ class Request:
     prompt_logprobs_sent: bool = False
     output_start: int | None = None  # where generated tokens begin, when before num_prompt_tokens (resumed)
     outputs_sent: int = 0  # the next output's sequence number
-    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens this step verifies after the last token
+    draft_token_ids: list[int] = field(
+        default_factory=list
+    )  # speculative tokens this step verifies after the last token
     events: list[WorkerEvent] | None = None  # trace events not yet sent; None when the request is not traced
     kv_store: Lookup | None = None  # its blocks' keys and what the KV store staged for it (worker/kv_store)
     reasoning: ThinkTracker | None = None  # a reasoning model's thinking: its budget, and where a guide starts

@@ -76,7 +76,9 @@ class Sampler:
         sampled = sampled.clamp(max=cdf.shape[-1] - 1)
         return sampled if greedy is None else torch.where(temperature > 0, sampled, greedy)
 
-    def verify(self, raw_logits: torch.Tensor, request: Request, drafts: list[int]) -> tuple[list[int], list[TokenLogprobs] | None]:
+    def verify(
+        self, raw_logits: torch.Tensor, request: Request, drafts: list[int]
+    ) -> tuple[list[int], list[TokenLogprobs] | None]:
         """Check ``drafts`` against the model: ``raw_logits[i]`` is the distribution after the last
         token and the first ``i`` drafts. Returns the emitted tokens (the accepted drafts, then one
         token of the model's own) and, if asked for, their logprobs.
@@ -99,7 +101,10 @@ class Sampler:
             probs = _unnormalized_probs(logits, [params] * len(rows), temperature)
             probs = probs.div_(probs.sum(dim=-1, keepdim=True))
             uniform = torch.rand(len(rows), device=logits.device)
-            draft_probs = probs[torch.arange(len(drafts), device=logits.device), torch.tensor(drafts, device=logits.device, dtype=torch.long)]
+            draft_probs = probs[
+                torch.arange(len(drafts), device=logits.device),
+                torch.tensor(drafts, device=logits.device, dtype=torch.long),
+            ]
             rejected = (uniform[: len(drafts)] >= draft_probs).tolist()
             accepted = rejected.index(True) if True in rejected else len(drafts)
             last = probs[accepted]
@@ -134,7 +139,10 @@ def _draft_positions(request: Request, drafts: list[int]) -> list[Request]:
     none does, with no copies."""
     p = request.sampling
     if not (
-        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or (p.min_tokens and len(request.generated_token_ids) < p.min_tokens)
+        p.presence_penalty
+        or p.frequency_penalty
+        or p.repetition_penalty != 1.0
+        or (p.min_tokens and len(request.generated_token_ids) < p.min_tokens)
     ):
         return [request] * (len(drafts) + 1)
     return [replace(request, token_ids=request.token_ids + drafts[:i]) for i in range(len(drafts) + 1)]
@@ -187,7 +195,9 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     if k == 0:
         return [TokenLogprobs(value) for value in picked]
     top_values, top_ids = logprobs.topk(k, dim=-1)
-    return [TokenLogprobs(value, ids, values) for value, ids, values in zip(picked, top_ids.tolist(), top_values.tolist())]
+    return [
+        TokenLogprobs(value, ids, values) for value, ids, values in zip(picked, top_ids.tolist(), top_values.tolist())
+    ]
 
 
 def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -195,7 +205,9 @@ def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     vocab = logits.shape[-1]
     for row, request in enumerate(requests):
         p = request.sampling
-        if not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias or p.min_tokens):
+        if not (
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias or p.min_tokens
+        ):
             continue  # the common case: nothing to do, not even a copy of the generated tokens
         output = request.generated_token_ids
         if output and (p.presence_penalty or p.frequency_penalty):

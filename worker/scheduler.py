@@ -177,7 +177,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.events is not None:
-                request.record("scheduled" if request.status == RequestStatus.WAITING else "resumed", cached_tokens=cached)
+                request.record(
+                    "scheduled" if request.status == RequestStatus.WAITING else "resumed", cached_tokens=cached
+                )
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add(batch, request, num_tokens)
@@ -220,7 +222,9 @@ class Scheduler:
                     finished.append(request)
                     break
             # Computed: what ran, but never the newest token, which is only sampled (nor what an end cut off).
-            request.num_computed_tokens = min(request.num_computed_tokens + num_tokens, request.num_tokens - (1 if tokens else 0))
+            request.num_computed_tokens = min(
+                request.num_computed_tokens + num_tokens, request.num_tokens - (1 if tokens else 0)
+            )
             self.blocks.register_full_blocks(request)
             if self.kv_store is not None:
                 self.kv_store.write_behind(request)

@@ -68,9 +68,13 @@ class SelfCheck:
         self.window = window if window is not None and long_len > window else None  # the window cuts the long prompt
         # The short sequence is the long one's beginning, so one reference forward gives both's logits.
         tokens = torch.randint(0, vocab, (long_len + DECODE_STEPS + 1,), generator=generator).tolist()
-        logits = reference_logits(model, tokens, len(tokens) - SHORT_PROMPT + 1).float().cpu()  # from position SHORT_PROMPT - 1 on
+        logits = (
+            reference_logits(model, tokens, len(tokens) - SHORT_PROMPT + 1).float().cpu()
+        )  # from position SHORT_PROMPT - 1 on
         self.sequences = [
-            CheckSequence(tokens[:SHORT_PROMPT], tokens[SHORT_PROMPT : SHORT_PROMPT + DECODE_STEPS], logits[: DECODE_STEPS + 1]),
+            CheckSequence(
+                tokens[:SHORT_PROMPT], tokens[SHORT_PROMPT : SHORT_PROMPT + DECODE_STEPS], logits[: DECODE_STEPS + 1]
+            ),
             CheckSequence(tokens[:long_len], tokens[long_len:], logits[long_len - SHORT_PROMPT :]),
         ]
         self.reference_s = time.perf_counter() - started
@@ -82,7 +86,9 @@ class SelfCheck:
         short, long = (self._request(i, sequence, runner) for i, sequence in enumerate(self.sequences))
         blocks_needed = sum(len(r.block_ids) for r in (short, long))
         if blocks_needed > runner.num_blocks:
-            log.warning("self-check skipped: it needs %d KV blocks and the cache holds %d", blocks_needed, runner.num_blocks)
+            log.warning(
+                "self-check skipped: it needs %d KV blocks and the cache holds %d", blocks_needed, runner.num_blocks
+            )
             return
         half = long.num_prompt_tokens // 2
         steps = [
@@ -92,7 +98,9 @@ class SelfCheck:
                 [(short, 1), (long, long.num_prompt_tokens - half)],
             ),
         ]
-        steps += [(f"decode step {i + 1} of two sequences batched", [(short, 1), (long, 1)]) for i in range(DECODE_STEPS - 1)]
+        steps += [
+            (f"decode step {i + 1} of two sequences batched", [(short, 1), (long, 1)]) for i in range(DECODE_STEPS - 1)
+        ]
         steps.append(("a lone decode step", [(long, 1)]))
         seen = {short.request_id: 0, long.request_id: 0}
         for stage, work in steps:
@@ -125,7 +133,12 @@ class SelfCheck:
         first = 0 if index == 0 else -(-(SHORT_PROMPT + DECODE_STEPS) // runner.block_size)
         blocks = list(range(first, first + -(-total // runner.block_size)))
         request = Request(
-            str(index), list(sequence.prompt), len(sequence.prompt), len(sequence.continuation), SamplingParams(temperature=0), frozenset()
+            str(index),
+            list(sequence.prompt),
+            len(sequence.prompt),
+            len(sequence.continuation),
+            SamplingParams(temperature=0),
+            frozenset(),
         )
         request.block_ids = blocks
         return request
@@ -133,14 +146,20 @@ class SelfCheck:
     def _failure(self, runner: ModelRunner, stage: str, problem: str, sequence: CheckSequence, exact: bool) -> str:
         notes = []
         if runner.native is not None:
-            notes.append(f"prompts run the native forward ({type(runner.native).__module__}; --model-impl transformers may serve it)")
+            notes.append(
+                f"prompts run the native forward ({type(runner.native).__module__}; --model-impl transformers may serve it)"
+            )
         else:
             layer = first_differing_layer(runner, sequence.prompt, 1e-4 if exact else 5e-2)
             notes.append(
-                f"the first attention layer whose output differs on the prompt is {layer}" if layer else "a prompt alone matches layer by layer"
+                f"the first attention layer whose output differs on the prompt is {layer}"
+                if layer
+                else "a prompt alone matches layer by layer"
             )
         if runner.paths.fast:
-            notes.append("decode steps run the fused C++ step (worker/models/fused_decode.py; float32 without quantization keeps the torch path)")
+            notes.append(
+                "decode steps run the fused C++ step (worker/models/fused_decode.py; float32 without quantization keeps the torch path)"
+            )
         return (
             f"{runner.architecture} failed the start-up self-check against transformers' own forward in "
             f"{str(runner.dtype).removeprefix('torch.')}: at {stage}, {problem}; {'; '.join(notes)}. The worker would serve wrong text, "
@@ -171,7 +190,9 @@ def reference_logits(model: torch.nn.Module, tokens: list[int], last: int = 0) -
     transformers' forward with eager attention (the model left on paged attention)."""
     model.set_attn_implementation("eager")
     try:
-        return model(input_ids=torch.tensor([tokens], device=model.device), use_cache=False, logits_to_keep=last).logits[0]
+        return model(
+            input_ids=torch.tensor([tokens], device=model.device), use_cache=False, logits_to_keep=last
+        ).logits[0]
     finally:
         model.set_attn_implementation(ATTENTION_NAME)
 

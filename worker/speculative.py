@@ -66,7 +66,9 @@ def may_speculate(request: Request) -> bool:
 class Speculator:
     """Gives a lone decoding request its drafts (and the blocks to verify them in); keeps the counts."""
 
-    def __init__(self, num_speculative: int, blocks: BlockManager, max_model_len: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, num_speculative: int, blocks: BlockManager, max_model_len: int, max_num_batched_tokens: int
+    ) -> None:
         if num_speculative < 0:
             raise ValueError(f"--speculate must be 0 (off) or more; got {num_speculative}")
         self.k = min(num_speculative, max_num_batched_tokens - 1)
@@ -86,7 +88,9 @@ class Speculator:
         request = batch.requests[0]
         if request.num_computed_tokens + 1 != request.num_tokens or not may_speculate(request):
             return
-        limit = min(self.k, request.max_new_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens - 1)
+        limit = min(
+            self.k, request.max_new_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens - 1
+        )
         drafts = propose(request.token_ids, limit)
         if not drafts or not self.blocks.allocate(request, 1 + len(drafts)):
             return

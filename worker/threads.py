@@ -77,7 +77,9 @@ class AdaptiveTeam:
     no faster than the full team's last reading, and every RETRY_S seconds to look again.
     """
 
-    def __init__(self, threads: int, set_threads: Callable[[int], None], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, threads: int, set_threads: Callable[[int], None], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.full = threads
         self.threads = threads
         self._set = set_threads
@@ -110,7 +112,10 @@ class AdaptiveTeam:
             if smaller is None:
                 self._change(self.full - 1, f"comparing teams on steps of {size} tokens")
             elif reading > SLOW * best or reading > smaller:
-                self._change(self.full - 1, f"steps of {size} tokens take {reading * 1e3:.1f} ms ({reading / best:.1f}x the quiet time)")
+                self._change(
+                    self.full - 1,
+                    f"steps of {size} tokens take {reading * 1e3:.1f} ms ({reading / best:.1f}x the quiet time)",
+                )
         elif reading >= self._last.get((self.full, size), math.inf):
             self._change(self.full, f"{self.threads} threads are no faster on steps of {size} tokens")
         elif self._clock() - self._since > RETRY_S:

@@ -46,13 +46,20 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     result = []
     for i, message in enumerate(messages):
         if message.role not in ROLES:
-            raise InvalidRequest(f"`messages[{i}].role` must be one of {', '.join(ROLES)}; got {message.role!r}", param=f"messages[{i}].role")
+            raise InvalidRequest(
+                f"`messages[{i}].role` must be one of {', '.join(ROLES)}; got {message.role!r}",
+                param=f"messages[{i}].role",
+            )
         content = message.content
         if message.role == "user" and (content is None or content == []):  # as OpenAI: a user message says something
-            raise InvalidRequest(f"`messages[{i}].content` is empty: a user message needs content", param=f"messages[{i}].content")
+            raise InvalidRequest(
+                f"`messages[{i}].content` is empty: a user message needs content", param=f"messages[{i}].content"
+            )
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
-                raise InvalidRequest(f"`messages[{i}].content` may only hold text parts", param=f"messages[{i}].content")
+                raise InvalidRequest(
+                    f"`messages[{i}].content` may only hold text parts", param=f"messages[{i}].content"
+                )
             content = "".join(part.text for part in content)  # type: ignore[misc]
         item: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.tool_calls is not None:
@@ -104,10 +111,18 @@ def finish_reason(finish: Finish, generation: core.Generation) -> str:
 class ChatController(Controller):
     path = "/v1/chat/completions"
 
-    @post("/", status_code=200, responses=documented(ChatCompletion, "the completion (with `stream`: chat.completion.chunk events)"))
-    async def create(self, request: Request, data: JSONBody[ChatCompletionRequest], models: NamedDependency[ModelRegistry]) -> Response:
+    @post(
+        "/",
+        status_code=200,
+        responses=documented(ChatCompletion, "the completion (with `stream`: chat.completion.chunk events)"),
+    )
+    async def create(
+        self, request: Request, data: JSONBody[ChatCompletionRequest], models: NamedDependency[ModelRegistry]
+    ) -> Response:
         generation = await core.start(models.get(data.model), generation_request(data), request)
-        return await answer(request, generation, data.stream, partial(_chunks, generation, data), partial(_body, generation, data))
+        return await answer(
+            request, generation, data.stream, partial(_chunks, generation, data), partial(_body, generation, data)
+        )
 
 
 def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list[core.Choice]) -> ChatCompletion:
@@ -118,7 +133,10 @@ def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list
         if choice.reasoning:
             message.reasoning_content = message.reasoning = choice.reasoning
         if choice.tool_calls:
-            message.tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in choice.tool_calls]
+            message.tool_calls = [
+                ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                for c in choice.tool_calls
+            ]
         out.append(
             ChatChoice(
                 index=choice.index,
@@ -128,7 +146,9 @@ def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list
             )
         )
     usage = core.total_usage([c.finish for c in choices], req.n)  # type: ignore[misc]
-    return ChatCompletion(id=_completion_id(), created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage))
+    return ChatCompletion(
+        id=_completion_id(), created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage)
+    )
 
 
 def _completion_id() -> str:
@@ -138,7 +158,12 @@ def _completion_id() -> str:
 def _tool_chunk(call: CallDelta) -> ToolCallChunk:
     if call.id is None:
         return ToolCallChunk(index=call.index, function=FunctionCallDelta(arguments=call.arguments))
-    return ToolCallChunk(index=call.index, id=call.id, type="function", function=FunctionCallDelta(name=call.name, arguments=call.arguments))
+    return ToolCallChunk(
+        index=call.index,
+        id=call.id,
+        type="function",
+        function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+    )
 
 
 async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
@@ -148,7 +173,11 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
 
     def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=completion_id, created=created, model=generator.model_name, choices=choices, usage=None if include_usage else msgspec.UNSET
+            id=completion_id,
+            created=created,
+            model=generator.model_name,
+            choices=choices,
+            usage=None if include_usage else msgspec.UNSET,
         )
 
     for index in range(generation.choices):
@@ -159,12 +188,22 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
             logprobs = chat_logprobs(generator.token_texts, event.logprobs) if with_logprobs else None
             yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text), logprobs=logprobs)])
         elif isinstance(event, Thinking):
-            yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(reasoning_content=event.text, reasoning=event.text))])
+            yield chunk(
+                [
+                    ChatChunkChoice(
+                        index=event.index, delta=ChatDelta(reasoning_content=event.text, reasoning=event.text)
+                    )
+                ]
+            )
         elif isinstance(event, ToolCallDelta):
             yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(tool_calls=[_tool_chunk(event.call)]))])
         elif isinstance(event, Finish):
             finishes[event.index] = event
-            yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(), finish_reason=finish_reason(event, generation))])
+            yield chunk(
+                [ChatChunkChoice(index=event.index, delta=ChatDelta(), finish_reason=finish_reason(event, generation))]
+            )
     if include_usage and len(finishes) == generation.choices:
         usage = core.total_usage([finishes[i] for i in range(generation.choices)], req.n)
-        yield ChatCompletionChunk(id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage))
+        yield ChatCompletionChunk(
+            id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage)
+        )

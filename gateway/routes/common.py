@@ -27,7 +27,9 @@ def json_response(payload: Any, request_id: str | None = None) -> Response:
 
 def event_stream(chunks: AsyncIterator[Any], request_id: str, named: bool = False) -> Stream:
     """An SSE response (see ``gateway.streaming`` for the two framings)."""
-    return Stream(sse_events(chunks, named), media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": request_id})
+    return Stream(
+        sse_events(chunks, named), media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": request_id}
+    )
 
 
 async def answer(
@@ -60,7 +62,9 @@ ERROR_STATUSES = {
 def documented(body: type | None, description: str = "", error: type = ErrorBody) -> dict[int, ResponseSpec]:
     """OpenAPI: the body a route answers with when not streaming (streams are text/event-stream),
     and its errors' body (OpenAI's shape, or Anthropic's under /v1/messages)."""
-    responses = {status: ResponseSpec(data_container=error, description=what) for status, what in ERROR_STATUSES.items()}
+    responses = {
+        status: ResponseSpec(data_container=error, description=what) for status, what in ERROR_STATUSES.items()
+    }
     if body is not None:
         responses[200] = ResponseSpec(data_container=body, description=description)
     return responses
@@ -72,7 +76,9 @@ def openai_usage(usage: Usage) -> OpenAIUsage:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         prompt_tokens_details=PromptTokensDetails(usage.cached_tokens),
-        completion_tokens_details=CompletionTokensDetails(usage.reasoning_tokens) if usage.reasoning_tokens else msgspec.UNSET,
+        completion_tokens_details=CompletionTokensDetails(usage.reasoning_tokens)
+        if usage.reasoning_tokens
+        else msgspec.UNSET,
     )
 
 
@@ -83,5 +89,7 @@ def openai_format(response_format: dict | None) -> dict | None:
         return response_format
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
-        raise InvalidRequest("`response_format.json_schema.schema` must be a JSON Schema object", param="response_format")
+        raise InvalidRequest(
+            "`response_format.json_schema.schema` must be a JSON Schema object", param="response_format"
+        )
     return {**spec, "type": "json_schema"}

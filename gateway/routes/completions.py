@@ -40,7 +40,9 @@ def generation_request(data: CompletionRequest) -> GenerationRequest:
         format_param=format_param(data),
         n=copies,
         n_param="n" if data.best_of is None else "best_of",
-        logprobs=0 if copies > data.n and data.logprobs is None else data.logprobs,  # ranking by cumulative logprob needs them
+        logprobs=0
+        if copies > data.n and data.logprobs is None
+        else data.logprobs,  # ranking by cumulative logprob needs them
         prompt_logprobs=data.logprobs if data.echo else None,  # the echoed prompt comes with its logprobs
     )
 
@@ -49,21 +51,35 @@ def _prompts(prompt: object) -> list[str | list[int]]:
     """``prompt`` as a list of prompts: a string, strings, token ids, or lists of them."""
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):  # bools too: the core refuses them
+    if (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    ):  # bools too: the core refuses them
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return prompt
-    raise InvalidRequest("`prompt` must be a string, a list of strings, token ids, or a list of token-id lists", param="prompt")
+    raise InvalidRequest(
+        "`prompt` must be a string, a list of strings, token ids, or a list of token-id lists", param="prompt"
+    )
 
 
 class CompletionsController(Controller):
     path = "/v1/completions"
 
-    @post("/", status_code=200, responses=documented(Completion, "the completion (with `stream`: text_completion chunks)"))
-    async def create(self, request: Request, data: JSONBody[CompletionRequest], models: NamedDependency[ModelRegistry]) -> Response:
+    @post(
+        "/", status_code=200, responses=documented(Completion, "the completion (with `stream`: text_completion chunks)")
+    )
+    async def create(
+        self, request: Request, data: JSONBody[CompletionRequest], models: NamedDependency[ModelRegistry]
+    ) -> Response:
         generation = await core.start(models.get(data.model), generation_request(data), request)
         echoes = await generation.generator.run_in_pool(_echo_texts, generation, data.prompt) if data.echo else None
-        return await answer(request, generation, data.stream, partial(_chunks, generation, data, echoes), partial(_body, generation, data, echoes))
+        return await answer(
+            request,
+            generation,
+            data.stream,
+            partial(_chunks, generation, data, echoes),
+            partial(_body, generation, data, echoes),
+        )
 
 
 def _prompt_only(req: CompletionRequest) -> bool:
@@ -80,9 +96,13 @@ def _copies(req: CompletionRequest) -> int:
     if req.best_of is None:
         return req.n
     if not req.n <= req.best_of <= MAX_BEST_OF:
-        raise InvalidRequest(f"`best_of` must be between `n` ({req.n}) and {MAX_BEST_OF}; got {req.best_of}", param="best_of")
+        raise InvalidRequest(
+            f"`best_of` must be between `n` ({req.n}) and {MAX_BEST_OF}; got {req.best_of}", param="best_of"
+        )
     if req.stream and req.best_of > req.n:
-        raise InvalidRequest("`best_of` larger than `n` cannot be streamed (the best are known only at the end)", param="best_of")
+        raise InvalidRequest(
+            "`best_of` larger than `n` cannot be streamed (the best are known only at the end)", param="best_of"
+        )
     return req.best_of
 
 
@@ -107,28 +127,43 @@ def _finish_reason(finish: Finish) -> str:
     return "length" if finish.reason == LENGTH else "stop"
 
 
-def _body(generation: core.Generation, req: CompletionRequest, echoes: list[str] | None, choices: list[core.Choice]) -> Completion:
+def _body(
+    generation: core.Generation, req: CompletionRequest, echoes: list[str] | None, choices: list[core.Choice]
+) -> Completion:
     generator, with_logprobs = generation.generator, req.logprobs is not None
     copies = _copies(req)
     finishes: list[Finish] = [c.finish for c in choices]  # type: ignore[misc]
     chosen = _best(choices, copies, req.n)
     if _prompt_only(req):  # the one generated token is not part of the answer
-        chosen = [core.Choice(c.index, prompt_logprobs=c.prompt_logprobs, finish=Finish(c.index, LENGTH, Usage())) for c in chosen]
+        chosen = [
+            core.Choice(c.index, prompt_logprobs=c.prompt_logprobs, finish=Finish(c.index, LENGTH, Usage()))
+            for c in chosen
+        ]
         finishes = [Finish(f.index, LENGTH, Usage(f.usage.prompt_tokens, 0, f.usage.cached_tokens)) for f in finishes]
     out = [
         CompletionChoice(
             index=index,
             text=(echoes[index // req.n] if echoes else "") + choice.text,
-            logprobs=completion_logprobs(generator.token_texts, choice.prompt_logprobs + choice.logprobs) if with_logprobs else None,
+            logprobs=completion_logprobs(generator.token_texts, choice.prompt_logprobs + choice.logprobs)
+            if with_logprobs
+            else None,
             finish_reason=_finish_reason(choice.finish),  # type: ignore[arg-type]
         )
         for index, choice in enumerate(chosen)
     ]
     usage = core.total_usage(finishes, copies)  # every generation was computed, so every one counts
-    return Completion(id=f"cmpl-{uuid.uuid4().hex}", created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage))
+    return Completion(
+        id=f"cmpl-{uuid.uuid4().hex}",
+        created=now_s(),
+        model=generator.model_name,
+        choices=out,
+        usage=openai_usage(usage),
+    )
 
 
-async def _chunks(generation: core.Generation, req: CompletionRequest, echoes: list[str] | None) -> AsyncIterator[Completion]:
+async def _chunks(
+    generation: core.Generation, req: CompletionRequest, echoes: list[str] | None
+) -> AsyncIterator[Completion]:
     generator, completion_id, created = generation.generator, f"cmpl-{uuid.uuid4().hex}", now_s()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with_logprobs = req.logprobs is not None
@@ -137,13 +172,19 @@ async def _chunks(generation: core.Generation, req: CompletionRequest, echoes: l
     def chunk(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> Completion:
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
         return Completion(
-            id=completion_id, created=created, model=generator.model_name, choices=[choice], usage=None if include_usage else msgspec.UNSET
+            id=completion_id,
+            created=created,
+            model=generator.model_name,
+            choices=[choice],
+            usage=None if include_usage else msgspec.UNSET,
         )
 
     def echo(index: int, prompt_logprobs: list) -> Completion:
         text = echoes[index // req.n]  # type: ignore[index]
         offsets[index] = len(text)
-        return chunk(index, text, completion_logprobs(generator.token_texts, prompt_logprobs) if with_logprobs else None)
+        return chunk(
+            index, text, completion_logprobs(generator.token_texts, prompt_logprobs) if with_logprobs else None
+        )
 
     # The echo goes first; with logprobs it waits for them (they come with the first token).
     for index in range(generation.choices if echoes and not with_logprobs else 0):
@@ -154,7 +195,11 @@ async def _chunks(generation: core.Generation, req: CompletionRequest, echoes: l
             if echoes and with_logprobs:
                 yield echo(event.index, event.logprobs)
         elif isinstance(event, Text):
-            logprobs = completion_logprobs(generator.token_texts, event.logprobs, offsets[event.index]) if with_logprobs else None
+            logprobs = (
+                completion_logprobs(generator.token_texts, event.logprobs, offsets[event.index])
+                if with_logprobs
+                else None
+            )
             offsets[event.index] += len(event.text)
             yield chunk(event.index, event.text, logprobs)
         elif isinstance(event, Finish):
@@ -162,4 +207,6 @@ async def _chunks(generation: core.Generation, req: CompletionRequest, echoes: l
             yield chunk(event.index, "", None, _finish_reason(event))
     if include_usage and len(finishes) == generation.choices:
         usage = core.total_usage([finishes[i] for i in range(generation.choices)], req.n)
-        yield Completion(id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage))
+        yield Completion(
+            id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage)
+        )

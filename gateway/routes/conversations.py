@@ -48,7 +48,9 @@ class DeletedConversation(msgspec.Struct):
 
 def _items(items: list[InputItem] | None) -> list[dict]:
     if items is not None and len(items) > MAX_ITEMS_AT_ONCE:
-        raise InvalidRequest(f"`items` may hold at most {MAX_ITEMS_AT_ONCE} items at once; got {len(items)}", param="items")
+        raise InvalidRequest(
+            f"`items` may hold at most {MAX_ITEMS_AT_ONCE} items at once; got {len(items)}", param="items"
+        )
     return input_items(items) if items else []
 
 
@@ -62,7 +64,9 @@ def conversation_id(conversation: str | dict | None) -> str | None:
 
 
 def _missing(conversation_id: str) -> NotFound:
-    return NotFound(f"No conversation with id {conversation_id!r} is stored here", param="conversation_id", code="not_found")
+    return NotFound(
+        f"No conversation with id {conversation_id!r} is stored here", param="conversation_id", code="not_found"
+    )
 
 
 def _store(request: Request) -> Conversations:
@@ -84,14 +88,24 @@ class ConversationsController(Controller):
             raise _missing(conversation_id)
         return json_response(found)
 
-    @post("/{conversation_id:str}", status_code=200, responses=documented(Conversation, "the conversation, its metadata replaced"))
-    async def update(self, request: Request, conversation_id: FromPath[str], data: JSONBody[dict[str, Any]]) -> Response:
-        found = await _store(request).update(conversation_id, caller_owner(request), check_metadata(data.get("metadata")))
+    @post(
+        "/{conversation_id:str}",
+        status_code=200,
+        responses=documented(Conversation, "the conversation, its metadata replaced"),
+    )
+    async def update(
+        self, request: Request, conversation_id: FromPath[str], data: JSONBody[dict[str, Any]]
+    ) -> Response:
+        found = await _store(request).update(
+            conversation_id, caller_owner(request), check_metadata(data.get("metadata"))
+        )
         if found is None:
             raise _missing(conversation_id)
         return json_response(found)
 
-    @delete("/{conversation_id:str}", status_code=200, responses=documented(DeletedConversation, "the conversation is gone"))
+    @delete(
+        "/{conversation_id:str}", status_code=200, responses=documented(DeletedConversation, "the conversation is gone")
+    )
     async def remove(self, request: Request, conversation_id: FromPath[str]) -> Response:
         if not await _store(request).delete(conversation_id, caller_owner(request)):
             raise _missing(conversation_id)
@@ -122,12 +136,20 @@ class ConversationsController(Controller):
     async def retrieve_item(self, request: Request, conversation_id: FromPath[str], item_id: FromPath[str]) -> Response:
         item = await _store(request).item(conversation_id, caller_owner(request), item_id)
         if item is None:
-            raise NotFound(f"No item {item_id!r} in conversation {conversation_id!r}", param="item_id", code="not_found")
+            raise NotFound(
+                f"No item {item_id!r} in conversation {conversation_id!r}", param="item_id", code="not_found"
+            )
         return json_response(item)
 
-    @delete("/{conversation_id:str}/items/{item_id:str}", status_code=200, responses=documented(Conversation, "the conversation"))
+    @delete(
+        "/{conversation_id:str}/items/{item_id:str}",
+        status_code=200,
+        responses=documented(Conversation, "the conversation"),
+    )
     async def remove_item(self, request: Request, conversation_id: FromPath[str], item_id: FromPath[str]) -> Response:
         store, owner = _store(request), caller_owner(request)
         if not await store.delete_item(conversation_id, owner, item_id):
-            raise NotFound(f"No item {item_id!r} in conversation {conversation_id!r}", param="item_id", code="not_found")
+            raise NotFound(
+                f"No item {item_id!r} in conversation {conversation_id!r}", param="item_id", code="not_found"
+            )
         return json_response(await store.get(conversation_id, owner))

@@ -64,7 +64,9 @@ def _text(blocks: str | list[ContentBlock] | None, param: str) -> str:
         return blocks or ""
     for j, block in enumerate(blocks):
         if block.type != "text" or block.text is None:
-            raise InvalidRequest(f"`{param}[{j}]` is a {block.type} block; only text is supported here", param=f"{param}[{j}]")
+            raise InvalidRequest(
+                f"`{param}[{j}]` is a {block.type} block; only text is supported here", param=f"{param}[{j}]"
+            )
     return "".join(block.text for block in blocks)  # type: ignore[misc]
 
 
@@ -80,7 +82,9 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
     calls = ToolCallLedger()
     for i, message in enumerate(messages):
         if message.role not in ("user", "assistant"):
-            raise InvalidRequest(f"`messages[{i}].role` must be user or assistant; got {message.role!r}", param=f"messages[{i}].role")
+            raise InvalidRequest(
+                f"`messages[{i}].role` must be user or assistant; got {message.role!r}", param=f"messages[{i}].role"
+            )
         if message.role == "user" or i < len(messages) - 1:
             not_empty(message.content, f"messages[{i}].content")
         if isinstance(message.content, str):
@@ -97,16 +101,36 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
                 calls.call(block.id, f"{param}.id")
                 arguments = orjson.dumps(block.input or {}).decode()
                 tool_calls.append(
-                    {"id": block.id, "type": "function", "function": {"name": required_text(block.name, f"{param}.name"), "arguments": arguments}}
+                    {
+                        "id": block.id,
+                        "type": "function",
+                        "function": {"name": required_text(block.name, f"{param}.name"), "arguments": arguments},
+                    }
                 )
             elif block.type == "tool_result" and message.role == "user":
                 calls.result(block.tool_use_id, f"{param}.tool_use_id", "tool_use")
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content, f"{param}.content")})
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block.tool_use_id,
+                        "content": _text(block.content, f"{param}.content"),
+                    }
+                )
             elif block.type not in _SKIPPED:
-                raise InvalidRequest(f"`{param}`: {block.type} blocks are not supported in a {message.role} message on this server", param=param)
+                raise InvalidRequest(
+                    f"`{param}`: {block.type} blocks are not supported in a {message.role} message on this server",
+                    param=param,
+                )
         if text or tool_calls or message.role == "assistant":
             extra = {"tool_calls": tool_calls} if tool_calls else {}
-            out.append({"role": message.role, "content": text, **extra, **({"reasoning_content": thinking} if thinking else {})})
+            out.append(
+                {
+                    "role": message.role,
+                    "content": text,
+                    **extra,
+                    **({"reasoning_content": thinking} if thinking else {}),
+                }
+            )
     return out
 
 
@@ -145,7 +169,9 @@ def _thinking_budget(req: CountTokensRequest) -> int | None:
     if thinking.type == "disabled":
         return 0
     if thinking.type != "enabled" or thinking.budget_tokens is None:
-        raise InvalidRequest('`thinking` must be {"type": "enabled", "budget_tokens": N}, disabled or adaptive', param="thinking")
+        raise InvalidRequest(
+            '`thinking` must be {"type": "enabled", "budget_tokens": N}, disabled or adaptive', param="thinking"
+        )
     return thinking.budget_tokens
 
 
@@ -155,7 +181,10 @@ def _tools(req: CountTokensRequest) -> tuple[list[dict], str | dict | None, bool
     functions = []
     for i, tool in enumerate(req.tools or []):
         if tool.type not in (None, "custom"):
-            raise InvalidRequest(f"`tools[{i}].type` {tool.type!r} is a server tool, which this server does not run", param=f"tools[{i}].type")
+            raise InvalidRequest(
+                f"`tools[{i}].type` {tool.type!r} is a server tool, which this server does not run",
+                param=f"tools[{i}].type",
+            )
         function = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description:
             function["description"] = tool.description
@@ -171,7 +200,9 @@ def _tools(req: CountTokensRequest) -> tuple[list[dict], str | dict | None, bool
             "tool": {"type": "function", "function": {"name": choice.name}},
         }
         if choice.type not in modes:
-            raise InvalidRequest(f"`tool_choice.type` must be auto, any, tool or none; got {choice.type!r}", param="tool_choice.type")
+            raise InvalidRequest(
+                f"`tool_choice.type` must be auto, any, tool or none; got {choice.type!r}", param="tool_choice.type"
+            )
         mode = modes[choice.type]
     return functions, mode, parallel
 
@@ -179,7 +210,9 @@ def _tools(req: CountTokensRequest) -> tuple[list[dict], str | dict | None, bool
 def _usage(usage: Usage) -> AnthropicUsage:
     """Anthropic counts prompt-cache reads apart: ``input_tokens`` are the others."""
     return AnthropicUsage(
-        input_tokens=usage.prompt_tokens - usage.cached_tokens, output_tokens=usage.completion_tokens, cache_read_input_tokens=usage.cached_tokens
+        input_tokens=usage.prompt_tokens - usage.cached_tokens,
+        output_tokens=usage.completion_tokens,
+        cache_read_input_tokens=usage.cached_tokens,
     )
 
 
@@ -196,7 +229,11 @@ def _close_block(kind: str | None, index: int) -> list[dict]:
     """The events that close the open block (a thinking block's signature first, as Anthropic's)."""
     if kind is None:
         return []
-    signature = [{"type": "content_block_delta", "index": index, "delta": {"type": "signature_delta", "signature": ""}}] if kind == "thinking" else []
+    signature = (
+        [{"type": "content_block_delta", "index": index, "delta": {"type": "signature_delta", "signature": ""}}]
+        if kind == "thinking"
+        else []
+    )
     return [*signature, {"type": "content_block_stop", "index": index}]
 
 
@@ -207,20 +244,36 @@ def _tool_id(call_id: str) -> str:
 class MessagesController(Controller):
     path = "/v1/messages"
 
-    @post("/", status_code=200, responses=documented(MessageResponse, "the message (with `stream`: Anthropic's events)", AnthropicErrorBody))
-    async def create(self, request: Request, data: JSONBody[MessagesRequest], models: NamedDependency[ModelRegistry]) -> Response:
+    @post(
+        "/",
+        status_code=200,
+        responses=documented(MessageResponse, "the message (with `stream`: Anthropic's events)", AnthropicErrorBody),
+    )
+    async def create(
+        self, request: Request, data: JSONBody[MessagesRequest], models: NamedDependency[ModelRegistry]
+    ) -> Response:
         generation = await core.start(models.get(data.model), generation_request(data), request)
-        return await answer(request, generation, data.stream, partial(_events, generation), partial(_message, generation), named=True)
+        return await answer(
+            request, generation, data.stream, partial(_events, generation), partial(_message, generation), named=True
+        )
 
-    @post("/count_tokens", status_code=200, responses=documented(CountTokensResponse, "the prompt's length in tokens", AnthropicErrorBody))
-    async def count_tokens(self, request: Request, data: JSONBody[CountTokensRequest], models: NamedDependency[ModelRegistry]) -> Response:
+    @post(
+        "/count_tokens",
+        status_code=200,
+        responses=documented(CountTokensResponse, "the prompt's length in tokens", AnthropicErrorBody),
+    )
+    async def count_tokens(
+        self, request: Request, data: JSONBody[CountTokensRequest], models: NamedDependency[ModelRegistry]
+    ) -> Response:
         (prompt,) = await core.prompt_ids(models.get(data.model), generation_request(data), request)
         return json_response(CountTokensResponse(len(prompt)))
 
 
 def _message(generation: core.Generation, choices: list[core.Choice]) -> MessageResponse:
     (choice,) = choices
-    content: list[ThinkingBlock | TextBlock | ToolUseBlock] = [ThinkingBlock(thinking=choice.reasoning)] if choice.reasoning else []
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock] = (
+        [ThinkingBlock(thinking=choice.reasoning)] if choice.reasoning else []
+    )
     content += [TextBlock(text=choice.content)] if choice.content else []
     content += [ToolUseBlock(id=_tool_id(c.id), name=c.name, input=_input(c.arguments)) for c in choice.tool_calls]
     finish: Finish = choice.finish  # type: ignore[assignment]
@@ -271,9 +324,17 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
                     for closing in _close_block(kind, blocks):
                         yield closing
                     blocks, kind = blocks + 1, block_type
-                    opened = {"type": "text", "text": ""} if block_type == "text" else {"type": "thinking", "thinking": "", "signature": ""}
+                    opened = (
+                        {"type": "text", "text": ""}
+                        if block_type == "text"
+                        else {"type": "thinking", "thinking": "", "signature": ""}
+                    )
                     yield {"type": "content_block_start", "index": blocks, "content_block": opened}
-                yield {"type": "content_block_delta", "index": blocks, "delta": {"type": f"{field}_delta", field: event.text}}
+                yield {
+                    "type": "content_block_delta",
+                    "index": blocks,
+                    "delta": {"type": f"{field}_delta", field: event.text},
+                }
             elif isinstance(event, ToolCallDelta):
                 call = event.call
                 if call.id is not None:
@@ -283,7 +344,11 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
                     block = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
                     yield {"type": "content_block_start", "index": blocks, "content_block": block}
                 if call.arguments:
-                    yield {"type": "content_block_delta", "index": blocks, "delta": {"type": "input_json_delta", "partial_json": call.arguments}}
+                    yield {
+                        "type": "content_block_delta",
+                        "index": blocks,
+                        "delta": {"type": "input_json_delta", "partial_json": call.arguments},
+                    }
             elif isinstance(event, Finish):
                 finish = event
     except GatewayError as exc:

@@ -35,7 +35,12 @@ def anthropic_page(cards: list[dict], limit: int, after_id: str | None, before_i
     else:
         page, more = cards[:limit], len(cards) > limit
     data = [anthropic_model(c) for c in page]
-    return {"data": data, "has_more": more, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+    return {
+        "data": data,
+        "has_more": more,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }
 
 
 class ModelsController(Controller):
@@ -55,6 +60,8 @@ class ModelsController(Controller):
         return json_response({"object": "list", "data": models.cards()})
 
     @get("/{model_id:path}", responses=documented(None))
-    async def get_model(self, request: Request, model_id: FromPath[str], models: NamedDependency[ModelRegistry]) -> Response:
+    async def get_model(
+        self, request: Request, model_id: FromPath[str], models: NamedDependency[ModelRegistry]
+    ) -> Response:
         card = models.card(model_id.lstrip("/"))
         return json_response(anthropic_model(card) if "anthropic-version" in request.headers else card)

@@ -59,7 +59,11 @@ def _texts(value: str | list[str] | None, param: str) -> list[str]:
     return texts
 
 
-@post(["/v1/rerank", "/rerank", "/v2/rerank"], status_code=200, responses=documented(RerankResponse, "the documents by relevance, best first"))
+@post(
+    ["/v1/rerank", "/rerank", "/v2/rerank"],
+    status_code=200,
+    responses=documented(RerankResponse, "the documents by relevance, best first"),
+)
 async def rerank(request: Request, data: JSONBody[RerankRequest], models: NamedDependency[ModelRegistry]) -> Response:
     generator = models.get(data.model)
     documents = [d.text if isinstance(d, RerankDocumentObject) else d for d in data.documents]
@@ -70,10 +74,19 @@ async def rerank(request: Request, data: JSONBody[RerankRequest], models: NamedD
     found, tokens = await scores(generator, request, [(data.query, d) for d in documents])
     order = sorted(range(len(documents)), key=lambda i: -found[i])[: data.top_n or None]
     results = [
-        RerankResult(index=i, relevance_score=found[i], document=RerankDocumentObject(text=documents[i]) if data.return_documents else None)
+        RerankResult(
+            index=i,
+            relevance_score=found[i],
+            document=RerankDocumentObject(text=documents[i]) if data.return_documents else None,
+        )
         for i in order
     ]
-    body = RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=generator.model_name, results=results, usage=RerankUsage(total_tokens=tokens))
+    body = RerankResponse(
+        id=f"rerank-{uuid.uuid4().hex}",
+        model=generator.model_name,
+        results=results,
+        usage=RerankUsage(total_tokens=tokens),
+    )
     return json_response(body)
 
 
@@ -87,11 +100,18 @@ async def score(request: Request, data: JSONBody[ScoreRequest], models: NamedDep
         first = first * len(second)
     if len(first) != len(second):
         raise InvalidRequest(
-            f"`{first_param}` must hold one text or as many as `{second_param}` ({len(second)}); got {len(first)}", param=first_param
+            f"`{first_param}` must hold one text or as many as `{second_param}` ({len(second)}); got {len(first)}",
+            param=first_param,
         )
     found, tokens = await scores(generator, request, list(zip(first, second)))
     data_out = [ScoreData(index=i, score=s) for i, s in enumerate(found)]
     usage = ScoreUsage(prompt_tokens=tokens, total_tokens=tokens)
     return json_response(
-        ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=generator.model_name, data=data_out, usage=usage)
+        ScoreResponse(
+            id=f"score-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=generator.model_name,
+            data=data_out,
+            usage=usage,
+        )
     )

@@ -48,7 +48,8 @@ class ResponseItemsController(Controller):
     path = "/"
 
     @get(
-        ["/v1/responses/{response_id:str}/input_items", "/responses/{response_id:str}/input_items"], responses=documented(ItemList, "its input items")
+        ["/v1/responses/{response_id:str}/input_items", "/responses/{response_id:str}/input_items"],
+        responses=documented(ItemList, "its input items"),
     )
     async def input_items(
         self,

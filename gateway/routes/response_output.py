@@ -83,7 +83,9 @@ class Output:
                     yield out
             elif isinstance(event, Finish):
                 finish = event
-        if not any(isinstance(item, OutputMessage | FunctionCallItem) for item in self.response.output):  # nothing said: an empty message, as OpenAI
+        if not any(
+            isinstance(item, OutputMessage | FunctionCallItem) for item in self.response.output
+        ):  # nothing said: an empty message, as OpenAI
             for out in self._text(Text(0, "")):
                 yield out
         incomplete = finish is not None and finish.reason == LENGTH
@@ -105,7 +107,9 @@ class Output:
         out = (
             []
             if isinstance(self._open, OutputMessage)
-            else self._open_item(OutputMessage(id=self._item_id("msg"), status="in_progress", content=[]), OutputText(text=""))
+            else self._open_item(
+                OutputMessage(id=self._item_id("msg"), status="in_progress", content=[]), OutputText(text="")
+            )
         )
         part = self._open.content[0]  # type: ignore[union-attr]
         logprobs = self._logprobs(event)
@@ -119,7 +123,9 @@ class Output:
         out = (
             []
             if isinstance(self._open, ReasoningItem)
-            else self._open_item(ReasoningItem(id=self._item_id("rs"), status="in_progress", content=[]), ReasoningText(text=""))
+            else self._open_item(
+                ReasoningItem(id=self._item_id("rs"), status="in_progress", content=[]), ReasoningText(text="")
+            )
         )
         self._open.content[0].text += event.text  # type: ignore[union-attr]
         out.append(self._part_event("response.reasoning_text.delta", delta=event.text))
@@ -137,12 +143,17 @@ class Output:
 
     def _part_event(self, kind: str, **fields: Any) -> Event:
         """An event of the text part of the item being written (the last output item)."""
-        return self.event(kind, item_id=self._open.id, output_index=len(self.response.output) - 1, content_index=0, **fields)  # type: ignore[union-attr]
+        return self.event(
+            kind, item_id=self._open.id, output_index=len(self.response.output) - 1, content_index=0, **fields
+        )  # type: ignore[union-attr]
 
     def _logprobs(self, event: Text) -> list[Logprob]:
         if not self.with_logprobs:
             return []
-        return [msgspec.convert(entry, Logprob) for entry in chat_logprobs(self.generator.token_texts, event.logprobs)["content"]]
+        return [
+            msgspec.convert(entry, Logprob)
+            for entry in chat_logprobs(self.generator.token_texts, event.logprobs)["content"]
+        ]
 
     def _call(self, event: ToolCallDelta) -> list[Event]:
         out = []
@@ -150,15 +161,22 @@ class Output:
         if call.id is not None:
             out += self._close("completed")
             call_id = self._item_id("call")
-            self._open = FunctionCallItem(id=self._item_id("fc"), call_id=call_id, name=call.name or "", arguments="", status="in_progress")
+            self._open = FunctionCallItem(
+                id=self._item_id("fc"), call_id=call_id, name=call.name or "", arguments="", status="in_progress"
+            )
             self.response.output.append(self._open)
-            out.append(self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open))
+            out.append(
+                self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=self._open)
+            )
         item = self._open
         if isinstance(item, FunctionCallItem) and call.arguments:
             item.arguments += call.arguments
             out.append(
                 self.event(
-                    "response.function_call_arguments.delta", item_id=item.id, output_index=len(self.response.output) - 1, delta=call.arguments
+                    "response.function_call_arguments.delta",
+                    item_id=item.id,
+                    output_index=len(self.response.output) - 1,
+                    delta=call.arguments,
                 )
             )
         return out
@@ -172,17 +190,42 @@ class Output:
         out = []
         if isinstance(item, ReasoningItem):
             part = item.content[0]
-            out.append(self.event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text))
-            out.append(self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part))
+            out.append(
+                self.event(
+                    "response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text
+                )
+            )
+            out.append(
+                self.event(
+                    "response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part
+                )
+            )
         elif isinstance(item, OutputMessage):
             part = item.content[0]
             out.append(
-                self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text, logprobs=part.logprobs)
+                self.event(
+                    "response.output_text.done",
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    text=part.text,
+                    logprobs=part.logprobs,
+                )
             )
-            out.append(self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part))
+            out.append(
+                self.event(
+                    "response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part
+                )
+            )
         else:
             out.append(
-                self.event("response.function_call_arguments.done", item_id=item.id, output_index=index, name=item.name, arguments=item.arguments)
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item.id,
+                    output_index=index,
+                    name=item.name,
+                    arguments=item.arguments,
+                )
             )
         item.status = status
         out.append(self.event("response.output_item.done", output_index=index, item=item))

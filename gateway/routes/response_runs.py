@@ -52,7 +52,11 @@ def output_messages(output: list) -> list[dict[str, Any]]:
         if isinstance(item, OutputMessage):
             message["content"] += "".join(part.text for part in item.content)
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             message.setdefault("tool_calls", []).append(call)
     return [message]
 
@@ -114,7 +118,9 @@ class Turn:
             status=response.status,
             body=msgspec.json.encode(response),
             input_items=self.items,
-            messages=msgspec.json.encode(self.messages + (output_messages(response.output) if response.status != "in_progress" else [])),
+            messages=msgspec.json.encode(
+                self.messages + (output_messages(response.output) if response.status != "in_progress" else [])
+            ),
             previous_id=response.previous_response_id,
             conversation_id=self.conversation,
             background=response.background,
@@ -125,10 +131,19 @@ class Turn:
         )
 
     def takeover_blob(self) -> bytes:
-        return msgspec.json.encode({"request": self.request, "prompt": self.prompt, "messages": self.messages, "conversation": self.conversation})
+        return msgspec.json.encode(
+            {
+                "request": self.request,
+                "prompt": self.prompt,
+                "messages": self.messages,
+                "conversation": self.conversation,
+            }
+        )
 
 
-def start_run(state: StateService, response: ResponseObject, turn: Turn, source_of, resumed: list[Event] | None = None) -> Run:  # noqa: ANN001
+def start_run(
+    state: StateService, response: ResponseObject, turn: Turn, source_of, resumed: list[Event] | None = None
+) -> Run:
     """Run a streamed or background response here, its events and token chunks logged as they go.
     ``source_of(run)`` gives its events (the run hands the generation its chunk hook)."""
     run = Run(
@@ -146,7 +161,7 @@ def start_run(state: StateService, response: ResponseObject, turn: Turn, source_
     return state.runs.start(run, source_of(run))
 
 
-def chunk_hook(run: Run, already: int = 0):  # noqa: ANN201 - the generation's on_output
+def chunk_hook(run: Run, already: int = 0):  # the generation's on_output
     counter = iter(range(already, 1 << 62))
 
     def on_output(output: RequestOutput) -> None:
@@ -188,7 +203,13 @@ async def follow(app: Litestar, response_id: str, owner: str, after: int) -> Asy
         if row is None or not row.running:
             if row is not None and (rest := await state.store.events_after(response_id, last)):
                 for _, data in rest:
-                    yield b"event: " + msgspec.json.decode(data, type=_EventType).type.encode() + b"\ndata: " + data + b"\n\n"
+                    yield (
+                        b"event: "
+                        + msgspec.json.decode(data, type=_EventType).type.encode()
+                        + b"\ndata: "
+                        + data
+                        + b"\n\n"
+                    )
             return
         if not await state.leases.alive(row.gateway):
             await take_over(app, response_id, row.gateway or "")
@@ -202,7 +223,9 @@ async def take_over(app: Litestar, response_id: str, dead_gateway: str) -> bool:
     from gateway.routes import responses  # the Responses route builds the generation; it imports this module
 
     state: StateService = app.state.state
-    row = await state.store.db.fetchone("SELECT owner, body, input_items, request, background FROM responses WHERE id = ?", response_id)
+    row = await state.store.db.fetchone(
+        "SELECT owner, body, input_items, request, background FROM responses WHERE id = ?", response_id
+    )
     if row is None or row[3] is None or not await state.leases.claim(response_id, dead_gateway):
         return False
     blob = msgspec.json.decode(row[3])
@@ -210,8 +233,17 @@ async def take_over(app: Litestar, response_id: str, dead_gateway: str) -> bool:
     response = msgspec.json.decode(row[1], type=ResponseObject)
     turn = Turn(row[0], bytes(row[2]), blob["messages"], req, blob["prompt"], blob.get("conversation"))
     chunks = [msgspec.msgpack.decode(c, type=RequestOutput) for c in await state.store.chunks(response_id)]
-    logged = [Event(msgspec.json.decode(d, type=_EventType).type, seq, d) for seq, d in await state.store.events_after(response_id, -1)]
-    log.warning("taking over response %s from gateway %s (dead): %d events and %d chunks logged", response_id, dead_gateway, len(logged), len(chunks))
+    logged = [
+        Event(msgspec.json.decode(d, type=_EventType).type, seq, d)
+        for seq, d in await state.store.events_after(response_id, -1)
+    ]
+    log.warning(
+        "taking over response %s from gateway %s (dead): %d events and %d chunks logged",
+        response_id,
+        dead_gateway,
+        len(logged),
+        len(chunks),
+    )
     try:
         await responses.resume(app, response, turn, chunks, logged)
     except Exception as exc:

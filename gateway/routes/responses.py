@@ -43,8 +43,25 @@ from gateway.model_registry import ModelRegistry
 from gateway.routes.common import documented, json_response
 from gateway.routes.conversations import conversation_id
 from gateway.routes.response_output import Output
-from gateway.routes.response_runs import Turn, chunk_hook, follow, framed, input_items, not_stored, sse_stream, start_run
-from gateway.schemas_responses import DeletedResponse, InputItem, InputPart, Reasoning, ResponseObject, ResponsesRequest, TextConfig
+from gateway.routes.response_runs import (
+    Turn,
+    chunk_hook,
+    follow,
+    framed,
+    input_items,
+    not_stored,
+    sse_stream,
+    start_run,
+)
+from gateway.schemas_responses import (
+    DeletedResponse,
+    InputItem,
+    InputPart,
+    Reasoning,
+    ResponseObject,
+    ResponsesRequest,
+    TextConfig,
+)
 from gateway.state.limits import check_budget, check_metadata, check_user
 from gateway.state.runs import Event
 from gateway.state.service import StateService
@@ -60,7 +77,9 @@ def _text(content: str | list[InputPart] | None, param: str) -> str:
         return content or ""
     for j, part in enumerate(content):
         if part.type not in _TEXT_PARTS or part.text is None:
-            raise InvalidRequest(f"`{param}[{j}]` is a {part.type} part; only text is supported here", param=f"{param}[{j}]")
+            raise InvalidRequest(
+                f"`{param}[{j}]` is a {part.type} part; only text is supported here", param=f"{param}[{j}]"
+            )
     return "".join(part.text for part in content)  # type: ignore[misc]
 
 
@@ -75,7 +94,10 @@ def input_messages(items: str | list[InputItem], history: list[dict[str, Any]] =
     for i, item in enumerate(items):
         if item.type == "message":
             if item.role not in ("user", "assistant", "system", "developer"):
-                raise InvalidRequest(f"`input[{i}].role` must be user, assistant, system or developer; got {item.role!r}", param=f"input[{i}].role")
+                raise InvalidRequest(
+                    f"`input[{i}].role` must be user, assistant, system or developer; got {item.role!r}",
+                    param=f"input[{i}].role",
+                )
             if item.role == "user":
                 not_empty(item.content, f"input[{i}].content")
             messages.append({"role": item.role, "content": _text(item.content, f"input[{i}].content")})
@@ -90,12 +112,15 @@ def input_messages(items: str | list[InputItem], history: list[dict[str, Any]] =
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif item.type == "function_call_output":
             calls.result(item.call_id, f"input[{i}].call_id", "function_call")
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input[{i}].output")})
+            messages.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input[{i}].output")}
+            )
         elif item.type == "reasoning":
             continue  # another model's reasoning: nothing here reads it
         else:
             raise InvalidRequest(
-                f"`input[{i}].type` {item.type!r} is not supported (message, function_call, function_call_output)", param=f"input[{i}].type"
+                f"`input[{i}].type` {item.type!r} is not supported (message, function_call, function_call_output)",
+                param=f"input[{i}].type",
             )
     if not messages:
         raise InvalidRequest("`input` must hold at least one item", param="input")
@@ -107,15 +132,23 @@ def generation_request(req: ResponsesRequest, conversation: list[dict[str, Any]]
     the input; only the Responses dialect's own shapes are checked here (the rest of the body's in
     ``_refuse_unsupported``, before the history is read)."""
     functions = []
-    for i, tool in enumerate(req.tools or []):  # in chat's shape, without null fields (the template and the Hermes prompt want none)
+    for i, tool in enumerate(
+        req.tools or []
+    ):  # in chat's shape, without null fields (the template and the Hermes prompt want none)
         if tool.type != "function":
-            raise InvalidRequest(f"`tools[{i}].type` {tool.type!r} is not supported: only function tools are", param=f"tools[{i}].type")
+            raise InvalidRequest(
+                f"`tools[{i}].type` {tool.type!r} is not supported: only function tools are", param=f"tools[{i}].type"
+            )
         function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
-        functions.append({"type": "function", "function": {k: v for k, v in function.items() if k != "description" or v is not None}})
+        functions.append(
+            {"type": "function", "function": {k: v for k, v in function.items() if k != "description" or v is not None}}
+        )
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function":
-            raise InvalidRequest('`tool_choice` must be none, auto, required or {"type": "function", "name": ...}', param="tool_choice")
+            raise InvalidRequest(
+                '`tool_choice` must be none, auto, required or {"type": "function", "name": ...}', param="tool_choice"
+            )
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     return GenerationRequest(
@@ -151,8 +184,14 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
 class ResponsesController(Controller):
     path = "/"
 
-    @post(["/v1/responses", "/responses"], status_code=200, responses=documented(ResponseObject, "the response (with `stream`: typed events)"))
-    async def create(self, request: Request, data: JSONBody[ResponsesRequest], models: NamedDependency[ModelRegistry]) -> Response:
+    @post(
+        ["/v1/responses", "/responses"],
+        status_code=200,
+        responses=documented(ResponseObject, "the response (with `stream`: typed events)"),
+    )
+    async def create(
+        self, request: Request, data: JSONBody[ResponsesRequest], models: NamedDependency[ModelRegistry]
+    ) -> Response:
         req = data
         state: StateService = request.app.state.state
         owner = caller_owner(request)
@@ -189,9 +228,16 @@ class ResponsesController(Controller):
         await turn.after(state, response)
         return json_response(response, generation.request_id)
 
-    @get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], responses=documented(ResponseObject, "a stored response"))
+    @get(
+        ["/v1/responses/{response_id:str}", "/responses/{response_id:str}"],
+        responses=documented(ResponseObject, "a stored response"),
+    )
     async def retrieve(
-        self, request: Request, response_id: FromPath[str], stream: FromQuery[bool] = False, starting_after: FromQuery[int] = -1
+        self,
+        request: Request,
+        response_id: FromPath[str],
+        stream: FromQuery[bool] = False,
+        starting_after: FromQuery[int] = -1,
     ) -> Response:
         found = await _stored(request, response_id)
         if stream:
@@ -213,7 +259,7 @@ class ResponsesController(Controller):
         return json_response(DeletedResponse(response_id))
 
 
-async def _stored(request: Request, response_id: str):  # noqa: ANN202 - a StoredResponse
+async def _stored(request: Request, response_id: str):  # a StoredResponse
     """The caller's stored response: another key's is a 404, as an absent one."""
     found = await request.app.state.state.store.get(response_id, caller_owner(request))
     if found is None:
@@ -221,7 +267,9 @@ async def _stored(request: Request, response_id: str):  # noqa: ANN202 - a Store
     return found
 
 
-async def _history(state: StateService, req: ResponsesRequest, conversation: str | None, owner: str) -> list[dict[str, Any]]:
+async def _history(
+    state: StateService, req: ResponsesRequest, conversation: str | None, owner: str
+) -> list[dict[str, Any]]:
     """The chat messages before this turn: the previous response's conversation, or the
     conversation's items (another key's are as absent)."""
     if req.previous_response_id is not None:
@@ -229,19 +277,29 @@ async def _history(state: StateService, req: ResponsesRequest, conversation: str
         if previous is None or previous.running:
             what = "not found" if previous is None else "still in progress"
             raise InvalidRequest(
-                f"Previous response with id {req.previous_response_id!r} {what}", param="previous_response_id", code="previous_response_not_found"
+                f"Previous response with id {req.previous_response_id!r} {what}",
+                param="previous_response_id",
+                code="previous_response_not_found",
             )
         return await state.store.history(req.previous_response_id, owner)
     if conversation is None:
         return []
     items = await state.store.conversations.items(conversation, owner)
     if items is None:
-        raise NotFound(f"No conversation with id {conversation!r} is stored here", param="conversation", code="conversation_not_found")
-    usable = [msgspec.convert(item, InputItem) for item in items if item.get("type") in ("message", "function_call", "function_call_output")]
+        raise NotFound(
+            f"No conversation with id {conversation!r} is stored here",
+            param="conversation",
+            code="conversation_not_found",
+        )
+    usable = [
+        msgspec.convert(item, InputItem)
+        for item in items
+        if item.get("type") in ("message", "function_call", "function_call_output")
+    ]
     return input_messages(usable) if usable else []
 
 
-async def _logged(builder: Output, generation: core.Generation, run) -> AsyncIterator[Event]:  # noqa: ANN001
+async def _logged(builder: Output, generation: core.Generation, run) -> AsyncIterator[Event]:
     generation.req.on_output = chunk_hook(run, len(generation.req.replay))
     async for event in builder.stream(generation):
         yield event
@@ -252,7 +310,9 @@ async def _framed(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         yield event.sse()
 
 
-async def resume(app: Litestar, response: ResponseObject, turn: Turn, chunks: list[RequestOutput], logged: list[Event]) -> None:
+async def resume(
+    app: Litestar, response: ResponseObject, turn: Turn, chunks: list[RequestOutput], logged: list[Event]
+) -> None:
     """Run on here a response a dead gateway was running (``response_runs.take_over``): its prompt
     as the token ids it ran, its logged chunks replayed before the worker continues."""
     state: StateService = app.state.state

@@ -37,7 +37,9 @@ class TokenizeController(Controller):
     path = "/"
 
     @post("/tokenize", status_code=200, responses=documented(None))
-    async def tokenize(self, request: Request, data: JSONBody[TokenizeRequest], models: NamedDependency[ModelRegistry]) -> Response:
+    async def tokenize(
+        self, request: Request, data: JSONBody[TokenizeRequest], models: NamedDependency[ModelRegistry]
+    ) -> Response:
         req = data
         generator = models.get(req.model)
         (ids,) = await core.prompt_ids(generator, generation_request(req), request)
@@ -57,14 +59,24 @@ class TokenizeController(Controller):
         return json_response({"prompt": text})
 
     @get("/tokenizer_info", responses=documented(None))
-    async def tokenizer_info(self, models: NamedDependency[ModelRegistry], model: FromQuery[str | None] = None) -> Response:
+    async def tokenizer_info(
+        self, models: NamedDependency[ModelRegistry], model: FromQuery[str | None] = None
+    ) -> Response:
         """vLLM's: the tokenizer's class and settings, its special tokens and chat template, so a client
         (lm-eval's remote tokenizer) need not download the tokenizer to count or render."""
         generator = models.get(model)
         tokenizer = generator.tokenizer
-        info = {k: v for k, v in tokenizer.init_kwargs.items() if k not in ("tokenizer_object", "added_tokens_decoder") and _plain(v)}
+        info = {
+            k: v
+            for k, v in tokenizer.init_kwargs.items()
+            if k not in ("tokenizer_object", "added_tokens_decoder") and _plain(v)
+        }
         info |= {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        info |= {"tokenizer_class": type(tokenizer).__name__, "vocab_size": generator.vocab_size, "chat_template": generator.template.source}
+        info |= {
+            "tokenizer_class": type(tokenizer).__name__,
+            "vocab_size": generator.vocab_size,
+            "chat_template": generator.template.source,
+        }
         info["model_max_length"] = generator.max_model_len() or info.get("model_max_length")
         return json_response(info)
 

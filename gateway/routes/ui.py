@@ -34,7 +34,11 @@ async def static_file(name: FromPath[str]) -> File:
     path = FILES.get(name)
     if path is None:
         raise NotFound(f"no file /static/{name}")
-    return File(path, content_disposition_type="inline", media_type=mimetypes.guess_type(path.name)[0] or "application/octet-stream")
+    return File(
+        path,
+        content_disposition_type="inline",
+        media_type=mimetypes.guess_type(path.name)[0] or "application/octet-stream",
+    )
 
 
 UI_ROUTES = [page, static_file]

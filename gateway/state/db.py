@@ -48,7 +48,7 @@ class Session:
 class Database(Session):
     dialect = ""
 
-    def transaction(self):  # noqa: ANN201 - an async context manager of a Session
+    def transaction(self):  # an async context manager of a Session
         raise NotImplementedError
 
     async def close(self) -> None:

@@ -22,7 +22,9 @@ class Leases:
 
     async def renew(self) -> None:
         await self.db.execute(
-            "INSERT INTO gateways (id, seen_at) VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET seen_at = excluded.seen_at", self.gateway_id, time.time()
+            "INSERT INTO gateways (id, seen_at) VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET seen_at = excluded.seen_at",
+            self.gateway_id,
+            time.time(),
         )
 
     async def alive(self, gateway_id: str | None) -> bool:
@@ -66,7 +68,8 @@ class Leases:
 
     async def cancel_requests(self) -> list[str]:
         rows = await self.db.fetch(
-            "SELECT id FROM responses WHERE gateway = ? AND cancel = 1 AND status IN ('queued', 'in_progress')", self.gateway_id
+            "SELECT id FROM responses WHERE gateway = ? AND cancel = 1 AND status IN ('queued', 'in_progress')",
+            self.gateway_id,
         )
         return [row[0] for row in rows]
 

@@ -24,14 +24,22 @@ def check_metadata(metadata: Any, param: str = "metadata") -> dict[str, str]:
     if not isinstance(metadata, dict):
         raise InvalidRequest(f"`{param}` must be an object of string values", param=param)
     if len(metadata) > MAX_METADATA_PAIRS:
-        raise InvalidRequest(f"`{param}` holds {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed", param=param)
+        raise InvalidRequest(
+            f"`{param}` holds {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed", param=param
+        )
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY:
-            raise InvalidRequest(f"`{param}` key {key[:20]!r}... is {len(key)} characters long; at most {MAX_METADATA_KEY} are allowed", param=param)
+            raise InvalidRequest(
+                f"`{param}` key {key[:20]!r}... is {len(key)} characters long; at most {MAX_METADATA_KEY} are allowed",
+                param=param,
+            )
         if not isinstance(value, str):
             raise InvalidRequest(f"`{param}.{key}` must be a string", param=f"{param}.{key}")
         if len(value) > MAX_METADATA_VALUE:
-            raise InvalidRequest(f"`{param}.{key}` is {len(value)} characters long; at most {MAX_METADATA_VALUE} are allowed", param=f"{param}.{key}")
+            raise InvalidRequest(
+                f"`{param}.{key}` is {len(value)} characters long; at most {MAX_METADATA_VALUE} are allowed",
+                param=f"{param}.{key}",
+            )
     return metadata
 
 

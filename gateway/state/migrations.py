@@ -90,7 +90,10 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     ),
 ]
 
-_TYPES = {"sqlite": {"blob": "BLOB", "real": "DOUBLE PRECISION"}, "postgresql": {"blob": "BYTEA", "real": "DOUBLE PRECISION"}}
+_TYPES = {
+    "sqlite": {"blob": "BLOB", "real": "DOUBLE PRECISION"},
+    "postgresql": {"blob": "BYTEA", "real": "DOUBLE PRECISION"},
+}
 
 
 class SchemaTooNew(RuntimeError):
@@ -103,15 +106,21 @@ async def migrate(db: Database) -> list[int]:
     async with db.transaction() as tx:
         if db.dialect == "postgresql":
             await tx.execute("SELECT pg_advisory_xact_lock(?)", _LOCK_ID)
-        await tx.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)")
+        await tx.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
+        )
         done = {row[0] for row in await tx.fetch("SELECT version FROM schema_migrations")}
         known = {version for version, _, _ in MIGRATIONS}
         if done - known:
-            raise SchemaTooNew(f"the state database has schema versions {sorted(done - known)}, newer than this gateway knows: upgrade it")
+            raise SchemaTooNew(
+                f"the state database has schema versions {sorted(done - known)}, newer than this gateway knows: upgrade it"
+            )
         for version, _, statements in MIGRATIONS:
             if version not in done:
                 await _apply(tx, db.dialect, statements)
-                await tx.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", version, time.time())
+                await tx.execute(
+                    "INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", version, time.time()
+                )
                 applied.append(version)
     return applied
 

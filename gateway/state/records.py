@@ -79,7 +79,8 @@ COLUMNS = (
 INSERT = f"INSERT INTO responses ({COLUMNS}) VALUES ({', '.join('?' * len(COLUMNS.split(', ')))})"
 # The final write: everything but who created it and when.
 UPSERT = (
-    INSERT + " ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at, status = excluded.status, body = excluded.body,"
+    INSERT
+    + " ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at, status = excluded.status, body = excluded.body,"
     " input_items = excluded.input_items, messages = excluded.messages, request = NULL, gateway = NULL, bytes = excluded.bytes,"
     " input_tokens = excluded.input_tokens, cached_tokens = excluded.cached_tokens, output_tokens = excluded.output_tokens,"
     " reasoning_tokens = excluded.reasoning_tokens"
@@ -110,5 +111,7 @@ class StoredResponse:
 READ_COLUMNS = "id, status, body, background, gateway, request, previous_id, conversation_id, model, created_at, owner"
 
 
-def stored(row) -> StoredResponse:  # noqa: ANN001 - a database row
-    return StoredResponse(row[0], row[1], bytes(row[2]), bool(row[3]), row[4], None if row[5] is None else bytes(row[5]), *row[6:11])
+def stored(row) -> StoredResponse:  # a database row
+    return StoredResponse(
+        row[0], row[1], bytes(row[2]), bool(row[3]), row[4], None if row[5] is None else bytes(row[5]), *row[6:11]
+    )

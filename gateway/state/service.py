@@ -21,7 +21,9 @@ TakeOver = Callable[[str, str], Awaitable[bool]]
 
 
 class StateService:
-    def __init__(self, store: StateStore, usage: UsageMeter, interval: float, lease_s: float, purge_interval: float) -> None:
+    def __init__(
+        self, store: StateStore, usage: UsageMeter, interval: float, lease_s: float, purge_interval: float
+    ) -> None:
         self.store = store
         self.usage = usage
         self.runs = Runs()
@@ -32,7 +34,9 @@ class StateService:
         self._task: asyncio.Task | None = None
 
     @classmethod
-    async def open(cls, url: str, limits: Limits, usage: UsageMeter, interval: float, lease_s: float, purge_interval: float) -> StateService:
+    async def open(
+        cls, url: str, limits: Limits, usage: UsageMeter, interval: float, lease_s: float, purge_interval: float
+    ) -> StateService:
         service = cls(await StateStore.open(url, limits), usage, interval, lease_s, purge_interval)
         await service.leases.renew()
         return service
@@ -78,4 +82,8 @@ class StateService:
             if abandoned:
                 await self.store.delete_ids(abandoned)
             if any(counts.values()):
-                log.info("state store purge: %d expired, %d evicted over --state-max-bytes", counts["expired"], counts["evicted"])
+                log.info(
+                    "state store purge: %d expired, %d evicted over --state-max-bytes",
+                    counts["expired"],
+                    counts["evicted"],
+                )

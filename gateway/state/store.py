@@ -25,7 +25,9 @@ from gateway.state.writer import Writer
 log = logging.getLogger(__name__)
 
 MAX_CHAIN = 10_000
-_FINISHED = "(" + ", ".join(f"'{status}'" for status in TERMINAL) + ")"  # turns a continuation's history walks back at most
+_FINISHED = (
+    "(" + ", ".join(f"'{status}'" for status in TERMINAL) + ")"
+)  # turns a continuation's history walks back at most
 
 
 @dataclass(slots=True)
@@ -65,7 +67,9 @@ class StateStore:
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """The response if ``owner`` stored it (anyone else's is as good as absent: a 404)."""
-        row = await self.db.fetchone(f"SELECT {READ_COLUMNS} FROM responses WHERE id = ? AND owner = ?", response_id, owner)
+        row = await self.db.fetchone(
+            f"SELECT {READ_COLUMNS} FROM responses WHERE id = ? AND owner = ?", response_id, owner
+        )
         return None if row is None else stored(row)
 
     async def history(self, response_id: str, owner: str) -> list[dict]:
@@ -93,7 +97,11 @@ class StateStore:
 
     async def events_after(self, response_id: str, seq: int) -> list[tuple[int, bytes]]:
         """The logged events numbered above ``seq``, in order: (number, the event's JSON)."""
-        rows = await self.db.fetch("SELECT seq, data FROM response_events WHERE response_id = ? AND last_seq > ? ORDER BY seq", response_id, seq)
+        rows = await self.db.fetch(
+            "SELECT seq, data FROM response_events WHERE response_id = ? AND last_seq > ? ORDER BY seq",
+            response_id,
+            seq,
+        )
         events = []
         for first, data in rows:
             events += [(first + i, line) for i, line in enumerate(bytes(data).split(b"\n")) if first + i > seq]
@@ -117,7 +125,11 @@ class StateStore:
 
     async def delete_ids(self, ids: list[str]) -> None:
         async with self.db.transaction() as tx:
-            for table, column in (("responses", "id"), ("response_events", "response_id"), ("response_chunks", "response_id")):
+            for table, column in (
+                ("responses", "id"),
+                ("response_events", "response_id"),
+                ("response_chunks", "response_id"),
+            ):
                 await tx.executemany(f"DELETE FROM {table} WHERE {column} = ?", [(i,) for i in ids])
 
     # ---- bounds ----------------------------------------------------------------------------------
@@ -160,7 +172,8 @@ class StateStore:
 
     async def _drop_oldest(self, excess: int, where: str, *args: object) -> int:
         rows = await self.db.fetch(
-            f"SELECT id, bytes FROM responses WHERE {where} AND status IN {_FINISHED} ORDER BY created_at, id LIMIT 1000", *args
+            f"SELECT id, bytes FROM responses WHERE {where} AND status IN {_FINISHED} ORDER BY created_at, id LIMIT 1000",
+            *args,
         )
         ids = []
         for response_id, size in rows:

@@ -30,7 +30,12 @@ def day_of(at: float) -> str:
 class UsageMeter:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._pending: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0] * len(FIELDS))
-        self.requests = Counter("llmpool_key_requests", "Finished generations by API key (hashed) and model", ["key", "model"], registry=registry)
+        self.requests = Counter(
+            "llmpool_key_requests",
+            "Finished generations by API key (hashed) and model",
+            ["key", "model"],
+            registry=registry,
+        )
         self.tokens = Counter(
             "llmpool_key_tokens",
             "Tokens by API key (hashed), model and kind (input, cached, output, reasoning)",
@@ -38,7 +43,9 @@ class UsageMeter:
             registry=registry,
         )
 
-    def record(self, owner: str, model: str, prompt: int, cached: int, output: int, reasoning: int = 0, requests: int = 1) -> None:
+    def record(
+        self, owner: str, model: str, prompt: int, cached: int, output: int, reasoning: int = 0, requests: int = 1
+    ) -> None:
         """One generation's tokens (``prompt`` includes ``cached``); ``requests`` 0 for a further choice of one request."""
         counts = self._pending[(day_of(time.time()), owner, model)]
         for i, value in enumerate((requests, prompt, cached, output, reasoning)):
@@ -56,7 +63,9 @@ class UsageMeter:
         pending, self._pending = self._pending, defaultdict(lambda: [0] * len(FIELDS))
         await db.executemany(_UPSERT, [(*key, *counts) for key, counts in pending.items()])
 
-    async def report(self, db: Database, start: str, end: str, owner: str | None = None, model: str | None = None) -> list[dict]:
+    async def report(
+        self, db: Database, start: str, end: str, owner: str | None = None, model: str | None = None
+    ) -> list[dict]:
         """Rows of the usage table from day ``start`` to ``end`` (inclusive, YYYY-MM-DD)."""
         await self.flush(db)
         sql = f"SELECT day, owner, model, {', '.join(FIELDS)} FROM usage WHERE day >= ? AND day <= ?"
@@ -66,4 +75,7 @@ class UsageMeter:
         if model is not None:
             sql, args = sql + " AND model = ?", [*args, model]
         rows = await db.fetch(sql + " ORDER BY day, owner, model", *args)
-        return [{"day": r[0], "key": key_label(r[1]), "model": r[2], **{f: int(v) for f, v in zip(FIELDS, r[3:])}} for r in rows]
+        return [
+            {"day": r[0], "key": key_label(r[1]), "model": r[2], **{f: int(v) for f, v in zip(FIELDS, r[3:])}}
+            for r in rows
+        ]

@@ -122,7 +122,9 @@ class Writer:
         while True:
             await self._wake.wait()
             delay = last + self.interval - time.monotonic()
-            if delay > 0 and not self._urgent.is_set():  # events only: let more gather, up to interval after the last commit
+            if (
+                delay > 0 and not self._urgent.is_set()
+            ):  # events only: let more gather, up to interval after the last commit
                 try:
                     await asyncio.wait_for(self._urgent.wait(), delay)
                 except TimeoutError:
@@ -134,7 +136,11 @@ class Writer:
             try:
                 await self._commit(batch)
             except Exception as exc:  # a failed commit must not kill the writer: say so, fail the waiters, go on
-                log.error("state store: a write of %d rows failed: %s", len(batch.events) + len(batch.finals) + len(batch.starts), exc)
+                log.error(
+                    "state store: a write of %d rows failed: %s",
+                    len(batch.events) + len(batch.finals) + len(batch.starts),
+                    exc,
+                )
                 for waiter in batch.waiters:
                     if not waiter.done():
                         waiter.set_exception(exc)
@@ -147,11 +153,14 @@ class Writer:
             if batch.events:
                 rows = [(rid, first, last, b"\n".join(datas)) for rid, first, last, datas in _grouped(batch.events)]
                 await tx.executemany(
-                    "INSERT INTO response_events (response_id, seq, last_seq, data) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING", rows
+                    "INSERT INTO response_events (response_id, seq, last_seq, data) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    rows,
                 )
             if batch.chunks:
                 rows = [(rid, first, _list_encoder.encode(datas)) for rid, first, _, datas in _grouped(batch.chunks)]
-                await tx.executemany("INSERT INTO response_chunks (response_id, seq, data) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", rows)
+                await tx.executemany(
+                    "INSERT INTO response_chunks (response_id, seq, data) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", rows
+                )
             now = time.time()
             for record in batch.finals:
                 await tx.execute(UPSERT, *record.row(now))
@@ -160,7 +169,8 @@ class Writer:
                 for table in ("response_events", "response_chunks"):
                     await tx.execute(f"DELETE FROM {table} WHERE response_id = ?", response_id)
                 await tx.execute(
-                    "DELETE FROM responses WHERE id = ? AND status NOT IN ('completed', 'incomplete', 'failed', 'cancelled')", response_id
+                    "DELETE FROM responses WHERE id = ? AND status NOT IN ('completed', 'incomplete', 'failed', 'cancelled')",
+                    response_id,
                 )
         self.commits += 1
         self.rows += len(batch.starts) + len(batch.events) + len(batch.chunks) + len(batch.finals)

@@ -41,7 +41,7 @@ def browser() -> Iterator[object]:
 
 
 @pytest.fixture
-def page(browser):  # noqa: ANN001, ANN201
+def page(browser):
     context = browser.new_context(viewport={"width": 1200, "height": 820})
     tab = context.new_page()
     errors: list[str] = []
@@ -53,19 +53,19 @@ def page(browser):  # noqa: ANN001, ANN201
     assert not errors, errors
 
 
-def shot(page, name: str) -> None:  # noqa: ANN001
+def shot(page, name: str) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"))
 
 
-def send(page, text: str, max_tokens: int) -> None:  # noqa: ANN001
+def send(page, text: str, max_tokens: int) -> None:
     page.wait_for_function("document.getElementById('model').options.length > 0")
     page.fill("#max_tokens", str(max_tokens))
     page.fill("#prompt", text)
     page.click("#send")
 
 
-def answer_length(page) -> int:  # noqa: ANN001
+def answer_length(page) -> int:
     return page.evaluate("(document.querySelector('.msg.assistant .text') || {textContent: ''}).textContent.length")
 
 
@@ -90,7 +90,9 @@ def test_playground_streams_an_answer_token_by_token(server: Server, page):
 def test_stop_ends_the_generation_and_the_worker_frees_it(server: Server, page):
     page.goto(server.base_url + "/")
     send(page, "Write a very long story about the history of the world, in great detail.", max_tokens=3000)
-    page.wait_for_function("(document.querySelector('.msg.assistant .text') || {textContent: ''}).textContent.length > 40", timeout=60000)
+    page.wait_for_function(
+        "(document.querySelector('.msg.assistant .text') || {textContent: ''}).textContent.length > 40", timeout=60000
+    )
     assert any(w["inflight"] for w in server.workers())
     page.click("#stop")
     page.wait_for_selector(".msg.assistant[data-finish='stopped']", timeout=10000)
@@ -98,7 +100,10 @@ def test_stop_ends_the_generation_and_the_worker_frees_it(server: Server, page):
     seen = {w["name"]: w["heartbeats"] for w in server.workers()}
     wait_until(
         lambda: all(
-            w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0 and w["free_blocks"] == w["total_blocks"]
+            w["heartbeats"] >= seen[w["name"]] + 2
+            and w["inflight"] == 0
+            and w["running"] == 0
+            and w["free_blocks"] == w["total_blocks"]
             for w in server.workers()
         ),
         15,
@@ -109,13 +114,17 @@ def test_stop_ends_the_generation_and_the_worker_frees_it(server: Server, page):
 
 def test_operator_view_shows_a_worker_appear(page):
     server = Server(free_port(), free_port())
-    server.processes.append(spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "ui-gateway"))
+    server.processes.append(
+        spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "ui-gateway")
+    )
     try:
         wait_until(lambda: server.get("/health").status_code == 200, 60, "the gateway")
         page.goto(server.base_url + "/dashboard")
         page.wait_for_function("document.getElementById('stat-workers').textContent === '0'", timeout=20000)
         assert page.query_selector("#workers tbody tr") is None
-        server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "joiner"], "ui-worker"))
+        server.processes.append(
+            spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "joiner"], "ui-worker")
+        )
         page.wait_for_selector("#workers tbody tr[data-worker='joiner']", timeout=90000)
         assert page.inner_text("#workers tr[data-worker='joiner'] .state") == "ready"
         assert page.inner_text("#stat-workers") == "1"
@@ -150,7 +159,9 @@ def test_page_asks_for_the_api_key_and_sends_it(keyed_server: Server, page):
 
 def test_the_ui_can_be_turned_off():
     server = Server(free_port(), free_port())
-    server.processes.append(spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, "--no-ui"], "ui-off"))
+    server.processes.append(
+        spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, "--no-ui"], "ui-off")
+    )
     try:
         wait_until(lambda: server.get("/health").status_code == 200, 60, "the gateway")
         assert server.get("/").status_code == 404

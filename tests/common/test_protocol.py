@@ -48,7 +48,10 @@ def test_round_trip(msg):
         ([bytes((PROTOCOL_VERSION, 200)), b""], "unknown message type 200"),
         ([bytes((PROTOCOL_VERSION, MsgType.ABORT)), b"\xc1garbage"], "bad ABORT payload"),
         ([bytes((PROTOCOL_VERSION, MsgType.ABORT)), msgspec.msgpack.encode(["nope"])], "bad ABORT payload"),
-        ([bytes((PROTOCOL_VERSION, MsgType.ABORT)), msgspec.msgpack.encode({"request_ids": ["x"]})], "bad ABORT payload"),
+        (
+            [bytes((PROTOCOL_VERSION, MsgType.ABORT)), msgspec.msgpack.encode({"request_ids": ["x"]})],
+            "bad ABORT payload",
+        ),
     ],
 )
 def test_malformed_frames_are_rejected(frames, reason):
@@ -65,8 +68,14 @@ def test_a_one_token_output_is_compact():
     """Array form: a step's one-token output of a 32-character request id is its values without their
     names (the dataclasses with key names took 232 bytes); a shorter array takes the defaults."""
     rid = "0123456789abcdef0123456789abcdef"
-    frames = protocol.encode(StepOutputs([RequestOutput(rid, [1234], None, 25, 7, 0, seq=6)], batch_size=1, num_tokens=1))
-    assert msgspec.msgpack.decode(frames[1]) == [[[rid, [1234], None, 25, 7, 0, None, False, None, None, 6, [], None]], 1, 1]
+    frames = protocol.encode(
+        StepOutputs([RequestOutput(rid, [1234], None, 25, 7, 0, seq=6)], batch_size=1, num_tokens=1)
+    )
+    assert msgspec.msgpack.decode(frames[1]) == [
+        [[rid, [1234], None, 25, 7, 0, None, False, None, None, 6, [], None]],
+        1,
+        1,
+    ]
     assert sum(map(len, frames)) == 56  # 55 before ``pooled`` (a pooling request's vector) came at the end
     short = protocol.decode([frames[0], msgspec.msgpack.encode([[[rid, [1234]]]])])
     assert short == StepOutputs([RequestOutput(rid, [1234])])
@@ -75,12 +84,18 @@ def test_a_one_token_output_is_compact():
 def test_a_peer_of_the_old_version_is_named_and_refused_in_its_own_words():
     """Version 1 sent maps: its Ready's worker name is read for the log, and the refusal goes back as
     the map a version-1 worker decodes as its WorkerError."""
-    old_ready = [bytes((1, MsgType.READY)), msgspec.msgpack.encode({"worker_name": "old-w", "model": "m", "protocol_version": 1})]
+    old_ready = [
+        bytes((1, MsgType.READY)),
+        msgspec.msgpack.encode({"worker_name": "old-w", "model": "m", "protocol_version": 1}),
+    ]
     with pytest.raises(protocol.VersionMismatch) as caught:
         protocol.decode(old_ready)
     assert (caught.value.version, caught.value.msg_type, caught.value.sender_name()) == (1, MsgType.READY, "old-w")
     header, payload = protocol.refusal(1, "speak 2")
-    assert header == bytes((1, MsgType.ERROR)) and msgspec.msgpack.decode(payload) == {"message": "speak 2", "request_id": None}
+    assert header == bytes((1, MsgType.ERROR)) and msgspec.msgpack.decode(payload) == {
+        "message": "speak 2",
+        "request_id": None,
+    }
     assert protocol.decode(protocol.refusal(PROTOCOL_VERSION, "x")) == WorkerError("x")
     assert protocol.refusal(PROTOCOL_VERSION + 1, "x") is None
 

@@ -15,7 +15,14 @@ import yaml
 
 SUPPORTED = {"apiVersion", "kind", "resources", "patches", "images"}
 # Kubernetes' patchMergeKey of the keyed lists the patches touch; other lists are replaced.
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name", "volumeMounts": "mountPath", "ports": "containerPort"}
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
 
 
 def render(folder: Path) -> list[dict[str, Any]]:
@@ -32,7 +39,11 @@ def render(folder: Path) -> list[dict[str, Any]]:
         if set(patch) != {"path"}:
             raise ValueError(f"only file patches are implemented, not {patch}")
         doc = yaml.safe_load((folder / patch["path"]).read_text())
-        (index,) = [i for i, o in enumerate(objects) if (o["kind"], o["metadata"]["name"]) == (doc["kind"], doc["metadata"]["name"])]
+        (index,) = [
+            i
+            for i, o in enumerate(objects)
+            if (o["kind"], o["metadata"]["name"]) == (doc["kind"], doc["metadata"]["name"])
+        ]
         objects[index] = strategic_merge(objects[index], doc)
     for image in spec.get("images", []):
         for obj in objects:
@@ -55,7 +66,9 @@ def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
     key = MERGE_KEYS.get(field)
     if key and isinstance(base, list) and isinstance(patch, list):
         by_key = {item[key]: item for item in base}
-        merged_items = [strategic_merge(by_key[item[key]], item) if item[key] in by_key else copy.deepcopy(item) for item in patch]
+        merged_items = [
+            strategic_merge(by_key[item[key]], item) if item[key] in by_key else copy.deepcopy(item) for item in patch
+        ]
         patched = {item[key] for item in patch}
         return merged_items + [copy.deepcopy(item) for item in base if item[key] not in patched]
     return copy.deepcopy(patch)

@@ -35,7 +35,10 @@ def test_the_worker_service_scales():
     """`--scale worker=N` needs no fixed container name and no published host port."""
     for name in WORKERS:
         assert "container_name" not in SERVICES[name] and "ports" not in SERVICES[name]
-    served = [SERVICES[n]["environment"].get("LLMPOOL_SERVED_MODEL_NAME", SERVICES[n]["environment"]["LLMPOOL_MODEL"]) for n in WORKERS]
+    served = [
+        SERVICES[n]["environment"].get("LLMPOOL_SERVED_MODEL_NAME", SERVICES[n]["environment"]["LLMPOOL_MODEL"])
+        for n in WORKERS
+    ]
     assert len(set(served)) == 2
 
 
@@ -58,7 +61,11 @@ def test_the_gateways_share_the_postgres_service():
     (url,) = urls  # one store for the fleet
     parts = urlsplit(url)
     assert parts.scheme == "postgresql" and parts.hostname == "postgres" and parts.port == 5432
-    assert (parts.username, parts.password, parts.path.lstrip("/")) == (env["POSTGRES_USER"], env["POSTGRES_PASSWORD"], env["POSTGRES_DB"])
+    assert (parts.username, parts.password, parts.path.lstrip("/")) == (
+        env["POSTGRES_USER"],
+        env["POSTGRES_PASSWORD"],
+        env["POSTGRES_DB"],
+    )
     for gateway in GATEWAYS:
         assert SERVICES[gateway]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
     for worker in WORKERS:

@@ -45,7 +45,12 @@ def find(objs: list[dict], kind: str, name: str) -> dict:
 
 
 def workloads(objs: list[dict], component: str) -> list[dict]:
-    return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet") and o["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    return [
+        o
+        for o in objs
+        if o["kind"] in ("Deployment", "StatefulSet")
+        and o["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
 
 
 def container(workload: dict) -> dict:
@@ -72,7 +77,9 @@ def test_every_object_passes_the_schema(overlay):
 def test_renderer_matches_kubectl_kustomize(overlay):
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed: the manifests are checked with the built-in renderer alone")
-    result = subprocess.run(["kubectl", "kustomize", str(KUBE / "overlays" / overlay)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(KUBE / "overlays" / overlay)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     theirs = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(result.stdout) if o}
     ours = {(o["kind"], o["metadata"]["name"]): o for o in objects(overlay)}
@@ -91,7 +98,11 @@ def test_gateway_probes_and_metrics(overlay):
     assert "/ready" in probe[-1]
     compile(probe[-1], "readinessProbe", "exec")
     annotations = gateway["spec"]["template"]["metadata"]["annotations"]
-    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000", "prometheus.io/path": "/metrics"}
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "8000",
+        "prometheus.io/path": "/metrics",
+    }
     grace = float(env(gateway)["LLMPOOL_SHUTDOWN_GRACE"])
     assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
 
@@ -117,7 +128,9 @@ def test_workers_reach_every_gateway_through_the_headless_service(overlay):
     for worker in workers:
         assert env(worker)["LLMPOOL_GATEWAY_ADDRESS"] == GATEWAY_ZMQ
         assert "ports" not in container(worker), "workers dial out; nothing connects to them"
-        assert not (worker["spec"]["template"]["metadata"]["labels"].items() >= http["spec"]["selector"].items()), "a Service would select workers"
+        assert not (worker["spec"]["template"]["metadata"]["labels"].items() >= http["spec"]["selector"].items()), (
+            "a Service would select workers"
+        )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -143,7 +156,9 @@ def test_workers_keep_models_on_a_volume(overlay):
         mounts = {m["name"]: m["mountPath"] for m in container(worker)["volumeMounts"]}
         assert mounts["model-cache"] == env(worker)["LLMPOOL_CACHE_DIR"] and "model-cache" in claims
         assert env(worker)["LLMPOOL_KERNEL_DIR"].startswith(env(worker)["LLMPOOL_CACHE_DIR"] + "/")
-        assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > float(env(worker)["LLMPOOL_DRAIN_TIMEOUT"])
+        assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > float(
+            env(worker)["LLMPOOL_DRAIN_TIMEOUT"]
+        )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -158,7 +173,9 @@ def test_workers_keep_their_kv_store_on_a_volume(overlay):
         volume = mounts[mount]
         claims = {c["metadata"]["name"]: c["spec"] for c in worker["spec"]["volumeClaimTemplates"]}
         pod_claims = {
-            v["name"]: v["persistentVolumeClaim"]["claimName"] for v in worker["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in worker["spec"]["template"]["spec"]["volumes"]
+            if "persistentVolumeClaim" in v
         }
         if volume in pod_claims:
             assert find(objs, "PersistentVolumeClaim", pod_claims[volume])["spec"]["accessModes"] == ["ReadWriteMany"]
@@ -216,10 +233,15 @@ def test_the_gateways_share_one_postgres_through_its_service(overlay):
     assert service["spec"]["selector"].items() <= postgres["spec"]["template"]["metadata"]["labels"].items()
     assert service["spec"]["ports"] == [{"name": "postgres", "port": 5432, "targetPort": "postgres"}]
     c = container(postgres)
-    assert c["image"].startswith("postgres:") and {p["name"]: p["containerPort"] for p in c["ports"]} == {"postgres": 5432}
+    assert c["image"].startswith("postgres:") and {p["name"]: p["containerPort"] for p in c["ports"]} == {
+        "postgres": 5432
+    }
     assert env(postgres)["POSTGRES_PASSWORD"] == {"secretKeyRef": {"name": "llmpool-postgres", "key": "password"}}
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert env(postgres)["PGDATA"].startswith(mounts["data"] + "/") and postgres["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert (
+        env(postgres)["PGDATA"].startswith(mounts["data"] + "/")
+        and postgres["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    )
     assert "pg_isready" in c["readinessProbe"]["exec"]["command"]
     script = (KUBE / "make-secrets.sh").read_text()
     assert "secret llmpool-postgres" in script and "@llmpool-postgres:5432/" + env(postgres)["POSTGRES_DB"] in script
@@ -233,7 +255,11 @@ def test_make_secrets_writes_a_state_url_the_gateway_accepts(tmp_path):
 
     secrets = make_secrets(tmp_path)["llmpool-postgres"]
     url = urlsplit(secrets["url"].decode())
-    assert url.scheme == "postgresql" and url.hostname == "llmpool-postgres" and url.password == secrets["password"].decode()
+    assert (
+        url.scheme == "postgresql"
+        and url.hostname == "llmpool-postgres"
+        and url.password == secrets["password"].decode()
+    )
 
 
 def test_launcher_flags_stay_out_of_the_manifests():
@@ -275,8 +301,16 @@ def test_multi_model_overlay_serves_two_names_from_separate_workers():
 
 
 def make_secrets(tmp_path: Path) -> dict[str, dict[str, bytes]]:
-    environment = {**os.environ, "DRY_RUN": "1", "LLMPOOL": f"{sys.executable} -m launcher", "LLMPOOL_API_KEY": "k1,k2", "TMPDIR": str(tmp_path)}
-    result = subprocess.run([str(KUBE / "make-secrets.sh")], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120)
+    environment = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "LLMPOOL": f"{sys.executable} -m launcher",
+        "LLMPOOL_API_KEY": "k1,k2",
+        "TMPDIR": str(tmp_path),
+    }
+    result = subprocess.run(
+        [str(KUBE / "make-secrets.sh")], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     docs = [d for d in yaml.safe_load_all(result.stdout) if d]
     return {d["metadata"]["name"]: {k: base64.b64decode(v) for k, v in d["data"].items()} for d in docs}
@@ -304,10 +338,16 @@ def test_make_secrets_provides_every_secret_the_manifests_mount(tmp_path):
         for key, data in entries.items():
             (files / f"{secret}.{key}").write_bytes(data)
     gateway_public, gateway_secret = zmq.auth.load_certificate(files / "llmpool-curve-gateway.gateway.key_secret")
-    assert gateway_secret and zmq.auth.load_certificate(files / "llmpool-curve-worker.gateway.key") == (gateway_public, None)
+    assert gateway_secret and zmq.auth.load_certificate(files / "llmpool-curve-worker.gateway.key") == (
+        gateway_public,
+        None,
+    )
     worker_public, worker_secret = zmq.auth.load_certificate(files / "llmpool-curve-worker.worker.key_secret")
     (authorized,) = [k for k in secrets["llmpool-curve-authorized"]]
-    assert worker_secret and zmq.auth.load_certificate(files / f"llmpool-curve-authorized.{authorized}")[0] == worker_public
+    assert (
+        worker_secret
+        and zmq.auth.load_certificate(files / f"llmpool-curve-authorized.{authorized}")[0] == worker_public
+    )
 
 
 def test_readiness_probe_command_against_a_real_gateway():
@@ -321,7 +361,10 @@ def test_readiness_probe_command_against_a_real_gateway():
         def probe(key: str) -> int:
             environment = {**os.environ, "LLMPOOL_PORT": str(server.port), "LLMPOOL_API_KEY": key}
             return subprocess.run(
-                ["python3" if shutil.which("python") is None else "python", *command[1:]], env=environment, capture_output=True, timeout=30
+                ["python3" if shutil.which("python") is None else "python", *command[1:]],
+                env=environment,
+                capture_output=True,
+                timeout=30,
             ).returncode
 
         assert probe("probe-key,other") == 0

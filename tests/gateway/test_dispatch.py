@@ -37,7 +37,9 @@ def ready(name: str = "a", model: str = "m", digest: str = "") -> Ready:
     return Ready(name, model, 1024, 4096, 16, 8, "cpu", "float32", tokenizer_digest=digest)
 
 
-def request(i: int, prompt: list[int] | None = None, budget: int = 4, sampling: SamplingParams | None = None) -> NewRequest:
+def request(
+    i: int, prompt: list[int] | None = None, budget: int = 4, sampling: SamplingParams | None = None
+) -> NewRequest:
     return NewRequest(f"r{i}", prompt or [1, 2, 3], budget, sampling or SamplingParams())
 
 
@@ -48,7 +50,9 @@ class Pool:
     def __init__(self, **options: object) -> None:
         self.clock = Clock()
         self.reachable: set[bytes] = set()
-        self.dispatch = Dispatcher(1.0, 3, reachable=lambda identity: identity in self.reachable, clock=self.clock, **options)
+        self.dispatch = Dispatcher(
+            1.0, 3, reachable=lambda identity: identity in self.reachable, clock=self.clock, **options
+        )
 
     def join(self, name: str = "a", model: str = "m", digest: str = "") -> bytes:
         identity = name.encode()
@@ -111,7 +115,11 @@ def test_a_silent_worker_expires_its_requests_fail_after_waiting_for_another_and
     for _ in range(4):
         pool.tick()
     (error,) = drained(stream)
-    assert isinstance(error, GenerationFailed) and "missed 3 heartbeats" in error.message and "no other worker" in error.message
+    assert (
+        isinstance(error, GenerationFailed)
+        and "missed 3 heartbeats" in error.message
+        and "no other worker" in error.message
+    )
     with pytest.raises(NoWorkerAvailable, match="`m`"):
         pool.dispatch.submit(request(1), "m")
     assert pool.dispatch.snapshot()["departures"] == 1
@@ -185,7 +193,11 @@ def test_a_gateway_learns_a_model_from_its_first_worker_before_admitting_it():
     assert pool.dispatch.to_learn == [(a, broken)]
     pool.dispatch.to_learn.clear()
     pool.dispatch.learned(a, broken, ValueError("not a tokenizer"))
-    assert not pool.dispatch.roster.workers and not pool.dispatch.roster.joining and pool.dispatch.roster.models["m"].digest is None
+    assert (
+        not pool.dispatch.roster.workers
+        and not pool.dispatch.roster.joining
+        and pool.dispatch.roster.models["m"].digest is None
+    )
     pool.join("a", digest="d1")  # it registers again and is asked again
     assert pool.sent() == [(a, DescribeModel("d1"))]
     good = ModelInfo("m", "d1", b"files")
@@ -213,7 +225,10 @@ def test_a_worker_twice_as_fast_gets_about_twice_the_work_and_like_workers_share
     pool.clock.now += 2  # the pool's median speed is refreshed once a second
     for i in range(30, 40):
         pool.dispatch.submit(request(i), "m")
-    assert {w.ready.worker_name: len(w.inflight) for w in pool.dispatch.roster.workers.values()} == {"fast": 5, "slow": 5}
+    assert {w.ready.worker_name: len(w.inflight) for w in pool.dispatch.roster.workers.values()} == {
+        "fast": 5,
+        "slow": 5,
+    }
 
 
 def test_a_worker_registering_again_replaces_its_old_entry_and_takes_its_requests_back():
@@ -251,7 +266,12 @@ def test_a_dead_workers_requests_resume_on_another_worker_where_they_left_off():
     pool.dispatch.on_message(a, Goodbye("crashing"))
     ((to, added),) = pool.sent()
     moved = added.requests[0]
-    assert to == b and moved.prompt_token_ids == [1, 2, 3, 7, 8] and moved.max_new_tokens == 3 and moved.resumed_tokens == 2
+    assert (
+        to == b
+        and moved.prompt_token_ids == [1, 2, 3, 7, 8]
+        and moved.max_new_tokens == 3
+        and moved.resumed_tokens == 2
+    )
     assert moved.sampling.temperature == 0.7 and moved.sampling.seed == 13
     pool.step(b, RequestOutput("r0.1", [9], "length", 5, 1))
     outputs = drained(stream)
@@ -292,8 +312,16 @@ def test_a_request_the_worker_never_accepted_fails_alone_and_the_worker_is_not_h
         sent += [msg.requests[0].request_id for _, msg in pool.sent() if isinstance(msg, AddRequests)]
     assert sent == ["r0", "r0.1", "r0.2"]
     (error,) = drained(stream)
-    assert isinstance(error, GenerationFailed) and "does not hold the request" in error.message and "moved 2 times" in error.message
-    assert pool.dispatch.roster.workers and pool.dispatch.snapshot()["workers"][0]["inflight"] == 0 and not pool.dispatch.roster.departed
+    assert (
+        isinstance(error, GenerationFailed)
+        and "does not hold the request" in error.message
+        and "moved 2 times" in error.message
+    )
+    assert (
+        pool.dispatch.roster.workers
+        and pool.dispatch.snapshot()["workers"][0]["inflight"] == 0
+        and not pool.dispatch.roster.departed
+    )
 
 
 def test_a_lost_output_is_noticed_and_the_request_resumes_from_what_was_delivered():
@@ -308,7 +336,11 @@ def test_a_lost_output_is_noticed_and_the_request_resumes_from_what_was_delivere
     pool.step(a, RequestOutput("r0", [9], None, 3, 3, seq=2))  # seq 1 ([8]) lost
     (abort, (_, again)) = pool.sent()
     assert abort == (a, Abort(["r0"]))
-    assert (again.requests[0].request_id, again.requests[0].prompt_token_ids, again.requests[0].max_new_tokens) == ("r0.1", [1, 2, 3, 7], 2)
+    assert (again.requests[0].request_id, again.requests[0].prompt_token_ids, again.requests[0].max_new_tokens) == (
+        "r0.1",
+        [1, 2, 3, 7],
+        2,
+    )
     pool.step(a, RequestOutput("r0", [], "abort", 3, 3, seq=3))  # the old attempt's: ignored
     pool.step(a, RequestOutput("r0.1", [8], None, 4, 1, seq=0))
     pool.step(a, RequestOutput("r0.1", [9], "length", 4, 2, seq=1))
@@ -327,7 +359,12 @@ def test_a_request_taken_over_from_a_dead_gateway_continues_after_the_tokens_it_
     stream = pool.dispatch.submit(request(0, budget=4), "m", delivered=[7, 8])
     ((_, message),) = pool.sent()
     (sent,) = message.requests
-    assert (sent.request_id, sent.prompt_token_ids, sent.max_new_tokens, sent.resumed_tokens) == ("r0", [1, 2, 3, 7, 8], 2, 2)
+    assert (sent.request_id, sent.prompt_token_ids, sent.max_new_tokens, sent.resumed_tokens) == (
+        "r0",
+        [1, 2, 3, 7, 8],
+        2,
+        2,
+    )
     pool.step(a, RequestOutput("r0", [9, 10], "length", 5, 2, seq=0))
     (output,) = drained(stream)
     assert (output.new_token_ids, output.num_prompt_tokens, output.num_output_tokens) == ([9, 10], 3, 4)
@@ -335,7 +372,12 @@ def test_a_request_taken_over_from_a_dead_gateway_continues_after_the_tokens_it_
     done = pool.dispatch.submit(request(1, budget=2), "m", delivered=[7, 8])
     assert pool.sent() == []
     (final,) = drained(done)
-    assert (final.finish_reason, final.new_token_ids, final.num_prompt_tokens, final.num_output_tokens) == ("length", [], 3, 2)
+    assert (final.finish_reason, final.new_token_ids, final.num_prompt_tokens, final.num_output_tokens) == (
+        "length",
+        [],
+        3,
+        2,
+    )
     assert done.finished and not pool.dispatch.streams and pool.dispatch.snapshot()["workers"][0]["inflight"] == 0
 
 
@@ -345,7 +387,10 @@ def test_a_worker_the_router_cannot_reach_is_purged():
     stream = pool.dispatch.submit(request(0), "m")
     pool.sent()
     pool.dispatch.unreachable(a, "Host unreachable")
-    assert not pool.dispatch.roster.workers and "unreachable (Host unreachable)" in pool.dispatch.roster.departed[0]["reason"]
+    assert (
+        not pool.dispatch.roster.workers
+        and "unreachable (Host unreachable)" in pool.dispatch.roster.departed[0]["reason"]
+    )
     assert not stream.finished  # waits for another worker
 
 
@@ -400,7 +445,9 @@ def test_prefix_affinity_sends_a_shared_prefix_to_the_same_worker_unless_it_is_m
 def test_prefix_affinity_lets_workers_sharing_a_kv_store_take_each_others_prefixes():
     """Workers whose heartbeats name the same KV store read a prefix any of them computed: the
     prefix stays on its worker only while that worker is no busier than the least loaded one."""
-    a, b, c = (WorkerInfo(name, ready(name.decode()), 0.0, load=Heartbeat(kv_store_id="s1-fp")) for name in (b"a", b"b", b"c"))
+    a, b, c = (
+        WorkerInfo(name, ready(name.decode()), 0.0, load=Heartbeat(kv_store_id="s1-fp")) for name in (b"a", b"b", b"c")
+    )
     c.load = Heartbeat(kv_store_id="s2-fp")  # another store (or another model fingerprint)
     workers = {w.identity: w for w in (a, b, c)}
     affinity = PrefixAffinity(slack_tokens=1000)

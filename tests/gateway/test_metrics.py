@@ -15,7 +15,11 @@ from tests.gateway.test_worker_client import READY, FakeWorker, eventually, run
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
     text = metrics.render().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def test_dead_workers_are_counted_as_they_are_now_and_departures_as_a_counter():
@@ -52,8 +56,18 @@ def test_kv_store_figures_come_from_the_heartbeats():
         metrics = Metrics(client.snapshot, Admission(4, 4))
         await worker.send(READY)
         await eventually(lambda: len(client.workers) == 1)
-        assert not [name for name, _ in samples(metrics) if name.startswith("llmpool_worker_kv_store")]  # no store: no series
-        await worker.send(Heartbeat(kv_store_id="s-fp", kv_store_hits=7, kv_store_misses=2, kv_store_read_bytes=4096, kv_store_size_bytes=10**6))
+        assert not [
+            name for name, _ in samples(metrics) if name.startswith("llmpool_worker_kv_store")
+        ]  # no store: no series
+        await worker.send(
+            Heartbeat(
+                kv_store_id="s-fp",
+                kv_store_hits=7,
+                kv_store_misses=2,
+                kv_store_read_bytes=4096,
+                kv_store_size_bytes=10**6,
+            )
+        )
         await eventually(lambda: client.snapshot()["workers"][0]["kv_store_hits"] == 7)
         (shown,) = client.snapshot()["workers"]
         assert (shown["kv_store_id"], shown["kv_store_misses"], shown["kv_store_read_bytes"]) == ("s-fp", 2, 4096)
@@ -88,9 +102,15 @@ def test_tokenize_jobs_are_counted_while_queued_and_by_how_they_ended():
 
         def ended() -> dict[str, float]:
             seen = samples(metrics).items()
-            return {dict(labels)["outcome"]: v for (name, labels), v in seen if name == "llmpool_gateway_tokenize_jobs_ended_total"}
+            return {
+                dict(labels)["outcome"]: v
+                for (name, labels), v in seen
+                if name == "llmpool_gateway_tokenize_jobs_ended_total"
+            }
 
-        wait_until(lambda: sum(ended().values()) == 4, 10, "the jobs to end")  # a future's callbacks run just after its result is set
+        wait_until(
+            lambda: sum(ended().values()) == 4, 10, "the jobs to end"
+        )  # a future's callbacks run just after its result is set
         assert ended() == {"done": 1, "error": 1, "cancelled": 1, "deadline": 1}
         assert samples(metrics)[("llmpool_gateway_tokenize_jobs", (("lane", "big"),))] == 0
     finally:

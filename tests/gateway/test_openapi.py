@@ -15,7 +15,12 @@ def test_each_dialects_request_and_response_bodies_are_in_the_served_openapi_doc
     assert response.status_code == 200 and "json" in response.headers["content-type"]
     document = response.json()
     assert server.get("/schema").json() == document
-    for page in ("/schema/swagger", "/schema/redoc", "/schema/elements", "/schema/rapidoc"):  # no pages that load a CDN's scripts
+    for page in (
+        "/schema/swagger",
+        "/schema/redoc",
+        "/schema/elements",
+        "/schema/rapidoc",
+    ):  # no pages that load a CDN's scripts
         assert "<script" not in server.get(page).text, page
     assert not any(path.startswith("/schema") for path in document["paths"])
     for path, (request, response) in ROUTES.items():
@@ -40,5 +45,7 @@ def test_the_routes_declare_bodies_dependencies_and_path_parameters_as_litestar_
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        create_app(GatewayConfig()).openapi_schema  # noqa: B018 - builds every handler's signature model
-    assert [str(w.message) for w in caught if issubclass(w.category, (LitestarDeprecationWarning, LitestarWarning))] == []
+        create_app(GatewayConfig()).openapi_schema  # builds every handler's signature model
+    assert [
+        str(w.message) for w in caught if issubclass(w.category, (LitestarDeprecationWarning, LitestarWarning))
+    ] == []

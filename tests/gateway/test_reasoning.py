@@ -76,7 +76,12 @@ def test_earlier_thinking_reaches_the_template_as_reasoning_content():
     from gateway.routes.chat import message_dicts
     from gateway.schemas import ChatMessage
 
-    turns = message_dicts([ChatMessage(role="user", content="2+2?"), ChatMessage(role="assistant", content="4", reasoning="2 and 2 make 4")])
+    turns = message_dicts(
+        [
+            ChatMessage(role="user", content="2+2?"),
+            ChatMessage(role="assistant", content="4", reasoning="2 and 2 make 4"),
+        ]
+    )
     assert turns[1]["reasoning_content"] == "2 and 2 make 4" and "reasoning_content" not in turns[0]
 
 
@@ -86,7 +91,10 @@ def test_earlier_thinking_blocks_reach_the_template_as_reasoning_content():
 
     history = [
         AnthropicMessage(role="user", content="2+2?"),
-        AnthropicMessage(role="assistant", content=[ContentBlock(type="thinking", thinking="2 and 2 make 4"), ContentBlock(type="text", text="4")]),
+        AnthropicMessage(
+            role="assistant",
+            content=[ContentBlock(type="thinking", thinking="2 and 2 make 4"), ContentBlock(type="text", text="4")],
+        ),
         AnthropicMessage(role="user", content="And 3+3?"),
     ]
     turns = chat_messages(None, history)

@@ -26,7 +26,7 @@ class _Generation:
     def __init__(self, events: list) -> None:
         self._events = events
 
-    async def events(self):  # noqa: ANN201
+    async def events(self):
         for event in self._events:
             yield event
 
@@ -48,8 +48,11 @@ SCRIPTS = {
 }
 
 
-def _texts(response) -> list[str]:  # noqa: ANN001
-    return [item.arguments if item.type == "function_call" else "".join(part.text for part in item.content) for item in response.output]
+def _texts(response) -> list[str]:
+    return [
+        item.arguments if item.type == "function_call" else "".join(part.text for part in item.content)
+        for item in response.output
+    ]
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
@@ -75,6 +78,15 @@ def test_the_sdks_snapshot_is_the_final_response_at_every_event(script):
         assert len(snapshot) <= len(expected)
         assert all(expected[i].startswith(text) for i, text in enumerate(snapshot)), (snapshot, expected)
     assert snapshots[-1] == expected and all(expected)
-    added = [msgspec.json.decode(e.data) for e in events if e.type in ("response.output_item.added", "response.content_part.added")]
-    assert all(not a.get("item", {}).get("content") and not a.get("item", {}).get("arguments") and not a.get("part", {}).get("text") for a in added)
+    added = [
+        msgspec.json.decode(e.data)
+        for e in events
+        if e.type in ("response.output_item.added", "response.content_part.added")
+    ]
+    assert all(
+        not a.get("item", {}).get("content")
+        and not a.get("item", {}).get("arguments")
+        and not a.get("part", {}).get("text")
+        for a in added
+    )
     assert [e.seq for e in events] == list(range(len(events)))

@@ -30,7 +30,12 @@ def run(parser, pieces):
 
 def test_auto_parses_hermes_calls_and_holds_back_a_possible_opener():
     parser = tool_plan([WEATHER], "auto", None).parser()
-    pieces = ["Let me check.", " <tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}\n</tool_call>']
+    pieces = [
+        "Let me check.",
+        " <tool",
+        '_call>\n{"name": "get_weather", ',
+        '"arguments": {"city": "Paris"}}\n</tool_call>',
+    ]
     content, calls = run(parser, pieces)
     assert content == "Let me check. "
     assert [c.name for c in calls] == ["get_weather"] and calls[0].index == 0 and calls[0].id.startswith("call_")
@@ -81,12 +86,18 @@ def test_tools_go_into_the_system_message_of_a_template_without_tools():
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}],
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+            ],
         },
         {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
     ]
     messages = plan.prompt_messages(history, "{{ messages }}")
-    assert messages[0]["role"] == "system" and "<tools>" in messages[0]["content"] and "get_weather" in messages[0]["content"]
+    assert (
+        messages[0]["role"] == "system"
+        and "<tools>" in messages[0]["content"]
+        and "get_weather" in messages[0]["content"]
+    )
     assert messages[2]["content"] == '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
     assert plan.prompt_messages(history, "{% for t in tools %}{% endfor %}") == history  # the template does it itself
     assert tool_plan([WEATHER], "none", None).parser() is None

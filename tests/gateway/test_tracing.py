@@ -33,7 +33,7 @@ class Collector:
         posts = self.posts
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:  # http.server's name
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 posts.append((self.path, self.headers.get("Content-Type", ""), body))
                 self.send_response(200)
@@ -87,11 +87,11 @@ def scope(path: str = "/v1/chat/completions", headers: dict[str, str] | None = N
     return {"type": "http", "method": method, "path": path, "headers": raw}
 
 
-def serve(scope: dict, handler) -> list[dict]:  # noqa: ANN001 - an async function run as the route
+def serve(scope: dict, handler) -> list[dict]:  # an async function run as the route
     """Run ``handler`` as the app behind the tracing middleware; the messages it sent."""
     sent: list[dict] = []
 
-    async def app(scope: dict, receive, send) -> None:  # noqa: ANN001
+    async def app(scope: dict, receive, send) -> None:
         await handler()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
@@ -197,8 +197,13 @@ def test_one_request_is_one_trace_under_the_callers_span(memory: InMemorySpanExp
     assert first.kind == SpanKind.CLIENT and first.attributes[tracing.WORKER_NAME] == "w-b"  # where it ended up
     assert [e.name for e in first.events] == ["admitted", "resumed_elsewhere", "first_token", "finish"]
     admitted, resumed = first.events[0], first.events[1]
-    assert admitted.timestamp == 1_700_000_000_000_000_000 and dict(admitted.attributes) == {"waited_steps": 2, tracing.WORKER_NAME: "w-a"}
-    assert resumed.attributes["reason"] == "worker w-a missed 5 heartbeats" and resumed.attributes["llmpool.attempt"] == 1
+    assert admitted.timestamp == 1_700_000_000_000_000_000 and dict(admitted.attributes) == {
+        "waited_steps": 2,
+        tracing.WORKER_NAME: "w-a",
+    }
+    assert (
+        resumed.attributes["reason"] == "worker w-a missed 5 heartbeats" and resumed.attributes["llmpool.attempt"] == 1
+    )
     assert first.attributes["gen_ai.usage.cache_read.input_tokens"] == 2
     # The worker got the generate span's context.
     for new, generation in zip(news, sorted(generates, key=lambda g: g.attributes["llmpool.request_id"])):

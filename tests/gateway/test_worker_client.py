@@ -89,7 +89,9 @@ def test_requests_of_one_tick_travel_together_and_outputs_reach_their_streams():
         added = await worker.receive(AddRequests)
         assert [r.request_id for r in added.requests] == ["r0", "r1", "r2"]
         assert client.snapshot()["add_messages_sent"] == 1
-        await worker.send(StepOutputs([RequestOutput("r0", [5], None, 3, 1), RequestOutput("r1", [6], "stop", 3, 1)], batch_size=3))
+        await worker.send(
+            StepOutputs([RequestOutput("r0", [5], None, 3, 1), RequestOutput("r1", [6], "stop", 3, 1)], batch_size=3)
+        )
         assert (await streams[0].queue.get()).new_token_ids == [5]
         final = await streams[1].queue.get()
         assert final.finish_reason == "stop" and streams[1].finished
@@ -156,13 +158,19 @@ def test_a_gateway_learns_a_model_from_its_first_worker_before_admitting_it():
         learned.append(info.model)
 
     async def main():
-        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", heartbeat_interval=0.2, heartbeat_liveness=3, learn_model=learn)
+        client = WorkerClient(
+            f"tcp://127.0.0.1:{free_port()}", heartbeat_interval=0.2, heartbeat_liveness=3, learn_model=learn
+        )
         await client.start()
         worker = FakeWorker(client.bind_address)
         try:
             await worker.send(Ready("fake", "m", 1024, 4096, 16, 8, "cpu", "float32", tokenizer_digest="d1"))
             ask = await worker.receive(DescribeModel)
-            assert ask.tokenizer_digest == "d1" and not client.workers and client.snapshot()["joining"] == [{"name": "fake", "model": "m"}]
+            assert (
+                ask.tokenizer_digest == "d1"
+                and not client.workers
+                and client.snapshot()["joining"] == [{"name": "fake", "model": "m"}]
+            )
             await worker.send(ModelInfo("m", "d1", b"broken"))
             await eventually(lambda: not client.dispatch.roster.joining)  # the load failed: the joiner is dropped
             assert not client.workers and not learned
@@ -224,7 +232,13 @@ def test_a_worker_of_the_old_protocol_is_refused_in_words_it_reads(caplog):
     and logs (worker/proc.py of that version logs "the gateway at ...: <message>")."""
 
     async def scenario(client, worker):
-        old_ready = {"worker_name": "old", "model": "m", "max_model_len": 1024, "kv_capacity_tokens": 4096, "protocol_version": 1}
+        old_ready = {
+            "worker_name": "old",
+            "model": "m",
+            "max_model_len": 1024,
+            "kv_capacity_tokens": 4096,
+            "protocol_version": 1,
+        }
         await worker.sock.send_multipart([bytes((1, protocol.MsgType.READY)), msgspec.msgpack.encode(old_ready)])
         header, payload = await asyncio.wait_for(worker.sock.recv_multipart(), 5)
         assert header == bytes((1, protocol.MsgType.ERROR))

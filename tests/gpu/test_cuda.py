@@ -84,7 +84,9 @@ def engine(model_path: str, **settings: object) -> Engine:
     return build_engine(resolve_model(model_path), WorkerConfig(model=model_path, device="cuda", **settings))
 
 
-def run(eng: Engine, prompts: list[list[int]], logprobs: int | None = None, tag: str = "r") -> dict[str, tuple[list[int], list[TokenLogprobs]]]:
+def run(
+    eng: Engine, prompts: list[list[int]], logprobs: int | None = None, tag: str = "r"
+) -> dict[str, tuple[list[int], list[TokenLogprobs]]]:
     for i, ids in enumerate(prompts):
         eng.add_request(NewRequest(f"{tag}{i}", ids, NEW_TOKENS, SamplingParams(temperature=0, logprobs=logprobs)))
     out: dict[str, tuple[list[int], list[TokenLogprobs]]] = {}
@@ -104,7 +106,9 @@ def blocks_budget(model_path: str, blocks: int, block_size: int) -> str:
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(config.path, gguf_file=config.gguf_file)
-    per_block = 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    per_block = (
+        2 * c.num_hidden_layers * block_size * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    )
     return str(per_block * blocks)
 
 
@@ -116,7 +120,9 @@ def test_float32_greedy_output_matches_generate_on_cuda(model_path, reference, s
     if setting == "preemption":
         settings |= {"block_size": 4, "kv_cache_memory": blocks_budget(model_path, 18, 4)}
     eng = engine(model_path, **settings)
-    assert eng.runner.paths.graphs is None and eng.runner.decode_backend == "eager", "float32 keeps the exact eager path"
+    assert eng.runner.paths.graphs is None and eng.runner.decode_backend == "eager", (
+        "float32 keeps the exact eager path"
+    )
     expected = [tokens for tokens, _ in reference[str(torch.float32)]]
     out = run(eng, PROMPTS)
     assert [out[f"r{i}"][0] for i in range(len(PROMPTS))] == expected
@@ -158,7 +164,9 @@ def test_bf16_decode_with_cuda_graphs_is_close_to_generate(model_path, reference
     refs = reference[str(torch.bfloat16)] * 2
     results = [close(out[f"r{i}"], refs[i]) for i in range(len(refs))]
     exact = sum(out[f"r{i}"][0] == refs[i][0] for i in range(len(refs)))
-    print(f"{model_path} bf16 {attention} graphs={graphs}: {exact}/{len(refs)} identical, {sum(results)}/{len(refs)} close")
+    print(
+        f"{model_path} bf16 {attention} graphs={graphs}: {exact}/{len(refs)} identical, {sum(results)}/{len(refs)} close"
+    )
     assert all(results)
 
 
@@ -166,8 +174,14 @@ def test_bf16_decode_with_cuda_graphs_is_close_to_generate(model_path, reference
 def test_eager_and_kernel_attention_agree_in_bf16(model_path, reference, attention):
     """The eager gather + matmul and the Triton kernel or FlashInfer read the same cache: close outputs."""
     needs(attention)
-    eager = run(engine(model_path, dtype="bfloat16", kv_cache_memory="2GiB", cuda_graphs="off", cuda_attention="eager"), PROMPTS, logprobs=TOP)
-    kernel = run(engine(model_path, dtype="bfloat16", kv_cache_memory="2GiB", cuda_attention=attention), PROMPTS, logprobs=TOP)
+    eager = run(
+        engine(model_path, dtype="bfloat16", kv_cache_memory="2GiB", cuda_graphs="off", cuda_attention="eager"),
+        PROMPTS,
+        logprobs=TOP,
+    )
+    kernel = run(
+        engine(model_path, dtype="bfloat16", kv_cache_memory="2GiB", cuda_attention=attention), PROMPTS, logprobs=TOP
+    )
     for i in range(len(PROMPTS)):
         ref = (eager[f"r{i}"][0], [lp.top_ids for lp in eager[f"r{i}"][1]])
         assert close(kernel[f"r{i}"], ref)
@@ -189,10 +203,22 @@ def test_a_sigkilled_cuda_worker_stream_resumes_on_the_other_worker(model_path):
 
     server = Server(free_port(), free_port())
     env = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
-    server.processes.append(spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "gpu-gateway", env))
+    server.processes.append(
+        spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "gpu-gateway", env)
+    )
     workers = {}
     for name in ("g-a", "g-b"):
-        args = ["worker", "--gateway-address", server.zmq_address, "--worker-name", name, "--device", "cuda", "--dtype", "float32"]
+        args = [
+            "worker",
+            "--gateway-address",
+            server.zmq_address,
+            "--worker-name",
+            name,
+            "--device",
+            "cuda",
+            "--dtype",
+            "float32",
+        ]
         workers[name] = spawn(args, f"gpu-{name}", env)
         server.processes.append(workers[name])
     try:

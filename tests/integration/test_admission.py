@@ -45,7 +45,9 @@ def test_a_request_that_can_never_fit_is_a_400_naming_the_parameter(small_server
     refused = httpx.post(url + "/v1/completions", json=prompts, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "n", refused.text
     assert "9" in refused.json()["error"]["message"] and str(SLOTS) in refused.json()["error"]["message"]
-    many = httpx.post(url + "/v1/completions", json={**prompts, "prompt": [f"p{i}" for i in range(9)], "n": 1}, timeout=30)
+    many = httpx.post(
+        url + "/v1/completions", json={**prompts, "prompt": [f"p{i}" for i in range(9)], "n": 1}, timeout=30
+    )
     assert many.status_code == 400 and many.json()["error"]["param"] == "prompt", many.text
     best = httpx.post(url + "/v1/completions", json={**prompts, "prompt": "p", "n": 1, "best_of": 9}, timeout=30)
     assert best.status_code == 400 and best.json()["error"]["param"] == "best_of", best.text
@@ -63,18 +65,24 @@ def test_mixes_at_and_beyond_the_limit_from_many_clients_all_end(small_server):
         kind = rng.choice(["prompts", "best_of", "chat"])
         if kind == "prompts":
             count = rng.randint(1, 4)
-            bodies.append(("/v1/completions", {"prompt": [f"Count {i}:" for i in range(count)], "n": rng.randint(1, 3)}))
+            bodies.append(
+                ("/v1/completions", {"prompt": [f"Count {i}:" for i in range(count)], "n": rng.randint(1, 3)})
+            )
         elif kind == "best_of":
             bodies.append(("/v1/completions", {"prompt": "Once upon", "n": 1, "best_of": rng.randint(2, 9)}))
         else:
-            bodies.append(("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": rng.randint(1, 10)}))
+            bodies.append(
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": rng.randint(1, 10)})
+            )
     outcomes: list[tuple[int, float]] = []
     lock = threading.Lock()
 
     def send(path: str, body: dict) -> None:
         started = time.monotonic()
         try:
-            status = httpx.post(url + path, json={"model": MODEL, "max_tokens": 2, **body}, timeout=TIMEOUT_S + 30).status_code
+            status = httpx.post(
+                url + path, json={"model": MODEL, "max_tokens": 2, **body}, timeout=TIMEOUT_S + 30
+            ).status_code
         except httpx.TimeoutException:
             status = -1  # hung past the timeout and the margin
         with lock:
@@ -92,14 +100,25 @@ def test_mixes_at_and_beyond_the_limit_from_many_clients_all_end(small_server):
     assert max(elapsed for _, elapsed in outcomes) < TIMEOUT_S + 15, outcomes
     wait_until(lambda: queued(small_server) == 0, 10, "an empty admission queue")
     assert small_server.get("/ready").status_code == 200
-    after = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "n": SLOTS // 2, "max_tokens": 2}, timeout=30)
+    after = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": ["a", "b"], "n": SLOTS // 2, "max_tokens": 2},
+        timeout=30,
+    )
     assert after.status_code == 200 and len(after.json()["choices"]) == SLOTS
 
 
 def test_the_admission_wait_ends_at_the_timeout_and_when_the_client_leaves(small_server):
     url = small_server.base_url + "/v1/chat/completions"
-    hold = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "n": SLOTS, "max_tokens": 4000}
-    with httpx.stream("POST", url, json={**hold, "ignore_eos": True, "stream": True}, timeout=60) as first:  # every slot
+    hold = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell a long story."}],
+        "n": SLOTS,
+        "max_tokens": 4000,
+    }
+    with httpx.stream(
+        "POST", url, json={**hold, "ignore_eos": True, "stream": True}, timeout=60
+    ) as first:  # every slot
         assert first.status_code == 200
         lines = first.iter_lines()
         next(lines)

@@ -14,13 +14,15 @@ agents = pytest.importorskip("agents")
 
 
 @pytest.fixture
-def model(server):  # noqa: ANN201 - an agents OpenAIResponsesModel (its client is bound to one event loop: one per test)
+def model(server):  # an agents OpenAIResponsesModel (its client is bound to one event loop: one per test)
     from agents import OpenAIResponsesModel
 
-    return OpenAIResponsesModel(MODEL, openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120))
+    return OpenAIResponsesModel(
+        MODEL, openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    )
 
 
-def run(agent, text: str):  # noqa: ANN001, ANN201
+def run(agent, text: str):
     from agents import RunConfig, Runner
 
     return asyncio.run(Runner.run(agent, text, max_turns=3, run_config=RunConfig(tracing_disabled=True)))
@@ -56,7 +58,12 @@ def test_a_runner_with_one_function_tool_completes_a_run(model):
 def test_a_runner_without_tools_answers_in_text(model):
     from agents import Agent, ModelSettings
 
-    agent = Agent(name="greeter", instructions="Be brief.", model=model, model_settings=ModelSettings(temperature=0, max_tokens=30))
+    agent = Agent(
+        name="greeter",
+        instructions="Be brief.",
+        model=model,
+        model_settings=ModelSettings(temperature=0, max_tokens=30),
+    )
     result = run(agent, "Say hello.")
     assert isinstance(result.final_output, str) and result.final_output
 
@@ -68,7 +75,12 @@ def test_a_session_on_the_conversations_api_remembers_the_last_turn(model, serve
 
     async def main() -> tuple[list, int]:
         session = OpenAIConversationsSession(openai_client=model._client)
-        agent = Agent(name="memo", instructions="Be brief.", model=model, model_settings=ModelSettings(temperature=0, max_tokens=12))
+        agent = Agent(
+            name="memo",
+            instructions="Be brief.",
+            model=model,
+            model_settings=ModelSettings(temperature=0, max_tokens=12),
+        )
         await Runner.run(agent, "My name is Ada.", session=session, run_config=RunConfig(tracing_disabled=True))
         await Runner.run(agent, "What is my name?", session=session, run_config=RunConfig(tracing_disabled=True))
         items = await session.get_items()

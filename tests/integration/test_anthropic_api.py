@@ -16,13 +16,19 @@ GREEDY = {"temperature": 0}  # current SDKs have no temperature argument: client
 WEATHER = {
     "name": "get_weather",
     "description": "Get the current weather for a city",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]},
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}},
+        "required": ["city"],
+    },
 }
-SYSTEM = "You are a friendly assistant who answers every question briefly, in one short sentence. " * 4  # > 64 tokens: affinity
+SYSTEM = (
+    "You are a friendly assistant who answers every question briefly, in one short sentence. " * 4
+)  # > 64 tokens: affinity
 
 
 @pytest.fixture(scope="module")
-def claude(server):  # noqa: ANN201 - an anthropic.Anthropic
+def claude(server):  # an anthropic.Anthropic
     return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
@@ -32,14 +38,22 @@ def ask(text: str) -> list[dict]:
 
 def test_create_and_its_usage(claude):
     reply = claude.messages.create(
-        model=MODEL, max_tokens=40, system=[{"type": "text", "text": SYSTEM}], messages=ask("Say hello."), extra_body=GREEDY
+        model=MODEL,
+        max_tokens=40,
+        system=[{"type": "text", "text": SYSTEM}],
+        messages=ask("Say hello."),
+        extra_body=GREEDY,
     )
-    assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_") and reply.model == MODEL
+    assert (
+        reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_") and reply.model == MODEL
+    )
     assert reply.content[0].type == "text" and reply.content[0].text
     assert reply.stop_reason in ("end_turn", "max_tokens") and reply.stop_sequence is None
     # The same request again: its prompt now comes from the prefix cache. (Its text may differ from the
     # first one's after a near-tie: bf16 and int8 decoding are close to, not identical across, shapes.)
-    again = claude.messages.create(model=MODEL, max_tokens=40, system=SYSTEM, messages=ask("Say hello."), extra_body=GREEDY)
+    again = claude.messages.create(
+        model=MODEL, max_tokens=40, system=SYSTEM, messages=ask("Say hello."), extra_body=GREEDY
+    )
     assert again.content[0].type == "text" and again.content[0].text
     assert again.usage.cache_read_input_tokens > 0, "the prefix cache served it"
     counted = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=ask("Say hello."))
@@ -53,13 +67,19 @@ def test_create_and_its_usage(claude):
 
 
 def test_stop_sequences_end_with_stop_sequence_set(claude):
-    whole = claude.messages.create(model=MODEL, max_tokens=40, messages=ask("Count from one to ten in words."), extra_body=GREEDY)
+    whole = claude.messages.create(
+        model=MODEL, max_tokens=40, messages=ask("Count from one to ten in words."), extra_body=GREEDY
+    )
     text = whole.content[0].text
     words = text.split()
     assert len(words) > 3, text
     stop = words[2]
     cut = claude.messages.create(
-        model=MODEL, max_tokens=40, messages=ask("Count from one to ten in words."), stop_sequences=[stop], extra_body=GREEDY
+        model=MODEL,
+        max_tokens=40,
+        messages=ask("Count from one to ten in words."),
+        stop_sequences=[stop],
+        extra_body=GREEDY,
     )
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == text[: text.index(stop)]
@@ -68,7 +88,9 @@ def test_stop_sequences_end_with_stop_sequence_set(claude):
 def test_stream_events_in_anthropics_order(server, claude):
     body = {"model": MODEL, "max_tokens": 30, "messages": ask("Say hello."), "stream": True, **GREEDY}
     headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "prompt-caching-2024-07-31"}
-    with httpx.stream("POST", server.base_url + "/v1/messages?beta=true", json=body, headers=headers, timeout=120) as response:
+    with httpx.stream(
+        "POST", server.base_url + "/v1/messages?beta=true", json=body, headers=headers, timeout=120
+    ) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
     names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
@@ -90,7 +112,12 @@ def test_stream_events_in_anthropics_order(server, claude):
 def test_tools_any_and_a_named_tool_streamed_then_the_result_fed_back(claude):
     # Greedy: at Anthropic's default temperature 1 a 135M model can ramble in a string until max_tokens.
     reply = claude.messages.create(
-        model=MODEL, max_tokens=40, tools=[WEATHER], tool_choice={"type": "any"}, messages=ask("Weather in Oslo?"), extra_body=GREEDY
+        model=MODEL,
+        max_tokens=40,
+        tools=[WEATHER],
+        tool_choice={"type": "any"},
+        messages=ask("Weather in Oslo?"),
+        extra_body=GREEDY,
     )
     assert reply.stop_reason == "tool_use"
     (use,) = [b for b in reply.content if b.type == "tool_use"]
@@ -116,12 +143,17 @@ def test_tools_any_and_a_named_tool_streamed_then_the_result_fed_back(claude):
         extra_body=GREEDY,
         messages=[
             {"role": "user", "content": "Weather in Oslo?"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}],
+            },
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]},
         ],
     )
     assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    none = claude.messages.create(model=MODEL, max_tokens=10, tools=[WEATHER], tool_choice={"type": "none"}, messages=ask("Hi"))
+    none = claude.messages.create(
+        model=MODEL, max_tokens=10, tools=[WEATHER], tool_choice={"type": "none"}, messages=ask("Hi")
+    )
     assert all(b.type == "text" for b in none.content)
 
 
@@ -131,11 +163,22 @@ def test_errors_take_anthropics_shape(server, claude):
             model=MODEL,
             max_tokens=10,
             messages=[
-                {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                        }
+                    ],
+                }
             ],
         )
     assert image.value.body["type"] == "error" and image.value.body["error"]["type"] == "invalid_request_error"
-    assert "messages[0].content[0]" in image.value.body["error"]["message"] and "image" in image.value.body["error"]["message"]
+    assert (
+        "messages[0].content[0]" in image.value.body["error"]["message"]
+        and "image" in image.value.body["error"]["message"]
+    )
     with pytest.raises(anthropic.NotFoundError) as unknown:
         claude.messages.create(model="not-a-served-model", max_tokens=10, messages=ask("Hi"))
     assert unknown.value.body["error"]["type"] == "not_found_error"
@@ -147,7 +190,12 @@ def test_errors_take_anthropics_shape(server, claude):
     assert "max_tokens" in missing.json()["error"]["message"]
     server_tool = server.post(
         "/v1/messages",
-        json={"model": MODEL, "max_tokens": 5, "messages": ask("Hi"), "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        json={
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": ask("Hi"),
+            "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+        },
     )
     assert server_tool.status_code == 400 and "tools[0].type" in server_tool.json()["error"]["message"]
     too_long = server.post("/v1/messages", json={"model": MODEL, "max_tokens": 9000, "messages": ask("Hi")})

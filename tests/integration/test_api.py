@@ -25,7 +25,9 @@ def test_models_lists_the_served_model(client):
 
 
 def test_sdk_non_stream(client):
-    response = client.chat.completions.create(model=MODEL, messages=ask("What is the capital of France?"), max_tokens=24, temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL, messages=ask("What is the capital of France?"), max_tokens=24, temperature=0
+    )
     choice = response.choices[0]
     assert choice.message.role == "assistant"
     assert "Paris" in choice.message.content
@@ -72,7 +74,10 @@ def test_legacy_completions(client):
     response = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert response.object == "text_completion" and response.choices[0].text.strip()
     streamed = "".join(
-        c.choices[0].text for c in client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True)
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+        )
     )
     assert streamed == response.choices[0].text
 
@@ -84,7 +89,12 @@ def test_16_concurrent_streams_complete_and_are_batched(server, client):
     def one(i: int) -> None:
         text, finish = [], None
         for chunk in client.chat.completions.create(
-            model=MODEL, messages=ask(f"Tell me a fact about the number {i}."), max_tokens=32, temperature=0.7, seed=i, stream=True
+            model=MODEL,
+            messages=ask(f"Tell me a fact about the number {i}."),
+            max_tokens=32,
+            temperature=0.7,
+            seed=i,
+            stream=True,
         ):
             if chunk.choices:
                 text.append(chunk.choices[0].delta.content or "")
@@ -138,21 +148,35 @@ def test_greedy_output_passes_the_closeness_test_against_transformers_generate(c
 
     texts = TokenTexts(tokenizer)
     source = resolve_model(MODEL)
-    reference = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.bfloat16).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        source.path, gguf_file=source.gguf_file, dtype=torch.bfloat16
+    ).eval()
     agreed = []
     for prompt in GREEDY_PROMPTS:
         ids = tokenizer.apply_chat_template(ask(prompt), add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
         with torch.inference_mode():
-            result = reference.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True)
+            result = reference.generate(
+                torch.tensor([ids]),
+                max_new_tokens=40,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         out = result.sequences[0, len(ids) :].tolist()
         top = [step[0].float().topk(5).indices.tolist() for step in result.logits]
         expected = Generation([texts.bytes(t) for t in out], [], [[texts.bytes(t) for t in row] for row in top])
-        response = client.chat.completions.create(model=MODEL, messages=ask(prompt), max_tokens=40, temperature=0, logprobs=True, top_logprobs=5)
+        response = client.chat.completions.create(
+            model=MODEL, messages=ask(prompt), max_tokens=40, temperature=0, logprobs=True, top_logprobs=5
+        )
         entries = response.choices[0].logprobs.content
-        got = Generation([bytes(e.bytes) for e in entries], [], [[bytes(t.bytes) for t in e.top_logprobs] for e in entries])
+        got = Generation(
+            [bytes(e.bytes) for e in entries], [], [[bytes(t.bytes) for t in e.top_logprobs] for e in entries]
+        )
         close, where = check_close(expected, got)
-        assert close, f"{prompt!r}: diverged at token {where} outside each other's top 5: {expected.tokens[where]!r} vs {got.tokens[where]!r}"
+        assert close, (
+            f"{prompt!r}: diverged at token {where} outside each other's top 5: {expected.tokens[where]!r} vs {got.tokens[where]!r}"
+        )
         agreed.append(where)
         assert response.usage.prompt_tokens == len(ids)
     # A broken kernel can pass the top-5 rule at one position by luck, not for long stretches.
@@ -205,7 +229,13 @@ def test_unknown_model_and_route_are_404(server, client):
 
 
 def test_client_disconnect_aborts_the_request_on_the_worker(server):
-    body = {"model": MODEL, "messages": ask("Write a very long story."), "stream": True, "max_tokens": 4000, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": ask("Write a very long story."),
+        "stream": True,
+        "max_tokens": 4000,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         for _ in range(6):
@@ -219,7 +249,10 @@ def test_client_disconnect_aborts_the_request_on_the_worker(server):
     def fresh_and_idle() -> bool:
         workers = server.workers()
         return all(
-            w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0 and w["free_blocks"] == w["total_blocks"]
+            w["heartbeats"] >= seen[w["name"]] + 2
+            and w["inflight"] == 0
+            and w["running"] == 0
+            and w["free_blocks"] == w["total_blocks"]
             for w in workers
         )
 
@@ -242,18 +275,25 @@ def test_garbage_non_utf8_and_oversized_bodies_are_refused_and_the_server_keeps_
 
 
 def test_a_chat_template_in_the_request_is_refused_by_default(server):
-    response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "chat_template": "{{ 7 * 7 }}"})
+    response = server.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "chat_template": "{{ 7 * 7 }}"}
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template"
 
 
 def test_cors_is_off_by_default(server):
-    response = httpx.options(server.base_url + "/v1/models", headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "GET"})
+    response = httpx.options(
+        server.base_url + "/v1/models",
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "GET"},
+    )
     assert "access-control-allow-origin" not in response.headers
 
 
 def test_the_request_id_comes_back_and_is_logged_on_both_sides(server):
     response = server.post(
-        "/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "max_tokens": 3}, headers={"X-Request-Id": "trace-42"}
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ask("Hi"), "max_tokens": 3},
+        headers={"X-Request-Id": "trace-42"},
     )
     rid = response.headers["x-request-id"]
     assert rid.startswith("trace-42-")
@@ -272,7 +312,10 @@ def test_a_non_streaming_client_that_hangs_up_gets_its_request_aborted(server):
     seen = {w["name"]: w["heartbeats"] for w in server.workers()}
     wait_until(
         lambda: all(
-            w["heartbeats"] >= seen[w["name"]] + 2 and w["inflight"] == 0 and w["running"] == 0 and w["free_blocks"] == w["total_blocks"]
+            w["heartbeats"] >= seen[w["name"]] + 2
+            and w["inflight"] == 0
+            and w["running"] == 0
+            and w["free_blocks"] == w["total_blocks"]
             for w in server.workers()
         ),
         15,
@@ -288,10 +331,16 @@ def test_stop_strings_cut_the_text_in_both_modes_and_end_the_generation(client):
     words = text.split()
     stop = words[len(words) // 2]  # a word in the middle of the greedy answer
     expected = text[: text.index(stop)]
-    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=[stop, "@@@"])
+    cut = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=[stop, "@@@"]
+    )
     assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
     assert cut.usage.completion_tokens < full.usage.completion_tokens
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=stop, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError):
@@ -300,16 +349,26 @@ def test_stop_strings_cut_the_text_in_both_modes_and_end_the_generation(client):
 
 def test_logit_bias_min_tokens_and_penalties_through_the_api(client, tokenizer):
     banana = tokenizer.encode(" banana", add_special_tokens=False)[0]
-    forced = client.completions.create(model=MODEL, prompt="I like", max_tokens=3, temperature=0, logit_bias={str(banana): 100})
+    forced = client.completions.create(
+        model=MODEL, prompt="I like", max_tokens=3, temperature=0, logit_bias={str(banana): 100}
+    )
     assert forced.choices[0].text == tokenizer.decode([banana] * 3)
     plain = client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=1, temperature=0)
     first = tokenizer.encode(plain.choices[0].message.content, add_special_tokens=False)[0]
-    banned = client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=1, temperature=0, logit_bias={str(first): -100})
+    banned = client.chat.completions.create(
+        model=MODEL, messages=ask("Hi"), max_tokens=1, temperature=0, logit_bias={str(first): -100}
+    )
     assert banned.choices[0].message.content != plain.choices[0].message.content
-    short = client.chat.completions.create(model=MODEL, messages=ask("Reply with one word: yes or no?"), max_tokens=40, temperature=0)
+    short = client.chat.completions.create(
+        model=MODEL, messages=ask("Reply with one word: yes or no?"), max_tokens=40, temperature=0
+    )
     assert short.usage.completion_tokens < 20 and short.choices[0].finish_reason == "stop"
     held = client.chat.completions.create(
-        model=MODEL, messages=ask("Reply with one word: yes or no?"), max_tokens=40, temperature=0, extra_body={"min_tokens": 20}
+        model=MODEL,
+        messages=ask("Reply with one word: yes or no?"),
+        max_tokens=40,
+        temperature=0,
+        extra_body={"min_tokens": 20},
     )
     assert held.usage.completion_tokens >= 20
     penalised = client.chat.completions.create(
@@ -343,14 +402,23 @@ def test_out_of_range_sampling_fields_are_400_naming_the_field(server, field, va
 
 
 def test_n_choices_in_both_modes(client):
-    reply = client.chat.completions.create(model=MODEL, messages=ask("Name a colour."), max_tokens=8, n=3, seed=5, temperature=1.0)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ask("Name a colour."), max_tokens=8, n=3, seed=5, temperature=1.0
+    )
     assert [c.index for c in reply.choices] == [0, 1, 2] and all(c.message.content for c in reply.choices)
     single = client.chat.completions.create(model=MODEL, messages=ask("Name a colour."), max_tokens=8)
     assert reply.usage.prompt_tokens == single.usage.prompt_tokens, "the prompt counts once"
     texts: dict[int, str] = {}
     finished = set()
     for chunk in client.chat.completions.create(
-        model=MODEL, messages=ask("Name a colour."), max_tokens=8, n=3, seed=5, temperature=1.0, stream=True, stream_options={"include_usage": True}
+        model=MODEL,
+        messages=ask("Name a colour."),
+        max_tokens=8,
+        n=3,
+        seed=5,
+        temperature=1.0,
+        stream=True,
+        stream_options={"include_usage": True},
     ):
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
@@ -366,7 +434,9 @@ def test_the_same_seed_gives_the_same_text(client):
 
     def sample(seed: int) -> str:
         return (
-            client.chat.completions.create(model=MODEL, messages=ask("Invent a name for a cat."), max_tokens=12, temperature=1.2, seed=seed)
+            client.chat.completions.create(
+                model=MODEL, messages=ask("Invent a name for a cat."), max_tokens=12, temperature=1.2, seed=seed
+            )
             .choices[0]
             .message.content
         )

@@ -22,7 +22,9 @@ def test_openai_sdk_sync(client):
     assert "Paris" in whole.choices[0].message.content
     pieces = [
         c.choices[0].delta.content or ""
-        for c in client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True)
+        for c in client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True
+        )
         if c.choices
     ]
     assert len([p for p in pieces if p]) >= 2 and "Paris" in "".join(pieces)
@@ -32,7 +34,9 @@ def test_openai_sdk_async(server):
     async def main() -> tuple[str, list[str]]:
         async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as sdk:
             whole = await sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
-            stream = await sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True)
+            stream = await sdk.chat.completions.create(
+                model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True
+            )
             pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
             return whole.choices[0].message.content, pieces
 
@@ -41,10 +45,12 @@ def test_openai_sdk_async(server):
 
 
 @pytest.fixture(scope="module")
-def chat_model(server):  # noqa: ANN201
+def chat_model(server):
     from langchain_openai import ChatOpenAI  # a test dependency: missing means failed, not skipped
 
-    return ChatOpenAI(model=MODEL, base_url=server.base_url + "/v1", api_key="unused", temperature=0, max_tokens=24, max_retries=0)
+    return ChatOpenAI(
+        model=MODEL, base_url=server.base_url + "/v1", api_key="unused", temperature=0, max_tokens=24, max_retries=0
+    )
 
 
 def test_langchain_chat_openai(chat_model):
@@ -63,7 +69,11 @@ def test_langchain_tools_and_structured_output(chat_model):
         city: str = pydantic.Field(max_length=40)
 
     called = chat_model.bind_tools([GetWeather], tool_choice="GetWeather").invoke("Weather in Oslo?")
-    assert called.tool_calls and called.tool_calls[0]["name"] == "GetWeather" and isinstance(called.tool_calls[0]["args"]["city"], str)
+    assert (
+        called.tool_calls
+        and called.tool_calls[0]["name"] == "GetWeather"
+        and isinstance(called.tool_calls[0]["args"]["city"], str)
+    )
 
     class Country(pydantic.BaseModel):
         name: str = pydantic.Field(max_length=30)
@@ -76,7 +86,14 @@ def test_langchain_tools_and_structured_output(chat_model):
 def test_litellm(server):
     import litellm
 
-    kwargs = dict(model=f"openai/{MODEL}", api_base=server.base_url + "/v1", api_key="unused", messages=QUESTION, max_tokens=24, temperature=0)
+    kwargs = dict(
+        model=f"openai/{MODEL}",
+        api_base=server.base_url + "/v1",
+        api_key="unused",
+        messages=QUESTION,
+        max_tokens=24,
+        temperature=0,
+    )
     whole = litellm.completion(**kwargs)
     assert "Paris" in whole.choices[0].message.content
     pieces = [c.choices[0].delta.content or "" for c in litellm.completion(stream=True, **kwargs)]

@@ -17,7 +17,9 @@ CHAT = [{"role": "user", "content": "Is the sky blue? Answer."}]
 
 
 def chat(client: openai.OpenAI, extra: dict, max_tokens: int = 12) -> str:
-    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=max_tokens, temperature=0, extra_body=extra)
+    response = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=max_tokens, temperature=0, extra_body=extra
+    )
     return response.choices[0].message.content
 
 
@@ -27,7 +29,12 @@ def test_structured_outputs_and_the_older_guided_fields_constrain_chat_and_compl
     assert re.fullmatch(r"[0-9]{3}", chat(client, {"structured_outputs": {"regex": "[0-9]{3}"}}))
     assert chat(client, {"guided_grammar": 'root ::= "cat" | "dog"'}) in ("cat", "dog")  # GBNF
     assert chat(client, {"structured_outputs": {"grammar": 'start: "red" | "blue"'}}) in ("red", "blue")  # Lark
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     assert isinstance(json.loads(chat(client, {"structured_outputs": {"json": schema}}, 24))["n"], int)
     assert isinstance(json.loads(chat(client, {"guided_json": json.dumps(schema)}, 24))["n"], int)
     completion = client.completions.create(
@@ -42,8 +49,16 @@ def test_structured_outputs_and_the_older_guided_fields_constrain_chat_and_compl
         ({"guided_regex": "(yes|no"}, "guided_regex", "the regex grammar is invalid"),
         ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar", "the grammar is invalid"),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
-        ({"guided_regex": "a", "structured_outputs": {"choice": ["b"]}}, "structured_outputs.choice", "give one output constraint"),
-        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format", "give one output constraint"),
+        (
+            {"guided_regex": "a", "structured_outputs": {"choice": ["b"]}},
+            "structured_outputs.choice",
+            "give one output constraint",
+        ),
+        (
+            {"guided_regex": "a", "response_format": {"type": "json_object"}},
+            "response_format",
+            "give one output constraint",
+        ),
         ({"structured_outputs": {"json": [1]}}, "structured_outputs.json", "JSON Schema object"),
     ],
 )

@@ -34,7 +34,9 @@ def test_a_character_cut_by_max_tokens_is_dropped_not_sent_as_replacement(client
     assert cutting, f"the answer should spread a character over several tokens: {tokens}"
     cut = None
     for max_tokens in cutting[:3]:  # a second greedy run may flip a near-tie: the first budget that still cuts
-        reply = client.chat.completions.create(model=MODEL, messages=ask(EMOJI), max_tokens=max_tokens, temperature=0, logprobs=True)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ask(EMOJI), max_tokens=max_tokens, temperature=0, logprobs=True
+        )
         raw = b"".join(bytes(t.bytes) for t in reply.choices[0].logprobs.content)
         if reply.choices[0].finish_reason == "length" and not _whole_utf8(raw):
             cut = (max_tokens, reply, raw)
@@ -43,10 +45,14 @@ def test_a_character_cut_by_max_tokens_is_dropped_not_sent_as_replacement(client
     max_tokens, reply, raw = cut
     text = reply.choices[0].message.content
     assert "\ufffd" not in text
-    assert raw.startswith(text.encode()) and unfinished_utf8(raw[len(text.encode()) :]), "logprobs bytes keep the exact bytes"
+    assert raw.startswith(text.encode()) and unfinished_utf8(raw[len(text.encode()) :]), (
+        "logprobs bytes keep the exact bytes"
+    )
     deltas = [
         c.choices[0].delta.content
-        for c in client.chat.completions.create(model=MODEL, messages=ask(EMOJI), max_tokens=max_tokens, temperature=0, stream=True)
+        for c in client.chat.completions.create(
+            model=MODEL, messages=ask(EMOJI), max_tokens=max_tokens, temperature=0, stream=True
+        )
         if c.choices and c.choices[0].delta.content
     ]
     assert "".join(deltas) == text and "\ufffd" not in "".join(deltas)
@@ -61,7 +67,11 @@ def test_a_completion_cut_inside_an_emoji_ends_cleanly(client):
 
 def test_a_tiny_top_p_gives_the_greedy_text(client):
     prompt = ask("Tell me something interesting about the ocean.")
-    greedy = client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=48, temperature=0).choices[0].message.content
+    greedy = (
+        client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=48, temperature=0)
+        .choices[0]
+        .message.content
+    )
     for _ in range(2):
         nucleus = client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=48, temperature=1, top_p=1e-6)
         assert nucleus.choices[0].message.content == greedy

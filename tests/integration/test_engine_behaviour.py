@@ -17,7 +17,9 @@ from tests.conftest import MODEL, Server, start_serve, wait_until
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, times: list[float]) -> dict:
     """Stream a chat completion, appending the arrival time of every content chunk to ``times``."""
     usage: dict = {}
-    async with client.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+    async with client.stream(
+        "POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
@@ -140,7 +142,9 @@ def test_a_repeated_long_system_prompt_is_served_from_the_prefix_cache(one_worke
     the KV cache (reported as cached_tokens, and counted by the worker as prefix hits). How much
     sooner its first token comes is the benchmark's to measure (a speed figure, printed here)."""
     client = openai.OpenAI(base_url=one_worker.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    system = "You are a meticulous assistant. " + " ".join(f"Rule {i}: answer carefully and politely." for i in range(120))
+    system = "You are a meticulous assistant. " + " ".join(
+        f"Rule {i}: answer carefully and politely." for i in range(120)
+    )
 
     def first_token_time(question: str) -> tuple[float, dict]:
         start = time.perf_counter()
@@ -174,7 +178,10 @@ def _shared_prompt_run(server: Server, tag: str) -> tuple[float, int]:
     four requests (interleaved), on two workers: returns (mean TTFT, requests that found their
     prompt cached)."""
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-    systems = [f"You are assistant {tag} {k}. " + " ".join(f"Rule {i}: be helpful in way {k}." for i in range(30)) for k in range(3)]
+    systems = [
+        f"You are assistant {tag} {k}. " + " ".join(f"Rule {i}: be helpful in way {k}." for i in range(30))
+        for k in range(3)
+    ]
     ttfts, cached = [], 0
     for turn in range(4):
         for k, system in enumerate(systems):
@@ -188,11 +195,18 @@ def _shared_prompt_run(server: Server, tag: str) -> tuple[float, int]:
                 stream=True,
                 stream_options={"include_usage": True},
             ):
-                if first is None and chunk.choices and chunk.choices[0].delta.content is not None and chunk.choices[0].delta.content:
+                if (
+                    first is None
+                    and chunk.choices
+                    and chunk.choices[0].delta.content is not None
+                    and chunk.choices[0].delta.content
+                ):
                     first = time.perf_counter() - start
                 usage = chunk.usage or usage
             ttfts.append(first if first is not None else time.perf_counter() - start)
-            cached += usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 32  # all but the question's blocks
+            cached += (
+                usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 32
+            )  # all but the question's blocks
     return statistics.mean(ttfts), cached
 
 

@@ -31,11 +31,25 @@ def fresh_report() -> None:
 def pool() -> Iterator[tuple[Server, dict]]:
     """A gateway and two float32 workers (float32: a resumed greedy stream must match exactly)."""
     server = Server(free_port(), free_port())
-    server.processes.append(spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "faults-gateway", FAST))
+    server.processes.append(
+        spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "faults-gateway", FAST)
+    )
     workers = {}
     for name in ("w-a", "w-b"):
         workers[name] = spawn(
-            ["worker", "--gateway-address", server.zmq_address, "--worker-name", name, "--dtype", "float32", "--threads", "1"], f"faults-{name}", FAST
+            [
+                "worker",
+                "--gateway-address",
+                server.zmq_address,
+                "--worker-name",
+                name,
+                "--dtype",
+                "float32",
+                "--threads",
+                "1",
+            ],
+            f"faults-{name}",
+            FAST,
         )
         server.processes.append(workers[name])
     try:
@@ -54,11 +68,14 @@ WALK = {  # bounded, so the guided answer always finishes
     "required": ["title", "steps"],
     "additionalProperties": False,
 }
-GUIDED = {"response_format": {"type": "json_schema", "json_schema": {"name": "walk", "schema": WALK}}, "max_tokens": 200}
+GUIDED = {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "walk", "schema": WALK}},
+    "max_tokens": 200,
+}
 FREE = {"max_tokens": 48, "extra_body": {"ignore_eos": True}}
 
 
-def stream_text(client: openai.OpenAI, on_chunk=None, kind: dict = FREE) -> tuple[str, int]:  # noqa: ANN001
+def stream_text(client: openai.OpenAI, on_chunk=None, kind: dict = FREE) -> tuple[str, int]:
     text, count, usage = [], 0, None
     for chunk in client.chat.completions.create(
         model=MODEL,
@@ -125,7 +142,11 @@ def test_a_draining_worker_finishes_its_requests_and_gets_no_new_ones(pool):
     assert drained and tokens == 48 and text, "the stream finished on the draining worker, uninterrupted"
     name = drained[0]
     assert workers[name].wait(timeout=30) == 0, "a drained worker exits cleanly"
-    wait_until(lambda: [w["name"] for w in server.workers()] == [n for n in workers if n != name], 10, "the drained worker to leave")
+    wait_until(
+        lambda: [w["name"] for w in server.workers()] == [n for n in workers if n != name],
+        10,
+        "the drained worker to leave",
+    )
     assert server.get("/workers").json()["resumed"] == 0, "nothing had to be moved"
     others = {w["name"]: w["requests_assigned"] for w in server.workers()}
     assert all(others[n] >= assigned_before[n] + 3 for n in others)
@@ -171,8 +192,12 @@ def test_a_stopped_worker_is_detected_its_stream_resumes_and_it_rejoins_after_si
         for name in stopped:
             workers[name].send_signal(signal.SIGCONT)
     # Back from SIGCONT, it finds the gateway silent towards it, reconnects and registers afresh.
-    wait_until(lambda: sorted(w["name"] for w in server.workers()) == sorted(workers), 30, "the stopped worker to rejoin")
-    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3).choices
+    wait_until(
+        lambda: sorted(w["name"] for w in server.workers()) == sorted(workers), 30, "the stopped worker to rejoin"
+    )
+    assert client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+    ).choices
     report(test="sigstop", served=3, disconnected=0, faults=1, lost=0)
 
 
@@ -181,10 +206,14 @@ def test_workers_rejoin_a_restarted_gateway(pool):
     gateway = server.processes[0]
     gateway.send_signal(signal.SIGTERM)
     gateway.wait(timeout=30)
-    server.processes[0] = spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "faults-gateway-2", FAST)
+    server.processes[0] = spawn(
+        ["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "faults-gateway-2", FAST
+    )
     server.wait_for_workers(2, timeout=60)
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3).choices
+    assert client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+    ).choices
     report(test="gateway-restart", served=1, disconnected=0, faults=1, lost=0)
 
 
@@ -207,9 +236,13 @@ def test_malformed_frames_on_the_router_port_are_dropped(server):
         stranger.send_multipart(frames)
     stranger.close()
     context.term()
-    wait_until(lambda: server.get("/workers").json()["dropped_frames"] >= dropped + len(junk) - 1, 10, "the junk to be counted")
+    wait_until(
+        lambda: server.get("/workers").json()["dropped_frames"] >= dropped + len(junk) - 1, 10, "the junk to be counted"
+    )
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3).choices
+    assert client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+    ).choices
     assert len(server.workers()) == 2
     report(test="malformed-frames", served=1, disconnected=0, faults=len(junk), lost=0)
 
@@ -275,7 +308,13 @@ def test_200_streaming_clients_with_random_disconnects(server):
         "every KV block back after the storm",
     )
     assert server.get("/workers").json()["inflight"] == 0
-    report(test="200-clients", served=outcomes.count("completed"), disconnected=outcomes.count("disconnected"), faults=0, lost=0)
+    report(
+        test="200-clients",
+        served=outcomes.count("completed"),
+        disconnected=outcomes.count("disconnected"),
+        faults=0,
+        lost=0,
+    )
 
 
 def decode_chunked(body: bytes) -> bytes:
@@ -302,7 +341,12 @@ def test_a_client_hanging_up_on_a_plain_request_is_a_499_not_a_500(server):
     log_start = log.stat().st_size
     before = {s: _metric(server, f'llmpool_http_requests_total{{path="{path}"{s}"}}') for s in ("499", "500")}
     body = json.dumps(
-        {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400, "ignore_eos": True}
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 400,
+            "ignore_eos": True,
+        }
     ).encode()
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", server.port)) as conn:
@@ -353,7 +397,9 @@ def test_a_request_naming_tokens_the_model_lacks_fails_alone_among_16_streams(po
         refused = []
         if with_bad:
             await eventually(lambda: len(running) == 16, 120)  # every stream is running
-            refused = await asyncio.gather(*(bad(p, ids) for p in ("chat/completions", "completions") for ids in ([999999], [2**63])))
+            refused = await asyncio.gather(
+                *(bad(p, ids) for p in ("chat/completions", "completions") for ids in ([999999], [2**63]))
+            )
         return await asyncio.gather(*streams), refused
 
     reference, _ = asyncio.run(run(False))
@@ -370,7 +416,9 @@ def test_a_prompt_of_booleans_is_answered_at_once_and_no_worker_is_blamed(server
     decode): the client waited 180 s for a 500 while idle workers were declared hung. Now the
     worker answers that request with an error of its own."""
     departed = len(server.get("/workers").json()["departed"])
-    response = httpx.post(server.base_url + "/v1/completions", timeout=20, json={"model": MODEL, "prompt": [True, False], "max_tokens": 4})
+    response = httpx.post(
+        server.base_url + "/v1/completions", timeout=20, json={"model": MODEL, "prompt": [True, False], "max_tokens": 4}
+    )
     assert response.status_code == 400, response.text
     assert response.elapsed.total_seconds() < 10 and response.json()["error"]["type"] == "invalid_request_error"
     assert server.get("/ready").status_code == 200 and len(server.workers()) == 2

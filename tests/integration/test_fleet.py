@@ -71,12 +71,30 @@ class Fleet:
 
     def start_gateway(self, i: int, name: str) -> None:
         args = ["gateway", "--port", str(self.http[i]), "--zmq-bind", self.address(i)]
-        args += ["--curve-server-secret-key", str(self.keys / "gateway.key_secret"), "--curve-authorized-keys", str(self.keys / "authorized")]
+        args += [
+            "--curve-server-secret-key",
+            str(self.keys / "gateway.key_secret"),
+            "--curve-authorized-keys",
+            str(self.keys / "authorized"),
+        ]
         self.gateways[i] = spawn(args, name, ENV)
 
     def start_worker(self, n: int, served: str, *extra: str) -> None:
-        args = ["worker", "--gateway-address", f"{self.address(0)},{self.address(1)}", "--served-model-name", served, "--worker-name", served]
-        args += ["--curve-client-secret-key", str(self.keys / f"worker-{n}.key_secret"), "--curve-server-public-key", str(self.keys / "gateway.key")]
+        args = [
+            "worker",
+            "--gateway-address",
+            f"{self.address(0)},{self.address(1)}",
+            "--served-model-name",
+            served,
+            "--worker-name",
+            served,
+        ]
+        args += [
+            "--curve-client-secret-key",
+            str(self.keys / f"worker-{n}.key_secret"),
+            "--curve-server-public-key",
+            str(self.keys / "gateway.key"),
+        ]
         self.workers[served] = spawn([*args, *extra], f"fleet-worker-{served}", ENV)
 
     def url(self, i: int) -> str:
@@ -92,7 +110,11 @@ class Fleet:
         return {m["id"]: m for m in self.get(i, "/v1/models").json()["data"]}
 
     def wait_for_models(self, i: int, names: tuple[str, ...], timeout: float = 240) -> None:
-        wait_until(lambda: all(self.models(i).get(n, {}).get("workers") for n in names), timeout, f"gateway {i} serving {names}")
+        wait_until(
+            lambda: all(self.models(i).get(n, {}).get("workers") for n in names),
+            timeout,
+            f"gateway {i} serving {names}",
+        )
 
     def stop(self) -> None:
         for process in [*self.workers.values(), *self.gateways]:
@@ -110,7 +132,9 @@ def fleet(tmp_path_factory):
         fleet.start_gateway(1, "fleet-gateway-b")
         fleet.start_worker(0, "smol", "--model", MODEL)
         fleet.start_worker(1, "smol-copy", "--model", MODEL)
-        fleet.start_worker(2, "tiny-qwen", "--model", str(tmp / "tiny-qwen"), "--dtype", "float32", "--max-model-len", "1024")
+        fleet.start_worker(
+            2, "tiny-qwen", "--model", str(tmp / "tiny-qwen"), "--dtype", "float32", "--max-model-len", "1024"
+        )
         for i in (0, 1):
             fleet.wait_for_models(i, MODELS)
         yield fleet
@@ -118,8 +142,10 @@ def fleet(tmp_path_factory):
         fleet.stop()
 
 
-def ask(client: openai.OpenAI, model: str, max_tokens: int = 6, **kwargs: object):  # noqa: ANN201
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=max_tokens, **kwargs)
+def ask(client: openai.OpenAI, model: str, max_tokens: int = 6, **kwargs: object):
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=max_tokens, **kwargs
+    )
 
 
 def test_every_gateway_lists_every_model_with_its_context_length_and_workers(fleet):
@@ -155,8 +181,14 @@ def test_an_unknown_model_is_a_404_and_a_model_without_live_workers_a_503_with_r
     assert "`smol`" in missing.json()["error"]["message"]
     stop(fleet.workers.pop("smol-copy"))  # SIGTERM: it drains, says goodbye, and is gone at once
     wait_until(lambda: fleet.models(1)["smol-copy"]["workers"] == 0, 30, "smol-copy without workers")
-    gone = httpx.post(fleet.url(1) + "/v1/chat/completions", json={**body, "model": "smol-copy"}, headers=headers, timeout=30)
-    assert gone.status_code == 503 and gone.headers["Retry-After"] and gone.json()["error"]["type"] == "service_unavailable"
+    gone = httpx.post(
+        fleet.url(1) + "/v1/chat/completions", json={**body, "model": "smol-copy"}, headers=headers, timeout=30
+    )
+    assert (
+        gone.status_code == 503
+        and gone.headers["Retry-After"]
+        and gone.json()["error"]["type"] == "service_unavailable"
+    )
     assert ask(fleet.sdk(1), "smol").model == "smol"  # the others are untouched
 
 
@@ -201,7 +233,9 @@ def test_a_worker_twice_as_fast_gets_about_twice_the_requests(tmp_path):
     streams: routing weighs each worker's outstanding work by the speed it measures itself, so the
     fast one ends up with about twice the requests."""
     server = Server(free_port(), free_port())
-    server.processes.append(spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "speed-gateway"))
+    server.processes.append(
+        spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "speed-gateway")
+    )
     for name, token_ms in (("fast", "0.5"), ("slow", "1.0")):
         args = ["bench.fake_worker", "--gateway-address", server.zmq_address, "--name", name, "--token-ms", token_ms]
         server.processes.append(spawn([*args, "--model-info", str(tmp_path / "model-info.msgpack")], f"speed-{name}"))

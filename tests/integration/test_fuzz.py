@@ -22,10 +22,14 @@ EXAMPLES_PER_OPERATION = 15
 # Fuzzed bodies keep their shape but are made cheap to answer: the served model (else nearly all
 # are 404s that never reach validation), and at most a few tokens and choices.
 CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2, "best_of": 2}
-DEFAULT_BUDGET = {"/v1/chat/completions": "max_tokens", "/v1/responses": "max_output_tokens", "/responses": "max_output_tokens"}
+DEFAULT_BUDGET = {
+    "/v1/chat/completions": "max_tokens",
+    "/v1/responses": "max_output_tokens",
+    "/responses": "max_output_tokens",
+}
 
 
-def cheap(case) -> None:  # noqa: ANN001 - a schemathesis Case
+def cheap(case) -> None:  # a schemathesis Case
     body = case.body
     if isinstance(body, dict) and "model" in body:
         body["model"] = MODEL
@@ -54,7 +58,7 @@ def test_no_operation_answers_500_or_off_its_schema(server):
             print_blob=True,
         )
         @given(case=operation.as_strategy())
-        def fuzz(case) -> None:  # noqa: ANN001
+        def fuzz(case) -> None:
             nonlocal cases
             cases += 1
             cheap(case)
@@ -65,7 +69,11 @@ def test_no_operation_answers_500_or_off_its_schema(server):
 
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40)
-RESPONSE_TOOL = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
+RESPONSE_TOOL = {
+    "type": "function",
+    "name": "lookup",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+}
 
 
 def created_body(previous: str | None = None) -> st.SearchStrategy[dict]:
@@ -80,7 +88,9 @@ def created_body(previous: str | None = None) -> st.SearchStrategy[dict]:
         max_size=3,
     )
     call = {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"q": "x"}'}
-    items = items | st.builds(lambda t: [call, {"type": "function_call_output", "call_id": "call_1", "output": t}], TEXT)
+    items = items | st.builds(
+        lambda t: [call, {"type": "function_call_output", "call_id": "call_1", "output": t}], TEXT
+    )
     return st.fixed_dictionaries(
         {"model": st.just(MODEL), "input": st.one_of(TEXT, items), "max_output_tokens": st.integers(1, 4)},
         optional={
@@ -101,12 +111,18 @@ def test_responses_are_created_continued_read_and_deleted_statefully(server):
     loaded = schemathesis.openapi.from_url(server.base_url + "/schema/openapi.json")
     create, read, remove = (
         loaded[path][method]
-        for path, method in (("/v1/responses", "POST"), ("/v1/responses/{response_id}", "GET"), ("/v1/responses/{response_id}", "DELETE"))
+        for path, method in (
+            ("/v1/responses", "POST"),
+            ("/v1/responses/{response_id}", "GET"),
+            ("/v1/responses/{response_id}", "DELETE"),
+        )
     )
     statuses: dict[str, list[int]] = {"create": [], "continue": [], "read": [], "delete": []}
 
-    def call(operation, kind: str, **parts):  # noqa: ANN001, ANN202 - schemathesis objects
-        response = operation.Case(**parts).call_and_validate(checks=[not_a_server_error, response_schema_conformance], timeout=60)
+    def call(operation, kind: str, **parts):  # schemathesis objects
+        response = operation.Case(**parts).call_and_validate(
+            checks=[not_a_server_error, response_schema_conformance], timeout=60
+        )
         statuses[kind].append(response.status_code)
         return response
 
@@ -114,7 +130,7 @@ def test_responses_are_created_continued_read_and_deleted_statefully(server):
         stored = Bundle("stored")
 
         @rule(target=stored, data=st.data())
-        def create(self, data):  # noqa: ANN001
+        def create(self, data):
             body = data.draw(st.one_of(created_body(), create.as_strategy().map(lambda case: case.body)))
             if isinstance(body, dict):
                 body = {**body, "model": MODEL, "max_output_tokens": 4, "stream": False}
@@ -123,18 +139,20 @@ def test_responses_are_created_continued_read_and_deleted_statefully(server):
             return response.json()["id"] if ok else multiple()
 
         @rule(target=stored, previous=stored, data=st.data())
-        def continue_(self, previous, data):  # noqa: ANN001
+        def continue_(self, previous, data):
             body = {**data.draw(created_body(previous)), "previous_response_id": previous, "stream": False}
             response = call(create, "continue", body=body)
-            assert response.status_code == 200 or response.json()["error"]["param"] != "previous_response_id", response.text
+            assert response.status_code == 200 or response.json()["error"]["param"] != "previous_response_id", (
+                response.text
+            )
             return response.json()["id"] if response.status_code == 200 and body.get("store", True) else multiple()
 
         @rule(response_id=stored)
-        def read(self, response_id):  # noqa: ANN001
+        def read(self, response_id):
             assert call(read, "read", path_parameters={"response_id": response_id}).status_code == 200
 
         @rule(response_id=consumes(stored))
-        def delete(self, response_id):  # noqa: ANN001
+        def delete(self, response_id):
             assert call(remove, "delete", path_parameters={"response_id": response_id}).status_code == 200
             assert call(read, "read", path_parameters={"response_id": response_id}).status_code == 404
 
@@ -150,4 +168,6 @@ def test_responses_are_created_continued_read_and_deleted_statefully(server):
         ),
     )
     print({kind: len(codes) for kind, codes in statuses.items()})
-    assert statuses["continue"].count(200) >= 3 and statuses["delete"].count(200) >= 3, statuses  # the phase did reach its states
+    assert statuses["continue"].count(200) >= 3 and statuses["delete"].count(200) >= 3, (
+        statuses
+    )  # the phase did reach its states

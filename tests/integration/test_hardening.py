@@ -16,7 +16,12 @@ from tests.conftest import MODEL, start_serve, wait_until
 from tests.gateway.test_templates import HOSTILE
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}},
+    }
+]
 
 
 def lane_jobs(server, lane: str) -> Counter[str]:
@@ -52,16 +57,32 @@ BAD = [  # (path, body, the field the 400 names)
     ("/v1/completions", {"model": MODEL, "prompt": [True, False], "max_tokens": 2}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [[True]], "max_tokens": 2}, "prompt"),
     ("/detokenize", {"tokens": [2**63]}, "tokens"),
-    ("/v1/chat/completions", {**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
-    ("/v1/chat/completions", {**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["f"]}}}, "tool_choice"),
     (
-        "/v1/responses",
-        {"model": MODEL, "input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": ["f"]}},
+        "/v1/chat/completions",
+        {**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": "f"}},
         "tool_choice",
     ),
     (
         "/v1/chat/completions",
-        {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": "x"}]}]},
+        {**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["f"]}}},
+        "tool_choice",
+    ),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f"}],
+            "tool_choice": {"type": "function", "name": ["f"]},
+        },
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": "x"}]}],
+        },
         "messages[1].tool_calls[0].function",
     ),
     (
@@ -69,7 +90,11 @@ BAD = [  # (path, body, the field the 400 names)
         {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema(300)}}},
         "response_format",
     ),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema(300)}}]}, "tools"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema(300)}}]},
+        "tools",
+    ),
     ("/v1/chat/completions", {**CHAT, "chat_template": "{{ 1/0 }}"}, "chat_template"),  # not allowed on this server
     ("/tokenize", {"messages": CHAT["messages"], "chat_template": "{{ 1/0 }}"}, "chat_template"),
 ]
@@ -83,27 +108,42 @@ def test_bad_fields_are_400s_naming_the_field(server, path, body, param):
 
 
 def test_chat_template_kwargs_named_like_python_arguments_render(server):
-    for path, body in (("/v1/chat/completions", {**CHAT, "max_tokens": 1}), ("/tokenize", {"messages": CHAT["messages"]})):
+    for path, body in (
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 1}),
+        ("/tokenize", {"messages": CHAT["messages"]}),
+    ):
         response = server.post(path, json={**body, "chat_template_kwargs": {"self": 1}})
         assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize"])
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize"]
+)
 def test_json_nested_ten_thousand_deep_is_a_400_even_in_an_ignored_field(server, path):
     body = '{"model": "%s", "ignored": %s%s}' % (MODEL, "[" * 10_000, "]" * 10_000)
     response = server.post(path, content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert "levels deep" in error["message"] and error.get("param", "ignored") == "ignored"  # Anthropic's shape has no param
+    assert (
+        "levels deep" in error["message"] and error.get("param", "ignored") == "ignored"
+    )  # Anthropic's shape has no param
 
 
 def test_huge_prompts_are_refused_before_tokenizing(server):
     cases = [
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hello " * 524_288}]}, "messages"),  # 3 MiB
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": "hello " * 524_288}]},
+            "messages",
+        ),  # 3 MiB
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi"}] * 100_000}, "messages"),
         ("/v1/completions", {"model": MODEL, "prompt": "hello " * 524_288}, "prompt"),
         ("/tokenize", {"prompt": "hello " * 524_288}, "prompt"),
-        ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hello " * 524_288}]}, None),
+        (
+            "/v1/messages",
+            {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hello " * 524_288}]},
+            None,
+        ),
     ]
     before = {lane: lane_jobs(server, lane) for lane in ("small", "big")}
     for path, body, param in cases:
@@ -112,7 +152,10 @@ def test_huge_prompts_are_refused_before_tokenizing(server):
         # Tokenized first, it took 4.5 s (3 MiB) and 5.3 s (100k messages): no job reached a lane.
         assert {lane: lane_jobs(server, lane) for lane in ("small", "big")} == before, path
         if param:
-            assert response.json()["error"]["param"] == param and response.json()["error"]["code"] == "context_length_exceeded"
+            assert (
+                response.json()["error"]["param"] == param
+                and response.json()["error"]["code"] == "context_length_exceeded"
+            )
 
 
 def test_big_tokenizing_jobs_do_not_hold_up_small_ones(server):
@@ -120,7 +163,9 @@ def test_big_tokenizing_jobs_do_not_hold_up_small_ones(server):
     each), a small request still gets its tokens at once, before most of them end (sharing two
     threads, it waited for ~0.7 s, behind every one queued before it)."""
     letters = random.Random(1)  # varied text: repeated words tokenize from a cache, too fast to matter
-    big = {"prompt": "".join(letters.choice("abcdefghijklmnopqrstuvwxyz     ,.") for _ in range(130_000))}  # just under 8192 x 16
+    big = {
+        "prompt": "".join(letters.choice("abcdefghijklmnopqrstuvwxyz     ,.") for _ in range(130_000))
+    }  # just under 8192 x 16
     done: list[float] = []
 
     def send_big() -> None:
@@ -132,7 +177,12 @@ def test_big_tokenizing_jobs_do_not_hold_up_small_ones(server):
     threads = [threading.Thread(target=send_big) for _ in range(12)]
     for thread in threads:
         thread.start()
-    wait_until(lambda: lane_jobs(server, "big").total() - before.total() >= 12, 60, "the 12 big jobs in their lane", interval=0.01)
+    wait_until(
+        lambda: lane_jobs(server, "big").total() - before.total() >= 12,
+        60,
+        "the 12 big jobs in their lane",
+        interval=0.01,
+    )
     queued = lane_jobs(server, "big")["in_flight"]
     small = server.post("/tokenize", json={"prompt": "hi"})
     answered = time.monotonic()
@@ -154,7 +204,9 @@ def test_tokenize_counts_what_chat_sends(server):
 @pytest.fixture(scope="module")
 def templating():
     srv = start_serve("hardening-templates", 1, "--allow-request-chat-template")
-    assert srv.post("/v1/chat/completions", json=CHAT).status_code == 200  # warm: a worker's first step compiles (seconds)
+    assert (
+        srv.post("/v1/chat/completions", json=CHAT).status_code == 200
+    )  # warm: a worker's first step compiles (seconds)
     yield srv
     srv.stop()
 
@@ -174,20 +226,26 @@ def test_looping_templates_end_at_their_deadline_and_hold_up_no_one(templating):
 
     def send_loop() -> None:
         with httpx.Client(timeout=60) as http:
-            results.append(http.post(templating.base_url + "/v1/chat/completions", json={**CHAT, "chat_template": LOOP}))
+            results.append(
+                http.post(templating.base_url + "/v1/chat/completions", json={**CHAT, "chat_template": LOOP})
+            )
 
     before = lane_jobs(templating, "big")
     threads = [threading.Thread(target=send_loop) for _ in range(2)]
     started = time.monotonic()
     for thread in threads:
         thread.start()
-    wait_until(lambda: lane_jobs(templating, "big")["in_flight"] == 2, 30, "both loops in their lane")  # one runs, one waits
+    wait_until(
+        lambda: lane_jobs(templating, "big")["in_flight"] == 2, 30, "both loops in their lane"
+    )  # one runs, one waits
     small = templating.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
     loops_ended_first = len(results)
     for thread in threads:
         thread.join()
     assert small.status_code == 200 and loops_ended_first == 0, "the small request waited for a loop"
-    assert [r.status_code for r in results] == [400, 400] and all(r.json()["error"]["param"] == "chat_template" for r in results)
+    assert [r.status_code for r in results] == [400, 400] and all(
+        r.json()["error"]["param"] == "chat_template" for r in results
+    )
     assert lane_jobs(templating, "big")["deadline"] == before["deadline"] + 2
     assert time.monotonic() - started < 8  # each stops after its 2 s budget (they take one lane, in turn: 4 s)
 
@@ -197,7 +255,9 @@ def test_a_client_that_leaves_stops_its_template(templating):
     the next one (same lane) runs to its own deadline."""
     before = lane_jobs(templating, "big")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(templating.base_url + "/tokenize", json={"messages": CHAT["messages"], "chat_template": LOOP}, timeout=0.3)
+        httpx.post(
+            templating.base_url + "/tokenize", json={"messages": CHAT["messages"], "chat_template": LOOP}, timeout=0.3
+        )
     wait_until(lambda: lane_jobs(templating, "big")["in_flight"] == 0, 30, "the render to stop")
     stopped = lane_jobs(templating, "big")
     assert (stopped["cancelled"], stopped["deadline"]) == (before["cancelled"] + 1, before["deadline"]), stopped

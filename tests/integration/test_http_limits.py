@@ -20,14 +20,25 @@ import pytest
 from tests.conftest import MODEL, Server, free_port, spawn, wait_until
 
 HEADER_TIMEOUT, BODY_TIMEOUT, KEEP_ALIVE, MAX_CONNECTIONS = 1.0, 1.5, 1.0, 64
-LIMITS = ["--header-timeout", "1", "--body-timeout", "1.5", "--keep-alive-timeout", "1", "--max-connections", str(MAX_CONNECTIONS)]
+LIMITS = [
+    "--header-timeout",
+    "1",
+    "--body-timeout",
+    "1.5",
+    "--keep-alive-timeout",
+    "1",
+    "--max-connections",
+    str(MAX_CONNECTIONS),
+]
 LIMITS += ["--max-header-size", "16KiB", "--max-headers", "50"]
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = Server(free_port(), free_port())
-    server.processes.append(spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, *LIMITS], "http-limits-gateway"))
+    server.processes.append(
+        spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, *LIMITS], "http-limits-gateway")
+    )
     info = str(tmp_path_factory.mktemp("model-info") / "model-info.msgpack")
     worker = ["bench.fake_worker", "--gateway-address", server.zmq_address, "--step-ms", "20", "--model-info", info]
     server.processes.append(spawn(worker, "http-limits-worker"))
@@ -69,10 +80,15 @@ def test_a_head_over_the_size_limit_is_a_431(gateway):
 
 
 def test_too_many_headers_is_a_431(gateway):
-    for count, problem in ((51, b"more than 50 headers"), (100_000, b"over 16384 bytes")):  # 100,000 small ones hit the size first
+    for count, problem in (
+        (51, b"more than 50 headers"),
+        (100_000, b"over 16384 bytes"),
+    ):  # 100,000 small ones hit the size first
         sock = connect(gateway)
         try:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(count)) + b"\r\n")
+            sock.sendall(
+                b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(count)) + b"\r\n"
+            )
         except ConnectionResetError:
             pass
         response, _ = read_until_closed(sock)
@@ -88,7 +104,13 @@ def test_a_huge_header_does_not_stall_a_stream_in_flight(gateway):
     gaps: list[float] = []
 
     def stream() -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": True, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 100,
+            "stream": True,
+            "ignore_eos": True,
+        }
         with httpx.stream("POST", gateway.base_url + "/v1/chat/completions", json=body, timeout=30) as response:
             last = time.monotonic()
             for _ in response.iter_lines():
@@ -168,17 +190,23 @@ def test_connections_over_the_cap_get_a_503_and_the_gateway_recovers(gateway):
     finally:
         for sock in held:
             sock.close()
-    wait_until(lambda: gateway.get("/health").status_code == 200, 30, "a free connection again", interval=0.05)  # as it reads the closes
+    wait_until(
+        lambda: gateway.get("/health").status_code == 200, 30, "a free connection again", interval=0.05
+    )  # as it reads the closes
 
 
-@pytest.mark.parametrize("path", ["/health", "/ready", "/workers", "/metrics", "/v1/models", f"/v1/models/{MODEL}", "/", "/static/app.js"])
+@pytest.mark.parametrize(
+    "path", ["/health", "/ready", "/workers", "/metrics", "/v1/models", f"/v1/models/{MODEL}", "/", "/static/app.js"]
+)
 def test_head_is_answered_wherever_get_is(gateway, path):
     get, head = httpx.get(gateway.base_url + path), httpx.head(gateway.base_url + path)
     assert head.status_code == get.status_code == 200 and head.content == b""
     assert head.headers["content-type"] == get.headers["content-type"]
 
 
-@pytest.mark.parametrize("path", ["/static/app.js%00.png", "/static/index.html/x", "/static/..%2fgateway%2fapp.py", "/static/nothing.js"])
+@pytest.mark.parametrize(
+    "path", ["/static/app.js%00.png", "/static/index.html/x", "/static/..%2fgateway%2fapp.py", "/static/nothing.js"]
+)
 def test_malformed_static_paths_are_404s(gateway, path):
     sock = connect(gateway)
     sock.sendall(b"GET " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")

@@ -32,17 +32,29 @@ def test_chat_logprobs_have_tokens_bytes_and_sorted_alternatives(client):
         alternatives = [t.logprob for t in token.top_logprobs]
         assert alternatives == sorted(alternatives, reverse=True)
         # greedy picks a most likely token (bf16 logits can tie, so compare values, not names)
-        assert math.isclose(token.top_logprobs[0].logprob, token.logprob) and token.token in [t.token for t in token.top_logprobs]
+        assert math.isclose(token.top_logprobs[0].logprob, token.logprob) and token.token in [
+            t.token for t in token.top_logprobs
+        ]
         assert sum(math.exp(v) for v in alternatives) <= 1.0 + 1e-3
 
 
 def test_streamed_logprobs_match_the_whole_answer(client):
     # A prompt whose first tokens win by wide margins on every CPU tried (1.5-7.6 nats; "Count to
     # five." tied at its third token on an Intel CPU without native bf16).
-    kwargs = dict(model=MODEL, messages=ask("Say the days of the week."), max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    kwargs = dict(
+        model=MODEL,
+        messages=ask("Say the days of the week."),
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
     streamed = [
-        t for c in client.chat.completions.create(stream=True, **kwargs) if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+        t
+        for c in client.chat.completions.create(stream=True, **kwargs)
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
     ]
     # The second request's prompt comes from the prefix cache, computed in other shapes, so bf16/int8
     # values differ a little: the texts agree until a near-tie, where each side's token is in the
@@ -50,7 +62,11 @@ def test_streamed_logprobs_match_the_whole_answer(client):
     from bench.accuracy import Generation, check_close
 
     def generation(entries: list) -> Generation:
-        return Generation([t.token for t in entries], [t.logprob for t in entries], [[a.token for a in t.top_logprobs] for t in entries])
+        return Generation(
+            [t.token for t in entries],
+            [t.logprob for t in entries],
+            [[a.token for a in t.top_logprobs] for t in entries],
+        )
 
     close, agreed = check_close(generation(whole), generation(streamed))
     assert close and agreed >= 4, ([t.token for t in whole], [t.token for t in streamed])
@@ -61,7 +77,10 @@ def test_logprobs_without_alternatives_and_their_limits(client, server):
     reply = client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=4, temperature=0, logprobs=True)
     assert all(t.top_logprobs == [] for t in reply.choices[0].logprobs.content)
     assert client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=4).choices[0].logprobs is None
-    for body, param in (({"top_logprobs": 3}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+    for body, param in (
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ):
         response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == param
     response = server.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 30})
@@ -69,7 +88,9 @@ def test_logprobs_without_alternatives_and_their_limits(client, server):
 
 
 def test_legacy_completion_logprobs_line_up_with_the_text(client):
-    reply = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=3)
+    reply = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=3
+    )
     choice = reply.choices[0]
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
@@ -79,7 +100,9 @@ def test_legacy_completion_logprobs_line_up_with_the_text(client):
         assert len(top) <= 3 and math.isclose(max(top.values()), value) and math.isclose(top[token], value)
     streamed = [
         c.choices[0].logprobs
-        for c in client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=3, stream=True)
+        for c in client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=3, stream=True
+        )
         if c.choices[0].logprobs
     ]
     assert [t for part in streamed for t in part.tokens] == lp.tokens
@@ -94,7 +117,10 @@ def test_echo_puts_the_prompt_before_the_completion(client, tokenizer):
     by_ids = client.completions.create(model=MODEL, prompt=[ids, "The sky is"], max_tokens=6, temperature=0, echo=True)
     assert by_ids.choices[0].text.startswith("Grass is") and by_ids.choices[1].text == echoed.choices[0].text
     streamed = "".join(
-        c.choices[0].text for c in client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, echo=True, stream=True)
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, echo=True, stream=True
+        )
     )
     assert streamed == echoed.choices[0].text
 
@@ -112,13 +138,20 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(client, tokenizer,
     assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(top) == 1 for top in lp.top_logprobs[1:])
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
     # " Paris" after "The capital of France is" is likely; " Rome" is not
-    other = client.completions.create(model=MODEL, prompt="The capital of France is Rome", max_tokens=0, echo=True, logprobs=0)
+    other = client.completions.create(
+        model=MODEL, prompt="The capital of France is Rome", max_tokens=0, echo=True, logprobs=0
+    )
     assert lp.token_logprobs[-1] > other.choices[0].logprobs.token_logprobs[-1]
     # with generation, streamed: the echo chunk carries the prompt's logprobs, then the new tokens follow
     chunks = [
-        c.choices[0] for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0, stream=True)
+        c.choices[0]
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0, stream=True
+        )
     ]
-    assert chunks[0].text == prompt and chunks[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=0.15)
+    assert chunks[0].text == prompt and chunks[0].logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:], abs=0.15
+    )
     generated = [t for c in chunks[1:] if c.logprobs for t in c.logprobs.tokens]
     assert len(generated) == 3 and "".join(c.text for c in chunks) == prompt + "".join(generated)
     assert chunks[1].logprobs.text_offset[0] == len(prompt)
@@ -129,12 +162,16 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(client, tokenizer,
 
 def test_best_of_returns_the_most_likely_of_its_candidates(client, server):
     prompt = "Write a word:"
-    best = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.2, best_of=4, n=2, seed=11, logprobs=0)
+    best = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=1.2, best_of=4, n=2, seed=11, logprobs=0
+    )
     assert len(best.choices) == 2 and [c.index for c in best.choices] == [0, 1]
     totals = [sum(c.logprobs.token_logprobs) for c in best.choices]
     assert totals[0] >= totals[1]
     # the same four candidates (same seed), one at a time: the returned two are the top two of them
-    candidates = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.2, n=4, seed=11, logprobs=0)
+    candidates = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=1.2, n=4, seed=11, logprobs=0
+    )
     ranked = sorted(candidates.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
     assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
     assert best.usage.completion_tokens == candidates.usage.completion_tokens  # all four were computed
@@ -152,7 +189,9 @@ def test_tokenize_and_detokenize(server, tokenizer):
     assert body["max_model_len"] == 8192 and len(body["token_strs"]) == body["count"]
     assert server.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]}).json() == {"prompt": text}
     chat = server.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert tokenizer.decode(chat["tokens"]) == rendered
     for path, payload, param in (
         ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
@@ -174,16 +213,23 @@ def test_chat_template_kwargs_reach_the_template(server, client):
         counts = []
         for kwargs in ({}, {"shout": True}):
             reply = sdk.chat.completions.create(
-                model=MODEL, messages=ask("Say hi"), max_tokens=2, extra_body={"chat_template": template, "chat_template_kwargs": kwargs}
+                model=MODEL,
+                messages=ask("Say hi"),
+                max_tokens=2,
+                extra_body={"chat_template": template, "chat_template_kwargs": kwargs},
             )
             counts.append(reply.usage.prompt_tokens)
         assert counts[1] == counts[0] + 7, counts  # " LOUDLY PLEASE" is seven tokens
     finally:
         templating.stop()
-    refused = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "chat_template_kwargs": {"messages": []}})
+    refused = server.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "chat_template_kwargs": {"messages": []}}
+    )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
     assert (
-        client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=2, extra_body={"chat_template_kwargs": {"unused": 1}})
+        client.chat.completions.create(
+            model=MODEL, messages=ask("Hi"), max_tokens=2, extra_body={"chat_template_kwargs": {"unused": 1}}
+        )
         .choices[0]
         .message.content
         is not None
@@ -218,12 +264,20 @@ def test_json_object_output_always_parses(client):
 
 def test_json_schema_output_validates_stream_and_not(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
-    whole = client.chat.completions.create(model=MODEL, messages=ask("Tell me about Paris."), max_tokens=100, temperature=0, response_format=fmt)
+    whole = client.chat.completions.create(
+        model=MODEL, messages=ask("Tell me about Paris."), max_tokens=100, temperature=0, response_format=fmt
+    )
     jsonschema.validate(json.loads(whole.choices[0].message.content), CITY)
     streamed = "".join(
         c.choices[0].delta.content or ""
         for c in client.chat.completions.create(
-            model=MODEL, messages=ask("Tell me about Rome."), max_tokens=100, temperature=0.7, seed=1, response_format=fmt, stream=True
+            model=MODEL,
+            messages=ask("Tell me about Rome."),
+            max_tokens=100,
+            temperature=0.7,
+            seed=1,
+            response_format=fmt,
+            stream=True,
         )
         if c.choices
     )
@@ -235,7 +289,9 @@ def test_sdk_parse_with_a_pydantic_model(client):
         name: str = pydantic.Field(max_length=30)
         country: str = pydantic.Field(max_length=30)
 
-    parsed = client.chat.completions.parse(model=MODEL, messages=ask("Name a city in Japan."), max_tokens=60, temperature=0, response_format=City)
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=ask("Name a city in Japan."), max_tokens=60, temperature=0, response_format=City
+    )
     city = parsed.choices[0].message.parsed
     assert isinstance(city, City) and city.name
 
@@ -247,7 +303,12 @@ def test_guided_requests_run_beside_free_ones(client):
         kwargs = {"response_format": fmt} if i % 2 else {}
         return (
             client.chat.completions.create(
-                model=MODEL, messages=ask(f"Tell me about city number {i}."), max_tokens=120, temperature=0.5, seed=i, **kwargs
+                model=MODEL,
+                messages=ask(f"Tell me about city number {i}."),
+                max_tokens=120,
+                temperature=0.5,
+                seed=i,
+                **kwargs,
             )
             .choices[0]
             .message.content
@@ -270,14 +331,22 @@ def test_bad_response_formats_are_400s(server):
         (bad_schema, False),
         (bad_schema, True),
     ):
-        response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "response_format": fmt, "stream": stream})
+        response = server.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": ask("Hi"), "response_format": fmt, "stream": stream},
+        )
         assert response.status_code == 400, fmt
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}
-    response = server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "tools": [tool], "tool_choice": "required"})
+    response = server.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "tools": [tool], "tool_choice": "required"}
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
-    assert server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "max_tokens": 2}).status_code == 200
+    assert (
+        server.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "max_tokens": 2}).status_code
+        == 200
+    )
 
 
 def test_logprobs_stop_where_a_stop_string_cuts_the_text(client):

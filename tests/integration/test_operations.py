@@ -28,7 +28,11 @@ def test_metrics_count_requests_latencies_and_the_pool(server):
     before = server.get("/metrics").text
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
     for _ in range(3):
-        list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, stream=True))
+        list(
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, stream=True
+            )
+        )
     server.post("/v1/chat/completions", json={"model": MODEL})  # a 400
     text = server.get("/metrics").text
     assert text.count("# TYPE") > 10
@@ -78,7 +82,10 @@ def test_api_key_closes_everything_but_health(keyed_server):
     # The OpenAPI document wants the key too (it lists every route); no rendered pages (they loaded a CDN's scripts).
     for path in ("/schema", "/schema/openapi.json", "/schema/swagger"):
         assert httpx.get(url + path).status_code == 401, path
-    assert "/v1/chat/completions" in httpx.get(url + "/schema/openapi.json", headers={"Authorization": "Bearer key-one"}).json()["paths"]
+    assert (
+        "/v1/chat/completions"
+        in httpx.get(url + "/schema/openapi.json", headers={"Authorization": "Bearer key-one"}).json()["paths"]
+    )
     assert httpx.get(url + "/schema/swagger", headers={"Authorization": "Bearer key-one"}).status_code == 404
 
 
@@ -122,7 +129,11 @@ def test_past_the_concurrency_limit_and_queue_requests_get_429_at_once():
             next(lines)
             waiter = threading.Thread(target=queued_request)
             waiter.start()
-            wait_until(lambda: sample(server.get("/metrics").text, "llmpool_gateway_queued_requests") == 1, 30, "a queued request")
+            wait_until(
+                lambda: sample(server.get("/metrics").text, "llmpool_gateway_queued_requests") == 1,
+                30,
+                "a queued request",
+            )
             started = time.perf_counter()
             refused = httpx.post(url, json={**body, "stream": False}, timeout=60)
             assert time.perf_counter() - started < 2, "a refusal must not wait"

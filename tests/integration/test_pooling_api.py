@@ -17,17 +17,31 @@ TEXTS = ["the cat sat on the mat", "paris is the capital of france", "a dog"]
 
 
 @pytest.fixture(scope="module")
-def pooling_server(tmp_path_factory):  # noqa: ANN201 - (Server, folders)
+def pooling_server(tmp_path_factory):  # (Server, folders)
     tmp = tmp_path_factory.mktemp("pooling-api")
     embed = pooling_models.embedder("bert-mean", tmp / "embed")
     rerank = pooling_models.cross_encoder(tmp / "rerank")
     models = f"embed={embed},rerank={rerank}"
     # Four admission slots: a request of more inputs runs in waves.
-    server = start_serve("serve-pooling", 2, "--models", models, "--workers", "1", "--dtype", "float32", "--max-concurrent-requests", "4")
+    server = start_serve(
+        "serve-pooling", 2, "--models", models, "--workers", "1", "--dtype", "float32", "--max-concurrent-requests", "4"
+    )
     try:
         # A third model: the chat model that also embeds (--pooling last), its own worker on the same gateway.
-        args = ["worker", "--gateway-address", server.zmq_address, "--model", MODEL, "--served-model-name", "smol-embed", "--pooling", "last"]
-        server.processes.append(spawn([*args, "--worker-name", "smol-embed", "--dtype", "float32"], "serve-pooling-smol-embed"))
+        args = [
+            "worker",
+            "--gateway-address",
+            server.zmq_address,
+            "--model",
+            MODEL,
+            "--served-model-name",
+            "smol-embed",
+            "--pooling",
+            "last",
+        ]
+        server.processes.append(
+            spawn([*args, "--worker-name", "smol-embed", "--dtype", "float32"], "serve-pooling-smol-embed")
+        )
         server.wait_for_workers(3)
         yield server, {"embed": embed, "rerank": rerank}
     finally:
@@ -35,7 +49,7 @@ def pooling_server(tmp_path_factory):  # noqa: ANN201 - (Server, folders)
 
 
 @pytest.fixture(scope="module")
-def sdk(pooling_server):  # noqa: ANN201 - an openai.OpenAI
+def sdk(pooling_server):  # an openai.OpenAI
     return openai.OpenAI(base_url=pooling_server[0].base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -63,7 +77,9 @@ def test_openai_sdk_embeddings_match_sentence_transformers(pooling_server, sdk):
 
 
 def test_more_inputs_than_admission_slots_run_in_waves_and_keep_their_order(sdk):
-    texts = [f"{word} cat" for word in ("the", "a", "one", "dog", "mat", "river", "paris", "france", "capital", "sat", "on")]
+    texts = [
+        f"{word} cat" for word in ("the", "a", "one", "dog", "mat", "river", "paris", "france", "capital", "sat", "on")
+    ]
     together = sdk.embeddings.create(model="embed", input=texts, encoding_format="float").data
     assert [d.index for d in together] == list(range(len(texts)))
     for i in (0, 5, 10):
@@ -76,9 +92,15 @@ def test_a_chat_model_that_also_embeds_serves_both_at_once(pooling_server, sdk):
     server, _ = pooling_server
     card = next(m for m in server.get("/v1/models").json()["data"] if m["id"] == "smol-embed")
     assert card["capabilities"] == ["generate", "embed", "score"] and card["pooling"]["method"] == "last"
-    alone = sdk.chat.completions.create(model="smol-embed", messages=[{"role": "user", "content": "Count to five."}], max_tokens=12, temperature=0)
+    alone = sdk.chat.completions.create(
+        model="smol-embed", messages=[{"role": "user", "content": "Count to five."}], max_tokens=12, temperature=0
+    )
     stream = sdk.chat.completions.create(
-        model="smol-embed", messages=[{"role": "user", "content": "Count to five."}], max_tokens=12, temperature=0, stream=True
+        model="smol-embed",
+        messages=[{"role": "user", "content": "Count to five."}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
     )
     text, embedded = "", []
     for chunk in stream:  # embeddings asked for while the stream runs
@@ -98,8 +120,19 @@ def test_rerank_and_score_match_the_cross_encoder(pooling_server):
     best = list(np.argsort(-expected)[:2])
     assert [r["index"] for r in body["results"]] == best
     assert [r["document"]["text"] for r in body["results"]] == [docs[i] for i in best]
-    assert np.allclose([r["relevance_score"] for r in body["results"]], expected[best], atol=1e-5) and body["usage"]["total_tokens"] > 0
-    bare = server.post("/rerank", json={"model": "rerank", "query": TEXTS[1], "documents": [{"text": d} for d in docs], "return_documents": False})
+    assert (
+        np.allclose([r["relevance_score"] for r in body["results"]], expected[best], atol=1e-5)
+        and body["usage"]["total_tokens"] > 0
+    )
+    bare = server.post(
+        "/rerank",
+        json={
+            "model": "rerank",
+            "query": TEXTS[1],
+            "documents": [{"text": d} for d in docs],
+            "return_documents": False,
+        },
+    )
     assert len(bare.json()["results"]) == 4 and "document" not in bare.json()["results"][0]
     scored = server.post("/v1/score", json={"model": "rerank", "text_1": TEXTS[1], "text_2": docs}).json()
     assert scored["object"] == "list" and np.allclose([d["score"] for d in scored["data"]], expected, atol=1e-5)
@@ -116,7 +149,10 @@ def test_models_say_what_they_do_and_requests_for_something_else_are_400(pooling
     server, _ = pooling_server
     cards = {m["id"]: m for m in server.get("/v1/models").json()["data"]}
     assert cards["embed"]["capabilities"] == ["embed", "score"] and cards["rerank"]["capabilities"] == ["score"]
-    assert cards["embed"]["pooling"] == {"method": "mean", "normalize": True, "dimensions": 64} and cards["embed"]["max_model_len"] == 256
+    assert (
+        cards["embed"]["pooling"] == {"method": "mean", "normalize": True, "dimensions": 64}
+        and cards["embed"]["max_model_len"] == 256
+    )
     with pytest.raises(openai.BadRequestError, match="is an embedding model: it serves /v1/embeddings"):
         sdk.chat.completions.create(model="embed", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="is a reranker"):
@@ -128,7 +164,11 @@ def test_models_say_what_they_do_and_requests_for_something_else_are_400(pooling
 def test_pooling_routes_are_typed_in_openapi(pooling_server):
     server, _ = pooling_server
     document = server.get("/schema/openapi.json").json()
-    for path, schema in (("/v1/embeddings", "EmbeddingRequest"), ("/v1/rerank", "RerankRequest"), ("/v1/score", "ScoreRequest")):
+    for path, schema in (
+        ("/v1/embeddings", "EmbeddingRequest"),
+        ("/v1/rerank", "RerankRequest"),
+        ("/v1/score", "ScoreRequest"),
+    ):
         assert schema in str(document["paths"][path]["post"]["requestBody"]), path
     assert {"EmbeddingList", "RerankResponse", "ScoreResponse"} <= set(document["components"]["schemas"])
 
@@ -142,7 +182,11 @@ def test_pooling_routes_are_typed_in_openapi(pooling_server):
         ("/v1/embeddings", {"model": "embed", "input": "cat " * 300}, "more than this model's limit of 256"),
         ("/v1/embeddings", {"model": "embed", "input": "hi", "encoding_format": "hex"}, "encoding_format"),
         ("/v1/rerank", {"model": "rerank", "query": "", "documents": ["a"]}, "`query` must be"),
-        ("/v1/score", {"model": "rerank", "text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "`text_1` must hold one text or as many"),
+        (
+            "/v1/score",
+            {"model": "rerank", "text_1": ["a", "b"], "text_2": ["a", "b", "c"]},
+            "`text_1` must hold one text or as many",
+        ),
     ],
 )
 def test_bad_pooling_requests_are_400s_that_name_the_field(pooling_server, path, body, words):
@@ -152,6 +196,8 @@ def test_bad_pooling_requests_are_400s_that_name_the_field(pooling_server, path,
 
 
 def test_generation_model_refuses_embeddings(server, client):
-    with pytest.raises(openai.BadRequestError, match="is a generation model: it serves text generation, not /v1/embeddings"):
+    with pytest.raises(
+        openai.BadRequestError, match="is a generation model: it serves text generation, not /v1/embeddings"
+    ):
         client.embeddings.create(model=client.models.list().data[0].id, input="hi")
     assert client.models.list().data[0].model_extra["capabilities"] == ["generate"]

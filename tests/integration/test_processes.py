@@ -27,7 +27,9 @@ def sdk(server: Server) -> openai.OpenAI:
 
 def test_sigkilled_worker_fails_its_requests_and_the_gateway_stays_up():
     server = Server(free_port(), free_port())
-    gateway = spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "kill-gateway", FAST_HEARTBEAT)
+    gateway = spawn(
+        ["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "kill-gateway", FAST_HEARTBEAT
+    )
     worker = spawn(["worker", "--gateway-address", server.zmq_address], "kill-worker", FAST_HEARTBEAT)
     server.processes += [gateway, worker]
     try:
@@ -65,9 +67,13 @@ def test_sigkilled_worker_fails_its_requests_and_the_gateway_stays_up():
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         assert info.value.status_code == 503
         # A new worker joins the running gateway and serving resumes.
-        server.processes.append(spawn(["worker", "--gateway-address", server.zmq_address], "kill-worker-2", FAST_HEARTBEAT))
+        server.processes.append(
+            spawn(["worker", "--gateway-address", server.zmq_address], "kill-worker-2", FAST_HEARTBEAT)
+        )
         server.wait_for_workers(1)
-        assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4).choices
+        assert client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        ).choices
     finally:
         server.stop()
 
@@ -121,13 +127,21 @@ def test_killed_launcher_leaves_no_orphans():
 def test_launcher_restarts_a_crashed_worker():
     server = start_serve("launcher-restart", 1)
     try:
-        (worker_pid,) = [p for p in _children(server.processes[0].pid) if "worker" in Path(f"/proc/{p}/cmdline").read_text()]
+        (worker_pid,) = [
+            p for p in _children(server.processes[0].pid) if "worker" in Path(f"/proc/{p}/cmdline").read_text()
+        ]
         (old,) = server.workers()
         os.kill(worker_pid, signal.SIGKILL)
         # The restarted worker registers under the same name; the gateway drops the dead entry at once.
-        wait_until(lambda: [w["identity"] for w in server.workers()] not in ([], [old["identity"]]), 90, "a restarted worker")
+        wait_until(
+            lambda: [w["identity"] for w in server.workers()] not in ([], [old["identity"]]), 90, "a restarted worker"
+        )
         assert [w["name"] for w in server.workers()] == [old["name"]]
-        assert sdk(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4).choices
+        assert (
+            sdk(server)
+            .chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+            .choices
+        )
     finally:
         server.stop()
 
@@ -177,7 +191,9 @@ def test_compose_services_run_as_plain_processes(postgres):
             own = gateways.get(name)
             processes.append(spawn(["launcher", *command[1:]], f"compose-{name}", local(service["environment"], own)))
         models = {
-            services[name]["environment"].get("LLMPOOL_SERVED_MODEL_NAME", services[name]["environment"]["LLMPOOL_MODEL"])
+            services[name]["environment"].get(
+                "LLMPOOL_SERVED_MODEL_NAME", services[name]["environment"]["LLMPOOL_MODEL"]
+            )
             for name in services
             if name.startswith("worker")
         }
@@ -186,11 +202,15 @@ def test_compose_services_run_as_plain_processes(postgres):
             server.wait_for_workers(2)
             assert {m["id"] for m in server.get("/v1/models").json()["data"]} == models
             for model in sorted(models):
-                reply = sdk(server).chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+                reply = sdk(server).chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+                )
                 assert reply.choices[0].message.content
         # One store for both: a conversation started on gateway-a goes on through gateway-b.
         first = sdk(gateways["gateway-a"]).responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4)
-        second = sdk(gateways["gateway-b"]).responses.create(model=MODEL, input="And?", previous_response_id=first.id, max_output_tokens=4)
+        second = sdk(gateways["gateway-b"]).responses.create(
+            model=MODEL, input="And?", previous_response_id=first.id, max_output_tokens=4
+        )
         assert second.previous_response_id == first.id and second.usage.input_tokens > first.usage.input_tokens
     finally:
         for process in reversed(processes):
@@ -199,9 +219,16 @@ def test_compose_services_run_as_plain_processes(postgres):
 
 def test_curve_lets_only_authorized_workers_in(tmp_path):
     keys = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "launcher", "keys", str(keys), "--workers", "1"], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "launcher", "keys", str(keys), "--workers", "1"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     strangers = tmp_path / "strangers"
-    subprocess.run([sys.executable, "-m", "launcher", "keys", str(strangers)], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "launcher", "keys", str(strangers)], cwd=REPO, check=True, capture_output=True
+    )
     server = Server(free_port(), free_port())
     gateway_args = [
         "gateway",
@@ -241,7 +268,11 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
             return logs[name].read_bytes()[starts[name] :].decode(errors="replace") if logs[name].exists() else ""
 
         server.processes.append(
-            spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "no-keys"], "curve-nokeys", FAST_HEARTBEAT)
+            spawn(
+                ["worker", "--gateway-address", server.zmq_address, "--worker-name", "no-keys"],
+                "curve-nokeys",
+                FAST_HEARTBEAT,
+            )
         )
         server.processes.append(
             spawn(
@@ -279,7 +310,9 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
         )
         assert "registered" not in logged("curve-nokeys") and "registered" not in logged("curve-stranger")
         assert [w["name"] for w in server.workers()] == ["trusted"]
-        reply = sdk(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        reply = sdk(server).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
         assert reply.choices[0].message.content
     finally:
         server.stop()
@@ -287,7 +320,12 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
 
 def test_llmpool_keys_writes_secret_keys_owner_only(tmp_path):
     keys = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "launcher", "keys", str(keys), "--workers", "2"], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "launcher", "keys", str(keys), "--workers", "2"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     secrets = sorted(p.name for p in keys.glob("*.key_secret"))
     assert secrets == ["gateway.key_secret", "worker-0.key_secret", "worker-1.key_secret"]
     for path in keys.glob("*.key_secret"):

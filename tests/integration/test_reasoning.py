@@ -26,30 +26,46 @@ TEMPLATE = (
 )
 NAME = "tiny-thinker"
 BUDGET = 4  # thinking tokens: the usage adds the end marker
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
 MESSAGES = [{"role": "user", "content": "Is 7 prime?"}]
 
 
-def with_thinking(tokenizer) -> None:  # noqa: ANN001 - a transformers tokenizer
+def with_thinking(tokenizer) -> None:  # a transformers tokenizer
     tokenizer.add_tokens(["<think>", "</think>"])  # added, not special: the text keeps them
     tokenizer.chat_template = TEMPLATE
 
 
 @pytest.fixture(scope="module")
-def thinker(tmp_path_factory):  # noqa: ANN201 - a tests.conftest.Server
+def thinker(tmp_path_factory):  # a tests.conftest.Server
     folder = tmp_path_factory.mktemp("thinker") / NAME
     build_tiny_qwen(folder, with_thinking)
-    server = start_serve("reasoning", 1, "--model", str(folder), "--served-model-name", NAME, "--dtype", "float32", "--max-model-len", "1024")
+    server = start_serve(
+        "reasoning",
+        1,
+        "--model",
+        str(folder),
+        "--served-model-name",
+        NAME,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+    )
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def oai(thinker):  # noqa: ANN201 - an openai.OpenAI
+def oai(thinker):  # an openai.OpenAI
     return openai.OpenAI(base_url=thinker.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def chat(oai, stream: bool = False, **extra):  # noqa: ANN001, ANN201
+def chat(oai, stream: bool = False, **extra):
     body = {"thinking_token_budget": BUDGET, **extra.pop("extra_body", {})}
     args = {"model": NAME, "messages": MESSAGES, "max_tokens": 16, "temperature": 0, **extra}
     return oai.chat.completions.create(stream=stream, extra_body=body, **args)
@@ -76,10 +92,18 @@ def test_without_a_budget_the_thinking_runs_to_max_tokens_and_effort_none_skips_
     """No budget: the random model never ends its thinking. ``reasoning_effort: none`` makes the
     template close the thinking (enable_thinking false), so all is answer, as with the kwarg itself."""
     unbounded = oai.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8, temperature=0)
-    assert unbounded.choices[0].message.content == "" and unbounded.usage.completion_tokens_details.reasoning_tokens == 8
-    none = oai.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, reasoning_effort="none")
+    assert (
+        unbounded.choices[0].message.content == "" and unbounded.usage.completion_tokens_details.reasoning_tokens == 8
+    )
+    none = oai.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, reasoning_effort="none"
+    )
     kwarg = oai.chat.completions.create(
-        model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        model=NAME,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     for reply in (none, kwarg):
         assert reply.choices[0].message.content and "reasoning_content" not in reply.choices[0].message.model_extra
@@ -94,7 +118,11 @@ def test_a_json_format_or_a_forced_call_holds_for_the_answer_after_the_thinking(
     assert message.model_extra["reasoning_content"] and reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(message.content), SCHEMA)
     tool = {"type": "function", "function": {"name": "answer", "parameters": SCHEMA}}
-    called = chat(oai, tools=[tool], tool_choice={"type": "function", "function": {"name": "answer"}}, max_tokens=64).choices[0].message
+    called = (
+        chat(oai, tools=[tool], tool_choice={"type": "function", "function": {"name": "answer"}}, max_tokens=64)
+        .choices[0]
+        .message
+    )
     assert called.model_extra["reasoning_content"]  # the tools are in the prompt: another thinking
     jsonschema.validate(json.loads(called.tool_calls[0].function.arguments), SCHEMA)
 
@@ -129,7 +157,13 @@ def test_responses_carry_a_reasoning_item_streamed_or_not(oai):
 def test_messages_carry_thinking_blocks_streamed_or_not(oai, thinker):
     thinking = chat(oai).choices[0].message.model_extra["reasoning_content"]
     claude = anthropic.Anthropic(base_url=thinker.base_url, api_key="unused", max_retries=0, timeout=120)
-    args = dict(model=NAME, messages=MESSAGES, max_tokens=16, thinking={"type": "enabled", "budget_tokens": BUDGET}, extra_body={"temperature": 0})
+    args = dict(
+        model=NAME,
+        messages=MESSAGES,
+        max_tokens=16,
+        thinking={"type": "enabled", "budget_tokens": BUDGET},
+        extra_body={"temperature": 0},
+    )
     whole = claude.messages.create(**args)
     assert [b.type for b in whole.content] == ["thinking", "text"] and whole.content[0].thinking == thinking
 

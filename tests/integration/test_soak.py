@@ -25,12 +25,21 @@ from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, wait_unti
 FAST = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 ROUNDS = 6
 KILL_ROUND = 2
-WALK = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40}}, "required": ["title"], "additionalProperties": False}
+WALK = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 40}},
+    "required": ["title"],
+    "additionalProperties": False,
+}
 TOOL = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
     },
 }
 
@@ -42,7 +51,15 @@ def ask(text: str) -> list[dict]:
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"
 # Greedy requests whose answers are known in advance (name -> path, body); each round sends every one.
 GREEDY = {
-    "stream": (CHAT, {"messages": ask("Describe a walk through an old forest."), "max_tokens": 24, "ignore_eos": True, "stream": True}),
+    "stream": (
+        CHAT,
+        {
+            "messages": ask("Describe a walk through an old forest."),
+            "max_tokens": 24,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ),
     "n2": (CHAT, {"messages": ask("Name three rivers."), "max_tokens": 16, "ignore_eos": True, "n": 2}),
     "json": (
         CHAT,
@@ -61,10 +78,21 @@ GREEDY = {
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         },
     ),
-    "long": (CHAT, {"messages": ask("Tell a story about a lighthouse keeper."), "max_tokens": 64, "ignore_eos": True, "stream": True}),
+    "long": (
+        CHAT,
+        {
+            "messages": ask("Tell a story about a lighthouse keeper."),
+            "max_tokens": 64,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ),
     "completion": (COMPLETIONS, {"prompt": "The three primary colours are", "max_tokens": 16, "ignore_eos": True}),
     "responses": (RESPONSES, {"input": "Describe a quiet harbour.", "max_output_tokens": 16, "ignore_eos": True}),
-    "messages": (MESSAGES, {"messages": ask("Describe a mountain village."), "max_tokens": 16, "ignore_eos": True, "stream": True}),
+    "messages": (
+        MESSAGES,
+        {"messages": ask("Describe a mountain village."), "max_tokens": 16, "ignore_eos": True, "stream": True},
+    ),
 }
 BAD = [
     (CHAT, {"messages": ask("hi"), "stop_token_ids": [True]}),
@@ -103,7 +131,9 @@ def answer(http: httpx.Client, base: str, path: str, body: dict) -> list[str]:
             return [found["output"][0]["content"][0]["text"]]
         if path == COMPLETIONS:
             return [c["text"] for c in found["choices"]]
-        return [c["message"]["content"] or c["message"]["tool_calls"][0]["function"]["arguments"] for c in found["choices"]]
+        return [
+            c["message"]["content"] or c["message"]["tool_calls"][0]["function"]["arguments"] for c in found["choices"]
+        ]
     text = []
     with http.stream("POST", base + path, json=payload) as response:
         response.raise_for_status()
@@ -132,7 +162,8 @@ def hostile(port: int, kind: str) -> bytes:
                     time.sleep(0.5)
             elif kind == "short-body":
                 sock.sendall(
-                    b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 4000000\r\n\r\n{" + b" " * 1_000_000
+                    b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 4000000\r\n\r\n{"
+                    + b" " * 1_000_000
                 )
         except OSError:
             pass  # the gateway closed it while we were still sending
@@ -148,14 +179,20 @@ def hostile(port: int, kind: str) -> bytes:
 
 def cancel(http: httpx.Client, url: str) -> None:
     """A client that hangs up after three chunks."""
-    body = {"model": MODEL, "messages": ask("Count to one hundred."), "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": ask("Count to one hundred."),
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with http.stream("POST", url + CHAT, json=body) as response:
         for i, _ in enumerate(response.iter_lines()):
             if i >= 3:
                 break
 
 
-def start_worker(server: Server, name: str):  # noqa: ANN201 - a Popen
+def start_worker(server: Server, name: str):  # a Popen
     args = [
         "worker",
         "--gateway-address",
@@ -177,7 +214,9 @@ def test_chaos_soak_all_dialects_hostile_clients_a_worker_killed_and_the_gateway
     for log in ARTIFACTS.glob("soak-*.log"):
         log.unlink()
     server = Server(free_port(), free_port())
-    gateway = spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, *GATEWAY_LIMITS], "soak-gateway", FAST)
+    gateway = spawn(
+        ["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, *GATEWAY_LIMITS], "soak-gateway", FAST
+    )
     workers = {name: start_worker(server, name) for name in ("w-a", "w-b")}
     server.processes += [gateway, *workers.values()]
     url = server.base_url
@@ -211,12 +250,16 @@ def test_chaos_soak_all_dialects_hostile_clients_a_worker_killed_and_the_gateway
                         if got != reference[kind]:
                             mismatches.append(f"{kind}: {got!r} != {reference[kind]!r}")
                 except Exception as exc:  # a lost request, unless the stopping gateway never took it
-                    if stopping.is_set() and not getattr(ANSWERING, "started", False) and isinstance(exc, (httpx.TransportError, OSError)):
+                    if (
+                        stopping.is_set()
+                        and not getattr(ANSWERING, "started", False)
+                        and isinstance(exc, (httpx.TransportError, OSError))
+                    ):
                         counts["turned away while stopping"] += 1
                     else:
                         failures.append(f"{kind}: {type(exc).__name__}: {exc}")
 
-        def round_(number: int, fault=None) -> None:  # noqa: ANN001 - what to do once requests are in flight
+        def round_(number: int, fault=None) -> None:  # what to do once requests are in flight
             jobs = [threading.Thread(target=one, args=(kind,), name=kind) for kind in GREEDY for _ in range(2)]
             jobs += [threading.Thread(target=one, args=("cancel",), name="cancel") for _ in range(2)]
             jobs += [threading.Thread(target=one, args=("bad", request), name="bad") for request in BAD]
@@ -247,7 +290,9 @@ def test_chaos_soak_all_dialects_hostile_clients_a_worker_killed_and_the_gateway
 
         def all_free() -> bool:
             listed = server.workers()
-            return len(listed) == 2 and all(w["inflight"] == 0 and w["free_blocks"] == w["total_blocks"] for w in listed)
+            return len(listed) == 2 and all(
+                w["inflight"] == 0 and w["free_blocks"] == w["total_blocks"] for w in listed
+            )
 
         wait_until(all_free, 20, "every KV block free and nothing in flight")
         after = {"gateway": rss_kib(gateway.pid), "w-b": rss_kib(workers["w-b"].pid)}
@@ -262,10 +307,14 @@ def test_chaos_soak_all_dialects_hostile_clients_a_worker_killed_and_the_gateway
         server.stop()
     tracebacks = [log.name for log in ARTIFACTS.glob("soak-*.log") if "Traceback" in log.read_text(errors="replace")]
     lost = len(failures) + counts["unexpected"]
-    print(f"\nsoak: {dict(counts)} resumed={resumed} lost={lost} in {elapsed:.0f} s; RSS KiB after warm-up {memory}, at the end {after}")
+    print(
+        f"\nsoak: {dict(counts)} resumed={resumed} lost={lost} in {elapsed:.0f} s; RSS KiB after warm-up {memory}, at the end {after}"
+    )
     from tests.integration.test_faults import report
 
-    report(test="soak", served=counts["served"], disconnected=counts["disconnected"], faults=counts["faults"], lost=lost)
+    report(
+        test="soak", served=counts["served"], disconnected=counts["disconnected"], faults=counts["faults"], lost=lost
+    )
     assert not hung, hung
     assert not failures and lost == 0, failures
     assert resumed >= 1, "the killed worker's requests should have moved to the other one"

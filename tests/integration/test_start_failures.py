@@ -25,7 +25,16 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_the_launcher_gives_up_on_a_refused_model_with_its_reason(mamba):
-    args = ["launcher", "serve", "--model", mamba, "--port", str(free_port()), "--zmq-bind", f"tcp://127.0.0.1:{free_port()}"]
+    args = [
+        "launcher",
+        "serve",
+        "--model",
+        mamba,
+        "--port",
+        str(free_port()),
+        "--zmq-bind",
+        f"tcp://127.0.0.1:{free_port()}",
+    ]
     (ARTIFACTS / "start-failure-launcher.log").unlink(missing_ok=True)  # spawn appends; read this run only
     launcher = spawn(args, "start-failure-launcher")
     try:
@@ -35,12 +44,17 @@ def test_the_launcher_gives_up_on_a_refused_model_with_its_reason(mamba):
         raise
     log = (ARTIFACTS / "start-failure-launcher.log").read_text()
     assert "restarting in" not in log
-    assert re.search(f"worker-0 cannot serve this model with these settings; not restarting it: {re.escape(REFUSAL)}", log)
+    assert re.search(
+        f"worker-0 cannot serve this model with these settings; not restarting it: {re.escape(REFUSAL)}", log
+    )
     assert re.search(f"no worker could start; stopping: {re.escape(REFUSAL)}", log)
 
 
 def test_health_says_which_worker_cannot_start_and_why(server, mamba):
-    worker = spawn(["worker", "--model", mamba, "--gateway-address", server.zmq_address, "--worker-name", "mamba-worker"], "start-failure-worker")
+    worker = spawn(
+        ["worker", "--model", mamba, "--gateway-address", server.zmq_address, "--worker-name", "mamba-worker"],
+        "start-failure-worker",
+    )
     assert worker.wait(timeout=180) == EXIT_UNSUPPORTED
     wait_until(lambda: server.get("/health").json()["status"] == "degraded", 10, "/health to report the failed worker")
     health = server.get("/health")

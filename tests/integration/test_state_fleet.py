@@ -52,7 +52,11 @@ def fleet(postgres):
         fleet.start_gateway(0)
         fleet.start_gateway(1)
         addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in fleet.zmq)
-        fleet.worker = spawn(["worker", "--gateway-address", addresses, "--dtype", "float32", "--model", MODEL], "state-worker", fleet.env)
+        fleet.worker = spawn(
+            ["worker", "--gateway-address", addresses, "--dtype", "float32", "--model", MODEL],
+            "state-worker",
+            fleet.env,
+        )
         for i in (0, 1):
             wait_until(lambda i=i: fleet.ready(i), 240, f"gateway {i} ready")
         yield fleet
@@ -64,10 +68,16 @@ def fleet(postgres):
 
 def test_a_conversation_goes_on_through_the_other_gateway_and_stays_its_keys(fleet):
     a, b = fleet.sdk(0), fleet.sdk(1)
-    first = a.responses.create(model=MODEL, input="My name is Ada. Say OK.", max_output_tokens=8, temperature=0, metadata={"turn": "1"})
-    second = b.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=8, temperature=0)
+    first = a.responses.create(
+        model=MODEL, input="My name is Ada. Say OK.", max_output_tokens=8, temperature=0, metadata={"turn": "1"}
+    )
+    second = b.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=8, temperature=0
+    )
     assert second.previous_response_id == first.id and second.usage.input_tokens > first.usage.input_tokens
-    assert b.responses.retrieve(first.id).output_text == first.output_text and b.responses.retrieve(first.id).metadata == {"turn": "1"}
+    assert b.responses.retrieve(first.id).output_text == first.output_text and b.responses.retrieve(
+        first.id
+    ).metadata == {"turn": "1"}
     (item,) = list(b.responses.input_items.list(second.id))
     assert item.type == "message" and item.content[0].text == "What is my name?"
     other = fleet.sdk(1, KEYS[1])
@@ -100,7 +110,9 @@ def test_usage_is_billed_per_key_for_the_admin_only(fleet):
     from gateway.state.records import key_label, owner_of
 
     rows = billed()
-    assert rows[key_label(owner_of(KEYS[1]))]["output_tokens"] >= 3 and rows[key_label(owner_of(KEYS[0]))]["requests"] >= 2
+    assert (
+        rows[key_label(owner_of(KEYS[1]))]["output_tokens"] >= 3 and rows[key_label(owner_of(KEYS[0]))]["requests"] >= 2
+    )
     assert KEYS[0] not in str(rows), "keys are never shown, only their digests"
     metrics = fleet.get(0, "/metrics").text
     assert f'llmpool_key_tokens_total{{key="{key_label(owner_of(KEYS[1]))}",kind="output",model="{MODEL}"}}' in metrics
@@ -110,11 +122,20 @@ def test_background_responses_are_polled_and_cancelled_through_either_gateway(fl
     a, b = fleet.sdk(0), fleet.sdk(1)
     started = a.responses.create(model=MODEL, input="Say hello.", background=True, max_output_tokens=12, temperature=0)
     assert started.status in ("queued", "in_progress") and started.background
-    wait_until(lambda: b.responses.retrieve(started.id).status in ("completed", "incomplete"), 60, "the background response done")
+    wait_until(
+        lambda: b.responses.retrieve(started.id).status in ("completed", "incomplete"),
+        60,
+        "the background response done",
+    )
     done = b.responses.retrieve(started.id)
     assert done.output_text and done.usage.output_tokens > 0
     long = a.responses.create(
-        model=MODEL, input="Tell me a very long story.", background=True, max_output_tokens=2000, temperature=0, extra_body={"ignore_eos": True}
+        model=MODEL,
+        input="Tell me a very long story.",
+        background=True,
+        max_output_tokens=2000,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     cancelled = b.responses.cancel(long.id)  # A runs it; B asks the store, A stops it at its next heartbeat
     assert cancelled.status == "cancelled" and a.responses.retrieve(long.id).status == "cancelled"
@@ -123,14 +144,22 @@ def test_background_responses_are_polled_and_cancelled_through_either_gateway(fl
 
 
 PROMPTS = [
-    f"Write a long story about a {animal} who {deed}." for animal in ("cat", "dog", "fox", "owl") for deed in ("sails", "sings", "cooks", "flies")
+    f"Write a long story about a {animal} who {deed}."
+    for animal in ("cat", "dog", "fox", "owl")
+    for deed in ("sails", "sings", "cooks", "flies")
 ]
 TOKENS = 20
 
 
-def _create(client: openai.OpenAI, prompt: str):  # noqa: ANN202
+def _create(client: openai.OpenAI, prompt: str):
     return client.responses.create(
-        model=MODEL, input=prompt, background=True, stream=True, max_output_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        model=MODEL,
+        input=prompt,
+        background=True,
+        stream=True,
+        max_output_tokens=TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
 
 
@@ -178,10 +207,13 @@ def test_streams_resume_on_the_other_gateway_after_theirs_is_killed(fleet):
     for (response_id, text, numbers), expected in zip(results, reference):
         assert numbers == list(range(len(numbers))), "every event once, in order"
         assert text == expected, response_id
-        assert b.responses.retrieve(response_id).output_text == expected and b.responses.retrieve(response_id).usage.output_tokens == TOKENS
+        assert (
+            b.responses.retrieve(response_id).output_text == expected
+            and b.responses.retrieve(response_id).usage.output_tokens == TOKENS
+        )
 
 
-def _final_text(stream) -> str:  # noqa: ANN001
+def _final_text(stream) -> str:
     events = list(stream)
     assert events[-1].type == "response.incomplete"
     return events[-1].response.output_text

@@ -16,7 +16,9 @@ class Gateway:
         self.port, self.zmq = free_port(), free_port()
         self.env = {"LLMPOOL_STATE_URL": f"sqlite:///{state_file}", "LLMPOOL_STATE_MAX_RESPONSE_BYTES": "2048"}
         self.process = None
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=120
+        )
 
     def start(self, **env: str) -> None:
         args = ["gateway", "--port", str(self.port), "--zmq-bind", f"tcp://127.0.0.1:{self.zmq}"]
@@ -46,7 +48,10 @@ def test_a_body_over_the_response_budget_is_refused_unless_unstored(gateway):
     with pytest.raises(openai.BadRequestError) as refused:
         gateway.client.responses.create(model=MODEL, input=big, max_output_tokens=2)
     assert refused.value.body["code"] == "response_too_large"
-    assert gateway.client.responses.create(model=MODEL, input=big, max_output_tokens=2, store=False).status in ("completed", "incomplete")
+    assert gateway.client.responses.create(model=MODEL, input=big, max_output_tokens=2, store=False).status in (
+        "completed",
+        "incomplete",
+    )
 
 
 def test_responses_survive_a_restart_and_expired_ones_are_purged(gateway):
@@ -56,7 +61,9 @@ def test_responses_survive_a_restart_and_expired_ones_are_purged(gateway):
     client = gateway.client
     assert client.responses.retrieve(first.id).output_text == first.output_text
     assert [item.content[0].text for item in client.responses.input_items.list(first.id)] == ["My name is Ada. Say OK."]
-    second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=8, temperature=0)
+    second = client.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=8, temperature=0
+    )
     assert second.usage.input_tokens > first.usage.input_tokens
     # Now with a 3-second retention: the purge (every second here) removes both, in the background.
     gateway.restart(LLMPOOL_STATE_MAX_AGE="3s", LLMPOOL_STATE_PURGE_INTERVAL="1")

@@ -11,14 +11,26 @@ import pytest
 
 from tests.conftest import MODEL
 
-PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather for a city", "parameters": PARAMETERS}}
+PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Get the current weather for a city", "parameters": PARAMETERS},
+}
 TIME = {
     "type": "function",
     "function": {
         "name": "get_time",
         "description": "The time now in a timezone",
-        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["tz"],
+        },
     },
 }
 # A 135M model was never taught to call tools, but it copies text faithfully: this makes it write a
@@ -51,7 +63,13 @@ def assemble(chunks) -> tuple[str, dict[int, dict], list[str]]:
 def test_a_named_tool_choice_always_calls_it_with_valid_arguments(client):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     reply = client.chat.completions.create(
-        model=MODEL, messages=ask("Weather in Oslo?"), tools=[WEATHER, TIME], tool_choice=choice, temperature=0.8, seed=4, max_tokens=60
+        model=MODEL,
+        messages=ask("Weather in Oslo?"),
+        tools=[WEATHER, TIME],
+        tool_choice=choice,
+        temperature=0.8,
+        seed=4,
+        max_tokens=60,
     )
     answer = reply.choices[0]
     assert answer.finish_reason == "stop" and answer.message.content is None  # OpenAI's: a named call ends with "stop"
@@ -61,7 +79,13 @@ def test_a_named_tool_choice_always_calls_it_with_valid_arguments(client):
 
     content, calls, finishes = assemble(
         client.chat.completions.create(
-            model=MODEL, messages=ask("Weather in Lima?"), tools=[WEATHER], tool_choice=choice, temperature=0, max_tokens=60, stream=True
+            model=MODEL,
+            messages=ask("Weather in Lima?"),
+            tools=[WEATHER],
+            tool_choice=choice,
+            temperature=0,
+            max_tokens=60,
+            stream=True,
         )
     )
     assert content == "" and finishes == ["stop"] and list(calls) == [0]
@@ -74,7 +98,9 @@ def test_forced_arguments_stop_at_the_schema_and_close_the_object(client):
     model added invented fields ({"city": "Paris", "weather": "Temp: 22, ...) until max_tokens cut
     the object off invalid."""
     city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    tools = [{"type": "function", "function": {"name": name, "parameters": city}} for name in ("get_weather", "get_time")]
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": city}} for name in ("get_weather", "get_time")
+    ]
     for name in ("get_weather", "get_time"):
         for stream in (False, True):
             kwargs = dict(
@@ -114,10 +140,18 @@ def test_required_calls_one_of_the_tools(client):
         jsonschema.validate(json.loads(call.function.arguments), schema)
     content, calls, finishes = assemble(
         client.chat.completions.create(
-            model=MODEL, messages=ask("Weather in Rome?"), tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=60, stream=True
+            model=MODEL,
+            messages=ask("Weather in Rome?"),
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=60,
+            stream=True,
         )
     )
-    assert finishes == ["tool_calls"] and calls and all(c["name"] in ("get_weather", "get_time") for c in calls.values())
+    assert (
+        finishes == ["tool_calls"] and calls and all(c["name"] in ("get_weather", "get_time") for c in calls.values())
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -130,11 +164,15 @@ def test_auto_parses_the_models_own_tool_call(client, stream):
         return
     answer = client.chat.completions.create(**kwargs).choices[0]
     assert answer.finish_reason == "tool_calls" and answer.message.content is None
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
 
 
 def test_auto_without_a_call_and_none_answer_in_text(client):
-    auto = client.chat.completions.create(model=MODEL, messages=ask("Say hello."), tools=[WEATHER], temperature=0, max_tokens=20).choices[0]
+    auto = client.chat.completions.create(
+        model=MODEL, messages=ask("Say hello."), tools=[WEATHER], temperature=0, max_tokens=20
+    ).choices[0]
     assert auto.message.tool_calls is None and auto.message.content and auto.finish_reason in ("stop", "length")
     # Whether a 135M model copies the call turns on the CPU's bf16 arithmetic: one of two prompts
     # does on every CPU tried (the plain one on an AMD Zen 4, the one with an example on an Intel
@@ -179,6 +217,11 @@ def test_a_tool_result_goes_back_into_the_conversation(client, server):
     assert "Sunny, 21 degrees" in rendered and "get_weather" in rendered and "Oslo" in rendered
     bad = server.post(
         "/v1/chat/completions",
-        json={"model": MODEL, "messages": ask("Hi"), "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+        json={
+            "model": MODEL,
+            "messages": ask("Hi"),
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "other"}},
+        },
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"

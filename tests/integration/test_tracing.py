@@ -64,13 +64,24 @@ def gateway() -> Iterator[Gateway]:
     collector = Collector()
     port, zmq = free_port(), f"tcp://127.0.0.1:{free_port()}"
     workers = {WORKER: spawn(["worker", "--gateway-address", zmq, "--worker-name", WORKER], "tracing-worker", PATIENT)}
-    config = GatewayConfig(heartbeat_liveness=20, port=port, zmq_bind=zmq, ui=False, otlp_endpoint=collector.url, otlp_service_name="llmpool-test")
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_config=None, access_log=False))
+    config = GatewayConfig(
+        heartbeat_liveness=20,
+        port=port,
+        zmq_bind=zmq,
+        ui=False,
+        otlp_endpoint=collector.url,
+        otlp_service_name="llmpool-test",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_config=None, access_log=False)
+    )
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: len(httpx.get(url + "/workers", timeout=5).json()["workers"]) == 1, 180, "the worker to register")
+        wait_until(
+            lambda: len(httpx.get(url + "/workers", timeout=5).json()["workers"]) == 1, 180, "the worker to register"
+        )
         wait_until(lambda: httpx.get(url + "/v1/models", timeout=5).json()["data"], 60, "the model's tokenizer")
         provider = tracing.provider()
         assert provider is not None, "--otlp-endpoint set: the gateway's lifespan starts tracing"
@@ -119,12 +130,19 @@ def by_name(spans: list[ReadableSpan], name: str) -> list[ReadableSpan]:
     return [s for s in spans if s.name == name]
 
 
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 6, "temperature": 0}
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Name three colours."}],
+    "max_tokens": 6,
+    "temperature": 0,
+}
 
 
 def test_a_chat_request_is_one_trace_from_the_caller_through_the_worker(gateway: Gateway, wire: list):
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
-    reply = gateway.post("/v1/chat/completions", CHAT, {"traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=1"})
+    reply = gateway.post(
+        "/v1/chat/completions", CHAT, {"traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=1"}
+    )
     assert reply.status_code == 200, reply.text
     body = reply.json()
     spans = gateway.spans(generations=1)
@@ -159,18 +177,27 @@ def test_a_chat_request_is_one_trace_from_the_caller_through_the_worker(gateway:
     sends = sent_requests(wire)
     assert len(sends) == 1, (sends, [(e.name, dict(e.attributes)) for e in generate.events])
     sent = sends[0]
-    assert sent.trace_context == {"traceparent": f"00-{trace_id}-{generate.context.span_id:016x}-01", "tracestate": "vendor=1"}
+    assert sent.trace_context == {
+        "traceparent": f"00-{trace_id}-{generate.context.span_id:016x}-01",
+        "tracestate": "vendor=1",
+    }
     names = [e.name for e in generate.events]
     assert names.index("first_token") < names.index("finish") == len(names) - 1
 
     # The same spans went out over OTLP/HTTP to the collector.
     tracing.provider().force_flush()
-    exported = {(span.name, resource["service.name"]) for resource, span in gateway.collector.spans() if span.trace_id.hex() == trace_id}
+    exported = {
+        (span.name, resource["service.name"])
+        for resource, span in gateway.collector.spans()
+        if span.trace_id.hex() == trace_id
+    }
     assert exported == {(s.name, "llmpool-test") for s in spans}
 
 
 def test_the_workers_events_join_the_generate_span(gateway: Gateway, wire: list):
-    reply = gateway.post("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "Count to three. " * 40}]})
+    reply = gateway.post(
+        "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "Count to three. " * 40}]}
+    )
     assert reply.status_code == 200, reply.text
     (generate,) = by_name(gateway.spans(generations=1), "generate")
     events = worker_events(wire)
@@ -179,7 +206,10 @@ def test_the_workers_events_join_the_generate_span(gateway: Gateway, wire: list)
     # Each at its own time, inside the generate span (the worker ran between the submission and the end).
     recorded = [e for e in generate.events if e.name not in ("first_token", "finish")]
     assert [(e.name, e.timestamp) for e in recorded] == [(e.name, e.time_unix_nano) for e in events]
-    assert all(e.attributes[tracing.WORKER_NAME] == WORKER and generate.start_time < e.timestamp < generate.end_time for e in recorded)
+    assert all(
+        e.attributes[tracing.WORKER_NAME] == WORKER and generate.start_time < e.timestamp < generate.end_time
+        for e in recorded
+    )
     first_token = next(e for e in generate.events if e.name == "first_token")
     assert recorded[0].timestamp < first_token.timestamp
 
@@ -196,13 +226,21 @@ def test_a_streamed_request_with_two_choices(gateway: Gateway, wire: list):
     (root,) = by_name(spans, "POST /v1/chat/completions")
     generates = by_name(spans, "generate")
     assert root.parent is None and len(generates) == 2  # no traceparent came: a trace of its own
-    assert all(s.parent.span_id == root.context.span_id and s.context.trace_id == root.context.trace_id for s in spans if s is not root)
+    assert all(
+        s.parent.span_id == root.context.span_id and s.context.trace_id == root.context.trace_id
+        for s in spans
+        if s is not root
+    )
     assert root.attributes["gen_ai.request.stream"] is True and root.attributes["gen_ai.request.choice.count"] == 2
     usage = chunks[-1]["usage"]
     assert root.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
-    finishes = sorted(c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason"))
+    finishes = sorted(
+        c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")
+    )
     assert sorted(root.attributes["gen_ai.response.finish_reasons"]) == finishes
-    assert sorted(g.attributes["llmpool.request_id"] for g in generates) == sorted(r.request_id for r in sent_requests(wire))
+    assert sorted(g.attributes["llmpool.request_id"] for g in generates) == sorted(
+        r.request_id for r in sent_requests(wire)
+    )
     for generate in generates:
         assert "first_token" in [e.name for e in generate.events] and generate.attributes[tracing.WORKER_NAME] == WORKER
 
@@ -221,7 +259,10 @@ def test_a_refused_request_is_a_span_with_its_status(gateway: Gateway, wire: lis
     reply = gateway.post("/v1/chat/completions", {**CHAT, "max_tokens": -1})
     assert reply.status_code == 400
     spans = gateway.spans()
-    assert sorted(s.name for s in spans) == ["POST /v1/chat/completions", "template+tokenize"]  # refused before the queue
+    assert sorted(s.name for s in spans) == [
+        "POST /v1/chat/completions",
+        "template+tokenize",
+    ]  # refused before the queue
     (root,) = by_name(spans, "POST /v1/chat/completions")
     assert root.attributes["http.response.status_code"] == 400 and root.attributes["error.type"] == "400"
     assert sent_requests(wire) == []
@@ -230,8 +271,12 @@ def test_a_refused_request_is_a_span_with_its_status(gateway: Gateway, wire: lis
 def test_a_request_resumed_on_another_worker_stays_one_generate_span(gateway: Gateway, wire: list):
     """SIGKILL the worker serving a stream: the generate span records the move and both workers' events."""
     other = "trace-w2"
-    gateway.workers[other] = spawn(["worker", "--gateway-address", gateway.zmq, "--worker-name", other], "tracing-worker-2", PATIENT)
-    wait_until(lambda: len(httpx.get(gateway.url + "/workers", timeout=5).json()["workers"]) == 2, 180, "the second worker")
+    gateway.workers[other] = spawn(
+        ["worker", "--gateway-address", gateway.zmq, "--worker-name", other], "tracing-worker-2", PATIENT
+    )
+    wait_until(
+        lambda: len(httpx.get(gateway.url + "/workers", timeout=5).json()["workers"]) == 2, 180, "the second worker"
+    )
     gateway.memory.clear()
     wire.clear()
     body = {**CHAT, "stream": True, "max_tokens": 48, "ignore_eos": True}
@@ -239,19 +284,26 @@ def test_a_request_resumed_on_another_worker_stays_one_generate_span(gateway: Ga
     with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=120) as reply:
         for count, line in enumerate(reply.iter_lines()):
             if count == 12 and not killed:
-                (busy,) = [w["name"] for w in httpx.get(gateway.url + "/workers", timeout=5).json()["workers"] if w["inflight"]]
+                (busy,) = [
+                    w["name"] for w in httpx.get(gateway.url + "/workers", timeout=5).json()["workers"] if w["inflight"]
+                ]
                 gateway.workers[busy].send_signal(signal.SIGKILL)
                 killed.append(busy)
     assert killed, "the stream ended before a worker could be killed"
     (survivor,) = {WORKER, other} - set(killed)
     (generate,) = by_name(gateway.spans(generations=1), "generate")
-    assert generate.attributes[tracing.WORKER_NAME] == survivor and generate.attributes["gen_ai.usage.output_tokens"] == 48
+    assert (
+        generate.attributes[tracing.WORKER_NAME] == survivor and generate.attributes["gen_ai.usage.output_tokens"] == 48
+    )
     (moved,) = [e for e in generate.events if e.name == "resumed_elsewhere"]
     assert killed[0] in moved.attributes["reason"] and moved.attributes["llmpool.attempt"] == 1
     admitted = [e.attributes[tracing.WORKER_NAME] for e in generate.events if e.name == "admitted"]
     assert admitted == [killed[0], survivor]
     resumed = [r for r in sent_requests(wire) if r.resumed_tokens]
-    assert len(resumed) == 1 and resumed[0].trace_context["traceparent"].split("-")[2] == f"{generate.context.span_id:016x}"
+    assert (
+        len(resumed) == 1
+        and resumed[0].trace_context["traceparent"].split("-")[2] == f"{generate.context.span_id:016x}"
+    )
 
 
 def test_with_tracing_off_nothing_is_created(gateway: Gateway, wire: list, monkeypatch: pytest.MonkeyPatch):
@@ -260,7 +312,9 @@ def test_with_tracing_off_nothing_is_created(gateway: Gateway, wire: list, monke
 
     started: list[str] = []
     start_span: Callable = Tracer.start_span
-    monkeypatch.setattr(Tracer, "start_span", lambda self, name, *a, **k: started.append(name) or start_span(self, name, *a, **k))
+    monkeypatch.setattr(
+        Tracer, "start_span", lambda self, name, *a, **k: started.append(name) or start_span(self, name, *a, **k)
+    )
     tracing.setup(None, "off")
     before = finished_generations(gateway)
     for stream in (False, True):
@@ -276,5 +330,9 @@ def test_with_tracing_off_nothing_is_created(gateway: Gateway, wire: list, monke
 def finished_generations(gateway: Gateway) -> float:
     text = httpx.get(gateway.url + "/metrics", timeout=5).text
     return sum(
-        s.value for f in text_string_to_metric_families(text) if f.name == "llmpool_generations" for s in f.samples if s.name.endswith("_total")
+        s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "llmpool_generations"
+        for s in f.samples
+        if s.name.endswith("_total")
     )

@@ -21,8 +21,19 @@ def test_a_second_worker_with_a_taken_name_is_refused_not_flapped(tmp_path):
     for name in ("names-gateway", "names-first", "names-second"):
         (ARTIFACTS / f"{name}.log").unlink(missing_ok=True)
     server = Server(free_port(), free_port())
-    server.processes.append(spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, *BEATS], "names-gateway"))
-    worker = ["bench.fake_worker", "--gateway-address", server.zmq_address, "--name", "twin", "--model-info", str(tmp_path / "info"), *BEATS]
+    server.processes.append(
+        spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, *BEATS], "names-gateway")
+    )
+    worker = [
+        "bench.fake_worker",
+        "--gateway-address",
+        server.zmq_address,
+        "--name",
+        "twin",
+        "--model-info",
+        str(tmp_path / "info"),
+        *BEATS,
+    ]
     try:
         first = spawn(worker, "names-first")
         server.processes.append(first)
@@ -32,12 +43,18 @@ def test_a_second_worker_with_a_taken_name_is_refused_not_flapped(tmp_path):
         refusal = "the gateway refused to register this worker: another live worker is registered as 'twin'"
         # It retries after each refusal (the link stays silent, then backoff): wait for the second try.
         wait_until(lambda: log_count("names-second", refusal) >= 2, 60, "the second worker's second refusal")
-        assert log_count("names-gateway", "refused worker twin: another live worker is registered as 'twin'") == 1  # said once
+        assert (
+            log_count("names-gateway", "refused worker twin: another live worker is registered as 'twin'") == 1
+        )  # said once
         snapshot = server.get("/workers").json()
         assert [w["identity"] for w in snapshot["workers"]] == [identity] and snapshot["departures"] == 0, snapshot
 
         first.send_signal(signal.SIGKILL)  # a dead holder frees the name: the second registers on its next try
-        wait_until(lambda: [w["identity"] for w in server.workers()] not in ([], [identity]), 60, "the second worker to register")
+        wait_until(
+            lambda: [w["identity"] for w in server.workers()] not in ([], [identity]),
+            60,
+            "the second worker to register",
+        )
         assert server.workers()[0]["name"] == "twin"
     finally:
         server.stop()

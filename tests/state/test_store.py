@@ -29,11 +29,18 @@ def url(request, tmp_path) -> str:
     return request.getfixturevalue("postgres").database(f"store_{next(_names)}")
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 
-def record(response_id: str, owner: str, previous: str | None = None, text: str = "hi", created: int | None = None, pad: int = 0) -> ResponseRecord:
+def record(
+    response_id: str,
+    owner: str,
+    previous: str | None = None,
+    text: str = "hi",
+    created: int | None = None,
+    pad: int = 0,
+) -> ResponseRecord:
     messages = [{"role": "user", "content": text}, {"role": "assistant", "content": f"re: {text}"}]
     return ResponseRecord(
         id=response_id,
@@ -42,7 +49,9 @@ def record(response_id: str, owner: str, previous: str | None = None, text: str 
         model="m",
         status="completed",
         body=msgspec.json.encode({"id": response_id, "pad": "x" * pad}),
-        input_items=msgspec.json.encode([{"id": f"msg_{response_id}", "type": "message", "role": "user", "content": text}]),
+        input_items=msgspec.json.encode(
+            [{"id": f"msg_{response_id}", "type": "message", "role": "user", "content": text}]
+        ),
         messages=msgspec.json.encode(messages),
         previous_id=previous,
         input_tokens=10,
@@ -50,7 +59,7 @@ def record(response_id: str, owner: str, previous: str | None = None, text: str 
     )
 
 
-async def opened(url: str, **limits) -> StateStore:  # noqa: ANN003
+async def opened(url: str, **limits) -> StateStore:
     return await StateStore.open(url, Limits(**limits))
 
 
@@ -64,12 +73,20 @@ def test_responses_are_scoped_chained_listed_and_really_deleted(url):
         assert await store.get("r1", k2) is None, "another key's response is absent to it"
         assert await store.history("r2", k2) == []
         history = await store.history("r2", k1)
-        assert [m["content"] for m in history] == ["My name is Ada.", "re: My name is Ada.", "What is my name?", "re: What is my name?"]
+        assert [m["content"] for m in history] == [
+            "My name is Ada.",
+            "re: My name is Ada.",
+            "What is my name?",
+            "re: What is my name?",
+        ]
         assert (await store.input_items("r2", k1))[0]["id"] == "msg_r2" and await store.input_items("r2", k2) is None
         assert not await store.delete("r1", k2) and await store.get("r1", k1) is not None
         assert await store.delete("r1", k1)
         count = await store.db.fetchone("SELECT COUNT(*) FROM responses WHERE id = 'r1'")
-        assert count[0] == 0 and [m["content"] for m in await store.history("r2", k1)] == ["What is my name?", "re: What is my name?"]
+        assert count[0] == 0 and [m["content"] for m in await store.history("r2", k1)] == [
+            "What is my name?",
+            "re: What is my name?",
+        ]
         await store.close()
 
     run(main())
@@ -99,7 +116,9 @@ def test_two_gateways_migrating_at_once_apply_each_step_once(postgres):
     async def main() -> None:
         dbs = [await connect(url) for _ in range(4)]
         applied = await asyncio.gather(*(migrate(db) for db in dbs))
-        assert sorted(applied, key=len)[-1] == [v for v, _, _ in MIGRATIONS] and sum(len(a) for a in applied) == len(MIGRATIONS)
+        assert sorted(applied, key=len)[-1] == [v for v, _, _ in MIGRATIONS] and sum(len(a) for a in applied) == len(
+            MIGRATIONS
+        )
         for db in dbs:
             await db.close()
 
@@ -120,7 +139,11 @@ def test_purge_by_age_and_total_bytes_and_the_key_budget(url):
         for i in range(4):
             await store.writer.final(record(f"a{i}", a, created=now - 4 + i, pad=4000))
             await store.fit_owner(a, f"a{i}")
-        assert await store.owner_bytes(a) <= 12_000 and await store.get("a3", a) is not None and await store.get("a0", a) is None
+        assert (
+            await store.owner_bytes(a) <= 12_000
+            and await store.get("a3", a) is not None
+            and await store.get("a0", a) is None
+        )
         assert await store.get("b1", b) is not None
         # The total bound: the oldest go first, whoever's they are.
         for i in range(4):
@@ -161,7 +184,9 @@ def test_a_dead_gateways_run_is_claimed_by_one_gateway(url):
     async def main() -> None:
         stores = [await opened(url) for _ in range(3)]
         dead, *alive = stores
-        leases = [Leases(s.db, s.gateway_id, lease_s=1.5) for s in stores]  # room for a busy machine between renew and check
+        leases = [
+            Leases(s.db, s.gateway_id, lease_s=1.5) for s in stores
+        ]  # room for a busy machine between renew and check
         for lease in leases:
             await lease.renew()
         start = record("orphan", owner_of("k"))
@@ -180,7 +205,9 @@ def test_a_dead_gateways_run_is_claimed_by_one_gateway(url):
         await leases[2].renew()
         assert not await leases[1].alive(dead.gateway_id) and await leases[1].alive(alive[1].gateway_id)
         assert await leases[1].orphans() == [("orphan", dead.gateway_id)]
-        won = await asyncio.gather(leases[1].claim("orphan", dead.gateway_id), leases[2].claim("orphan", dead.gateway_id))
+        won = await asyncio.gather(
+            leases[1].claim("orphan", dead.gateway_id), leases[2].claim("orphan", dead.gateway_id)
+        )
         assert sorted(won) == [False, True]
         # A plain stream nobody resumed is not taken over: it is dropped, once old enough.
         assert await leases[1].abandoned(3600) == [] and await leases[1].abandoned(0) == ["plain"]
@@ -203,7 +230,12 @@ def test_usage_adds_up_per_key_model_and_day(url):
         rows = await meter.report(store.db, day_of(time.time() - 86400), day_of(time.time() + 86400))
         by_key = {(r["key"], r["model"]): r for r in rows}
         mine = by_key[(k1[:12], "m")]
-        assert (mine["requests"], mine["input_tokens"], mine["cached_tokens"], mine["output_tokens"]) == (3, 160, 50, 16)
+        assert (mine["requests"], mine["input_tokens"], mine["cached_tokens"], mine["output_tokens"]) == (
+            3,
+            160,
+            50,
+            16,
+        )
         assert by_key[(k2[:12], "other")]["output_tokens"] == 2 and len(rows) == 2
         await store.close()
 

@@ -58,7 +58,10 @@ SERVED: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("qwen3_moe", {}),
     "mixtral": ("mixtral", dict(sliding_window=W)),
     "gemma": ("gemma", {}),
-    "gemma2": ("gemma2", dict(sliding_window=W, query_pre_attn_scalar=24, final_logit_softcapping=3.0, attn_logit_softcapping=2.0)),
+    "gemma2": (
+        "gemma2",
+        dict(sliding_window=W, query_pre_attn_scalar=24, final_logit_softcapping=3.0, attn_logit_softcapping=2.0),
+    ),
     "gemma3_text": ("gemma3_text", dict(sliding_window=W, sliding_window_pattern=2, query_pre_attn_scalar=24)),
     "granite": ("granite", {}),
     "granitemoe": ("granitemoe", {}),
@@ -98,7 +101,15 @@ SERVED: dict[str, tuple[str, dict]] = {
     "nemotron": ("nemotron", {}),
     "deepseek_v3": (  # multi-head latent attention: keys 24 wide, values 16
         "deepseek_v3",
-        dict(head_dim=8, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+        dict(
+            head_dim=8,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+        )
         | dict(first_k_dense_replace=1, n_group=1, topk_group=1),
     ),
 }
@@ -133,7 +144,9 @@ def build(model_type: str, extra: dict, folder: Path, seed: int = 0) -> PreTrain
         for name, parameter in model.named_parameters():
             if name.endswith("bias") or name.endswith("sinks"):
                 parameter.normal_(0, 0.2)
-    model.generation_config.eos_token_id = None  # generate runs to max_new_tokens, as the engine's requests with ignore_eos
+    model.generation_config.eos_token_id = (
+        None  # generate runs to max_new_tokens, as the engine's requests with ignore_eos
+    )
     model.save_pretrained(folder)
     return model
 

@@ -29,7 +29,14 @@ EMBEDDERS = {
         "modernbert",
         ["mean_tokens"],
         True,
-        dict(global_attn_every_n_layers=2, local_attention=16, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3),
+        dict(
+            global_attn_every_n_layers=2,
+            local_attention=16,
+            bos_token_id=2,
+            eos_token_id=3,
+            cls_token_id=2,
+            sep_token_id=3,
+        ),
     ),
     "qwen3-last": ("qwen3", ["lasttoken"], True, dict(matryoshka_dimensions=[32, 16])),
 }

@@ -37,7 +37,10 @@ def run(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
 def reference() -> list[list[int]]:
     model = load_model(resolve_model("SmolLM2-135M-Instruct"), torch.float32, CACHE_DIR.env_default()).eval()
     with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p) :].tolist() for p in PROMPTS]
+        return [
+            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
 
 
 @pytest.mark.parametrize("impl", ["native", "transformers"])
@@ -46,7 +49,11 @@ def reference() -> list[list[int]]:
     [
         {"max_num_batched_tokens": 512, "kv_cache_memory": "64MiB"},  # plain batching
         {"max_num_batched_tokens": 7, "kv_cache_memory": "64MiB"},  # prompts prefilled in chunks of <= 7 tokens
-        {"max_num_batched_tokens": 512, "kv_cache_memory": "2MiB", "block_size": 4},  # so few blocks that requests get preempted
+        {
+            "max_num_batched_tokens": 512,
+            "kv_cache_memory": "2MiB",
+            "block_size": 4,
+        },  # so few blocks that requests get preempted
     ],
     ids=["batched", "chunked-prefill", "preemption"],
 )
@@ -60,7 +67,9 @@ def test_greedy_output_matches_generate_in_float32(settings, impl, reference):
 
 
 def test_a_prefix_cache_hit_gives_the_same_answer_as_a_cold_run():
-    engine = build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
+    engine = build_engine(
+        resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB")
+    )
     prompt = PROMPTS[2] + PROMPTS[1] + PROMPTS[2]  # 50 tokens: 3 full blocks of 16 can be reused
     cold = run(engine, [prompt])["r0"]
     assert engine.blocks.hit_tokens == 0
@@ -84,7 +93,9 @@ def test_prompt_logprobs_match_a_full_forward(budget):
     engine.add_request(NewRequest("p", prompt, 2, SamplingParams(temperature=0, prompt_logprobs=2)))
     sent = []
     while engine.has_work():
-        sent += [o.prompt_logprobs for o in engine.step().outputs if o.request_id == "p" and o.prompt_logprobs is not None]
+        sent += [
+            o.prompt_logprobs for o in engine.step().outputs if o.request_id == "p" and o.prompt_logprobs is not None
+        ]
     (entries,) = sent  # once, with the first token
     model = load_model(source, torch.float32, CACHE_DIR.env_default()).eval()
     with torch.inference_mode():
@@ -105,7 +116,10 @@ def test_a_row_that_fails_inside_a_batch_of_16_ends_alone_and_the_others_read_th
     sampler. Here the bad id gets in after admission (admission refuses it, see below), mid-decode,
     so the step really fails: only that request ends, with the error; the other 15 finish with the
     very tokens they produce without it (float32), and no KV block leaks."""
-    news = [NewRequest(f"r{i}", PROMPTS[i % 3] + [28 + i], 12, SamplingParams(temperature=0, min_tokens=12)) for i in range(16)]
+    news = [
+        NewRequest(f"r{i}", PROMPTS[i % 3] + [28 + i], 12, SamplingParams(temperature=0, min_tokens=12))
+        for i in range(16)
+    ]
     reference = {rid: tokens(outs) for rid, outs in drain(engine32, [n for n in news if n.request_id != "r5"]).items()}
     for new in news:
         engine32.add_request(new)
@@ -118,7 +132,9 @@ def test_a_row_that_fails_inside_a_batch_of_16_ends_alone_and_the_others_read_th
     (failed,) = out["r5"][-1:]
     assert failed.finish_reason == "error" and "IndexError" in failed.error
     assert {rid: tokens(outs) for rid, outs in out.items() if rid != "r5"} == reference
-    assert all([o.seq for o in outs] == list(range(len(outs))) for outs in out.values()), "outputs numbered without a gap"
+    assert all([o.seq for o in outs] == list(range(len(outs))) for outs in out.values()), (
+        "outputs numbered without a gap"
+    )
     assert all(outs[-1].finish_reason == "length" for rid, outs in out.items() if rid != "r5")
 
 
@@ -128,13 +144,16 @@ def test_prompt_chunks_computed_beside_decodes_give_the_prefills_distribution():
     length. Its first token's distribution must be the one the plain prefill (torch path, when
     nothing else runs) gives, within quantization noise: a chunk whose tokens did not see each
     other causally, or saw later ones, would give a different distribution."""
-    engine = build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(kv_cache_memory="64MiB", max_prefill_chunk=16, prefix_caching=False))
+    engine = build_engine(
+        resolve_model("SmolLM2-135M-Instruct"),
+        WorkerConfig(kv_cache_memory="64MiB", max_prefill_chunk=16, prefix_caching=False),
+    )
     if not (engine.runner.paths.fast and engine.runner.paths.fused.any_batch):
         pytest.skip("needs the C++ kernels with packed weights (a CPU with VNNI)")
     prompt = [1, 4093, 198] + [1403 + (i * 7) % 500 for i in range(300)] + [2, 198, 1, 520, 9531, 198]
     execute, mixed = engine.runner.execute, []
 
-    def watch(batch):  # noqa: ANN001, ANN202 - records the steps that put prompt tokens beside decodes
+    def watch(batch):  # records the steps that put prompt tokens beside decodes
         mixed.append(any(n > 1 for n in batch.num_new_tokens) and engine.runner.paths.takes_rows(batch))
         return execute(batch)
 

@@ -19,7 +19,11 @@ def test_requests_run_to_their_budget_in_one_batch():
     for i in range(3):
         engine.add_request(NewRequest(f"r{i}", [10 * (i + 1), 10 * (i + 1) + 1], 4, SamplingParams(temperature=0)))
     out = drain(engine)
-    assert {rid: tokens(o) for rid, o in out.items()} == {"r0": [12, 13, 14, 15], "r1": [22, 23, 24, 25], "r2": [32, 33, 34, 35]}
+    assert {rid: tokens(o) for rid, o in out.items()} == {
+        "r0": [12, 13, 14, 15],
+        "r1": [22, 23, 24, 25],
+        "r2": [32, 33, 34, 35],
+    }
     assert all(o[-1].finish_reason == "length" for o in out.values())
     assert len(runner.batches[0]) == 3 and runner.added == set()
 
@@ -40,7 +44,9 @@ def test_a_failing_row_ends_alone_and_the_others_go_on():
     out = drain(engine)
     (failed,) = out["r3"]
     assert failed.finish_reason == "error" and "IndexError" in failed.error
-    assert {rid: tokens(o) for rid, o in out.items() if rid != "r3"} == {f"r{i}": [101 + i, 102 + i, 103 + i] for i in (0, 1, 2, 4)}
+    assert {rid: tokens(o) for rid, o in out.items() if rid != "r3"} == {
+        f"r{i}": [101 + i, 102 + i, 103 + i] for i in (0, 1, 2, 4)
+    }
 
 
 def test_a_step_that_fails_for_every_row_raises_for_the_worker_to_fail_them_all():
@@ -51,7 +57,10 @@ def test_a_step_that_fails_for_every_row_raises_for_the_worker_to_fail_them_all(
     with pytest.raises(IndexError):
         engine.step()
     failed = engine.fail_all("step failed")
-    assert [o.finish_reason for o in failed] == ["error", "error"] and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert [o.finish_reason for o in failed] == [
+        "error",
+        "error",
+    ] and engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 def test_a_request_that_can_never_fit_is_rejected_not_stuck():

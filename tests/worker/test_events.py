@@ -20,7 +20,10 @@ TRACE = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     """Prompts prefilled in chunks of at most 7 tokens, and so few blocks that requests get preempted."""
-    return build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(kv_cache_memory="2MiB", block_size=4, max_num_batched_tokens=7))
+    return build_engine(
+        resolve_model("SmolLM2-135M-Instruct"),
+        WorkerConfig(kv_cache_memory="2MiB", block_size=4, max_num_batched_tokens=7),
+    )
 
 
 def new(request_id: str, prompt: list[int], max_tokens: int = 30, traced: bool = True) -> NewRequest:
@@ -82,5 +85,7 @@ def test_aborted_and_refused_requests_carry_their_events(engine):
     assert aborted.events[-1].name == "finished" and aborted.events[-1].attributes["finish_reason"] == "abort"
     engine.add_request(new("bad", [1, 999999]))
     (refused,) = engine.step().outputs
-    assert [e.name for e in refused.events] == ["admitted", "finished"] and refused.events[-1].attributes["finish_reason"] == "error"
+    assert [e.name for e in refused.events] == ["admitted", "finished"] and refused.events[-1].attributes[
+        "finish_reason"
+    ] == "error"
     drain(engine)

@@ -37,7 +37,9 @@ assert min(map(len, PROMPTS)) > WINDOW  # the windows must cut, or the tests pro
 def run(engine: Engine, prompts: list[list[int]], logprobs: int | None = None) -> list[Generation]:
     """Greedy generations of ``prompts``, added together; checks that no KV block leaked."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(NewRequest(f"r{i}", prompt, NEW_TOKENS, SamplingParams(temperature=0, logprobs=logprobs), ignore_eos=True))
+        engine.add_request(
+            NewRequest(f"r{i}", prompt, NEW_TOKENS, SamplingParams(temperature=0, logprobs=logprobs), ignore_eos=True)
+        )
     out = [Generation([], [], []) for _ in prompts]
     while engine.has_work():
         for o in engine.step().outputs:
@@ -53,9 +55,19 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], top: int = 5) -> 
     with torch.inference_mode():
         for prompt in prompts:
             result = model.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-            out.append(Generation(result.sequences[0, len(prompt) :].tolist(), [], [step[0].topk(top).indices.tolist() for step in result.logits]))
+            out.append(
+                Generation(
+                    result.sequences[0, len(prompt) :].tolist(),
+                    [],
+                    [step[0].topk(top).indices.tolist() for step in result.logits],
+                )
+            )
     return out
 
 
@@ -118,7 +130,9 @@ def test_unsupported_families_are_refused_at_load_by_name(name, tmp_path):
         ModelRunner(resolve_model(str(tmp_path)), CONFIG)
 
 
-@pytest.mark.parametrize(("name", "why"), [("lfm2", "layers 0 of 2 .conv. never call attention"), ("bloom", "does not go through")])
+@pytest.mark.parametrize(
+    ("name", "why"), [("lfm2", "layers 0 of 2 .conv. never call attention"), ("bloom", "does not go through")]
+)
 def test_the_start_up_probe_refuses_what_the_table_does_not_name(name, why, tmp_path, monkeypatch):
     """A model type nobody put on the table is refused all the same, by what its forward does."""
     model_type, extra, _ = REFUSED[name]
@@ -137,7 +151,12 @@ def test_the_self_check_refuses_a_path_that_drops_the_sliding_window(tmp_path, m
     with pytest.raises(support.UnsupportedModel) as refused:
         ModelRunner(resolve_model(str(tmp_path)), CONFIG)
     message = str(refused.value)
-    assert "MistralForCausalLM" in message and "self-check" in message and f"sliding window {WINDOW}" in message and "--skip-self-check" in message
+    assert (
+        "MistralForCausalLM" in message
+        and "self-check" in message
+        and f"sliding window {WINDOW}" in message
+        and "--skip-self-check" in message
+    )
     assert ModelRunner(resolve_model(str(tmp_path)), replace(CONFIG, skip_self_check=True)).num_blocks > 0
 
 
@@ -146,7 +165,10 @@ def test_quantized_weights_are_refused_where_the_path_has_none(tmp_path):
     said "weights int8"; now it is refused, naming why."""
     model_type, extra = SERVED["gpt2"]
     build(model_type, extra, tmp_path)
-    with pytest.raises(ValueError, match="--quantization int8 sets the weights of the C\\+\\+ decode step, which cannot run here: model type 'gpt2'"):
+    with pytest.raises(
+        ValueError,
+        match="--quantization int8 sets the weights of the C\\+\\+ decode step, which cannot run here: model type 'gpt2'",
+    ):
         ModelRunner(resolve_model(str(tmp_path)), replace(CONFIG, quantization="int8"))
 
 
@@ -159,7 +181,10 @@ def test_context_length_from_any_config_field_or_a_stated_default():
 
 def test_rotary_scaling_that_depends_on_the_batch_caps_the_context():
     """longrope/dynamic frequencies follow the largest position of the forward pass: exact only below it."""
-    config = SimpleNamespace(max_position_embeddings=4096, rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 1024})
+    config = SimpleNamespace(
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 1024},
+    )
     assert support.max_model_len(config, 0) == 1024
     with pytest.raises(support.UnsupportedModel, match="longrope"):
         support.max_model_len(config, 2048)

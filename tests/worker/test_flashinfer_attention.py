@@ -31,11 +31,34 @@ class ContractWrapper:
     def __init__(self, workspace: torch.Tensor, kv_layout: str, **graph_buffers: object) -> None:
         assert kv_layout == "NHD"
 
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *, q_data_type, kv_data_type, sm_scale):  # noqa: ANN001
+    def plan(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        *,
+        q_data_type,
+        kv_data_type,
+        sm_scale,
+    ):
         assert indptr.dtype == indices.dtype == last_page_len.dtype == torch.int32
         assert len(indptr) == len(last_page_len) + 1 and indptr[-1] == len(indices)
-        assert ((last_page_len >= 1) & (last_page_len <= page_size)).all(), "FlashInfer wants 1 <= last_page_len <= page_size"
-        self.layout = (indptr.tolist(), indices.tolist(), last_page_len.tolist(), num_qo_heads, num_kv_heads, head_dim, page_size)
+        assert ((last_page_len >= 1) & (last_page_len <= page_size)).all(), (
+            "FlashInfer wants 1 <= last_page_len <= page_size"
+        )
+        self.layout = (
+            indptr.tolist(),
+            indices.tolist(),
+            last_page_len.tolist(),
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+        )
         self.scale = sm_scale
         type(self).plans += 1
 
@@ -65,9 +88,13 @@ class WholePagesWrapper(ContractWrapper):
 
 
 @pytest.fixture
-def stand_in(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+def stand_in(monkeypatch: pytest.MonkeyPatch):
     def use(wrapper: type) -> None:
-        monkeypatch.setattr(flashinfer_decode, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=wrapper, __version__="stand-in"))
+        monkeypatch.setattr(
+            flashinfer_decode,
+            "flashinfer",
+            SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=wrapper, __version__="stand-in"),
+        )
         monkeypatch.setattr(flashinfer_decode, "make_workspace", lambda device: torch.zeros(16, dtype=torch.uint8))
 
     return use
@@ -120,7 +147,9 @@ def test_a_worker_on_the_flashinfer_backend_plans_each_step_and_keeps_generates_
         [1, 4093, 198, 7306, 260, 2400, 282, 24546, 30, 2, 198, 1, 520, 9531, 198],
     ]
     for i, ids in enumerate(prompts):
-        engine.add_request(NewRequest(f"r{i}", ids, 12, SamplingParams(temperature=0, min_tokens=12)))  # both rows to the end
+        engine.add_request(
+            NewRequest(f"r{i}", ids, 12, SamplingParams(temperature=0, min_tokens=12))
+        )  # both rows to the end
     out: dict[str, list[int]] = {}
     steps = 0
     ContractWrapper.plans = ContractWrapper.runs = 0
@@ -134,7 +163,12 @@ def test_a_worker_on_the_flashinfer_backend_plans_each_step_and_keeps_generates_
 
     model = load_model(source, torch.float32, CACHE_DIR.env_default()).eval()
     with torch.inference_mode():
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+        expected = [
+            model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
     assert [out["r0"], out["r1"]] == expected
 
 
@@ -150,10 +184,15 @@ def test_a_captured_schedule_replays_with_each_new_plan(dtype):
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
     k_cache, v_cache = (
-        torch.randn(rows * max_blocks + 1, block_size, kv_heads, head_dim, generator=generator, device=device, dtype=dtype) for _ in range(2)
+        torch.randn(
+            rows * max_blocks + 1, block_size, kv_heads, head_dim, generator=generator, device=device, dtype=dtype
+        )
+        for _ in range(2)
     )
     query = torch.randn(rows, heads, head_dim, generator=generator, device=device, dtype=dtype)
-    decode = FlashInferDecode(k_cache, heads, flashinfer_decode.make_workspace(device), rows=rows, max_blocks=max_blocks)
+    decode = FlashInferDecode(
+        k_cache, heads, flashinfer_decode.make_workspace(device), rows=rows, max_blocks=max_blocks
+    )
     scale = head_dim**-0.5
 
     def plan(lengths: list[int], seed: int) -> DecodeGroup:

@@ -19,7 +19,15 @@ from worker.models.shapes import NotFast
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="needs the C++ kernels")
 
-SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+)
 FEATURES = {  # what each family switches on beyond the sizes
     "mistral": {"sliding_window": 8},
     "ministral": {"sliding_window": 8},
@@ -31,18 +39,30 @@ FEATURES = {  # what each family switches on beyond the sizes
     "olmo3": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     "cohere2": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     "phi3": {"partial_rotary_factor": 0.5},
-    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+    "qwen2_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    },
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
     "smollm3": {"no_rope_layers": [1, 0]},
-    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 2.0},
+    "granite": {
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+        "logits_scaling": 2.0,
+    },
 }
 PROMPT = 40
 
 
 def tiny(kind: str, **extra: object) -> torch.nn.Module:
-    config = AutoConfig.for_model(kind, **SIZES, **FEATURES.get(kind, {}), **extra, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    config = AutoConfig.for_model(
+        kind, **SIZES, **FEATURES.get(kind, {}), **extra, pad_token_id=0, bos_token_id=0, eos_token_id=0
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():  # norms at their initial values (1, or 0 with Gemma's 1 + w) would hide a misread one
@@ -57,7 +77,10 @@ def fused_logits(model: torch.nn.Module, fused: FusedDecode, ids: torch.Tensor, 
     family, n, block = fused.family, ids.numel(), 4
     blocks = -(-n // block)
     order = torch.randperm(blocks, generator=torch.Generator().manual_seed(2)).tolist()  # pages in no particular order
-    caches = [tuple(torch.zeros(blocks, block, family.kv_heads, family.head_dim, dtype=dtype) for _ in range(2)) for _ in family.layers]
+    caches = [
+        tuple(torch.zeros(blocks, block, family.kv_heads, family.head_dim, dtype=dtype) for _ in range(2))
+        for _ in family.layers
+    ]
     positions = torch.arange(n)
     slots = torch.tensor([order[p // block] * block + p % block for p in range(n)])
     tables = torch.tensor([order] * n)

@@ -22,7 +22,10 @@ from worker.engine import Engine
 
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+    },
     "required": ["city", "population"],
     "additionalProperties": False,
 }
@@ -34,7 +37,7 @@ def engine() -> Engine:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():  # noqa: ANN201
+def tokenizer():
     return load_tokenizer(resolve_model("SmolLM2-135M-Instruct"), CACHE_DIR.env_default())
 
 
@@ -57,8 +60,18 @@ def test_guided_and_free_requests_share_steps_and_the_free_one_is_unchanged(engi
     engine.add_request(NewRequest("free-alone", PROMPTS[0], 24, SamplingParams(temperature=0)))
     alone, _, _ = drain(engine)
     engine.add_request(NewRequest("free", PROMPTS[0], 24, SamplingParams(temperature=0)))
-    engine.add_request(NewRequest("json", PROMPTS[1], 60, SamplingParams(temperature=0), guide=Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA))))
-    engine.add_request(NewRequest("obj", PROMPTS[2], 60, SamplingParams(temperature=0.9, seed=3), guide=Guide(GuideKind.JSON_OBJECT)))
+    engine.add_request(
+        NewRequest(
+            "json",
+            PROMPTS[1],
+            60,
+            SamplingParams(temperature=0),
+            guide=Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+        )
+    )
+    engine.add_request(
+        NewRequest("obj", PROMPTS[2], 60, SamplingParams(temperature=0.9, seed=3), guide=Guide(GuideKind.JSON_OBJECT))
+    )
     tokens, errors, sizes = drain(engine)
     assert not errors and max(sizes) == 3
     assert tokens["free"] == alone["free-alone"]
@@ -71,7 +84,9 @@ def test_guided_and_free_requests_share_steps_and_the_free_one_is_unchanged(engi
 def test_mask_touches_only_guided_rows(engine):
     from worker.request import Request
 
-    guided = Request.from_wire(NewRequest("g", [1, 2], 5, guide=Guide(GuideKind.JSON_OBJECT)), engine.runner.eos_token_ids)
+    guided = Request.from_wire(
+        NewRequest("g", [1, 2], 5, guide=Guide(GuideKind.JSON_OBJECT)), engine.runner.eos_token_ids
+    )
     free = Request.from_wire(NewRequest("f", [1, 2], 5), engine.runner.eos_token_ids)
     engine.runner.guided.add(guided)
     try:
@@ -85,7 +100,15 @@ def test_mask_touches_only_guided_rows(engine):
 
 
 def test_a_resumed_request_continues_its_grammar(engine, tokenizer):
-    engine.add_request(NewRequest("whole", PROMPTS[1], 60, SamplingParams(temperature=0), guide=Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA))))
+    engine.add_request(
+        NewRequest(
+            "whole",
+            PROMPTS[1],
+            60,
+            SamplingParams(temperature=0),
+            guide=Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+        )
+    )
     whole = drain(engine)[0]["whole"]
     cut = 5  # a worker died after five tokens: the new one gets them as prompt, marked as generated
     engine.add_request(
@@ -109,7 +132,7 @@ def test_an_invalid_grammar_is_an_error_for_that_request_only(engine):
     assert len(tokens["good"]) == 8
 
 
-def thinking_markers(tokenizer) -> tuple[int, int]:  # noqa: ANN001
+def thinking_markers(tokenizer) -> tuple[int, int]:
     """Two ordinary tokens of SmolLM2 that stand in for <think> and </think> (the worker only sees ids)."""
     start, end = tokenizer.convert_tokens_to_ids(["think", "done"])
     return start, end
@@ -122,25 +145,46 @@ def test_a_thinking_budget_forces_the_end_marker_then_the_grammar_applies(engine
     guide = Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA))
     engine.add_request(NewRequest("free", PROMPTS[1], 4, SamplingParams(temperature=0)))
     engine.add_request(
-        NewRequest("think", PROMPTS[1], 80, SamplingParams(temperature=0), guide=guide, reasoning=Reasoning(start, end, ThinkState.THINKING, 4))
+        NewRequest(
+            "think",
+            PROMPTS[1],
+            80,
+            SamplingParams(temperature=0),
+            guide=guide,
+            reasoning=Reasoning(start, end, ThinkState.THINKING, 4),
+        )
     )
     # The model may open its thinking (the start marker, which a bias makes certain) despite the grammar.
     opened = SamplingParams(temperature=0, logit_bias={start: 100.0})
-    engine.add_request(NewRequest("open", PROMPTS[2], 80, opened, guide=guide, reasoning=Reasoning(start, end, ThinkState.PENDING, 3)))
+    engine.add_request(
+        NewRequest("open", PROMPTS[2], 80, opened, guide=guide, reasoning=Reasoning(start, end, ThinkState.PENDING, 3))
+    )
     tokens, errors, _ = drain(engine)
     assert not errors
     think, free = tokens["think"], tokens["free"]
-    assert think[:4] == free and not tokenizer.decode(free[:1]).lstrip().startswith("{")  # thinking the grammar would forbid
+    assert think[:4] == free and not tokenizer.decode(free[:1]).lstrip().startswith(
+        "{"
+    )  # thinking the grammar would forbid
     assert think[4] == end
     jsonschema.validate(json.loads(tokenizer.decode(think[5:], skip_special_tokens=True)), SCHEMA)
     opened_tokens = tokens["open"]
-    assert opened_tokens[:4] == [start] * 4 and opened_tokens[4] == end  # the biased marker, 3 more thinking tokens, the end
+    assert (
+        opened_tokens[:4] == [start] * 4 and opened_tokens[4] == end
+    )  # the biased marker, 3 more thinking tokens, the end
     jsonschema.validate(json.loads(tokenizer.decode(opened_tokens[5:], skip_special_tokens=True)), SCHEMA)
 
 
 def test_a_resumed_request_keeps_its_thinking_budget(engine, tokenizer):
     start, end = thinking_markers(tokenizer)
-    engine.add_request(NewRequest("whole", PROMPTS[0], 5, SamplingParams(temperature=0), reasoning=Reasoning(start, end, ThinkState.THINKING, 3)))
+    engine.add_request(
+        NewRequest(
+            "whole",
+            PROMPTS[0],
+            5,
+            SamplingParams(temperature=0),
+            reasoning=Reasoning(start, end, ThinkState.THINKING, 3),
+        )
+    )
     whole = drain(engine)[0]["whole"]
     assert whole[3] == end and end not in whole[:3]
     engine.add_request(
@@ -177,7 +221,9 @@ def test_the_first_guided_step_imports_no_compiler():
     """llguidance.torch imports torch's compiler (3.4 s on the test machine): inside the first guided
     step it stalled every request of the batch. The mask is filled through llguidance.numpy."""
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", GUIDED_STEP_IMPORTS], cwd=root, capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", GUIDED_STEP_IMPORTS], cwd=root, capture_output=True, text=True, timeout=120, check=True
+    )
     masked, dynamo = out.stdout.split()
     assert int(masked) > 0, "the mask should forbid tokens"
     assert dynamo == "False", "the guided step imported torch._dynamo"

@@ -104,7 +104,9 @@ def test_packed_int8_adds_the_bias_and_keeps_unpackable_shapes():
     q, scale = quantize_int8(torch.randn(48, 128) * 0.1)
     weight, meta = pack_int8(q, scale)
     x, bias = torch.randn(2, 128), torch.randn(48)
-    assert torch.allclose(torch.ops.llmpool.linear(x, weight, meta, bias), torch.ops.llmpool.linear(x, q, scale, bias), atol=1e-5)
+    assert torch.allclose(
+        torch.ops.llmpool.linear(x, weight, meta, bias), torch.ops.llmpool.linear(x, q, scale, bias), atol=1e-5
+    )
     odd = quantize_int8(torch.randn(40, 128))  # 40 rows: not whole blocks of 16
     assert pack_int8(*odd)[0] is odd[0]
 
@@ -129,7 +131,9 @@ def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeyp
 
     def run(fast_rows: int) -> tuple[dict[str, list[int]], int]:
         monkeypatch.setattr(paths, "FAST_DECODE_MAX_ROWS", fast_rows)
-        engine = build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB"))
+        engine = build_engine(
+            resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(dtype="float32", kv_cache_memory="64MiB")
+        )
         calls = 0
         decode = engine.runner.paths.fused
 
@@ -223,7 +227,9 @@ def test_fused_temperature_sampling_inverts_the_same_cdf_as_torch():
     assert agree >= 0.98 * total
     # The frequencies follow the distribution: a 4-token vocabulary, 4,000 draws.
     small = torch.tensor([[2.0, 1.0, 0.0, float("-inf")]])
-    draws = torch.stack([torch.ops.llmpool.sample_temperature(small, torch.tensor([1.0]), torch.rand(1)) for _ in range(4000)])
+    draws = torch.stack(
+        [torch.ops.llmpool.sample_temperature(small, torch.tensor([1.0]), torch.rand(1)) for _ in range(4000)]
+    )
     freq = torch.bincount(draws.flatten(), minlength=4).float() / 4000
     torch.testing.assert_close(freq, torch.softmax(small[0], -1), atol=0.03, rtol=0)
 
@@ -242,7 +248,12 @@ def test_any_batch_decode_needs_every_projection_packed(quantization, intermedia
     from worker.models.fused_decode import FusedDecode
 
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     fused = FusedDecode(LlamaForCausalLM(config).eval(), quantization=quantization)
     assert fused.any_batch is any_batch
@@ -295,7 +306,12 @@ def test_quantized_decode_weights_are_made_once_then_read_from_the_cache(quantiz
     from worker.models import fused_decode
 
     config = Qwen2Config(  # QKV bias: every kind of tensor the decode weights hold
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     model = Qwen2ForCausalLM(config).eval()
     stale = tmp_path / f"{quantization}-{'packed' if kernels.has_vnni() else 'rows'}-000000000000"
@@ -312,7 +328,10 @@ def test_quantized_decode_weights_are_made_once_then_read_from_the_cache(quantiz
     read = fused_decode.FusedDecode(model, quantization=quantization, cache=tmp_path)
     slots = fused_decode.SLOTS
     assert [t is None for t in made.weights] == [t is None for t in read.weights]
-    assert read.weights[slots.index("qkv_bias")] is not None and read.weights[len(slots) + slots.index("qkv_bias")] is not None
+    assert (
+        read.weights[slots.index("qkv_bias")] is not None
+        and read.weights[len(slots) + slots.index("qkv_bias")] is not None
+    )
     for i, (a, b) in enumerate(zip(made.weights + [made.lm_head], read.weights + [read.lm_head])):
         assert a is None or torch.equal(a, b), i
 

@@ -30,7 +30,15 @@ PAYLOAD = 64
 
 
 def fingerprint(**changes: object) -> Fingerprint:
-    fields = {"model": "m", "weights": "w", "config": "c", "dtype": "float32", "layout": "l", "block_size": BLOCK, "quantization": "none"}
+    fields = {
+        "model": "m",
+        "weights": "w",
+        "config": "c",
+        "dtype": "float32",
+        "layout": "l",
+        "block_size": BLOCK,
+        "quantization": "none",
+    }
     return Fingerprint(**{**fields, **changes})
 
 
@@ -74,7 +82,9 @@ def test_a_damaged_record_is_refused_and_removed(tmp_path, damage):
         tier.ensure(b, [payload(b)])
     path = tier.path(blocks[2].key)
     data = path.read_bytes()
-    path.write_bytes({"truncated": data[:-5], "flipped": data[:-5] + bytes([data[-5] ^ 1]) + data[-4:], "empty": b""}[damage])
+    path.write_bytes(
+        {"truncated": data[:-5], "flipped": data[:-5] + bytes([data[-5] ^ 1]) + data[-4:], "empty": b""}[damage]
+    )
     assert read_all(tier, blocks)[0] == 2  # the two before it are good; nothing from the damaged one on
     assert not path.exists()
     assert tier.ensure(blocks[2], [payload(blocks[2])]) > 0  # written again by the next worker that computes it
@@ -130,7 +140,10 @@ def test_many_processes_share_one_folder(tmp_path):
     read is either whole and right or a miss."""
     bound = 25 * (PAYLOAD + 100)  # fewer than the 40 blocks: evictions all the time
     procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(bound)], cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(4)
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), str(bound)], cwd=REPO, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
     ]
     results = [[int(n) for n in p.communicate(timeout=60)[0].split()] for p in procs]
     assert all(p.returncode == 0 for p in procs)

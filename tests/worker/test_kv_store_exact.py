@@ -19,7 +19,10 @@ MODEL = resolve_model("SmolLM2-135M-Instruct")
 NEW_TOKENS = 6
 _rng = random.Random(29)
 SHARED = [_rng.randrange(200, 40000) for _ in range(70)]  # a system prompt: 4 full blocks of 16
-PROMPTS = [SHARED + [_rng.randrange(200, 40000) for _ in range(20)], SHARED + [_rng.randrange(200, 40000) for _ in range(30)]]
+PROMPTS = [
+    SHARED + [_rng.randrange(200, 40000) for _ in range(20)],
+    SHARED + [_rng.randrange(200, 40000) for _ in range(30)],
+]
 # Blocks worth loading (all but each prompt's last token): 5 and 6; the second shares 4 of its 6
 # with the first, which the prefix cache serves once the first has them.
 LOADED_BLOCKS = 5 + 2
@@ -47,7 +50,9 @@ def test_stored_blocks_give_the_exact_output_on_a_second_worker_and_after_a_rest
     from_scratch = run(writer)
     assert writer.load().kv_store_hits == 0 and writer.load().kv_store_written_bytes > 0
 
-    second = engine(str(tmp_path), model_impl="native")  # a second worker, beside the first: the native forward reads them
+    second = engine(
+        str(tmp_path), model_impl="native"
+    )  # a second worker, beside the first: the native forward reads them
     assert run(second) == from_scratch
     load = second.load()
     assert (load.kv_store_hits, load.kv_store_misses, load.kv_store_written_bytes) == (LOADED_BLOCKS, 0, 0)
@@ -61,7 +66,10 @@ def test_stored_blocks_give_the_exact_output_on_a_second_worker_and_after_a_rest
     restarted = engine(str(tmp_path), model_impl="native")
     assert run(restarted) == from_scratch
     load = restarted.load()
-    assert (load.kv_store_hits, load.kv_store_misses) == (3, 2 + 3)  # r0: 3 of 5; r1: those 3 from the prefix cache, 3 missed
+    assert (load.kv_store_hits, load.kv_store_misses) == (
+        3,
+        2 + 3,
+    )  # r0: 3 of 5; r1: those 3 from the prefix cache, 3 missed
     assert damaged.is_file() and load.kv_store_written_bytes > 0
     del restarted
 

@@ -24,12 +24,19 @@ from worker.pooling_spec import pooling_spec
 
 st = pytest.importorskip("sentence_transformers")
 
-TEXTS = ["the cat sat on the mat", "paris is the capital of france", "a dog", "which river is in paris, and was it one for the cat and the dog?"]
+TEXTS = [
+    "the cat sat on the mat",
+    "paris is the capital of france",
+    "a dog",
+    "which river is in paris, and was it one for the cat and the dog?",
+]
 DOCS = ["paris is the capital of france", "the cat sat on the mat", "a river", "dog"]
 
 
 def engine_for(folder: Path, **flags: object) -> Engine:
-    return build_engine(resolve_model(str(folder)), WorkerConfig(model=str(folder), dtype="float32", device="cpu", **flags))
+    return build_engine(
+        resolve_model(str(folder)), WorkerConfig(model=str(folder), dtype="float32", device="cpu", **flags)
+    )
 
 
 def run(engine: Engine, requests: list[NewRequest]) -> dict[str, object]:
@@ -102,7 +109,9 @@ def test_cross_encoder_scores_match_sentence_transformers(folders: dict[str, Pat
     requests = []
     for i, doc in enumerate(DOCS):
         pair = model.tokenizer(TEXTS[1], doc)
-        requests.append(NewRequest(f"r{i}", pair["input_ids"], 1, pooling=PoolingParams("score", pair["token_type_ids"])))
+        requests.append(
+            NewRequest(f"r{i}", pair["input_ids"], 1, pooling=PoolingParams("score", pair["token_type_ids"]))
+        )
     out = run(engine, requests)
     scores = [float(vector(out[f"r{i}"])[0]) for i in range(len(DOCS))]
     assert np.allclose(scores, expected, atol=1e-5), (scores, expected)
@@ -125,7 +134,10 @@ def test_pooling_flag_without_a_sentence_transformers_folder(folders: dict[str, 
         "auto": torch.nn.functional.normalize(states[:, 0], dim=-1),
         "mean": (states * mask).sum(1) / mask.sum(1),
     }
-    ids = [[t for t, m in zip(row, keep) if m] for row, keep in zip(tokens["input_ids"].tolist(), tokens["attention_mask"].tolist())]
+    ids = [
+        [t for t, m in zip(row, keep) if m]
+        for row, keep in zip(tokens["input_ids"].tolist(), tokens["attention_mask"].tolist())
+    ]
     for flag, normalize in (("auto", True), ("mean", False)):
         out = run(engine_for(folder, pooling=flag, pooling_normalize=normalize), embed_requests(ids))
         for i in range(len(TEXTS)):
@@ -146,7 +158,9 @@ def test_a_causal_lm_with_pooling_generates_and_embeds_in_the_same_steps(tmp_pat
     ids = [[5, 9, 14, 3], [7, 8, 9, 10, 11, 12, 3], [40, 3]]
     base = AutoModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = [torch.nn.functional.normalize(base(torch.tensor([x])).last_hidden_state[0, -1], dim=-1) for x in ids]
+        expected = [
+            torch.nn.functional.normalize(base(torch.tensor([x])).last_hidden_state[0, -1], dim=-1) for x in ids
+        ]
         greedy = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).generate(
             torch.tensor([[4, 5, 6]]), max_new_tokens=6, do_sample=False
         )
@@ -215,7 +229,9 @@ def test_pooling_rows_run_beside_generation_in_one_step_and_keep_no_blocks() -> 
     by_id = {o.request_id: o for o in step.outputs}
     assert set(by_id) == {"gen", "emb", "poison"} and step.batch_size == 3
     assert np.frombuffer(by_id["emb"].pooled, "<f4").tolist() == [5.0] and by_id["emb"].num_prompt_tokens == 5
-    assert by_id["poison"].finish_reason == FinishReason.ERROR and "poisoned" in by_id["poison"].error  # alone: the other row kept its vector
+    assert (
+        by_id["poison"].finish_reason == FinishReason.ERROR and "poisoned" in by_id["poison"].error
+    )  # alone: the other row kept its vector
     assert by_id["gen"].new_token_ids == [8]
     while engine.has_work():
         engine.step()
@@ -223,17 +239,25 @@ def test_pooling_rows_run_beside_generation_in_one_step_and_keep_no_blocks() -> 
 
 
 def test_aborting_a_queued_pooling_request_and_the_budget_a_step_shares_with_its_batch() -> None:
-    engine = Engine(PoolingFakeRunner(), WorkerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_prefill_chunk=8, block_size=4))
+    engine = Engine(
+        PoolingFakeRunner(), WorkerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_prefill_chunk=8, block_size=4)
+    )
     for i in range(4):
         engine.add_request(NewRequest(f"e{i}", [1, 2, 3], 1, pooling=PoolingParams("embed")))
     (aborted,) = engine.abort(["e3"])
     assert aborted.finish_reason == FinishReason.ABORT
-    assert [sorted(o.request_id for o in engine.step().outputs) for _ in range(2)] == [["e0", "e1"], ["e2"]]  # 8 tokens a step
+    assert [sorted(o.request_id for o in engine.step().outputs) for _ in range(2)] == [
+        ["e0", "e1"],
+        ["e2"],
+    ]  # 8 tokens a step
     assert not engine.has_work()
     engine.add_request(NewRequest("gen", list(range(1, 8)), 2))  # the batch takes 7 of the step's 8 tokens
     for i in range(2):
         engine.add_request(NewRequest(f"p{i}", [1, 2, 3], 1, pooling=PoolingParams("embed")))
-    assert [sorted(o.request_id for o in engine.step().outputs) for _ in range(2)] == [["gen", "p0"], ["gen", "p1"]]  # at least one a step
+    assert [sorted(o.request_id for o in engine.step().outputs) for _ in range(2)] == [
+        ["gen", "p0"],
+        ["gen", "p1"],
+    ]  # at least one a step
     engine.add_request(NewRequest("long", list(range(1, 2000)), 1, pooling=PoolingParams("embed")))
     (too_long,) = engine.step().outputs
     assert too_long.bad_request and "more than this model's limit" in too_long.error

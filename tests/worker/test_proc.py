@@ -30,7 +30,9 @@ class StubEngine:
         self.pending.append(new)
 
     def reject(self, request_id: str, error: str, num_prompt_tokens: int = 0, bad_request: bool = False) -> None:
-        self.rejected.append(RequestOutput(request_id, [], "error", num_prompt_tokens, error=error, bad_request=bad_request))
+        self.rejected.append(
+            RequestOutput(request_id, [], "error", num_prompt_tokens, error=error, bad_request=bad_request)
+        )
 
     def abort(self, ids: list[str]) -> list[RequestOutput]:
         self.pending = [r for r in self.pending if r.request_id not in ids]
@@ -91,12 +93,20 @@ def test_worker_registers_serves_survives_garbage_and_says_goodbye():
     proc, thread = start_worker(gateway.address, engine)
     try:
         identity, ready = gateway.receive(Ready)
-        assert (ready.worker_name, ready.model, ready.kv_capacity_tokens, ready.max_batch_size) == ("w-test", "m", 64, 4)
+        assert (ready.worker_name, ready.model, ready.kv_capacity_tokens, ready.max_batch_size) == (
+            "w-test",
+            "m",
+            64,
+            4,
+        )
         gateway.sock.send_multipart([identity, b"\x01\x03", b"\xc1 not msgpack"])
         gateway.sock.send_multipart([identity, b"junk"])
         gateway.send(identity, AddRequests([NewRequest("a", [1, 2], 5), NewRequest("b", [3], 5)]))
         _, step = gateway.receive(StepOutputs)
-        assert step.batch_size == 2 and [(o.request_id, o.new_token_ids) for o in step.outputs] == [("a", [42]), ("b", [42])]
+        assert step.batch_size == 2 and [(o.request_id, o.new_token_ids) for o in step.outputs] == [
+            ("a", [42]),
+            ("b", [42]),
+        ]
         gateway.send(identity, Abort(["zzz"]))
         _, aborted = gateway.receive(StepOutputs)
         assert aborted.outputs[0].finish_reason == "abort"
@@ -132,7 +142,16 @@ def test_a_worker_serves_every_gateway_and_answers_each_its_own_requests():
     gateway that goes silent costs only its own requests while the other keeps being served."""
     gateways = [FakeGateway(), FakeGateway()]
     engine = StubEngine()
-    proc = WorkerProc(engine, ",".join(g.address for g in gateways), "w-test", "m", "cpu", "float32", heartbeat_interval=0.1, heartbeat_liveness=3)
+    proc = WorkerProc(
+        engine,
+        ",".join(g.address for g in gateways),
+        "w-test",
+        "m",
+        "cpu",
+        "float32",
+        heartbeat_interval=0.1,
+        heartbeat_liveness=3,
+    )
     thread = threading.Thread(target=proc.run, daemon=True)
     thread.start()
     try:
@@ -141,7 +160,9 @@ def test_a_worker_serves_every_gateway_and_answers_each_its_own_requests():
         gateways[1].send(b, AddRequests([NewRequest("from-b", [1], 5)]))
         _, step_a = gateways[0].receive(StepOutputs)
         _, step_b = gateways[1].receive(StepOutputs)
-        assert [o.request_id for o in step_a.outputs] == ["from-a"] and [o.request_id for o in step_b.outputs] == ["from-b"]
+        assert [o.request_id for o in step_a.outputs] == ["from-a"] and [o.request_id for o in step_b.outputs] == [
+            "from-b"
+        ]
         _, load = gateways[1].receive(Heartbeat)
         assert load.capacity_tokens_per_s > 0  # it measured its speed on the steps it ran
         # Gateway b stops talking; a keeps heartbeating until the worker has judged b silent (it
@@ -237,11 +258,16 @@ def test_socket_work_overlaps_the_step_in_flight():
             self.started += 1
             time.sleep(self.step_s)
             self.finished += 1
-            return StepOutputs([RequestOutput(r.request_id, [self.finished], seq=self.finished) for r in self.pending], batch_size=len(self.pending))
+            return StepOutputs(
+                [RequestOutput(r.request_id, [self.finished], seq=self.finished) for r in self.pending],
+                batch_size=len(self.pending),
+            )
 
     gateway = FakeGateway()
     engine = SlowEngine()
-    proc = WorkerProc(engine, gateway.address, "w-test", "m", "cpu", "float32", heartbeat_interval=0.1, heartbeat_liveness=50)
+    proc = WorkerProc(
+        engine, gateway.address, "w-test", "m", "cpu", "float32", heartbeat_interval=0.1, heartbeat_liveness=50
+    )
     thread = threading.Thread(target=proc.run, daemon=True)
     thread.start()
     try:

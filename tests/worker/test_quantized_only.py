@@ -33,7 +33,10 @@ def engines() -> tuple[Engine, Engine]:
 
 
 def answers(engine: Engine) -> dict[str, list]:
-    news = [NewRequest(f"r{i}", ids, NEW_TOKENS, SamplingParams(temperature=0, logprobs=5), ignore_eos=True) for i, ids in enumerate(PROMPTS)]
+    news = [
+        NewRequest(f"r{i}", ids, NEW_TOKENS, SamplingParams(temperature=0, logprobs=5), ignore_eos=True)
+        for i, ids in enumerate(PROMPTS)
+    ]
     return drain(engine, news)
 
 

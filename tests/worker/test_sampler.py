@@ -27,7 +27,10 @@ def logits(rows: int = 4, vocab: int = 50) -> torch.Tensor:
 
 def test_greedy_is_argmax():
     x = logits()
-    assert TokensOnly(torch.device("cpu"))(x, reqs(list("abcd"), [SamplingParams(temperature=0)] * 4)) == x.argmax(-1).tolist()
+    assert (
+        TokensOnly(torch.device("cpu"))(x, reqs(list("abcd"), [SamplingParams(temperature=0)] * 4))
+        == x.argmax(-1).tolist()
+    )
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy_even_when_hot():
@@ -52,7 +55,12 @@ def test_top_k_and_top_p_keep_what_a_full_sort_keeps(scale):
     torch.manual_seed(int(scale * 10))
     x = torch.randn(4, 49152) * scale
     x[0, :3] = x[0].max()  # a tie at the top
-    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=40), SamplingParams(top_k=7), SamplingParams(top_p=0.99)]
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.5, top_k=40),
+        SamplingParams(top_k=7),
+        SamplingParams(top_p=0.99),
+    ]
     kept = ~_apply_top_k_top_p(x.clone(), params).isinf()
     for row, p in enumerate(params):
         order = x[row].sort(descending=True, stable=True).indices  # ties: lowest id first (most likely)
@@ -139,16 +147,27 @@ def test_penalties_push_away_from_tokens_already_generated():
 def test_min_tokens_holds_back_stop_tokens_and_min_p_trims_the_tail():
     x = torch.zeros(1, 10)
     x[0, 0] = 5.0  # token 0 is the stop token of reqs()
-    assert TokensOnly(torch.device("cpu"))(x.clone(), reqs(["a"], [SamplingParams(temperature=0, min_tokens=2)], [[3]])) != [0]
-    assert TokensOnly(torch.device("cpu"))(x.clone(), reqs(["a"], [SamplingParams(temperature=0, min_tokens=2)], [[3, 3]])) == [0]
+    assert TokensOnly(torch.device("cpu"))(
+        x.clone(), reqs(["a"], [SamplingParams(temperature=0, min_tokens=2)], [[3]])
+    ) != [0]
+    assert TokensOnly(torch.device("cpu"))(
+        x.clone(), reqs(["a"], [SamplingParams(temperature=0, min_tokens=2)], [[3, 3]])
+    ) == [0]
     y = torch.tensor([[3.0, 2.9, -5.0, -5.0, -5.0]])
-    picks = {TokensOnly(torch.device("cpu"))(y, reqs(["a"], [SamplingParams(temperature=1.0, min_p=0.5)]))[0] for _ in range(100)}
+    picks = {
+        TokensOnly(torch.device("cpu"))(y, reqs(["a"], [SamplingParams(temperature=1.0, min_p=0.5)]))[0]
+        for _ in range(100)
+    }
     assert picks == {0, 1}
 
 
 def test_logprobs_of_the_chosen_token_and_the_top_k_from_the_raw_distribution():
     x = logits(3)
-    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0), SamplingParams(temperature=0.5, logprobs=0)]
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.5, logprobs=0),
+    ]
     tokens, lps = Sampler(torch.device("cpu"))(x, reqs(["a", "b", "c"], params))
     reference = x.log_softmax(-1)
     assert lps[1] is None

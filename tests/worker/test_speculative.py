@@ -33,7 +33,9 @@ def test_propose_continues_the_latest_earlier_occurrence_of_the_longest_suffix()
 def _prompt(content: str) -> list[int]:
     tokenizer = load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())
     messages = [{"role": "user", "content": content}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,13 @@ def test_the_prefix_cache_only_ever_holds_the_tokens_of_the_sequence(engine32, p
     continued = greedy("b", sequence, 8)
     warm = tokens(run(engine32, 4, [continued])["b"])
     cold = tokens(
-        run(build_engine(resolve_model(MODEL), WorkerConfig(dtype="float32", kv_cache_memory="64MiB", prefix_caching=False)), 0, [continued])["b"]
+        run(
+            build_engine(
+                resolve_model(MODEL), WorkerConfig(dtype="float32", kv_cache_memory="64MiB", prefix_caching=False)
+            ),
+            0,
+            [continued],
+        )["b"]
     )
     assert warm == cold
 
@@ -136,7 +144,9 @@ def test_seeded_sampled_requests_decode_without_drafts_and_unseeded_ones_specula
     seeded = [NewRequest("seeded", prompts["repeat"], 16, SamplingParams(temperature=0.7, seed=3))]
     assert tokens(run(engine32, 4, seeded)["seeded"]) == tokens(run(engine32, 0, seeded)["seeded"])
     assert engine32.load().spec_proposed_tokens == before
-    out = run(engine32, 4, [NewRequest("sampled", prompts["repeat"], 32, SamplingParams(temperature=0.3), ignore_eos=True)])["sampled"]
+    out = run(
+        engine32, 4, [NewRequest("sampled", prompts["repeat"], 32, SamplingParams(temperature=0.3), ignore_eos=True)]
+    )["sampled"]
     assert len(tokens(out)) == 32 and out[-1].finish_reason == "length"
     assert engine32.load().spec_accepted_tokens > 0
 

@@ -22,7 +22,9 @@ def test_quota_files_of_both_cgroup_versions(tmp_path):
     assert cgroup_quota(v1) == 0.5
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs and affinity masks")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs and affinity masks"
+)
 def test_a_worker_sizes_its_team_from_its_affinity_mask():
     """Started under a one-CPU mask (taskset), a worker's step threads are one, not the machine's count."""
     code = "import os, torch; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); from worker.threads import team_size; print(team_size(0))"

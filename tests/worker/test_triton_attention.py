@@ -133,7 +133,9 @@ def test_zero_length_row_gives_zeros():
     for splits in (1, 3):
         got = triton_decode.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, splits=splits)
         assert torch.equal(got[0], torch.zeros_like(got[0]))
-        torch.testing.assert_close(got[1:], reference(query, k_cache, v_cache, tables, lens, 0.125)[1:], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            got[1:], reference(query, k_cache, v_cache, tables, lens, 0.125)[1:], atol=1e-4, rtol=1e-4
+        )
 
 
 def test_num_splits():
@@ -142,7 +144,15 @@ def test_num_splits():
     assert triton_decode.num_splits(8, 3) == 8  # 11 -> 8
     assert triton_decode.num_splits(64, 8) == 1  # 512 programs already fill the GPU
     assert triton_decode.num_splits(0, 8) == 1
-    assert {triton_decode.num_splits(rows, kv) for rows in range(1, 300) for kv in (1, 2, 3, 8)} <= {1, 2, 4, 8, 16, 32, 64}
+    assert {triton_decode.num_splits(rows, kv) for rows in range(1, 300) for kv in (1, 2, 3, 8)} <= {
+        1,
+        2,
+        4,
+        8,
+        16,
+        32,
+        64,
+    }
 
 
 def test_warm_up_runs_every_split_count():
@@ -170,7 +180,9 @@ def test_large_batch_on_gpu(dtype):
 def test_cuda_graph_replay_with_new_lengths_and_tables(dtype):
     """Captured once; new lengths and block tables copied into the static inputs must be honoured."""
     rows, heads, kv_heads, head_dim, block_size = 4, 9, 3, 64, 16
-    first = make_case([1, 17, 300, 64], heads, kv_heads, head_dim, block_size, dtype, pad_blocks=30, spare_blocks=30, seed=3)
+    first = make_case(
+        [1, 17, 300, 64], heads, kv_heads, head_dim, block_size, dtype, pad_blocks=30, spare_blocks=30, seed=3
+    )
     query, k_cache, v_cache, tables, lens = (t.clone() for t in first)
     splits = triton_decode.num_splits(rows, kv_heads)
     assert splits > 1
@@ -184,7 +196,9 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(dtype):
     with torch.cuda.graph(graph):
         out = triton_decode.paged_decode_attention(query, k_cache, v_cache, tables, lens, scaling)
     graph.replay()
-    torch.testing.assert_close(out.float(), reference(*first, scaling).float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(
+        out.float(), reference(*first, scaling).float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
 
     # Same shapes, other contexts: longer, shorter, one row emptied to length 1, other blocks.
     second = make_case([500, 1, 16, 129], heads, kv_heads, head_dim, block_size, dtype, pad_blocks=0, seed=4)
@@ -224,7 +238,9 @@ def test_rope_and_cache_matches_torch(dtype):
     q = triton_rope.rope_and_cache(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads)
 
     x = qkv.float().view(tokens, heads + 2 * kv_heads, head_dim)
-    rotated = x[:, : heads + kv_heads] * cos.float()[:, None] + _rotate_half(x[:, : heads + kv_heads]) * sin.float()[:, None]
+    rotated = (
+        x[:, : heads + kv_heads] * cos.float()[:, None] + _rotate_half(x[:, : heads + kv_heads]) * sin.float()[:, None]
+    )
     k_expected[slots] = rotated[:, heads:].to(dtype)
     v_expected[slots] = x[:, heads + kv_heads :].to(dtype)
     tol = TOLERANCE[dtype]
@@ -244,17 +260,27 @@ def test_the_fused_decode_step_matches_the_torch_path(monkeypatch):
     from worker.models.llama import LlamaForward
 
     # The stand-in also on a GPU: the path here is float32, which FlashInfer's decode kernels do not take.
-    monkeypatch.setattr(flashinfer_decode, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=ContractWrapper))
+    monkeypatch.setattr(
+        flashinfer_decode, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=ContractWrapper)
+    )
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
     )
     forward = LlamaForward(LlamaForCausalLM(config).eval().to(DEVICE))
     lengths = [5, 17, 30]
     tables = torch.tensor([[1, 0], [2, 3], [4, 5]], device=DEVICE)
     positions = torch.tensor([n - 1 for n in lengths], device=DEVICE)
-    slots = torch.tensor([int(tables[r, p // 16]) * 16 + p % 16 for r, p in enumerate(positions.tolist())], device=DEVICE)
+    slots = torch.tensor(
+        [int(tables[r, p // 16]) * 16 + p % 16 for r, p in enumerate(positions.tolist())], device=DEVICE
+    )
     caches = [(torch.randn(6, 16, 2, 16, device=DEVICE), torch.randn(6, 16, 2, 16, device=DEVICE)) for _ in range(2)]
     ids = torch.tensor([[7, 11, 13]], device=DEVICE)
     results = {}
@@ -262,9 +288,13 @@ def test_the_fused_decode_step_matches_the_torch_path(monkeypatch):
         kv = [(k.clone(), v.clone()) for k, v in caches]
         group = DecodeGroup(0, 3, tables, torch.tensor(lengths, device=DEVICE), 32)
         if backend == "flashinfer":
-            group.planned = flashinfer_decode.FlashInferDecode(kv[0][0], 4, torch.zeros(16, dtype=torch.uint8, device=DEVICE))
+            group.planned = flashinfer_decode.FlashInferDecode(
+                kv[0][0], 4, torch.zeros(16, dtype=torch.uint8, device=DEVICE)
+            )
             group.planned.plan(tables.tolist(), lengths)
-        chosen = {"triton": triton_decode.TritonDecode(), "eager": EagerDecode()}.get(backend) or flashinfer_decode.FlashInferBackend(DEVICE)
+        chosen = {"triton": triton_decode.TritonDecode(), "eager": EagerDecode()}.get(
+            backend
+        ) or flashinfer_decode.FlashInferBackend(DEVICE)
         meta = AttentionMetadata(kv, slots, 3, [group], [], chosen)
         results[backend] = (forward(ids, positions[None], meta, torch.arange(3, device=DEVICE)), kv)
     torch_logits, torch_kv = results["eager"]
@@ -273,4 +303,6 @@ def test_the_fused_decode_step_matches_the_torch_path(monkeypatch):
         torch.testing.assert_close(fused_logits, torch_logits, atol=1e-4, rtol=1e-4)
         for (fk, fv), (tk, tv) in zip(fused_kv, torch_kv):
             torch.testing.assert_close(fk, tk, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(fv, tv, atol=1e-5, rtol=1e-5)  # layer 2 sees layer 1's attention, summed in another order
+            torch.testing.assert_close(
+                fv, tv, atol=1e-5, rtol=1e-5
+            )  # layer 2 sees layer 1's attention, summed in another order

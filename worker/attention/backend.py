@@ -27,5 +27,7 @@ class DecodeBackend:
     def plan(self, group: DecodeGroup, tables: list[list[int]], lengths: list[int]) -> None:
         """A step's schedule of ``group``'s rows, made on the host once for all layers."""
 
-    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+    def __call__(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+    ) -> torch.Tensor:
         raise NotImplementedError

@@ -38,14 +38,17 @@ def choose_decode_backend(choice: str, device: torch.device, dtype: torch.dtype,
     if device.type == "cpu":
         if choice != "auto":
             log.warning(
-                "--cuda-attention %s does not apply on the CPU: not applied (decode attention is the C++ kernel, or the eager gather)", choice
+                "--cuda-attention %s does not apply on the CPU: not applied (decode attention is the C++ kernel, or the eager gather)",
+                choice,
             )
         backend: DecodeBackend = CpuDecode() if kernels.load() else EagerDecode()
     elif choice == "auto":
         backend = _auto(device, dtype, shape)
     elif choice == "flashinfer":
         if not _flashinfer_usable(dtype):
-            raise ValueError("--cuda-attention flashinfer needs the flashinfer-python package, triton, a CUDA device and --dtype float16 or bfloat16")
+            raise ValueError(
+                "--cuda-attention flashinfer needs the flashinfer-python package, triton, a CUDA device and --dtype float16 or bfloat16"
+            )
         problem = _check_flashinfer(device, dtype, shape)
         if problem is not None:
             raise ValueError(f"--cuda-attention flashinfer: FlashInfer failed its check: {problem}")
@@ -67,7 +70,10 @@ def _auto(device: torch.device, dtype: torch.dtype, shape: HeadShape) -> DecodeB
         problem = _check_flashinfer(device, dtype, shape)
         if problem is None:
             return flashinfer_decode.FlashInferBackend(device)
-        log.warning("FlashInfer is installed but failed its check (%s): decode attention falls back to the Triton kernel", problem)
+        log.warning(
+            "FlashInfer is installed but failed its check (%s): decode attention falls back to the Triton kernel",
+            problem,
+        )
     return triton_decode.TritonDecode() if triton_decode.available() else EagerDecode()
 
 

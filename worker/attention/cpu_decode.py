@@ -17,5 +17,9 @@ from worker.attention.metadata import DecodeGroup
 class CpuDecode(DecodeBackend):
     name = "cpu"
 
-    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
-        return torch.ops.llmpool.paged_decode_attention(query, k_cache, v_cache, group.block_tables, group.lengths, group.max_len, scale)
+    def __call__(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+    ) -> torch.Tensor:
+        return torch.ops.llmpool.paged_decode_attention(
+            query, k_cache, v_cache, group.block_tables, group.lengths, group.max_len, scale
+        )

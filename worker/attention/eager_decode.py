@@ -25,7 +25,9 @@ class EagerDecode(DecodeBackend):
     name = "eager"
     reads_row_lengths = False
 
-    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+    def __call__(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+    ) -> torch.Tensor:
         rows, heads, head_dim = query.shape
         kv_heads = k_cache.shape[2]
         keys = gather(k_cache, group.block_tables, group.max_len)  # [rows, kv_heads, max_len, head_dim]

@@ -49,7 +49,9 @@ def available() -> bool:
         return False
 
 
-def page_layout(tables: list[list[int]], lengths: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def page_layout(
+    tables: list[list[int]], lengths: list[int], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's CSR description of the rows' pages, as int32 host tensors: ``indptr`` ``[rows + 1]``
     (row r's pages are ``indices[indptr[r]:indptr[r + 1]]``), ``indices`` (block ids, only the blocks
     that hold context: a table may have blocks reserved past it) and ``last_page_len`` ``[rows]``
@@ -71,7 +73,9 @@ class FlashInferDecode:
     ``max_blocks`` pages each, in fixed device buffers that a captured graph keeps reading.
     """
 
-    def __init__(self, k_cache: torch.Tensor, heads: int, workspace: torch.Tensor, rows: int = 0, max_blocks: int = 0) -> None:
+    def __init__(
+        self, k_cache: torch.Tensor, heads: int, workspace: torch.Tensor, rows: int = 0, max_blocks: int = 0
+    ) -> None:
         _, self.block_size, self.kv_heads, self.head_dim = k_cache.shape
         self.heads = heads
         self.dtype = k_cache.dtype
@@ -103,7 +107,9 @@ class FlashInferDecode:
             sm_scale=self.scale,
         )
 
-    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scaling: float) -> torch.Tensor:
+    def __call__(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
         """``[rows, heads, head_dim]`` attention output of ``query`` (same shape) over the planned rows."""
         if scaling != self.scale:  # the plan fixed 1/sqrt(head_dim); another softmax scale moves into the query
             query = query * (scaling / self.scale)
@@ -122,14 +128,21 @@ def check(heads: int, page: tuple[int, int, int], dtype: torch.dtype, device: to
     Compiles its kernels too (the first start on a machine runs nvcc, so it can take a minute)."""
     block_size, _, head_dim = page
     generator = torch.Generator(device=device).manual_seed(0)
-    lengths = [1, block_size, 5 * block_size + 3, 40 * block_size]  # one token, one full page, a partial page, a long row
+    lengths = [
+        1,
+        block_size,
+        5 * block_size + 3,
+        40 * block_size,
+    ]  # one token, one full page, a partial page, a long row
     blocks = sum(-(-n // block_size) for n in lengths)
     keys, values = (torch.randn(blocks + 1, *page, generator=generator, device=device, dtype=dtype) for _ in range(2))
     order = torch.randperm(blocks, generator=generator, device=device).tolist()  # pages in no particular order
     tables, start = [], 0
     for n in lengths:
         count = -(-n // block_size)
-        tables.append(order[start : start + count] + [blocks])  # one reserved block past the context, as a running row may have
+        tables.append(
+            order[start : start + count] + [blocks]
+        )  # one reserved block past the context, as a running row may have
         start += count
     query = torch.randn(len(lengths), heads, head_dim, generator=generator, device=device, dtype=dtype)
     scale = head_dim**-0.5
@@ -150,9 +163,15 @@ def check(heads: int, page: tuple[int, int, int], dtype: torch.dtype, device: to
         error = (got - want).abs().max().item()
     except Exception as exc:  # an unsupported shape, a failed compile, an API this code does not know
         return f"{type(exc).__name__}: {exc}"
-    if not error <= 5e-2:  # both round to bf16 (4e-3 relative) at different points; a wrong page or length is off by ~0.5
+    if (
+        not error <= 5e-2
+    ):  # both round to bf16 (4e-3 relative) at different points; a wrong page or length is off by ~0.5
         return f"differs from the eager gather by up to {error:.3g}"
-    log.info("FlashInfer %s decode checked against the eager gather in %.1f s", flashinfer.__version__, time.perf_counter() - started)
+    log.info(
+        "FlashInfer %s decode checked against the eager gather in %.1f s",
+        flashinfer.__version__,
+        time.perf_counter() - started,
+    )
     return None
 
 
@@ -174,5 +193,7 @@ class FlashInferBackend(DecodeBackend):
         self._decode.plan(tables, lengths)
         group.planned = self._decode
 
-    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+    def __call__(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+    ) -> torch.Tensor:
         return group.planned(query, k_cache, v_cache, scale)

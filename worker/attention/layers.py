@@ -19,7 +19,9 @@ import torch
 
 from worker.attention.eager_decode import gather
 
-MaskFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (batch, head, q, kv) -> bool
+MaskFunction = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]  # (batch, head, q, kv) -> bool
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -73,7 +75,9 @@ class LayerSpec:
         return self.mask.function is None and not self.features and self.k_dim == self.v_dim
 
     def describe(self) -> str:
-        parts = [self.mask.label, *self.features] + ([f"keys {self.k_dim} wide, values {self.v_dim}"] if self.k_dim != self.v_dim else [])
+        parts = [self.mask.label, *self.features] + (
+            [f"keys {self.k_dim} wide, values {self.v_dim}"] if self.k_dim != self.v_dim else []
+        )
         return f"layer {self.index} ({', '.join(parts)})"
 
 
@@ -100,23 +104,37 @@ def as_reference_mask(layer: LayerSpec, mask: torch.Tensor, dtype: torch.dtype) 
     if layer.additive_mask:
         return torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype).unsqueeze(1)
     q, k = mask.shape[-2:]
-    if (q == 1 and bool(mask.all())) or (q == k and q > 1 and bool((mask == torch.ones(q, k, dtype=torch.bool, device=mask.device).tril()).all())):
+    if (q == 1 and bool(mask.all())) or (
+        q == k and q > 1 and bool((mask == torch.ones(q, k, dtype=torch.bool, device=mask.device).tril()).all())
+    ):
         return None
     return mask.unsqueeze(1)
 
 
-def gather_context(cache: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(
+    cache: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[rows, kv_heads, end - start, dim]`` at positions ``start .. end`` of the
     rows' block tables; whole blocks before ``start`` (a sliding window's past) are not read."""
     skip = start // cache[0].shape[1]
     table, offset = table[:, skip:], start - skip * cache[0].shape[1]
-    return gather(cache[0], table, end - start + offset)[:, :, offset:], gather(cache[1], table, end - start + offset)[:, :, offset:]
+    return gather(cache[0], table, end - start + offset)[:, :, offset:], gather(cache[1], table, end - start + offset)[
+        :, :, offset:
+    ]
 
 
 def reference_attention(
-    layer: LayerSpec, module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, kwargs: dict
+    layer: LayerSpec,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    kwargs: dict,
 ) -> torch.Tensor:
     """Queries ``[rows, heads, q, d]`` over ``keys``/``values`` under ``mask`` ``[rows, q, k]`` through
     the layer's reference function, the model's own kwargs passed on; ``[rows, q, heads, v_dim]``."""
-    out, _ = layer.reference(module, query, keys, values, as_reference_mask(layer, mask, query.dtype), **{**kwargs, "dropout": 0.0})
+    out, _ = layer.reference(
+        module, query, keys, values, as_reference_mask(layer, mask, query.dtype), **{**kwargs, "dropout": 0.0}
+    )
     return out

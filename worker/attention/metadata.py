@@ -32,18 +32,26 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [num_rows, max_blocks]
     lengths: torch.Tensor  # [num_rows]: context length of each row, this step's token included
     max_len: int
-    planned: Any = None  # FlashInfer's schedule of these rows (worker/attention/flashinfer_decode.py), made once per step
+    planned: Any = (
+        None  # FlashInfer's schedule of these rows (worker/attention/flashinfer_decode.py), made once per step
+    )
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     """Everything a layer needs to find its part of the paged cache for this step."""
 
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim] (per-layer shapes)
+    kv_caches: list[
+        tuple[torch.Tensor, torch.Tensor]
+    ]  # per layer: [num_blocks, block_size, kv_heads, head_dim] (per-layer shapes)
     slot_mapping: torch.Tensor  # [num_tokens]: flat cache slot of each new token
     num_decode: int  # the first num_decode tokens are single-token steps of num_decode sequences
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     decode_backend: DecodeBackend  # who computes the decode rows' attention (worker/attention/chooser.py)
-    layers: list[LayerSpec] | None = None  # per layer: mask, features, reference function (worker/runner/probe.py); None: all plain
-    masks: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict)  # made once per step and mask kind
+    layers: list[LayerSpec] | None = (
+        None  # per layer: mask, features, reference function (worker/runner/probe.py); None: all plain
+    )
+    masks: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(
+        default_factory=dict
+    )  # made once per step and mask kind

@@ -32,7 +32,9 @@ from worker.attention.layers import LayerSpec, gather_context, reference_attenti
 from worker.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 
 ATTENTION_NAME = "llmpool_paged"
-_DEFAULT_LAYER = LayerSpec(-1, 0, 0, 0, 0, reference=sdpa_attention_forward)  # metadata without probed layers: plain SDPA
+_DEFAULT_LAYER = LayerSpec(
+    -1, 0, 0, 0, 0, reference=sdpa_attention_forward
+)  # metadata without probed layers: plain SDPA
 _STEP: ContextVar[AttentionMetadata | None] = ContextVar("llmpool_step", default=None)
 
 
@@ -74,11 +76,19 @@ def paged_attention(
     for group in meta.decode_groups:
         q = query[0, :, group.start : group.start + group.num_rows].transpose(0, 1)  # [rows, heads, head_dim]
         if plain and not (group.num_rows == 1 and query.dtype == torch.float32):
-            outputs.append(meta.decode_backend(q.contiguous(), k_cache, v_cache, group, scaling or query.shape[3] ** -0.5))
+            outputs.append(
+                meta.decode_backend(q.contiguous(), k_cache, v_cache, group, scaling or query.shape[3] ** -0.5)
+            )
         else:  # a lone float32 row computes exactly what generate computes
-            outputs.append(_reference_rows(layer, module, q, (k_cache, v_cache), group, meta, kwargs).reshape(group.num_rows, heads, v_dim))
+            outputs.append(
+                _reference_rows(layer, module, q, (k_cache, v_cache), group, meta, kwargs).reshape(
+                    group.num_rows, heads, v_dim
+                )
+            )
     for span in meta.prefills:
-        out = _prompt_chunk(layer, plain and layer.calls_sdpa, module, query, key, value, (k_cache, v_cache), span, meta, kwargs)
+        out = _prompt_chunk(
+            layer, plain and layer.calls_sdpa, module, query, key, value, (k_cache, v_cache), span, meta, kwargs
+        )
         outputs.append(out.reshape(span.num_tokens, heads, v_dim))
     return torch.cat(outputs).unsqueeze(0), None
 
@@ -102,7 +112,13 @@ def _prompt_chunk(
     if sdpa:
         if span.num_computed == 0:  # a whole prompt, or its first chunk: exactly what generate computes
             out, _ = sdpa_attention_forward(
-                module, q, key[:, :, span.start : end], value[:, :, span.start : end], None, scaling=kwargs["scaling"], is_causal=True
+                module,
+                q,
+                key[:, :, span.start : end],
+                value[:, :, span.start : end],
+                None,
+                scaling=kwargs["scaling"],
+                is_causal=True,
             )
             return out
         # A later chunk attends to the cached prefix: enable_gqa with the mask is 2x transformers'
@@ -110,9 +126,9 @@ def _prompt_chunk(
         table = span.block_table.unsqueeze(0)
         k = gather(cache[0], table, span.num_computed + span.num_tokens)
         v = gather(cache[1], table, span.num_computed + span.num_tokens)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=kwargs["scaling"], enable_gqa=True).transpose(
-            1, 2
-        )
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=span.mask, scale=kwargs["scaling"], enable_gqa=True
+        ).transpose(1, 2)
     memo = (id(layer.mask), span.start)
     if memo not in meta.masks:
         meta.masks[memo] = span_mask(layer.mask, span.num_computed, span.num_tokens, query.device)

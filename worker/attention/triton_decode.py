@@ -143,7 +143,11 @@ if triton is not None:
             kv_mask = valid[:, None] & dim_mask[None, :]
             # Masked-off tokens load zeros: a stale or never-written block may hold NaN bit patterns.
             k = tl.load(
-                k_cache + blocks[:, None] * stride_kb + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                k_cache
+                + blocks[:, None] * stride_kb
+                + slots[:, None] * stride_kt
+                + kv_head * stride_kh
+                + dims[None, :],
                 mask=kv_mask,
                 other=0.0,
             )
@@ -154,7 +158,11 @@ if triton is not None:
             p = tl.exp2(scores - m_new[:, None])
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(
-                v_cache + blocks[:, None] * stride_vb + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                v_cache
+                + blocks[:, None] * stride_vb
+                + slots[:, None] * stride_vt
+                + kv_head * stride_vh
+                + dims[None, :],
                 mask=kv_mask,
                 other=0.0,
             )
@@ -228,9 +236,13 @@ def paged_decode_attention(
     rows, heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if heads % kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"query {tuple(query.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+        )
     if block_size & (block_size - 1) or query.dtype != k_cache.dtype or query.dtype != v_cache.dtype:
-        raise ValueError(f"block size {block_size} must be a power of two and dtypes must match ({query.dtype}, {k_cache.dtype})")
+        raise ValueError(
+            f"block size {block_size} must be a power of two and dtypes must match ({query.dtype}, {k_cache.dtype})"
+        )
     if query.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or block_tables.stride(1) != 1:
         raise ValueError("query, caches and block tables need a contiguous last dimension")
     splits = splits or num_splits(rows, kv_heads)
@@ -301,5 +313,7 @@ class TritonDecode(DecodeBackend):
     def prepare(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], heads: int) -> None:
         warm_up(*kv_caches[0], heads=heads)  # compile every variant now, not in the middle of a step
 
-    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+    def __call__(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+    ) -> torch.Tensor:
         return paged_decode_attention(query, k_cache, v_cache, group.block_tables, group.lengths, scale)

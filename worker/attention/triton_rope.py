@@ -80,7 +80,12 @@ def rope_and_cache(
     ``[tokens, heads, head_dim]``. Launch shape from tensor shapes only: safe in a CUDA graph."""
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
-    if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if (
+        qkv.stride(-1) != 1
+        or cos.stride(-1) != 1
+        or sin.stride(-1) != 1
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
         raise ValueError("rope_and_cache needs contiguous rows of qkv, cos and sin, and contiguous caches")
     q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _rope_and_cache_kernel[(tokens, heads + 2 * kv_heads)](

@@ -49,7 +49,12 @@ def _build_dir() -> Path:
     (``-march=native``: SIGILL)."""
     root = os.environ.get("LLMPOOL_KERNEL_DIR") or Path.home() / ".cache" / "llmpool" / "kernels"
     files = {name: (_FOLDER / name).read_bytes() for name in (*_SOURCES, *_HEADERS)}
-    parts = [*files.values(), " ".join(_CFLAGS).encode(), _cpu_flags().encode(), str(Path(torch.__file__).parent).encode()]
+    parts = [
+        *files.values(),
+        " ".join(_CFLAGS).encode(),
+        _cpu_flags().encode(),
+        str(Path(torch.__file__).parent).encode(),
+    ]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
     path = Path(root) / f"torch-{torch.__version__}-{key}"
     path.mkdir(parents=True, exist_ok=True)
@@ -79,7 +84,7 @@ def load(verbose: bool = False) -> bool:
             verbose=verbose,
         )
         _loaded = True
-    except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the torch path still works
+    except Exception as exc:  # no compiler, no headers: the torch path still works
         _loaded, _error = False, f"{type(exc).__name__}: {exc}"
         log.warning("C++ kernels unavailable, using the torch path: %s", _error)
     return _loaded

@@ -233,7 +233,9 @@ class DiskTier:
                 self._usage.evictions += 1
             except FileNotFoundError:  # another worker's eviction, or a clear
                 freed += size
-        log.info("KV store: evicted %.1f MB of least recently used blocks (bound %.1f MB)", freed / 1e6, self.max_bytes / 1e6)
+        log.info(
+            "KV store: evicted %.1f MB of least recently used blocks (bound %.1f MB)", freed / 1e6, self.max_bytes / 1e6
+        )
         return freed
 
     def _evict_lock(self) -> _Lock:

@@ -184,7 +184,7 @@ class KVStore:
             job = self._lookups.get()
             try:
                 self._read(job)
-            except Exception as exc:  # noqa: BLE001 - a store that fails costs speed, never the worker
+            except Exception as exc:  # a store that fails costs speed, never the worker
                 self._failed("read", exc)
             finally:
                 job.done.set()
@@ -204,7 +204,9 @@ class KVStore:
             return
         payload = self.io.payload_bytes
         with self._staging_turn:
-            self._staging_turn.wait_for(lambda: job.cancelled or not self._staged or self._staged + present * payload <= STAGING_LIMIT)
+            self._staging_turn.wait_for(
+                lambda: job.cancelled or not self._staged or self._staged + present * payload <= STAGING_LIMIT
+            )
             if job.cancelled:
                 return
             job.staging = np.empty(present * payload, dtype=np.uint8)
@@ -280,7 +282,7 @@ class KVStore:
                 for block_id, block in batch:
                     try:
                         self.counters.written_bytes += self.tier.ensure(block, self.io.block_parts(block_id))
-                    except Exception as exc:  # noqa: BLE001 - as for reads
+                    except Exception as exc:  # as for reads
                         self._failed("write", exc)
                     finally:
                         self._released.put(block_id)
@@ -288,7 +290,7 @@ class KVStore:
                 if now - self._maintained > MAINTAIN_EVERY_S or not batch:
                     self._maintained = now
                     self.tier.maintain()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self._failed("maintain", exc)
             finally:
                 self._writes.task_done()
@@ -311,5 +313,10 @@ class KVStore:
         self.counters.errors += 1
         if self.counters.errors <= 3 or self.counters.errors % 100 == 0:
             log.warning(
-                "KV store (%s): %s failed (%d failures so far): %s: %s", self.tier.description, what, self.counters.errors, type(exc).__name__, exc
+                "KV store (%s): %s failed (%d failures so far): %s: %s",
+                self.tier.description,
+                what,
+                self.counters.errors,
+                type(exc).__name__,
+                exc,
             )

@@ -63,7 +63,14 @@ def check_header(data: Buffer, fingerprint: bytes, key: bytes, tokens: bytes, pa
     if len(data) < HEADER_BYTES + len(tokens):
         return None
     magic, version, size, fp, found_key, num_tokens, payload, crc = _HEADER.unpack_from(data)
-    if (magic, version, size, fp, found_key, payload) != (MAGIC, FORMAT_VERSION, HEADER_BYTES, fingerprint, key, payload_bytes):
+    if (magic, version, size, fp, found_key, payload) != (
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_BYTES,
+        fingerprint,
+        key,
+        payload_bytes,
+    ):
         return None
     if num_tokens * 4 != len(tokens) or data[HEADER_BYTES : HEADER_BYTES + len(tokens)] != tokens:
         return None

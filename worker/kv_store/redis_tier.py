@@ -48,11 +48,15 @@ class RedisTier:
             self.client.set(PREFIX + "store-id", uuid.uuid4().hex, nx=True)
             self.store_id = self.client.get(PREFIX + "store-id").decode()
             self.client.set(f"{PREFIX}{fingerprint.hex}", json.dumps(fingerprint.describe(), indent=2), nx=True)
-            bounded = int(self.client.info("memory").get("maxmemory", 0) or 0)  # INFO, not CONFIG: managed Redis often refuses CONFIG
+            bounded = int(
+                self.client.info("memory").get("maxmemory", 0) or 0
+            )  # INFO, not CONFIG: managed Redis often refuses CONFIG
         except redis.RedisError as exc:
             raise ValueError(f"--kv-store {self.description}: {type(exc).__name__}: {exc}") from None
         if not bounded:
-            log.warning("KV store: the Redis server has no maxmemory: nothing bounds the store's size (set maxmemory and allkeys-lru)")
+            log.warning(
+                "KV store: the Redis server has no maxmemory: nothing bounds the store's size (set maxmemory and allkeys-lru)"
+            )
 
     def _key(self, block: Block) -> bytes:
         return self.prefix + block.key.hex().encode()

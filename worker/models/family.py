@@ -38,9 +38,14 @@ def describe(model: torch.nn.Module) -> Family:
         raise NotFast("chunked attention")
     attn0 = decoder.layers[0].self_attn
     head_dim = attn0.head_dim
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads, kv_heads = (
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
     if head_dim % 16 or head_dim > 256 or heads % kv_heads or heads // kv_heads > 16:
-        raise NotFast(f"heads of {head_dim} dims in groups of {heads // kv_heads} (the step takes multiples of 16 up to 256, groups up to 16)")
+        raise NotFast(
+            f"heads of {head_dim} dims in groups of {heads // kv_heads} (the step takes multiples of 16 up to 256, groups up to 16)"
+        )
     rope_types = _rope_types(config)
     rotary_dim = _rotary_dim(decoder, config, rope_types, head_dim)
     interleaved, halved = rope_layout(attn0, decoder, rope_types[0], rotary_dim)
@@ -104,7 +109,12 @@ def _layer(index: int, block: torch.nn.Module, config: object, rope_types: list[
     o_mod = getattr(attn, "o_proj", None) or attn.dense
     norms = {
         name: getattr(block, name, None)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )
     }
     parallel = _parallel(block, config)
     if norms["pre_feedforward_layernorm"] is not None:  # Gemma 2/3: norms before and after each block
@@ -115,12 +125,21 @@ def _layer(index: int, block: torch.nn.Module, config: object, rope_types: list[
             norms["post_feedforward_layernorm"],
         )
     elif norms["input_layernorm"] is None:  # OLMo 2: norms after each block only
-        pre_a, post_a, pre_m, post_m = None, norms["post_attention_layernorm"], None, norms["post_feedforward_layernorm"]
+        pre_a, post_a, pre_m, post_m = (
+            None,
+            norms["post_attention_layernorm"],
+            None,
+            norms["post_feedforward_layernorm"],
+        )
     else:  # before each block (in parallel blocks, the MLP's own or the shared one)
         pre_a, post_a, pre_m, post_m = norms["input_layernorm"], None, norms["post_attention_layernorm"], None
     q_norm, k_norm, qk = _qk_norms(attn, head_dim)
     rope_set = _rope_set(config, index, layer_type, rope_types)
-    window = int(config.sliding_window) if layer_type == "sliding_attention" and getattr(config, "sliding_window", None) else 0
+    window = (
+        int(config.sliding_window)
+        if layer_type == "sliding_attention" and getattr(config, "sliding_window", None)
+        else 0
+    )
     layer = Layer(
         attn_norm=None if pre_a is None else norm(pre_a, f"layer {index} norm"),
         post_attn_norm=None if post_a is None else norm(post_a, f"layer {index} norm"),
@@ -154,10 +173,16 @@ def _parallel(block: torch.nn.Module, config: object) -> bool:
     and none between them (Phi, Cohere)."""
     if getattr(config, "use_parallel_residual", False):
         return True
-    return hasattr(block, "input_layernorm") and not hasattr(block, "post_attention_layernorm") and not hasattr(block, "pre_feedforward_layernorm")
+    return (
+        hasattr(block, "input_layernorm")
+        and not hasattr(block, "post_attention_layernorm")
+        and not hasattr(block, "pre_feedforward_layernorm")
+    )
 
 
-def _qkv(attn: torch.nn.Module, config: object, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _qkv(
+    attn: torch.nn.Module, config: object, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     if hasattr(attn, "qkv_proj"):  # Phi-3: one projection, q then k then v
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         w = attn.qkv_proj.weight.detach()
@@ -191,7 +216,11 @@ def _rope_set(config: object, index: int, layer_type: str, rope_types: list[str 
     no_rope = getattr(config, "no_rope_layers", None)
     if no_rope is not None and not no_rope[index]:  # SmolLM3: a 0 marks a layer without rotary
         return -1
-    if config.model_type in NOPE_FULL_LAYERS and getattr(config, "sliding_window", None) and layer_type == "full_attention":
+    if (
+        config.model_type in NOPE_FULL_LAYERS
+        and getattr(config, "sliding_window", None)
+        and layer_type == "full_attention"
+    ):
         return -1
     return rope_types.index(layer_type) if rope_types != [None] else 0
 
@@ -221,7 +250,9 @@ def _mlp(mlp: torch.nn.Module, layer: Layer, index: int) -> None:
 def _experts(mlp: torch.nn.Module, layer: Layer, index: int) -> None:
     experts, router = mlp.experts, mlp.gate
     layer.act = activation(experts.act_fn, f"layer {index} experts")
-    layer.experts = [(experts.gate_up_proj[e].detach(), experts.down_proj[e].detach()) for e in range(experts.gate_up_proj.shape[0])]
+    layer.experts = [
+        (experts.gate_up_proj[e].detach(), experts.down_proj[e].detach()) for e in range(experts.gate_up_proj.shape[0])
+    ]
     layer.router = router.weight.detach().float()
     layer.top_k = router.top_k
     layer.norm_top_k = bool(getattr(router, "norm_topk_prob", True))  # Mixtral's router always renormalises

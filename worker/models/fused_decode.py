@@ -47,16 +47,23 @@ class FusedDecode:
         self.embed = model.model.embed_tokens
         self.packed = quantization in ("int8", "q4") and kernels.has_vnni()
         self.quantization = quantization
-        tensors = cached_tensors(_cache_folder(cache, quantization, self.packed), lambda: _layout(self.family, model, quantization, self.packed))
+        tensors = cached_tensors(
+            _cache_folder(cache, quantization, self.packed),
+            lambda: _layout(self.family, model, quantization, self.packed),
+        )
         layers = len(self.family.layers)
         self.weights = [tensors.get(f"w.{i}.{name}") for i in range(layers) for name in SLOTS]
         self.weights += [tensors["final_norm_w"], tensors.get("final_norm_b")]
         count = sum(1 for name in tensors if name.startswith("e.") and name.endswith(".up_w"))
-        self.experts = [tensors.get(f"e.{e}.{part}") for e in range(count) for part in ("up_w", "up_scale", "down_w", "down_scale")]
+        self.experts = [
+            tensors.get(f"e.{e}.{part}") for e in range(count) for part in ("up_w", "up_scale", "down_w", "down_scale")
+        ]
         self.lm_head, self.lm_head_scale = tensors["lm_head"], tensors.get("lm_head_scale")
         self.ints, self.floats = _numbers(self.family)
         self.family = _without_matrices(self.family)
-        matrices = [t for name, t in tensors.items() if name.endswith(("qkv_w", "o_w", "up_w", "down_w")) or name == "lm_head"]
+        matrices = [
+            t for name, t in tensors.items() if name.endswith(("qkv_w", "o_w", "up_w", "down_w")) or name == "lm_head"
+        ]
         # The packers leave a shape they cannot block (int8: N % 16 or K % 64; q4: N % 16) in the
         # row layout, whose matrix-vector loops are slower than the torch path beyond a few rows.
         self.any_batch = self.packed and all(t.dim() == 4 for t in matrices)
@@ -117,7 +124,10 @@ def _without_matrices(f: Family) -> Family:
     """The description without its weight matrices, once the step has its own copies: the model's
     tensors it refers to (and the stacked gate/up copies it made) would otherwise stay alive, and
     the file they were mapped from with them."""
-    layers = [replace(layer, qkv=[], o=None, up=None, down=None, experts=[], router=None, shared_gate=None) for layer in f.layers]
+    layers = [
+        replace(layer, qkv=[], o=None, up=None, down=None, experts=[], router=None, shared_gate=None)
+        for layer in f.layers
+    ]
     return replace(f, layers=layers)
 
 
@@ -127,13 +137,32 @@ def _numbers(f: Family) -> tuple[list[int], list[float]]:
     floats: list[float] = []
     expert_offset = 0
     for layer in f.layers:
-        norm = next(n for n in (layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm) if n is not None)
-        eps = {n.eps for n in (layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm, layer.q_norm) if n is not None}
-        kinds = {n.kind for n in (layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm) if n is not None}
+        norm = next(
+            n for n in (layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm) if n is not None
+        )
+        eps = {
+            n.eps
+            for n in (layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm, layer.q_norm)
+            if n is not None
+        }
+        kinds = {
+            n.kind
+            for n in (layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm)
+            if n is not None
+        }
         if len(eps) > 1 or len(kinds) > 1:
             raise NotFast("norms of one layer with different kinds or eps")
         experts = len(layer.experts)
-        ints += [norm.kind, layer.qk_norm, layer.rope_set, layer.window, 0, layer.act, int(layer.gated), int(layer.parallel)]
+        ints += [
+            norm.kind,
+            layer.qk_norm,
+            layer.rope_set,
+            layer.window,
+            0,
+            layer.act,
+            int(layer.gated),
+            int(layer.parallel),
+        ]
         ints += [experts, layer.top_k, int(layer.norm_top_k), expert_offset]
         expert_offset += experts
         floats += [norm.eps, layer.scale, layer.softcap, f.residual_multiplier]

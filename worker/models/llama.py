@@ -113,14 +113,22 @@ class LlamaForward:
             num_key_value_groups=self.heads // self.kv_heads,
             input_norm=block.input_layernorm.weight.detach().clone(),  # copies: no view keeps the model's file mapped
             qkv=_Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), bias),
-            o_proj=_Linear(attn.o_proj.weight, None if attn.o_proj.bias is None else attn.o_proj.bias.detach().clone()),  # attention_bias
+            o_proj=_Linear(
+                attn.o_proj.weight, None if attn.o_proj.bias is None else attn.o_proj.bias.detach().clone()
+            ),  # attention_bias
             post_norm=block.post_attention_layernorm.weight.detach().clone(),
             gate_up=_Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
             down=_Linear(mlp.down_proj.weight),
         )
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
         """``input_ids``/``positions`` are ``[1, num_tokens]``; returns logits of the selected rows."""
         hidden = F.embedding(input_ids, self.embed)  # [1, T, hidden]
         cos, sin = self.rotary(hidden, positions)  # [1, T, head_dim]
@@ -129,7 +137,11 @@ class LlamaForward:
         for layer in self.layers:
             x = _rms_norm(hidden, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
-            attn = self._decode_attention(layer, qkv, cos, sin, metadata) if fused else self._attention(layer, qkv, cos, sin, metadata)
+            attn = (
+                self._decode_attention(layer, qkv, cos, sin, metadata)
+                if fused
+                else self._attention(layer, qkv, cos, sin, metadata)
+            )
             hidden = hidden + layer.o_proj(attn.reshape(1, num_tokens, -1))
             x = _rms_norm(hidden, layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
@@ -137,7 +149,9 @@ class LlamaForward:
         hidden = _rms_norm(hidden[0, logits_indices], self.final_norm, self.eps)
         return self.lm_head(hidden)
 
-    def _attention(self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def _attention(
+        self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """Rotary in torch, then ``paged_attention`` (cache writes, decode rows, prompt chunks)."""
         num_tokens = qkv.shape[1]
         qk, v = qkv.split([(self.heads + self.kv_heads) * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
@@ -150,10 +164,14 @@ class LlamaForward:
         attn, _ = paged_attention(layer, q, k, v, None, scaling=self.head_dim**-0.5, paged_metadata=metadata)
         return attn
 
-    def _decode_attention(self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def _decode_attention(
+        self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """Decode rows on CUDA: two launches, rotary with the cache writes (worker/attention/triton_rope.py) and
         the paged attention, where the torch path takes about ten (a launch-bound step on a GPU)."""
         k_cache, v_cache = metadata.kv_caches[layer.layer_idx]
-        q = triton_rope.rope_and_cache(qkv[0], cos[0], sin[0], metadata.slot_mapping, k_cache, v_cache, self.heads, self.kv_heads)
+        q = triton_rope.rope_and_cache(
+            qkv[0], cos[0], sin[0], metadata.slot_mapping, k_cache, v_cache, self.heads, self.kv_heads
+        )
         (group,) = metadata.decode_groups
         return metadata.decode_backend(q, k_cache, v_cache, group, self.head_dim**-0.5)

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from worker.models.shapes import GELU_ERF, GELU_TANH, LAYER, RMS, SILU, Layer, Norm, NotFast
 
 
-def rotary_tables(decoder: torch.nn.Module, like: torch.Tensor, positions: torch.Tensor, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    decoder: torch.nn.Module, like: torch.Tensor, positions: torch.Tensor, layer_type: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's own cos/sin at ``positions`` ``[1, T]`` (any rope variant, its scaling included)."""
     if layer_type is None:
         return decoder.rotary_emb(like, positions)
@@ -31,7 +33,9 @@ def rope_layout(attn: torch.nn.Module, decoder: torch.nn.Module, rope_type: str 
         raise NotFast(f"{type(attn).__name__}: no apply_rotary_pos_emb to measure")
     positions = torch.arange(5, 12).unsqueeze(0)
     cos, sin = rotary_tables(decoder, torch.zeros(1, dtype=torch.float32), positions, rope_type)
-    x = torch.randn(1, 2, positions.shape[1], rot, generator=torch.Generator().manual_seed(3))  # the rotated part of a head
+    x = torch.randn(
+        1, 2, positions.shape[1], rot, generator=torch.Generator().manual_seed(3)
+    )  # the rotated part of a head
     want, _ = apply(x, x, cos, sin)
     for interleaved in (False, True):
         for halved in (False, True):

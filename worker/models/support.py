@@ -18,7 +18,9 @@ import logging
 
 log = logging.getLogger(__name__)
 
-_RECURRENT = "each layer carries a recurrent (state-space) state from token to token, which a paged KV cache does not hold"
+_RECURRENT = (
+    "each layer carries a recurrent (state-space) state from token to token, which a paged KV cache does not hold"
+)
 _HYBRID = "some of its layers ({}) carry a state from token to token instead of attending, which a paged KV cache does not hold"
 _BYPASS = "its attention does not go through transformers' attention interface ({}), so its keys and values never reach the paged KV cache"
 
@@ -45,7 +47,15 @@ REFUSED: dict[str, str] = {
 }
 
 # Where the context-length limit sits in configs that have no ``max_position_embeddings``.
-_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length", "n_ctx", "model_max_length")
+_LIMIT_FIELDS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "max_sequence_length",
+    "seq_length",
+    "n_ctx",
+    "model_max_length",
+)
 DEFAULT_CONTEXT = 2048
 
 
@@ -86,10 +96,20 @@ def batch_dependent_limit(config: object) -> tuple[int, str] | None:
             fallback = "original_max_position_embeddings" if kind == "longrope" else "max_position_embeddings"
             limit = rope.get("original_max_position_embeddings") or getattr(config, fallback, None)
             if limit:
-                limits.append((int(limit), f"its {kind} rotary scaling depends on the longest sequence in the batch beyond {limit} tokens"))
+                limits.append(
+                    (
+                        int(limit),
+                        f"its {kind} rotary scaling depends on the longest sequence in the batch beyond {limit} tokens",
+                    )
+                )
     if getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or []):
         scale = int(getattr(config, "floor_scale", 8192))
-        limits.append((scale - 1, f"its NoPE layers' attention temperature depends on the step's token count beyond {scale - 1} tokens"))
+        limits.append(
+            (
+                scale - 1,
+                f"its NoPE layers' attention temperature depends on the step's token count beyond {scale - 1} tokens",
+            )
+        )
     return min(limits) if limits else None
 
 
@@ -100,13 +120,17 @@ def max_model_len(config: object, requested: int) -> int:
         if requested > 0:
             return requested
         log.warning(
-            "the model's config names no context length (%s); assuming %d tokens: --max-model-len sets it", ", ".join(_LIMIT_FIELDS), DEFAULT_CONTEXT
+            "the model's config names no context length (%s); assuming %d tokens: --max-model-len sets it",
+            ", ".join(_LIMIT_FIELDS),
+            DEFAULT_CONTEXT,
         )
         limit = DEFAULT_CONTEXT
     exact = batch_dependent_limit(config)
     if exact is not None and exact[0] < limit:
         if requested > exact[0]:
-            raise UnsupportedModel(f"--max-model-len {requested} is more than this worker serves exactly for this model: {exact[1]}")
+            raise UnsupportedModel(
+                f"--max-model-len {requested} is more than this worker serves exactly for this model: {exact[1]}"
+            )
         log.warning("context capped at %d tokens (the model allows %d): %s", exact[0], limit, exact[1])
         limit = exact[0]
     return min(limit, requested) if requested > 0 else limit

@@ -46,19 +46,31 @@ def pick_decode_path(choice: str, device: torch.device, dtype: torch.dtype, mode
     would not be used are refused when asked for, never reported as applied."""
     if choice not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {choice!r}")
-    why_not = "not on the CPU" if device.type != "cpu" else None if kernels.load() else f"no C++ kernels ({kernels.unavailable_reason()})"
+    why_not = (
+        "not on the CPU"
+        if device.type != "cpu"
+        else None
+        if kernels.load()
+        else f"no C++ kernels ({kernels.unavailable_reason()})"
+    )
     why_not = why_not or fused_decode.supports(model)
     if choice == "auto":
         choice = "none" if why_not or dtype == torch.float32 else "int8"
         if choice == "int8" and kernels.has_vnni() and on_4bit_grid(model):
             choice = "q4"  # the model came as 4-bit weights: q4 keeps them as they are, at 0.6x int8's bytes
     if choice != "none" and why_not:
-        raise ValueError(f"--quantization {choice} sets the weights of the C++ decode step, which cannot run here: {why_not}")
+        raise ValueError(
+            f"--quantization {choice} sets the weights of the C++ decode step, which cannot run here: {why_not}"
+        )
     fast = why_not is None and (choice != "none" or dtype != torch.float32)
     if fast:
         log.info("decode steps: the C++ step, weights %s", choice)
     else:
-        log.info("decode steps: the torch path in %s (the C++ step: %s)", str(dtype).removeprefix("torch."), why_not or "float32 stays exact")
+        log.info(
+            "decode steps: the torch path in %s (the C++ step: %s)",
+            str(dtype).removeprefix("torch."),
+            why_not or "float32 stays exact",
+        )
     return choice, fast
 
 
@@ -89,7 +101,11 @@ def rows_only(wanted: bool, fused: FusedDecode | None) -> bool:
     if not wanted:
         return False
     if fused is None or not fused.any_batch:
-        why = "the C++ step does not run this model here" if fused is None else "its weights are not packed for every matrix"
+        why = (
+            "the C++ step does not run this model here"
+            if fused is None
+            else "its weights are not packed for every matrix"
+        )
         raise ValueError(
             f"--quantized-only runs every batch through the C++ step's quantized weights, which cannot take prompts here: {why} "
             "(it needs --quantization int8 or q4 on a CPU with VNNI, and matrix sizes that are multiples of 16)"
@@ -138,5 +154,7 @@ def use_graphs(choice: str, device: torch.device, native: LlamaForward | None, b
         raise ValueError(f"--cuda-graphs must be auto, on or off; got {choice!r}")
     possible = device.type == "cuda" and native is not None and backend.in_place_cuda
     if choice == "on" and not possible:
-        raise ValueError("--cuda-graphs on needs a CUDA device, a Llama-family model (--model-impl native) and --cuda-attention flashinfer or triton")
+        raise ValueError(
+            "--cuda-graphs on needs a CUDA device, a Llama-family model (--model-impl native) and --cuda-attention flashinfer or triton"
+        )
     return possible and choice != "off"

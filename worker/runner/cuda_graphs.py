@@ -68,7 +68,10 @@ class DecodeGraphs:
         self.schedules: dict[int, FlashInferDecode] = {}
         workspace = getattr(backend, "workspace", None)
         if workspace is not None:
-            self.schedules = {b: FlashInferDecode(kv_caches[0][0], heads, workspace, rows=b, max_blocks=max_blocks) for b in self.buckets}
+            self.schedules = {
+                b: FlashInferDecode(kv_caches[0][0], heads, workspace, rows=b, max_blocks=max_blocks)
+                for b in self.buckets
+            }
         self._graphs: dict[int, tuple[torch.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps run from a graph (tests and metrics read it)
         self._capture(forward, kv_caches, block_size * max_blocks)
@@ -111,17 +114,26 @@ class DecodeGraphs:
             schedule.plan(tables + [[self.pad_block]] * pad, lengths + [1] * pad)
         return schedule
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
+    def run(
+        self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]
+    ) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of one decode step; valid until the next ``run``."""
         rows = len(ids)
         bucket = next(b for b in self.buckets if b >= rows)
         pad = bucket - rows
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, lengths + [1] * pad], dtype=torch.long)
+        host = torch.tensor(
+            [ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, lengths + [1] * pad],
+            dtype=torch.long,
+        )
         self.inputs[:, :bucket].copy_(host)
-        if self._plan(bucket, tables, lengths) is None:  # the Triton kernel reads the block tables from the graph's input
+        if (
+            self._plan(bucket, tables, lengths) is None
+        ):  # the Triton kernel reads the block tables from the graph's input
             # Columns past the widest table keep older ids: a row reads only its first lengths[r] positions.
             width = max(map(len, tables))
-            self.tables[:rows, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long))
+            self.tables[:rows, :width].copy_(
+                torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            )
         graph, logits = self._graphs[bucket]
         graph.replay()
         self.replays += 1

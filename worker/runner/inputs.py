@@ -78,7 +78,9 @@ class InputBuilder:
 
     def flat(self, batch: ScheduledBatch) -> FlatInputs:
         # Single-token rows first, shortest context first (so groups of similar length pad little).
-        rows = sorted(zip(batch.requests, batch.num_new_tokens), key=lambda row: (row[1] > 1, row[0].num_computed_tokens))
+        rows = sorted(
+            zip(batch.requests, batch.num_new_tokens), key=lambda row: (row[1] > 1, row[0].num_computed_tokens)
+        )
         num_decode = sum(1 for _, n in rows if n == 1)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -143,7 +145,10 @@ class InputBuilder:
         start = 0
         for end in range(1, len(rows) + 1):
             last = end == len(rows)
-            if last or (end - start >= MIN_GROUP and rows[end].num_computed_tokens > 1.25 * (rows[start].num_computed_tokens + 1)):
+            if last or (
+                end - start >= MIN_GROUP
+                and rows[end].num_computed_tokens > 1.25 * (rows[start].num_computed_tokens + 1)
+            ):
                 groups.append(self._decode_group(rows[start:end], start))
                 start = end
         return groups
@@ -224,5 +229,14 @@ class InputBuilder:
         """The same as one prompt chunk, causal over the cached context."""
         rows = self.verify_rows(request)
         n = rows.ids.shape[0]
-        metadata = AttentionMetadata(self.kv_caches, rows.slots, 0, [], [self.prefill_span(request, 0, n)], self.backend, self.layers)
-        return FlatInputs(rows.ids.unsqueeze(0), rows.positions.unsqueeze(0), torch.arange(n, device=self.device), [request], [], metadata)
+        metadata = AttentionMetadata(
+            self.kv_caches, rows.slots, 0, [], [self.prefill_span(request, 0, n)], self.backend, self.layers
+        )
+        return FlatInputs(
+            rows.ids.unsqueeze(0),
+            rows.positions.unsqueeze(0),
+            torch.arange(n, device=self.device),
+            [request],
+            [],
+            metadata,
+        )

@@ -13,7 +13,9 @@ log = logging.getLogger(__name__)
 
 CPU_DEFAULT_BYTES = 2**30
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V, [num_blocks, block_size, kv_heads, head_dim]; shapes may differ by layer
+KVCaches = list[
+    tuple[torch.Tensor, torch.Tensor]
+]  # per layer: K and V, [num_blocks, block_size, kv_heads, head_dim]; shapes may differ by layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +38,15 @@ def allocate(shape: CacheShape, dtype: torch.dtype, device: torch.device, budget
     num_blocks = budget_bytes(budget, device) // per_block
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-memory {budget} is less than one block ({per_block} bytes)")
-    log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, shape.block_size, num_blocks * per_block / 2**30)
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, shape.block_size, num_blocks * per_block / 2**30
+    )
     blocks = (num_blocks + scratch, shape.block_size)
     return [
-        (torch.zeros(*blocks, heads, k_dim, dtype=dtype, device=device), torch.zeros(*blocks, heads, v_dim, dtype=dtype, device=device))
+        (
+            torch.zeros(*blocks, heads, k_dim, dtype=dtype, device=device),
+            torch.zeros(*blocks, heads, v_dim, dtype=dtype, device=device),
+        )
         for heads, k_dim, v_dim in shape.layers
     ]
 

@@ -65,7 +65,9 @@ class ModelRunner:
         model = load_model(source, self.dtype, config.cache_dir)
         text = model.config.get_text_config()
         self.architecture = describe(model)
-        support.refuse_by_name(model.config.model_type, self.architecture, native_supports(model) and config.model_impl != "transformers")
+        support.refuse_by_name(
+            model.config.model_type, self.architecture, native_supports(model) and config.model_impl != "transformers"
+        )
         self.max_model_len = support.max_model_len(text, config.max_model_len)
         self.model = model.to(self.device).eval()
         self.reference_impl = model.config._attn_implementation  # generate's (sdpa, or eager): pooling forwards run it
@@ -85,30 +87,41 @@ class ModelRunner:
         if pooling is not None:  # the native forward takes over the layers that a pooling forward runs (wrong vectors)
             if impl == "native" or only_rows:
                 flag = "--model-impl native" if impl == "native" else "--quantized-only"
-                raise ValueError(f"--pooling on a generating model runs transformers' classes on its float weights: {flag} cannot be used with it")
+                raise ValueError(
+                    f"--pooling on a generating model runs transformers' classes on its float weights: {flag} cannot be used with it"
+                )
             impl = "transformers"
         self.native = None if only_rows else pick_impl(impl, model)
         if self.native is not None and self.device.type == "cpu":
             keep_off_files(model)  # what is left of it after the native forward took the layers
         first = self.layers[0]
         backend = choose_decode_backend(
-            config.cuda_attention, self.device, self.dtype, HeadShape(first.heads, first.kv_heads, first.k_dim, self.block_size)
+            config.cuda_attention,
+            self.device,
+            self.dtype,
+            HeadShape(first.heads, first.kv_heads, first.k_dim, self.block_size),
         )
         graphs = use_graphs(config.cuda_graphs, self.device, self.native, backend)
         self.eos_token_ids = _eos_ids(model)
         self.vocab_size = text.vocab_size
-        shape = kv_cache.CacheShape(tuple((layer.kv_heads, layer.k_dim, layer.v_dim) for layer in self.layers), self.block_size)
+        shape = kv_cache.CacheShape(
+            tuple((layer.kv_heads, layer.k_dim, layer.v_dim) for layer in self.layers), self.block_size
+        )
         self.kv_caches = kv_cache.allocate(shape, self.dtype, self.device, config.kv_cache_memory, scratch=graphs)
         # With graphs the last block is the padding rows' scratch, outside the block manager's blocks.
         self.num_blocks = self.kv_caches[0][0].shape[0] - graphs
-        self.guided = GuidedDecoding(lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids)
+        self.guided = GuidedDecoding(
+            lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids
+        )
         self.sampler = Sampler(self.device, self.guided)
         backend.prepare(self.kv_caches, first.heads)
         self.inputs = InputBuilder(self.block_size, self.device, self.kv_caches, backend, self.layers)
         decode_graphs = None
         if graphs:
             max_blocks = -(-self.max_model_len // self.block_size)
-            decode_graphs = DecodeGraphs(self.native, self.kv_caches, first.heads, max_blocks, self.num_blocks, config.max_num_seqs, backend)
+            decode_graphs = DecodeGraphs(
+                self.native, self.kv_caches, first.heads, max_blocks, self.num_blocks, config.max_num_seqs, backend
+            )
         self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, decode_graphs, rows_only=only_rows)
         if check is not None:
             check.run(self)
@@ -181,13 +194,18 @@ class ModelRunner:
         """One token per row (row i is requests[i]), and the logprobs of the rows that asked."""
         tokens, logprobs = self.sampler(logits, requests)
         ids = [r.request_id for r in requests]
-        return RunOutput({rid: [token] for rid, token in zip(ids, tokens)}, {rid: [lp] for rid, lp in zip(ids, logprobs) if lp is not None})
+        return RunOutput(
+            {rid: [token] for rid, token in zip(ids, tokens)},
+            {rid: [lp] for rid, lp in zip(ids, logprobs) if lp is not None},
+        )
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> None:
         row = 0
         for request, first, count in spans:
             targets = request.token_ids[first + 1 : first + 1 + count]
-            request.prompt_logprobs.extend(prompt_logprobs(logits[row : row + count], targets, request.sampling.prompt_logprobs or 0))
+            request.prompt_logprobs.extend(
+                prompt_logprobs(logits[row : row + count], targets, request.sampling.prompt_logprobs or 0)
+            )
             row += count
 
 

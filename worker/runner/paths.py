@@ -55,7 +55,11 @@ class ExecutionPaths:
         self.rows_only = rows_only  # --quantized-only: the model's float weights are gone; every batch is rows
 
     def takes_graph(self, batch: ScheduledBatch) -> bool:
-        return self.graphs is not None and len(batch) <= self.graphs.max_rows and all(map(is_decode_row, batch.requests, batch.num_new_tokens))
+        return (
+            self.graphs is not None
+            and len(batch) <= self.graphs.max_rows
+            and all(map(is_decode_row, batch.requests, batch.num_new_tokens))
+        )
 
     def graph(self, batch: ScheduledBatch) -> torch.Tensor:
         requests, slot = batch.requests, self.inputs.slot
@@ -77,17 +81,33 @@ class ExecutionPaths:
         decodes = sum(map(is_decode_row, batch.requests, batch.num_new_tokens))
         if decodes == len(batch.requests):
             return self.fused.any_batch or decodes <= FAST_DECODE_MAX_ROWS
-        return self.fused.any_batch and decodes > 0 and not any(r.draft_token_ids or r.sampling.prompt_logprobs is not None for r in batch.requests)
+        return (
+            self.fused.any_batch
+            and decodes > 0
+            and not any(r.draft_token_ids or r.sampling.prompt_logprobs is not None for r in batch.requests)
+        )
 
     def rows(self, rows: RowInputs) -> torch.Tensor:
-        return self.fused(rows.ids, rows.positions, self.inputs.kv_caches, rows.slots, rows.tables, rows.lengths, rows.max_len, keep=rows.keep)
+        return self.fused(
+            rows.ids,
+            rows.positions,
+            self.inputs.kv_caches,
+            rows.slots,
+            rows.tables,
+            rows.lengths,
+            rows.max_len,
+            keep=rows.keep,
+        )
 
     def flat(self, inputs: FlatInputs) -> torch.Tensor:
         if self.native is not None:
             return self.native(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
         with step_metadata(inputs.metadata):  # for the layers that do not pass kwargs on to attention
             return self.model(
-                input_ids=inputs.input_ids, position_ids=inputs.positions, logits_to_keep=inputs.logits_indices, use_cache=False
+                input_ids=inputs.input_ids,
+                position_ids=inputs.positions,
+                logits_to_keep=inputs.logits_indices,
+                use_cache=False,
             ).logits[0]
 
     def verify(self, request: Request) -> torch.Tensor:

@@ -86,7 +86,9 @@ class PoolingRunner:
     def pool(self, rows: list[NewRequest]) -> list[bytes]:
         """Each row's vector (or a cross-encoder's one score) as float32 little-endian bytes."""
         if self.spec.task == PoolingTask.SCORE and self.causal and len(rows) > 1:
-            return [v for row in rows for v in self.pool([row])]  # a causal classifier finds its last token by the pad id
+            return [
+                v for row in rows for v in self.pool([row])
+            ]  # a causal classifier finds its last token by the pad id
         inputs = padded(rows, self.device)
         types = inputs.pop("token_type_ids")
         if self.takes_token_types:

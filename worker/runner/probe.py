@@ -35,16 +35,32 @@ def learn_layers(model: torch.nn.Module) -> list[LayerSpec]:
     unknown_masks: list[int] = []
     names = {id(module): name for name, module in model.named_modules()}
 
-    def record_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0, **kwargs: object) -> torch.Tensor:
+    def record_mask(
+        batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0, **kwargs: object
+    ) -> torch.Tensor:
         function = kwargs.get("mask_function", causal_mask_function)
         args = {k: kwargs[k] for k in ("attention_mask", "use_vmap", "device") if k in kwargs}
-        mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function=function, allow_is_causal_skip=False, **args)
+        mask = sdpa_mask(
+            batch_size,
+            q_length,
+            kv_length,
+            q_offset,
+            kv_offset,
+            mask_function=function,
+            allow_is_causal_skip=False,
+            **args,
+        )
         made.append(mask)
         masks[mask.data_ptr()] = classify(function, kwargs.get("local_size"))
         return mask
 
     def record_attention(
-        module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: object, **kwargs: object
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: object,
+        **kwargs: object,
     ):
         index, mask = getattr(module, "layer_idx", None), attention_mask
         kind = CAUSAL if mask is None else masks.get(mask.data_ptr()) if isinstance(mask, torch.Tensor) else None
@@ -53,7 +69,9 @@ def learn_layers(model: torch.nn.Module) -> list[LayerSpec]:
         if isinstance(index, int):
             found[index] = _spec(index, module, query, key, value, kind or CAUSAL, kwargs, reference_impl)
             found[index].module = names.get(id(module), "")
-        return torch.zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3], dtype=query.dtype, device=query.device), None
+        return torch.zeros(
+            query.shape[0], query.shape[2], query.shape[1], value.shape[3], dtype=query.dtype, device=query.device
+        ), None
 
     AttentionInterface.register(PROBE_NAME, record_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_NAME, record_mask)
@@ -78,7 +96,9 @@ def classify(function: object, local_size: object) -> MaskKind:
     try:
         got = function(zero, zero, q, k).expand(n, n)
     except Exception as exc:  # a pattern only vmap can evaluate: no per-sequence mask can be made from it
-        raise UnsupportedModel(f"its attention mask function cannot be evaluated per sequence ({type(exc).__name__}: {exc})") from None
+        raise UnsupportedModel(
+            f"its attention mask function cannot be evaluated per sequence ({type(exc).__name__}: {exc})"
+        ) from None
     causal = k <= q
     if bool((got == causal).all()):
         return CAUSAL
@@ -90,7 +110,14 @@ def classify(function: object, local_size: object) -> MaskKind:
 
 
 def _spec(
-    index: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kind: MaskKind, kwargs: dict, impl: str
+    index: int,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kind: MaskKind,
+    kwargs: dict,
+    impl: str,
 ) -> LayerSpec:
     features = []
     if kwargs.get("softcap") is not None:
@@ -101,8 +128,21 @@ def _spec(
     if not sdpa:  # the model's own eager attention: softcaps and sinks are applied there
         reference = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if reference is None:
-            raise UnsupportedModel(f"it runs {impl!r} attention and its module has no eager_attention_forward to compute it with")
-    return LayerSpec(index, query.shape[1], key.shape[1], key.shape[3], value.shape[3], kind, tuple(features), reference, not sdpa, sdpa)
+            raise UnsupportedModel(
+                f"it runs {impl!r} attention and its module has no eager_attention_forward to compute it with"
+            )
+    return LayerSpec(
+        index,
+        query.shape[1],
+        key.shape[1],
+        key.shape[3],
+        value.shape[3],
+        kind,
+        tuple(features),
+        reference,
+        not sdpa,
+        sdpa,
+    )
 
 
 def _check(model: torch.nn.Module, found: dict[int, LayerSpec], unknown_masks: list) -> list[LayerSpec]:
