@@ -66,10 +66,9 @@ def test_stored_blocks_give_the_exact_output_on_a_second_worker_and_after_a_rest
     restarted = engine(str(tmp_path), model_impl="native")
     assert run(restarted) == from_scratch
     load = restarted.load()
-    assert (load.kv_store_hits, load.kv_store_misses) == (
-        3,
-        2 + 3,
-    )  # r0: 3 of 5; r1: those 3 from the prefix cache, 3 missed
+    # r0: 3 of 5 loaded, 2 missed; r1: those 3 from the prefix cache, and 3 missed, or 2 when r0 had
+    # computed their shared fourth block by the time r1 was looked up (the two race in one engine).
+    assert load.kv_store_hits == 3 and load.kv_store_misses in (2 + 2, 2 + 3), load
     assert damaged.is_file() and load.kv_store_written_bytes > 0
     del restarted
 
