@@ -86,7 +86,7 @@ def test_earlier_thinking_reaches_the_template_as_reasoning_content():
 
 
 def test_earlier_thinking_blocks_reach_the_template_as_reasoning_content():
-    from gateway.routes.messages import chat_messages
+    from gateway.routes.messages_input import chat_messages
     from gateway.schemas_anthropic import AnthropicMessage, ContentBlock
 
     history = [
