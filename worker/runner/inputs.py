@@ -202,7 +202,7 @@ class InputBuilder:
             tables=self.tensor([t + [0] * (width - len(t)) for t in tables]),
             lengths=self.tensor([p + 1 for p in positions]),
             max_len=max(positions) + 1,
-            keep=None if keep == list(range(len(ids))) else self.tensor(keep),
+            keep=None if not prompt_rows and len(keep) == len(ids) else self.tensor(keep),
             sampled_requests=sampled,
             prompt_spans=prompt_spans,
         )
