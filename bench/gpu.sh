@@ -3,9 +3,10 @@
 # CUDA GPU and the project's dependencies importable (no network needed: the 1B-class Llama is built
 # from a config with random weights, bench/random_llama.py).
 #
-# Steps (all by default): tests (tests/gpu and the attention kernels' tests), kernels (one layer's
+# Steps (all by default): tests (tests/gpu and the attention kernels' tests), families (the model
+# families' exactness tests, tests/worker/test_families.py, on the GPU), kernels (one layer's
 # decode attention by backend: bench/attention_kernels.py), decode (batch-1 decode
-# time per token against the HBM bandwidth limit, CUDA graphs on and off: bench/gpu_decode.py),
+# time per token against the HBM bandwidth limit, CUDA graphs on and off, kernels per layer: bench/gpu_decode.py),
 # chat (python -m bench at 1, 8, 32, 64 and 256 streams, CUDA graphs on and off), random (1,024-token
 # prompts, 128 out, at 1, 8 and 32 streams: TTFT), long (one stream at a 4,096-token context).
 # Models: $GPU_MODELS (default: the default model, if its package is installed, and the 1B Llama).
@@ -14,7 +15,7 @@
 set -u -o pipefail
 OUT=$(realpath -m "${1:-bench-results/gpu}")
 shift || true
-STEPS=${*:-tests kernels decode chat random long}
+STEPS=${*:-tests families kernels decode chat random long}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -47,6 +48,10 @@ for step in $STEPS; do
         case " $GPU_MODELS " in *" $LLAMA_1B "*) ;; *) only=(-k "not llama-1b") ;; esac
         LLMPOOL_TEST_LLAMA_1B=$LLAMA_1B LLMPOOL_TEST_TOKENIZER=${TOKENIZER:-} timeout 540 "$PY" -m pytest -q -rA -p no:cacheprovider \
             "${only[@]}" tests/gpu tests/worker/test_triton_attention.py tests/worker/test_flashinfer_attention.py 2>&1 | tee "$OUT/tests.log" | tail -40
+        ;;
+    families)
+        LLMPOOL_TEST_DEVICE=cuda timeout 300 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/worker/test_families.py 2>&1 |
+            tee "$OUT/families.log" | tail -30
         ;;
     kernels)
         timeout 300 "$PY" -m bench.attention_kernels --out "$OUT/attention.json" 2>&1 | grep -v Warning | tail -12

@@ -5,6 +5,8 @@ backend (the Triton kernel, and FlashInfer where it is installed); in-process en
 The limit is the bytes a decode step must read (every weight once, the embedding matrix as the
 LM head included, plus the context's keys and values) over the memory bandwidth: the H100 SXM's
 datasheet 3.35 TB/s, and what a device-to-device copy reaches here (read + write bytes / time).
+Without graphs it also counts the GPU kernels a decode step launches (torch's profiler), per step
+and per layer: what a replayed graph runs too, and what a launch-bound step pays for.
 """
 
 from __future__ import annotations
@@ -75,6 +77,28 @@ def decode_ms(engine: Engine, prompt_len: int, new_tokens: int) -> float:
     return 1000 * statistics.median(times[1:])  # the first step is the prefill
 
 
+def kernels_per_step(engine: Engine, steps: int = 4) -> float | None:
+    """GPU kernels (and copies) one decode step launches, counted by torch's profiler over ``steps``
+    decode steps of one request; None where the profiler cannot count them."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request(
+        NewRequest("k", [1, 1000, 1001, 1002], steps + 1, SamplingParams(temperature=0), ignore_eos=True)
+    )
+    engine.step()  # the prefill
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            while engine.has_work():
+                engine.step()
+            torch.cuda.synchronize()
+    except Exception as exc:  # a figure we can do without
+        print(f"kernel count failed: {exc}", flush=True)
+        return None
+    launched = sum(event.count for event in prof.key_averages() if event.device_type == DeviceType.CUDA)
+    return launched / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="+")
@@ -103,6 +127,8 @@ def main() -> None:
             decode_ms(engine, 32, 16)  # warm-up
             ms = decode_ms(engine, args.prompt_len, args.new_tokens)
             nbytes = step_bytes(engine, args.prompt_len + args.new_tokens // 2)
+            kernels = kernels_per_step(engine) if graphs == "off" else None
+            layers = len(engine.runner.kv_caches)
             run = {
                 "model": model,
                 "cuda_attention": attention,
@@ -115,6 +141,8 @@ def main() -> None:
                 "limit_ms_copy": round(1000 * nbytes / measured, 3),
                 "share_of_datasheet_limit": round(nbytes / datasheet * 1000 / ms, 3),
                 "share_of_copy_limit": round(nbytes / measured * 1000 / ms, 3),
+                "kernels_per_step": kernels,
+                "kernels_per_layer": None if kernels is None else round(kernels / layers, 1),
             }
             print(json.dumps(run), flush=True)
             results["runs"].append(run)

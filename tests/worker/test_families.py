@@ -7,10 +7,14 @@ for 4 requests) and every prompt longer than the 8-token sliding windows and att
 alone with the whole prompt in one step. In bfloat16, for the families whose attention has a
 feature of its own, vLLM's closeness rule. Then the refusals: by name, by what the start-up probe
 finds, and by the self-check when the serving path computes something else than the model.
+
+``LLMPOOL_TEST_DEVICE=cuda`` runs the engine and the reference on a GPU (bench/gpu.sh's ``families``
+step); the default is the CPU.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -30,7 +34,8 @@ from worker.runner import ModelRunner
 _generator = torch.Generator().manual_seed(0)
 PROMPTS = [torch.randint(3, 250, (n,), generator=_generator).tolist() for n in (12, 23, 37)]
 NEW_TOKENS = 8
-CONFIG = WorkerConfig(dtype="float32", block_size=4, kv_cache_memory="4MiB", max_num_batched_tokens=7)
+DEVICE = os.environ.get("LLMPOOL_TEST_DEVICE", "cpu")
+CONFIG = WorkerConfig(dtype="float32", device=DEVICE, block_size=4, kv_cache_memory="4MiB", max_num_batched_tokens=7)
 assert min(map(len, PROMPTS)) > WINDOW  # the windows must cut, or the tests prove nothing
 
 
@@ -52,10 +57,11 @@ def run(engine: Engine, prompts: list[list[int]], logprobs: int | None = None) -
 
 def generate(model: torch.nn.Module, prompts: list[list[int]], top: int = 5) -> list[Generation]:
     out = []
+    model = model.to(DEVICE)
     with torch.inference_mode():
         for prompt in prompts:
             result = model.generate(
-                torch.tensor([prompt]),
+                torch.tensor([prompt], device=DEVICE),
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
                 output_logits=True,
@@ -98,7 +104,16 @@ def test_speculative_drafts_verified_through_windows_and_sinks_keep_the_output(t
     assert engine.speculator.accepted_tokens > 0
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt_oss", "llama4_text", "deepseek_v3", "qwen2-window"])
+# On the CPU the families whose attention has a feature of its own; on a GPU every family (there
+# bf16 runs the decode kernels, the fused rotary and CUDA graphs, which float32 does not).
+BF16 = (
+    ["mistral", "gemma2", "gpt_oss", "llama4_text", "deepseek_v3", "qwen2-window"]
+    if DEVICE == "cpu"
+    else sorted(SERVED)
+)
+
+
+@pytest.mark.parametrize("name", BF16)
 def test_bfloat16_output_is_close_to_generate(name, tmp_path):
     """bf16: where the texts part, each side's token is in the other's top 5 (vLLM's rule)."""
     model_type, extra = SERVED[name]
@@ -165,9 +180,10 @@ def test_quantized_weights_are_refused_where_the_path_has_none(tmp_path):
     said "weights int8"; now it is refused, naming why."""
     model_type, extra = SERVED["gpt2"]
     build(model_type, extra, tmp_path)
+    why = "model type 'gpt2'" if DEVICE == "cpu" else "not on the CPU"  # the step is the CPU's
     with pytest.raises(
         ValueError,
-        match="--quantization int8 sets the weights of the C\\+\\+ decode step, which cannot run here: model type 'gpt2'",
+        match=f"--quantization int8 sets the weights of the C\\+\\+ decode step, which cannot run here: {why}",
     ):
         ModelRunner(resolve_model(str(tmp_path)), replace(CONFIG, quantization="int8"))
 

@@ -137,7 +137,9 @@ def test_a_worker_on_the_flashinfer_backend_plans_each_step_and_keeps_generates_
     stand_in(ContractWrapper)
     source = resolve_model("SmolLM2-135M-Instruct")
     # transformers' classes: their attention goes through worker/attention/paged.py, with no Triton kernel for rotary.
-    engine = build_engine(source, WorkerConfig(dtype="float32", model_impl="transformers", kv_cache_memory="64MiB"))
+    engine = build_engine(
+        source, WorkerConfig(dtype="float32", device="cpu", model_impl="transformers", kv_cache_memory="64MiB")
+    )
     runner = engine.runner
     backend = FlashInferBackend(torch.device("cpu"))
     backend.prepare(runner.kv_caches, runner.model.config.num_attention_heads)

@@ -16,6 +16,8 @@ The runner owns the model, the KV cache and the sampler; ``inputs`` turns batche
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from common.model_source import ModelSource, load_tokenizer
@@ -51,6 +53,8 @@ from worker.scheduler import RunOutput, ScheduledBatch
 from worker.selfcheck import SelfCheck
 from worker.threads import team_size
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
     """Owns the model, the KV-cache tensors and the sampler."""
@@ -60,6 +64,7 @@ class ModelRunner:
         self.threads = team_size(config.threads)
         torch.set_num_threads(self.threads)
         self.device = pick_device(config.device)
+        config = config.for_device(self.device.type)  # batch limits left at 0 (the graphs' buckets need them)
         self.dtype = pick_dtype(config.dtype)
         self.block_size = config.block_size
         model = load_model(source, self.dtype, config.cache_dir)
@@ -94,9 +99,21 @@ class ModelRunner:
         self.native = None if only_rows else pick_impl(impl, model)
         if self.native is not None and self.device.type == "cpu":
             keep_off_files(model)  # what is left of it after the native forward took the layers
-        first = self.layers[0]
+        # The decode kernels run plain causal layers only (worker/attention/paged.py); a model with
+        # none (latent attention: keys wider than values) decodes through the masked gather instead.
+        plain = [i for i, layer in enumerate(self.layers) if layer.plain]
+        first = self.layers[plain[0] if plain else 0]
+        attention = config.cuda_attention
+        if not plain and self.device.type == "cuda":
+            if attention not in ("auto", "eager"):
+                log.warning(
+                    "--cuda-attention %s does not apply: no layer is plain causal attention (%s); not applied",
+                    attention,
+                    first.describe(),
+                )
+            attention = "eager"
         backend = choose_decode_backend(
-            config.cuda_attention,
+            attention,
             self.device,
             self.dtype,
             HeadShape(first.heads, first.kv_heads, first.k_dim, self.block_size),
@@ -114,7 +131,7 @@ class ModelRunner:
             lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids
         )
         self.sampler = Sampler(self.device, self.guided)
-        backend.prepare(self.kv_caches, first.heads)
+        backend.prepare([self.kv_caches[i] for i in plain], first.heads)
         self.inputs = InputBuilder(self.block_size, self.device, self.kv_caches, backend, self.layers)
         decode_graphs = None
         if graphs:

@@ -51,7 +51,7 @@ def learn_layers(model: torch.nn.Module) -> list[LayerSpec]:
             **args,
         )
         made.append(mask)
-        masks[mask.data_ptr()] = classify(function, kwargs.get("local_size"))
+        masks[mask.data_ptr()] = classify(function, kwargs.get("local_size"), mask.device)
         return mask
 
     def record_attention(
@@ -84,15 +84,17 @@ def learn_layers(model: torch.nn.Module) -> list[LayerSpec]:
     return _check(model, found, unknown_masks)
 
 
-def classify(function: object, local_size: object) -> MaskKind:
+def classify(function: object, local_size: object, device: torch.device | str = "cpu") -> MaskKind:
     """The mask a model built, named: plain causal (evaluated, so a causal mask combined with no-op
-    overlays counts), a sliding window, chunks, or another pattern kept as the function itself."""
+    overlays counts), a sliding window, chunks, or another pattern kept as the function itself.
+    Evaluated on the model's device: a mask function may hold tensors of its own there (llama4's
+    chunks keep the batch's left padding)."""
     if function is causal_mask_function:
         return CAUSAL
     size = local_size if isinstance(local_size, int) and local_size > 0 else None
     n = 3 * (size or 16)
-    q, k = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
-    zero = torch.zeros((), dtype=torch.long)
+    q, k = torch.arange(n, device=device).unsqueeze(1), torch.arange(n, device=device).unsqueeze(0)
+    zero = torch.zeros((), dtype=torch.long, device=device)
     try:
         got = function(zero, zero, q, k).expand(n, n)
     except Exception as exc:  # a pattern only vmap can evaluate: no per-sequence mask can be made from it
