@@ -39,8 +39,8 @@ def adapter(tmp_path_factory):
 
 
 def test_a_runtime_loaded_adapter_serves_close_to_peft_and_unloads(server, client, tokenizer, adapter):
-    from bench.accuracy import Generation, check_close
-    from gateway.logprobs import TokenTexts
+    from bench.accuracy import check_close
+    from tests.closeness import reference_reply, served_reply
 
     folder, merged = adapter
     loaded = server.post("/v1/load_lora_adapter", json={"lora_name": NAME, "lora_path": str(folder)})
@@ -51,29 +51,14 @@ def test_a_runtime_loaded_adapter_serves_close_to_peft_and_unloads(server, clien
         cards = {m.id: m for m in client.models.list().data}
         assert cards[NAME].model_extra["parent"] == MODEL and cards[NAME].model_extra["root"] == str(folder)
 
-        texts = TokenTexts(tokenizer)
-        ids = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if not isinstance(ids, list) else ids
-        with torch.inference_mode():
-            result = merged.generate(
-                torch.tensor([ids]),
-                max_new_tokens=24,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        out = result.sequences[0, len(ids) :].tolist()
-        top = [step[0].float().topk(5).indices.tolist() for step in result.logits]
-        expected = Generation([texts.bytes(t) for t in out], [], [[texts.bytes(t) for t in row] for row in top])
-        replies = {}
-        for model in (NAME, MODEL):
-            replies[model] = client.chat.completions.create(
+        expected = reference_reply(merged, tokenizer, ASK, 24)
+        replies = {
+            model: client.chat.completions.create(
                 model=model, messages=ASK, max_tokens=24, temperature=0, logprobs=True, top_logprobs=5
             )
-        entries = replies[NAME].choices[0].logprobs.content
-        got = Generation(
-            [bytes(e.bytes) for e in entries], [], [[bytes(t.bytes) for t in e.top_logprobs] for e in entries]
-        )
+            for model in (NAME, MODEL)
+        }
+        got = served_reply(replies[NAME])
         close, where = check_close(expected, got)
         assert close and where >= 4, f"diverged at token {where}: {expected.tokens[where:]!r} vs {got.tokens[where:]!r}"
         assert replies[NAME].choices[0].message.content != replies[MODEL].choices[0].message.content

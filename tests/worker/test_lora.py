@@ -145,3 +145,26 @@ def test_lora_is_refused_at_start_where_the_native_forward_does_not_run(family):
     folder, adapters, _ = family
     with pytest.raises(ValueError, match="--lora cannot be used here: .*native forward"):
         engine_for(folder, adapters, model_impl="transformers")
+
+
+def test_lora_flag_takes_name_equals_path_repeated_or_comma_separated(monkeypatch):
+    import argparse
+
+    from common.config import add_flags
+    from worker.config import WORKER_FLAGS
+    from worker.lora.registry import parse_specs
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, "worker", WORKER_FLAGS)
+    assert parse_specs(parser.parse_args(["--lora", "a=/x", "--lora", "b=/y,c=/z"]).lora) == {
+        "a": "/x",
+        "b": "/y",
+        "c": "/z",
+    }
+    monkeypatch.setenv("LLMPOOL_LORA", "d=/w")
+    parser = argparse.ArgumentParser()
+    add_flags(parser, "worker", WORKER_FLAGS)
+    assert parser.parse_args([]).lora == ["d=/w"] and parser.parse_args(["--lora", "e=/v"]).lora == ["e=/v"]
+    for bad, why in (("a", "NAME=PATH"), ("a=/x,a=/y", "twice")):
+        with pytest.raises(ValueError, match=why):
+            parse_specs([bad])
