@@ -34,6 +34,7 @@ class Flag:
     default: Any
     help: str
     type: Callable[[str], Any] = str
+    repeat: bool = False  # may be given several times (a list); its environment twin separates them with commas
 
     @property
     def env(self) -> str:
@@ -47,6 +48,8 @@ class Flag:
         raw = os.environ.get(self.env)
         if raw is None:
             return self.default
+        if self.repeat:
+            return [part for part in raw.split(",") if part.strip()]
         return parse_bool(raw) if self.type is bool else self.type(raw)
 
 
@@ -63,10 +66,25 @@ def add_flags(parser: argparse.ArgumentParser, title: str, flags: list[Flag]) ->
                 default=flag.env_default(),
                 help=help_text,
             )
+        elif flag.repeat:  # given on the command line, the values replace the environment's
+            group.add_argument(
+                f"--{flag.name}", dest=flag.dest, action=_Repeated, default=flag.env_default(), help=help_text
+            )
         else:
             group.add_argument(
                 f"--{flag.name}", dest=flag.dest, type=flag.type, default=flag.env_default(), help=help_text
             )
+
+
+class _Repeated(argparse.Action):
+    """Collects a repeated flag's values; the first one given replaces the default (its environment twin)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        current = getattr(namespace, self.dest)
+        given = current if current is not self.default and current is not None else []
+        setattr(namespace, self.dest, [*given, values])
 
 
 def flags_to_env(namespace: argparse.Namespace, flags: list[Flag]) -> dict[str, str]:
@@ -76,7 +94,10 @@ def flags_to_env(namespace: argparse.Namespace, flags: list[Flag]) -> dict[str, 
         value = getattr(namespace, flag.dest)
         if value is None:
             continue
-        env[flag.env] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        if isinstance(value, list):
+            env[flag.env] = ",".join(value)
+        else:
+            env[flag.env] = ("1" if value else "0") if isinstance(value, bool) else str(value)
     return env
 
 

@@ -20,6 +20,7 @@ from typing import Union
 
 import msgspec
 
+from common.lora import LoraCommand, LoraInfo, LoraLoad, LoraResult
 from common.pooling import PoolingInfo, PoolingParams
 
 PROTOCOL_VERSION = 2  # 1: the same messages as named maps (dataclasses)
@@ -42,6 +43,8 @@ class MsgType(IntEnum):
     GOODBYE = 7
     DESCRIBE_MODEL = 8
     MODEL_INFO = 9
+    LORA_COMMAND = 10
+    LORA_RESULT = 11
 
 
 class FinishReason:
@@ -116,6 +119,7 @@ class NewRequest(Wire):
     # thinking ends, and a budget ends it.
     reasoning: Reasoning | None = None
     pooling: PoolingParams | None = None  # a pooling request (common/pooling.py): one pass, no token sampled
+    lora: str | None = None  # the LoRA adapter it runs with (the name a client gave as its model); None: the base model
 
 
 class Ready(Wire):
@@ -132,6 +136,7 @@ class Ready(Wire):
     # Digest of the tokenizer files and chat template (``ModelInfo``): a gateway without it asks once (``DescribeModel``).
     tokenizer_digest: str = ""
     pooling: PoolingInfo | None = None  # a pooling model's abilities (None: a generation model)
+    lora: LoraInfo | None = None  # the LoRA adapters it serves (common/lora.py); None: it cannot apply adapters
 
 
 class DescribeModel(Wire):
@@ -182,6 +187,7 @@ class Heartbeat(Wire):
     kv_store_read_seconds: float = 0.0
     kv_store_size_bytes: int = 0
     kv_store_evictions: int = 0
+    lora: LoraLoad | None = None  # LoRA adapters running, waiting and resident (common/lora.py); None: it serves none
 
 
 class AddRequests(Wire):
@@ -253,7 +259,7 @@ class Goodbye(Wire):
     reason: str = ""
 
 
-Message = Union[Ready, Heartbeat, AddRequests, Abort, StepOutputs, WorkerError, Goodbye, DescribeModel, ModelInfo]
+Message = Union[Ready, Heartbeat, AddRequests, Abort, StepOutputs, WorkerError, Goodbye, DescribeModel, ModelInfo, LoraCommand, LoraResult]  # fmt: skip
 
 MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.READY: Ready,
@@ -265,6 +271,8 @@ MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.GOODBYE: Goodbye,
     MsgType.DESCRIBE_MODEL: DescribeModel,
     MsgType.MODEL_INFO: ModelInfo,
+    MsgType.LORA_COMMAND: LoraCommand,
+    MsgType.LORA_RESULT: LoraResult,
 }
 _TYPE_OF: dict[type, MsgType] = {cls: t for t, cls in MESSAGE_TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -301,13 +309,7 @@ class VersionMismatch(ProtocolError):
             ready = msgspec.msgpack.decode(self.payload) if self.msg_type == MsgType.READY else None
         except msgspec.DecodeError:
             return None
-        name = (
-            ready.get("worker_name")
-            if isinstance(ready, dict)
-            else ready[0]
-            if isinstance(ready, list) and ready
-            else None
-        )
+        name = ready.get("worker_name") if isinstance(ready, dict) else ready[0] if isinstance(ready, list) and ready else None  # fmt: skip
         return name if isinstance(name, str) else None
 
 

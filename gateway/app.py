@@ -32,6 +32,7 @@ from gateway.routes.completions import CompletionsController
 from gateway.routes.conversations import ConversationsController
 from gateway.routes.embeddings import EmbeddingsController
 from gateway.routes.health import health, metrics, ready, workers
+from gateway.routes.lora import LoraController
 from gateway.routes.messages import MessagesController
 from gateway.routes.models import ModelsController
 from gateway.routes.rerank import rerank, score
@@ -166,6 +167,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             ModelsController,
             TokenizeController,
             EmbeddingsController,
+            LoraController,
             rerank,
             score,
             ready,

@@ -144,8 +144,8 @@ class Dispatcher:
         cache and is not much busier."""
         pool = self.roster.models[stream.model]
         stream.cost = len(request.prompt_token_ids) + request.max_new_tokens
-        worker = pool.choose(stream.cost, self.clock())
-        if self.affinity is not None:
+        worker = pool.choose(stream.cost, self.clock(), request.lora)
+        if self.affinity is not None and request.lora is None:  # an adapter's request: where the adapter is
             worker = self.affinity.choose(
                 stream.model, request.prompt_token_ids, lambda identity: pool.taking(identity), worker
             )

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from common.protocol import RequestOutput
 from gateway.admission import Admission
+from gateway.lora import lora_requests_info
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,7 @@ class PoolCollector(Collector):
             up.add_metric([name, model], 0)
         yield info
         yield up
+        yield lora_requests_info(workers)
         states = GaugeMetricFamily("llmpool_workers", "Workers by state", labels=["state"])
         draining = sum(1 for w in workers if w["draining"])
         busy = sum(1 for w in workers if not w["draining"] and (w["running"] or w["waiting"]))

@@ -9,6 +9,7 @@ tokenizer is still loading) a 503 with Retry-After.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 
@@ -18,6 +19,7 @@ from gateway.abilities import tasks
 from gateway.admission import Admission
 from gateway.errors import NotFound, NoWorkerAvailable
 from gateway.generation import Generator, Lanes
+from gateway.lora import AdapterClient, adapters_of, find
 from gateway.metrics import Metrics
 from gateway.reasoning import model_markers
 from gateway.templates import ChatTemplate
@@ -72,6 +74,10 @@ class ModelRegistry:
         if name is None and len(self.generators) == 1:
             name = next(iter(self.generators))
         generator = self.generators.get(name or "")
+        base = find(self.client.models, name) if generator is None and name else None
+        if base in self.generators:  # a LoRA adapter: its base model's generator, each request with the adapter
+            generator = copy.copy(self.generators[base])
+            generator.client = AdapterClient(self.client, name)
         if generator is None:
             if name in self.client.models:
                 raise NoWorkerAvailable(f"the model `{name}` is starting (its tokenizer is loading); retry shortly")
@@ -86,11 +92,25 @@ class ModelRegistry:
         return generator
 
     def cards(self) -> list[dict]:
-        """One OpenAI model object per served model, with its context length and live workers."""
-        return [self.card(name) for name in sorted(self.generators)]
+        """One OpenAI model object per served model, with its context length and live workers;
+        then its LoRA adapters, with ``parent`` (the base model) and ``root`` (their folder), as vLLM lists them."""
+        cards = [self.card(name) for name in sorted(self.generators)]
+        return cards + [self.adapter_card(name) for card in cards for name in sorted(self.adapters(card["id"]))]
+
+    def adapters(self, model: str) -> dict[str, str]:
+        pool = self.client.models.get(model)
+        return adapters_of(pool) if pool is not None else {}
+
+    def adapter_card(self, name: str) -> dict:
+        base = find(self.client.models, name) or ""
+        created = self.first_seen.get(base, 0)
+        root = self.adapters(base).get(name, "")
+        return {"id": name, "object": "model", "created": created, "owned_by": "llmpool", "root": root, "parent": base}
 
     def card(self, name: str) -> dict:
         if name not in self.generators:
+            if find(self.client.models, name) in self.generators:
+                return self.adapter_card(name)
             self.get(name)  # the 404
         pool = self.client.models.get(name)
         workers = list(pool.workers.values()) if pool is not None else []

@@ -17,6 +17,7 @@ import msgspec
 
 from common.protocol import Heartbeat, NewRequest, Ready, RequestOutput, WorkerEvent
 from gateway.errors import GenerationFailed
+from gateway.lora import prefer
 
 log = logging.getLogger("gateway.worker_client")
 
@@ -93,6 +94,7 @@ class WorkerInfo:
             "spec_proposed_tokens": self.load.spec_proposed_tokens,
             "spec_accepted_tokens": self.load.spec_accepted_tokens,
             **{name: getattr(self.load, name) for name in KV_STORE_FIELDS},
+            "lora": None if self.load.lora is None else msgspec.structs.asdict(self.load.lora),  # gateway/lora.py
         }
 
 
@@ -150,9 +152,9 @@ class ModelPool:
         worker = self.workers.get(identity)
         return worker if worker is not None and not worker.load.draining else None
 
-    def choose(self, cost: int, now: float) -> WorkerInfo:
-        """The worker expected to finish ``cost`` more tokens of work soonest."""
-        available = self.available(now)
+    def choose(self, cost: int, now: float, lora: str | None = None) -> WorkerInfo:
+        """The worker expected to finish ``cost`` more tokens of work soonest (for an adapter's request, of those it prefers: gateway/lora.py)."""
+        available = self.available(now) if lora is None else prefer(self.available(now), lora)
         candidates = available
         if (
             len(available) > self.SCAN_LIMIT

@@ -22,8 +22,9 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from common import protocol
-from common.protocol import ModelInfo, MsgType, NewRequest
+from common.protocol import LoraResult, ModelInfo, MsgType, NewRequest
 from gateway.dispatch import Dispatcher
+from gateway.lora import LoraCommands
 from gateway.pool import UNTRACED, ModelPool, RequestStream, Trace, WorkerInfo
 from gateway.roster import GATEWAY_HEARTBEAT
 
@@ -64,6 +65,7 @@ class WorkerClient:
         self._tasks: list[asyncio.Task] = []
         self._flush_scheduled = False
         self._busy = asyncio.Event()  # set when a request arrives: ends the receive loop's idle pause
+        self.loras = LoraCommands(self.send)  # load and unload commands for LoRA adapters, and their answers
 
     async def start(self) -> None:
         sock = self._context.socket(zmq.ROUTER)
@@ -150,6 +152,10 @@ class WorkerClient:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
         return stream
+
+    def send(self, identity: bytes, msg: protocol.Message) -> None:
+        """Send one message to one worker now (a LoRA command)."""
+        self._send(identity, protocol.encode(msg))
 
     def abort(self, request_id: str) -> None:
         """Forget a request and tell its worker to stop it (the client left, or a stop string hit)."""
@@ -259,6 +265,9 @@ class WorkerClient:
         except protocol.ProtocolError as exc:
             self.dropped_frames += 1
             log.warning("dropped a malformed message from %r: %s", identity[:64], exc)
+            return
+        if isinstance(msg, LoraResult):  # an answer to a load or unload of an adapter (gateway/lora.py)
+            self.loras.answered(self.workers.get(identity), msg)
             return
         try:
             self.dispatch.on_message(identity, msg)

@@ -34,7 +34,7 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the tokens behind the hash, checked on lookup (no false sharing)
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+def chain_hash(parent: int | str | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
@@ -86,7 +86,7 @@ class BlockManager:
     def _cached_run(self, request: Request) -> Iterator[tuple[int, int]]:
         """(block id, hash) of the prompt's leading blocks that are cached, all but its last token."""
         size = self.block_size
-        parent: int | None = None
+        parent: int | str | None = request.cache_salt
         tokens = request.token_ids
         for index in range((len(tokens) - 1) // size):
             chunk = tuple(tokens[index * size : (index + 1) * size])
@@ -146,7 +146,7 @@ class BlockManager:
         size = self.block_size
         full = request.num_computed_tokens // size
         for index in range(len(request.block_hashes), full):
-            parent = request.block_hashes[-1] if request.block_hashes else None
+            parent = request.block_hashes[-1] if request.block_hashes else request.cache_salt
             chunk = tuple(request.token_ids[index * size : (index + 1) * size])
             block_hash = chain_hash(parent, chunk)
             request.block_hashes.append(block_hash)

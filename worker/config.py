@@ -129,6 +129,20 @@ WORKER_FLAGS = [
         bool,
     ),
     Flag(
+        "lora",
+        None,
+        "A LoRA adapter to serve beside the model, as NAME=PATH (a peft adapter folder; repeat the flag, or separate with commas); "
+        "a request picks it with `model: NAME`. Needs the native forward (Llama and Qwen2 families); more at runtime with POST /v1/load_lora_adapter",
+        repeat=True,
+    ),
+    Flag(
+        "max-loras",
+        4,
+        "Most LoRA adapters resident at once (and running in one step); the others are read from disk when needed, least recently used out first",
+        int,
+    ),
+    Flag("max-lora-rank", 16, "Largest LoRA rank accepted; an adapter of a higher rank is refused", int),
+    Flag(
         "speculate",
         0,
         "Speculative decoding: up to N draft tokens per step for a lone request, looked up in its own prompt and output (n-grams), "
@@ -168,6 +182,9 @@ class WorkerConfig(SharedConfig):
     threads: int = 0
     adaptive_threads: bool = True
     speculate: int = 0
+    lora: list[str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
     pooling: str = "auto"
     pooling_normalize: bool = True
     drain_timeout: float = 30.0

@@ -15,6 +15,7 @@ from worker.block_manager import BlockManager, blocks_for
 from worker.config import WorkerConfig
 from worker.isolation import run_isolating
 from worker.kv_store.link import KVStore
+from worker.lora.registry import LoraRegistry, lora_load
 from worker.pooling import PoolingQueue, ended
 from worker.request import Request, RequestStatus
 from worker.scheduler import RunOutput, ScheduledBatch, Scheduler
@@ -49,6 +50,7 @@ class Engine:
         self.blocks = BlockManager(runner.num_blocks, config.block_size, config.prefix_caching)
         self.kv_store = kv_store(self.blocks) if kv_store is not None else None
         self.max_model_len = runner.max_model_len
+        self.loras: LoraRegistry | None = getattr(runner, "loras", None)  # LoRA adapters, where the runner applies them
         self.speculator = Speculator(config.speculate, self.blocks, self.max_model_len, config.max_num_batched_tokens)
         self.scheduler = Scheduler(
             self.blocks,
@@ -59,6 +61,7 @@ class Engine:
             self.speculator,
             self.kv_store,
         )
+        self.scheduler.max_loras = self.loras.max_loras if self.loras is not None else 0
         self.max_num_seqs = config.max_num_seqs
         # Pooling requests (embeddings, scores): run beside the batch in each step, with no KV blocks.
         self.pooling = PoolingQueue(
@@ -89,6 +92,12 @@ class Engine:
         request = Request.from_wire(new, self.runner.eos_token_ids)
         if request.events is not None:
             request.record("admitted", prompt_tokens=request.num_prompt_tokens)
+        if new.lora is not None:
+            request.lora = self.loras.get(new.lora) if self.loras is not None else None
+            if request.lora is None:
+                why = f"the model `{new.lora}` does not exist (no LoRA adapter of that name on this worker)"
+                self.reject(new.request_id, why, request.num_prompt_tokens, bad_request=True, traced=request)
+                return
         error = self._check(request)
         if error is not None:
             self.reject(new.request_id, error, request.num_prompt_tokens, traced=request)
@@ -114,7 +123,7 @@ class Engine:
             return
         self._requests[request.request_id] = request
         self.scheduler.add(request)
-        if self.kv_store is not None:
+        if self.kv_store is not None and request.lora is None:  # the store's keys know no adapters
             self.kv_store.lookup(request, self.blocks.cached_prefix_blocks(request))
         log.info(
             "request %s queued: %d prompt tokens, up to %d new",
@@ -324,4 +333,5 @@ class Engine:
             spec_proposed_tokens=self.speculator.proposed_tokens,
             spec_accepted_tokens=self.speculator.accepted_tokens,
             **(self.kv_store.figures() if self.kv_store is not None else {}),
+            lora=lora_load(self.loras, self.scheduler) if self.loras is not None else None,
         )

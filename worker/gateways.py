@@ -77,6 +77,10 @@ class Gateways:
     def heartbeat_due(self, now: float) -> bool:
         return any(now >= link.next_heartbeat for link in self.connected())
 
+    def due_or_silent(self, now: float) -> bool:
+        """A heartbeat is due, or a gateway has gone silent: the socket loop needs the engine."""
+        return self.heartbeat_due(now) or self.silent(now)
+
     def silent(self, now: float, link: GatewayLink | None = None) -> bool:
         """Whether a connected gateway (``link``, or any) has been silent past its liveness."""
         links = self.connected() if link is None else [link]

@@ -49,6 +49,7 @@ from common.salvage import salvage_requests
 from worker.gateways import Gateways
 from worker.handshake import GatewayLink
 from worker.heartbeat import Vitals
+from worker.lora.registry import answer, lora_info
 from worker.stepper import Stepped, Stepper, StepThread
 from worker.threads import AdaptiveTeam
 
@@ -61,7 +62,7 @@ class Refused(NamedTuple):
     request_ids_and_reasons: list[tuple[str, str]]
 
 
-Inbox = list[tuple[GatewayLink, AddRequests | Abort | Refused]]
+Inbox = list[tuple[GatewayLink, AddRequests | Abort | Refused | protocol.LoraCommand]]
 
 
 class WorkerProc:
@@ -100,6 +101,7 @@ class WorkerProc:
             dtype=dtype,
             tokenizer_digest=tokenizer.digest if tokenizer else "",
             pooling=getattr(getattr(engine, "pooling", None), "info", None),  # a pooling model's abilities
+            lora=lora_info(getattr(engine, "loras", None)),
         )
         self.gateways = Gateways(address, self.name, self.ready, curve_keys, heartbeat_interval, heartbeat_liveness)
         self.stopping = False
@@ -199,12 +201,7 @@ class WorkerProc:
         return wait_s
 
     def _needs_engine(self, now: float) -> bool:
-        return (
-            bool(self._inbox)
-            or self.draining_since is not None
-            or self.gateways.heartbeat_due(now)
-            or self.gateways.silent(now)
-        )
+        return bool(self._inbox) or self.draining_since is not None or self.gateways.due_or_silent(now)
 
     def _tend_engine(self) -> None:
         """The engine is ours between two steps: hand it what arrived, end a drain that is done,
@@ -296,7 +293,7 @@ class WorkerProc:
                 continue
             got = True
             link.last_heard = time.monotonic()
-            if isinstance(msg, AddRequests | Abort):
+            if isinstance(msg, AddRequests | Abort | protocol.LoraCommand):
                 self._inbox.append((link, msg))
             elif isinstance(msg, DescribeModel):
                 self._describe(link)
@@ -315,6 +312,8 @@ class WorkerProc:
                 for new in msg.requests:
                     self._own(link, new.request_id)
                     self.engine.add_request(new)
+            elif isinstance(msg, protocol.LoraCommand):  # a load or unload of an adapter, between two steps
+                link.send(answer(getattr(self.engine, "loras", None), msg, self.ready))
             elif isinstance(msg, Refused):
                 for request_id, why in msg.request_ids_and_reasons:
                     self._own(link, request_id)

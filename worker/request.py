@@ -38,6 +38,15 @@ FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """The LoRA adapter a request runs with, as registered when it arrived (worker/lora)."""
+
+    name: str
+    path: str
+    key: str  # unique per registration: keys the request's prefix-cache blocks and the adapter's resident weights
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """Scheduling state from two counters: ``num_computed_tokens`` (in the KV cache) and ``num_tokens``.
@@ -69,6 +78,12 @@ class Request:
     events: list[WorkerEvent] | None = None  # trace events not yet sent; None when the request is not traced
     kv_store: Lookup | None = None  # its blocks' keys and what the KV store staged for it (worker/kv_store)
     reasoning: ThinkTracker | None = None  # a reasoning model's thinking: its budget, and where a guide starts
+    lora: LoraRef | None = None  # its LoRA adapter (None: the base model), set by the engine
+
+    @property
+    def cache_salt(self) -> str | None:
+        """What seeds its prefix-cache hashes: blocks computed under one adapter serve only that adapter."""
+        return None if self.lora is None else self.lora.key
 
     @classmethod
     def from_wire(cls, new: NewRequest, eos_token_ids: frozenset[int]) -> Request:

@@ -97,6 +97,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.max_loras = 0  # most distinct LoRA adapters running at once (0: no adapters served); worker/lora
         self._budget = 0  # tokens left in the step being scheduled
         self._prefill_budget = 0  # prompt tokens left in it
 
@@ -163,6 +164,8 @@ class Scheduler:
         """Admit waiting requests in order while the budgets, batch size and free blocks allow."""
         while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.lora is not None and not self._lora_fits(request):
+                break  # its adapter waits until one of the resident ones has no running request
             if self.kv_store is not None and not self.kv_store.ready(request, wait=not batch):
                 break  # its blocks are still being read from the store; others run meanwhile
             cached = self.blocks.match_prefix(request)
@@ -183,6 +186,11 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add(batch, request, num_tokens)
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether its adapter runs already, or one more adapter may (``max_loras``)."""
+        running = {r.lora.key for r in self.running if r.lora is not None}
+        return request.lora.key in running or len(running) < self.max_loras
 
     def _add(self, batch: ScheduledBatch, request: Request, num_tokens: int) -> None:
         computed = request.num_computed_tokens

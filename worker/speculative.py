@@ -56,11 +56,16 @@ def propose(token_ids: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram:
 
 
 def may_speculate(request: Request) -> bool:
-    """Greedy or unseeded sampled, not guided, and no thinking budget to force an end marker at
+    """Greedy or unseeded sampled, not guided, no LoRA adapter (drafts verify on the C++ step), and no thinking budget to force an end marker at
     (see the module docstring)."""
     sampling = request.sampling
     budgeted = request.reasoning is not None and request.reasoning.spec.budget is not None
-    return request.guide is None and not budgeted and (sampling.temperature == 0 or sampling.seed is None)
+    return (
+        request.guide is None
+        and request.lora is None
+        and not budgeted
+        and (sampling.temperature == 0 or sampling.seed is None)
+    )
 
 
 class Speculator:

@@ -142,11 +142,10 @@ def test_greedy_output_passes_the_closeness_test_against_transformers_generate(c
     """
     from transformers import AutoModelForCausalLM
 
-    from bench.accuracy import Generation, check_close
+    from bench.accuracy import check_close
     from common.model_source import resolve_model
-    from gateway.logprobs import TokenTexts
+    from tests.closeness import reference_reply, served_reply
 
-    texts = TokenTexts(tokenizer)
     source = resolve_model(MODEL)
     reference = AutoModelForCausalLM.from_pretrained(
         source.path, gguf_file=source.gguf_file, dtype=torch.bfloat16
@@ -155,24 +154,11 @@ def test_greedy_output_passes_the_closeness_test_against_transformers_generate(c
     for prompt in GREEDY_PROMPTS:
         ids = tokenizer.apply_chat_template(ask(prompt), add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
-        with torch.inference_mode():
-            result = reference.generate(
-                torch.tensor([ids]),
-                max_new_tokens=40,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        out = result.sequences[0, len(ids) :].tolist()
-        top = [step[0].float().topk(5).indices.tolist() for step in result.logits]
-        expected = Generation([texts.bytes(t) for t in out], [], [[texts.bytes(t) for t in row] for row in top])
+        expected = reference_reply(reference, tokenizer, ask(prompt), 40)
         response = client.chat.completions.create(
             model=MODEL, messages=ask(prompt), max_tokens=40, temperature=0, logprobs=True, top_logprobs=5
         )
-        entries = response.choices[0].logprobs.content
-        got = Generation(
-            [bytes(e.bytes) for e in entries], [], [[bytes(t.bytes) for t in e.top_logprobs] for e in entries]
-        )
+        got = served_reply(response)
         close, where = check_close(expected, got)
         assert close, (
             f"{prompt!r}: diverged at token {where} outside each other's top 5: {expected.tokens[where]!r} vs {got.tokens[where]!r}"

@@ -70,7 +70,15 @@ def test_api_key_closes_everything_but_health(keyed_server):
         response = httpx.get(url + path)
         assert response.status_code == 401, path
         assert response.json()["error"]["code"] == "invalid_api_key"
-    for path in ("/v1/embeddings", "/v1/rerank", "/v1/score", "/rerank", "/score"):  # the pooling routes: chat's rule
+    for path in (
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/v1/score",
+        "/rerank",
+        "/score",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    ):  # pooling, LoRA: chat's rule
         assert httpx.post(url + path, json={}).status_code == 401, path
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer key-two"}).status_code == 200

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention import AttentionMetadata, paged_attention, triton_rope
+from worker.lora.adapter import Segments, add_delta
 
 SUPPORTED = {"llama", "qwen2"}
 
@@ -128,24 +129,38 @@ class LlamaForward:
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
+        lora: Segments | None = None,
     ) -> torch.Tensor:
-        """``input_ids``/``positions`` are ``[1, num_tokens]``; returns logits of the selected rows."""
+        """``input_ids``/``positions`` are ``[1, num_tokens]``; returns logits of the selected rows.
+        ``lora``: row groups whose adapter's low-rank products are added after each adapted projection."""
         hidden = F.embedding(input_ids, self.embed)  # [1, T, hidden]
         cos, sin = self.rotary(hidden, positions)  # [1, T, head_dim]
         num_tokens = input_ids.shape[1]
         fused = metadata.decode_backend.in_place_cuda and not metadata.prefills  # decode rows only, on CUDA
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
+            if lora:
+                add_delta(lora, i, "qkv", x, qkv)
             attn = (
                 self._decode_attention(layer, qkv, cos, sin, metadata)
                 if fused
                 else self._attention(layer, qkv, cos, sin, metadata)
-            )
-            hidden = hidden + layer.o_proj(attn.reshape(1, num_tokens, -1))
+            ).reshape(1, num_tokens, -1)
+            out = layer.o_proj(attn)
+            if lora:
+                add_delta(lora, i, "o", attn, out)
+            hidden = hidden + out
             x = _rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            gate_up = layer.gate_up(x)
+            if lora:
+                add_delta(lora, i, "gate_up", x, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            out = layer.down(act)
+            if lora:
+                add_delta(lora, i, "down", act, out)
+            hidden = hidden + out
         hidden = _rms_norm(hidden[0, logits_indices], self.final_norm, self.eps)
         return self.lm_head(hidden)
 

@@ -9,13 +9,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from worker.attention import AttentionMetadata, DecodeBackend, DecodeGroup, PrefillSpan
 from worker.attention.layers import LayerSpec
-from worker.request import Request
+from worker.request import LoraRef, Request
 from worker.scheduler import ScheduledBatch
 
 MIN_GROUP = 8  # fewest decode rows worth a separate attention call (the eager backend's groups)
@@ -36,6 +36,7 @@ class FlatInputs:
     sampled_requests: list[Request]
     prompt_spans: list[tuple[Request, int, int]]  # (request, first prompt position, count) needing prompt logprobs
     metadata: AttentionMetadata
+    lora_segments: list[tuple[LoraRef, int, int]] = field(default_factory=list)  # (adapter, first, end) rows
 
 
 @dataclass(slots=True)
@@ -77,9 +78,11 @@ class InputBuilder:
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
     def flat(self, batch: ScheduledBatch) -> FlatInputs:
-        # Single-token rows first, shortest context first (so groups of similar length pad little).
+        # Single-token rows first, shortest context first (so groups of similar length pad little);
+        # an adapter's single-token rows side by side (one segment for its low-rank products).
         rows = sorted(
-            zip(batch.requests, batch.num_new_tokens), key=lambda row: (row[1] > 1, row[0].num_computed_tokens)
+            zip(batch.requests, batch.num_new_tokens),
+            key=lambda row: (row[1] > 1, row[0].cache_salt or "", row[0].num_computed_tokens),
         )
         num_decode = sum(1 for _, n in rows if n == 1)
         input_ids: list[int] = []
@@ -90,6 +93,7 @@ class InputBuilder:
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[Request, int, int]] = []
         prefills: list[PrefillSpan] = []
+        lora_segments: list[tuple[LoraRef, int, int]] = []
         for request, n in rows:
             start = request.num_computed_tokens
             first = len(input_ids)
@@ -105,6 +109,8 @@ class InputBuilder:
                 prompt_spans.append(span)
             if n > 1:
                 prefills.append(self.prefill_span(request, first, n))
+            if request.lora is not None:
+                _extend(lora_segments, request.lora, first, first + n)
         metadata = AttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=self.tensor(slots),
@@ -121,6 +127,7 @@ class InputBuilder:
             sampled_requests=sampled,
             prompt_spans=prompt_spans,
             metadata=metadata,
+            lora_segments=lora_segments,
         )
 
     @staticmethod
@@ -240,3 +247,11 @@ class InputBuilder:
             [],
             metadata,
         )
+
+
+def _extend(segments: list[tuple[LoraRef, int, int]], lora: LoraRef, start: int, end: int) -> None:
+    """Add rows [start, end) of ``lora``, merged into the last segment when they continue it."""
+    if segments and segments[-1][0] == lora and segments[-1][2] == start:
+        segments[-1] = (lora, segments[-1][1], end)
+    else:
+        segments.append((lora, start, end))

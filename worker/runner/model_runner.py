@@ -27,6 +27,7 @@ from worker.attention.paged import ATTENTION_NAME
 from worker.config import WorkerConfig
 from worker.guided import GuidedDecoding
 from worker.loader import load_model
+from worker.lora import registry as lora_registry
 from worker.models import support
 from worker.models.llama import supports as native_supports
 from worker.pooling_spec import PoolingSpec
@@ -97,6 +98,14 @@ class ModelRunner:
                 )
             impl = "transformers"
         self.native = None if only_rows else pick_impl(impl, model)
+        why_not = (
+            None
+            if self.native is not None
+            else f"LoRA adapters are applied by the native forward, which does not run {self.architecture} here"
+        )
+        self.loras = lora_registry.build(
+            config.lora, why_not, text, config.max_loras, config.max_lora_rank, self.dtype, self.device
+        )
         if self.native is not None and self.device.type == "cpu":
             keep_off_files(model)  # what is left of it after the native forward took the layers
         # The decode kernels run plain causal layers only (worker/attention/paged.py); a model with
@@ -202,7 +211,8 @@ class ModelRunner:
             logits = paths.rows(inputs)
         else:
             inputs = self.inputs.flat(batch)
-            logits = paths.flat(inputs)
+            lora = self.loras.segments(inputs.lora_segments) if inputs.lora_segments else None
+            logits = paths.flat(inputs, lora)
         sampled = len(inputs.sampled_requests)
         self._record_prompt_logprobs(logits[sampled:], inputs.prompt_spans)
         return logits[:sampled], inputs.sampled_requests

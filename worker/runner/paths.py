@@ -10,8 +10,9 @@
   the steps that carry its chunks take 44-48 ms (median) and 62-67 ms (p99) this way; 64 ms and
   74-88 ms with the chunks in the torch path beside the C++ decode rows.
 - ``flat``: the torch path (the native forward or transformers' classes) over one flat sequence;
-  prefill-only batches (oneDNN's bf16 GEMMs and SDPA do large chunks faster) and prompts that want
-  logprobs take it, except with ``--quantized-only``, where every batch is rows.
+  prefill-only batches (oneDNN's bf16 GEMMs and SDPA do large chunks faster), prompts that want
+  logprobs and every batch with a LoRA adapter's rows (worker/lora) take it, except with
+  ``--quantized-only``, where every batch is rows.
 - ``verify``: a lone request's drafts (worker/speculative.py), as rows on the C++ path, else as a
   prompt chunk.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from worker.attention.paged import step_metadata
+from worker.lora.adapter import Segments
 from worker.models.fused_decode import FusedDecode
 from worker.models.llama import LlamaForward
 from worker.request import Request
@@ -57,6 +59,7 @@ class ExecutionPaths:
     def takes_graph(self, batch: ScheduledBatch) -> bool:
         return (
             self.graphs is not None
+            and not any(r.lora for r in batch.requests)  # adapters' rows: the torch path adds their products
             and len(batch) <= self.graphs.max_rows
             and all(map(is_decode_row, batch.requests, batch.num_new_tokens))
         )
@@ -76,7 +79,7 @@ class ExecutionPaths:
         """Whether the C++ step takes the batch (see the module docstring)."""
         if self.rows_only:
             return True
-        if not self.fast:
+        if not self.fast or any(r.lora for r in batch.requests):  # adapters: only the torch path applies them
             return False
         decodes = sum(map(is_decode_row, batch.requests, batch.num_new_tokens))
         if decodes == len(batch.requests):
@@ -99,9 +102,9 @@ class ExecutionPaths:
             keep=rows.keep,
         )
 
-    def flat(self, inputs: FlatInputs) -> torch.Tensor:
+    def flat(self, inputs: FlatInputs, lora: Segments | None = None) -> torch.Tensor:
         if self.native is not None:
-            return self.native(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
+            return self.native(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices, lora)
         with step_metadata(inputs.metadata):  # for the layers that do not pass kwargs on to attention
             return self.model(
                 input_ids=inputs.input_ids,
