@@ -32,34 +32,25 @@ class RateInfo:
     key: KeyRecord
     window: Window
 
-    def openai(self) -> dict[str, str]:
-        reset = f"{max(0, math.ceil(self.window.reset_at - time.time()))}s"
-        out = {}
-        for what, limit, used in (
-            ("requests", self.key.rpm, self.window.requests),
-            ("tokens", self.key.tpm, self.window.tokens),
-        ):
-            if limit is not None:
-                out[f"x-ratelimit-limit-{what}"] = str(limit)
-                out[f"x-ratelimit-remaining-{what}"] = str(max(0, limit - used))
-                out[f"x-ratelimit-reset-{what}"] = reset
-        return out
-
-    def anthropic(self) -> dict[str, str]:
-        reset = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.window.reset_at))
-        out = {}
-        for what, limit, used in (
-            ("requests", self.key.rpm, self.window.requests),
-            ("tokens", self.key.tpm, self.window.tokens),
-        ):
-            if limit is not None:
-                out[f"anthropic-ratelimit-{what}-limit"] = str(limit)
-                out[f"anthropic-ratelimit-{what}-remaining"] = str(max(0, limit - used))
-                out[f"anthropic-ratelimit-{what}-reset"] = reset
-        return out
-
     def headers(self, anthropic: bool) -> dict[str, str]:
-        return self.anthropic() if anthropic else self.openai()
+        """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` (reset as ``12s``), or
+        Anthropic's ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`` (reset as RFC 3339)."""
+        if anthropic:
+            name = "anthropic-ratelimit-{what}-{field}"
+            reset = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.window.reset_at))
+        else:
+            name = "x-ratelimit-{field}-{what}"
+            reset = f"{max(0, math.ceil(self.window.reset_at - time.time()))}s"
+        out = {}
+        for what, limit, used in (
+            ("requests", self.key.rpm, self.window.requests),
+            ("tokens", self.key.tpm, self.window.tokens),
+        ):
+            if limit is not None:
+                out[name.format(what=what, field="limit")] = str(limit)
+                out[name.format(what=what, field="remaining")] = str(max(0, limit - used))
+                out[name.format(what=what, field="reset")] = reset
+        return out
 
 
 class RateLimited(Overloaded):
