@@ -5,7 +5,9 @@ A request asks for all its slots at once (one per prompt and choice: ``n``, ``be
 lists) and gets all of them or none. Requests that held part of what they needed while waiting for
 the rest once waited on each other forever, and with them every request after. Waiters are served
 first come, first served, so a big request is never starved by a stream of small ones: while the
-head of the queue waits for its slots, nobody behind it jumps ahead.
+head of the queue waits for its slots, nobody behind it jumps ahead. Between API keys the queue is
+fair (gateway/fair_queue.py): the key holding the fewest slots goes first, and a full queue refuses
+the burst of the key that queues the most, not a newcomer of another key.
 
 Routes take the slots before they answer (so a refusal is a real 429, not an error inside a 200
 stream) and hand them to the generation, which releases each when its choice ends, however it ends.
@@ -17,33 +19,38 @@ every ``stall_s`` seconds; otherwise admission has stopped making progress and /
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass
 
 from gateway.errors import InvalidRequest, Overloaded
+from gateway.fair_queue import FairQueue
 
 
 class Slot:
     """One admitted generation's place; released exactly once, at the latest when it is collected."""
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, key: str = "") -> None:
         self._admission = admission
         self._held = True
+        self.key = key
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._admission._give_back(1)
+            self._admission._give_back(1, self.key)
 
     def __del__(self) -> None:  # a response that was never iterated must not leak its slot
         self.release()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Waiter:
     count: int
     granted: asyncio.Future
+    key: str = ""  # whose request: the fair queue's unit (gateway/fair_queue.py)
+    seq: int = 0
 
 
 class Admission:
@@ -53,7 +60,10 @@ class Admission:
         self.stall_s = stall_s
         self.free = max_concurrent
         self.rejected = 0
-        self._queue: deque[_Waiter] = deque()
+        self.pushed_out = 0  # of the refused, those that waited and gave their place to another key's request
+        self.held: Counter[str] = Counter()  # slots per key
+        self._queue = FairQueue()
+        self._seq = itertools.count()
         self._progress = time.monotonic()  # the last grant or release
 
     @property
@@ -78,25 +88,34 @@ class Admission:
                 param=param,
             )
 
-    async def acquire(self, count: int = 1) -> list[Slot]:
+    def queued(self, key: str) -> int:
+        """Requests of ``key`` waiting for their slots."""
+        return self._queue.count(key)
+
+    async def acquire(self, count: int = 1, key: str = "") -> list[Slot]:
         """``count`` slots together, now or after queueing behind earlier requests; Overloaded at
-        once when the queue is full. Cancelling the wait (timeout, client gone) takes nothing."""
+        once when the queue is full (and no other key queues more than ``key``). Cancelling the
+        wait (timeout, client gone) takes nothing."""
         if count > self.max_concurrent:
             raise ValueError(f"{count} slots can never be had (check_fits refuses such requests)")
         if not self._queue and self.free >= count:
-            return self._grant(count)
+            return self._grant(count, key)
         if len(self._queue) >= self.max_waiting:
+            busiest = self._queue.busiest()
+            if busiest is None or self._queue.count(busiest.key) <= self._queue.count(key) + 1:
+                self.rejected += 1
+                raise self._overloaded()
+            self._queue.remove(busiest)  # a key that queues more gives its newest place to this one
             self.rejected += 1
-            raise Overloaded(
-                f"the server is at capacity ({self.in_use} generations running, {self.waiting} requests waiting); retry shortly",
-                code="server_overloaded",
-            )
-        waiter = _Waiter(count, asyncio.get_running_loop().create_future())
+            self.pushed_out += 1
+            busiest.granted.set_exception(self._overloaded())
+        waiter = _Waiter(count, asyncio.get_running_loop().create_future(), key, next(self._seq))
         self._queue.append(waiter)
+        self._wake()  # another key's head may be waiting for more slots than this one needs... or this is the head
         try:
             return await waiter.granted
         except asyncio.CancelledError:
-            if waiter.granted.done() and not waiter.granted.cancelled():
+            if waiter.granted.done() and not waiter.granted.cancelled() and waiter.granted.exception() is None:
                 for slot in waiter.granted.result():  # granted as the wait was cancelled: give them back
                     slot.release()
             elif waiter in self._queue:
@@ -104,19 +123,29 @@ class Admission:
                 self._wake()  # the head may have changed
             raise
 
-    def _grant(self, count: int) -> list[Slot]:
-        self.free -= count
-        self._progress = time.monotonic()
-        return [Slot(self) for _ in range(count)]
+    def _overloaded(self) -> Overloaded:
+        return Overloaded(
+            f"the server is at capacity ({self.in_use} generations running, {self.waiting} requests waiting); retry shortly",
+            code="server_overloaded",
+        )
 
-    def _give_back(self, count: int) -> None:
+    def _grant(self, count: int, key: str) -> list[Slot]:
+        self.free -= count
+        self.held[key] += count
+        self._progress = time.monotonic()
+        return [Slot(self, key) for _ in range(count)]
+
+    def _give_back(self, count: int, key: str) -> None:
         self.free += count
+        self.held[key] -= count
+        if not self.held[key]:
+            del self.held[key]
         self._progress = time.monotonic()
         self._wake()
 
     def _wake(self) -> None:
-        """Grant queued requests in order while the head's slots are free."""
-        while self._queue and self._queue[0].count <= self.free:
-            waiter = self._queue.popleft()
+        """Grant queued requests, the fair queue's head first, while the head's slots are free."""
+        while (waiter := self._queue.head(self.held.__getitem__)) is not None and waiter.count <= self.free:
+            self._queue.remove(waiter)
             if not waiter.granted.done():
-                waiter.granted.set_result(self._grant(waiter.count))
+                waiter.granted.set_result(self._grant(waiter.count, waiter.key))

@@ -25,8 +25,10 @@ from gateway.errors import EXCEPTION_HANDLERS
 from gateway.generation import Lanes
 from gateway.metrics import Metrics, http_metrics_middleware
 from gateway.model_registry import ModelRegistry
+from gateway.quotas import Quotas, rate_headers
 from gateway.reasoning import PARSERS as REASONING_PARSERS
 from gateway.request_body import GatewayRequest
+from gateway.routes.admin_keys import KeysController
 from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
 from gateway.routes.conversations import ConversationsController
@@ -42,9 +44,11 @@ from gateway.routes.responses import ResponsesController
 from gateway.routes.tokenize import TokenizeController
 from gateway.routes.ui import UI_ROUTES
 from gateway.routes.usage import usage
+from gateway.state.keys import KeyStore
 from gateway.state.service import StateService
 from gateway.state.store import Limits
 from gateway.state.usage import UsageMeter
+from gateway.state.windows import Windows
 from gateway.tools import PARSERS
 from gateway.worker_client import WorkerClient
 
@@ -55,12 +59,10 @@ def provide_models(state: State) -> ModelRegistry:
     return state.models
 
 
-def openapi_config(keys: frozenset[str]) -> OpenAPIConfig:
+def openapi_config(guards: list) -> OpenAPIConfig:
     """The OpenAPI document as JSON at /schema/openapi.json (and /schema), behind the API key when
     there is one; no rendered pages, whose scripts came from a CDN."""
-    router = Router(
-        path="/schema", route_handlers=[], include_in_schema=False, guards=[api_key_guard(keys)] if keys else []
-    )
+    router = Router(path="/schema", route_handlers=[], include_in_schema=False, guards=guards)
     return OpenAPIConfig(
         title="llmpool",
         version="1",
@@ -137,6 +139,10 @@ def create_app(config: GatewayConfig) -> Litestar:
             config.state_purge_interval,
         )
         app.state.state = state
+        db, heartbeat = state.store.db, config.heartbeat_interval
+        windows = Windows(db, state.store.gateway_id, lease_s, heartbeat)
+        app.state.quotas = Quotas(KeyStore(db), windows, admission, app.state.usage, heartbeat)
+        state.hooks.append(app.state.quotas.sync)
         state.start(lambda response_id, gateway: take_over(app, response_id, gateway))
         await client.start()
         threading.Thread(target=_import_tokenizers, daemon=True).start()
@@ -154,7 +160,8 @@ def create_app(config: GatewayConfig) -> Litestar:
             await client.stop()
             tracing.shutdown()
 
-    keys = parse_keys(config.api_key)
+    keys, admin_keys = parse_keys(config.api_key), parse_keys(config.admin_key)
+    guards = [api_key_guard(keys, managed=bool(admin_keys))] if keys or admin_keys else []
     api = Router(
         path="/",
         route_handlers=[
@@ -174,10 +181,10 @@ def create_app(config: GatewayConfig) -> Litestar:
             workers,
             metrics,
         ],
-        guards=[api_key_guard(keys)] if keys else [],
+        guards=guards,
     )
     origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]
-    admin = Router(path="/", route_handlers=[usage], guards=[admin_guard(parse_keys(config.admin_key))])
+    admin = Router(path="/", route_handlers=[usage, KeysController], guards=[admin_guard(admin_keys)])
     app = Litestar(
         route_handlers=[api, admin, health, *(UI_ROUTES if config.ui else [])],
         request_max_body_size=parse_size(config.max_body_size),
@@ -192,11 +199,12 @@ def create_app(config: GatewayConfig) -> Litestar:
         request_class=GatewayRequest,
         middleware=[
             tracing.middleware,
+            rate_headers,
             http_metrics_middleware(lambda: getattr(getattr(app.state, "models", None), "metrics", None)),
         ],
         lifespan=[lifespan],
         logging_config=None,  # common.logs configures logging, the same way in every process
-        openapi_config=openapi_config(keys),
+        openapi_config=openapi_config(guards),
     )
     app.asgi_handler = head_as_get(app.asgi_handler)  # routing happens inside it: HEAD must become GET first
     return app

@@ -125,7 +125,12 @@ GATEWAY_FLAGS = [
         parse_size,
     ),
     Flag("state-purge-interval", 60.0, "Seconds between background purges of expired and excess responses", float),
-    Flag("admin-key", None, "Admin key(s), comma-separated: GET /v1/usage wants one (closed without it)"),
+    Flag(
+        "admin-key",
+        None,
+        "Admin key(s), comma-separated: GET /v1/usage and /admin/keys want one (closed without it); "
+        "with it, managed API keys are on and the API wants a managed key or an --api-key one",
+    ),
 ]
 
 

@@ -32,6 +32,7 @@ from gateway.auth import caller_owner
 from gateway.errors import GatewayError, RequestTimeout
 from gateway.generation import Generator, TextDelta, unless_disconnected
 from gateway.logprobs import TokenLogprob
+from gateway.quotas import enforce
 from gateway.schemas import SamplingOptions
 from gateway.tools import CallDelta, ToolCall
 from gateway.validation import Prepared, prepare, request_id
@@ -178,6 +179,7 @@ async def start(generator: Generator, req: GenerationRequest, request: Request |
     if req.request_id is None:
         req.request_id = request_id(request.headers.get("x-request-id") if request is not None else None)
     prepared = await prepare(generator, req, request)
+    await enforce(request, generator.model_name, sum(map(len, prepared.prompts)), len(prepared.news))
     if request is not None and req.meter is None:
         req.meter = getattr(request.app.state, "usage", None)
         req.owner = caller_owner(request)
@@ -196,7 +198,7 @@ async def admit(generator: Generator, count: int, deadline: float, request: Requ
     async def wait() -> list[Slot]:
         try:
             async with asyncio.timeout_at(deadline):
-                return await generator.admission.acquire(count)
+                return await generator.admission.acquire(count, caller_owner(request) if request else "")
         except TimeoutError:
             raise RequestTimeout(
                 f"the request waited longer than --request-timeout ({generator.timeout_s:g} s) for the server to take it"

@@ -28,6 +28,10 @@ class GatewayError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
+    def headers(self, anthropic: bool) -> dict[str, str] | None:
+        """Headers the answer carries (Retry-After on the refusals a client should retry)."""
+        return None
+
     def anthropic_body(self) -> dict:
         return {
             "type": "error",
@@ -45,6 +49,11 @@ class Unauthorized(GatewayError):
     error_type = "invalid_request_error"
 
 
+class PermissionDenied(GatewayError):
+    status_code = 403
+    error_type = "permission_error"
+
+
 class NotFound(GatewayError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -54,10 +63,23 @@ class Overloaded(GatewayError):
     status_code = 429
     error_type = "rate_limit_error"
 
+    def headers(self, anthropic: bool) -> dict[str, str] | None:
+        return {"Retry-After": "1"}
+
+
+class QuotaExceeded(GatewayError):
+    """A key's monthly token budget is spent (OpenAI's ``insufficient_quota``: retrying will not help)."""
+
+    status_code = 429
+    error_type = "insufficient_quota"
+
 
 class NoWorkerAvailable(GatewayError):
     status_code = 503
     error_type = "service_unavailable"
+
+    def headers(self, anthropic: bool) -> dict[str, str] | None:
+        return {"Retry-After": "1"}
 
 
 class GenerationFailed(GatewayError):
@@ -106,10 +128,12 @@ def speaks_anthropic(request: Request) -> bool:
 
 
 def error_response(error: GatewayError, anthropic: bool = False) -> Response:
-    headers = {"Retry-After": "1"} if isinstance(error, (Overloaded, NoWorkerAvailable)) else None
     body = error.anthropic_body() if anthropic else error.body()
     return Response(
-        content=orjson.dumps(body), status_code=error.status_code, media_type="application/json", headers=headers
+        content=orjson.dumps(body),
+        status_code=error.status_code,
+        media_type="application/json",
+        headers=error.headers(anthropic),
     )
 
 

@@ -282,6 +282,11 @@ class PoolCollector(Collector):
             "llmpool_gateway_rejected_requests", "Requests refused with 429", value=self.admission.rejected
         )
         yield CounterMetricFamily(
+            "llmpool_gateway_pushed_out_requests",
+            "Of those, waiters that gave their place to another API key's request (fair admission)",
+            value=self.admission.pushed_out,
+        )
+        yield CounterMetricFamily(
             "llmpool_kv_store_routed_requests",
             "Requests sent away from their prefix's worker to a less loaded one that reads the prefix from a KV store they share",
             value=snapshot["store_routed"],

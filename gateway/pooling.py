@@ -24,6 +24,7 @@ from gateway.core import admit
 from gateway.errors import GenerationFailed, InvalidRequest, RequestTimeout
 from gateway.generation import Generator, unless_disconnected
 from gateway.metrics import RequestClock
+from gateway.quotas import enforce
 from gateway.validation import check_token_ids, request_id
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
@@ -93,6 +94,7 @@ async def pool(
         for i, (ids, types) in enumerate(encoded)
     ]
     wave = generator.admission.max_concurrent
+    await enforce(request, generator.model_name, sum(len(ids) for ids, _ in encoded), min(len(news), wave))
     outputs: list[RequestOutput] = []
     for start in range(0, len(news), wave):
         part = news[start : start + wave]

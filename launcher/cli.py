@@ -1,4 +1,4 @@
-"""``llmpool serve|gateway|worker|keys|kv-store``.
+"""``llmpool serve|gateway|worker|keys|kv-store`` (``keys create|list|...``: launcher/api_keys.py).
 
 ``serve`` starts the gateway and ``--workers N`` local workers of each model (``--model``, or each
 entry of ``--models``) as child processes and supervises them: each child gets its settings through the flags' environment twins (one definition per flag),
@@ -54,6 +54,7 @@ LAUNCHER_FLAGS = [
 MAX_RESTART_DELAY_S = 30.0
 _SERVE_WORKER_FLAGS = [f for f in ALL_WORKER_FLAGS if f not in ALL_GATEWAY_FLAGS and f.name != "gateway-address"]
 _PR_SET_PDEATHSIG = 1
+API_KEY_ACTIONS = ("create", "list", "get", "update", "revoke")  # launcher/api_keys.py; else CURVE's FOLDER
 
 
 def _die_with_parent() -> None:
@@ -226,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(serve, "worker", _SERVE_WORKER_FLAGS)
     commands.add_parser("gateway", help="the gateway alone (flags: llmpool gateway --help)", add_help=False)
     commands.add_parser("worker", help="one worker alone (flags: llmpool worker --help)", add_help=False)
-    keys = commands.add_parser("keys", help="make CURVE key pairs for the gateway and workers")
+    keys = commands.add_parser(
+        "keys", help="make CURVE key pairs (FOLDER); or managed API keys: keys create|list|get|update|revoke --help"
+    )
     keys.add_argument("folder", help="where to write gateway.key(_secret) and worker-N.key(_secret)")
     keys.add_argument("--workers", type=int, default=1, help="worker key pairs to make")
     store = commands.add_parser("kv-store", help="what a KV store (--kv-store) holds, or empty it")
@@ -283,6 +286,11 @@ def main(argv: list[str] | None = None) -> None:
         from gateway.__main__ import main as gateway_main
 
         gateway_main(argv[1:])
+        return
+    if argv[:1] == ["keys"] and argv[1:2] and argv[1] in API_KEY_ACTIONS:
+        from launcher import api_keys
+
+        api_keys.main(argv[1:])
         return
     if argv[:1] == ["worker"]:
         from worker.__main__ import main as worker_main

@@ -1,7 +1,8 @@
 """GET /v1/usage: tokens per API key (hashed), model and day, for the admin key only (--admin-key).
 
 Query: ``start`` and ``end`` days (YYYY-MM-DD, UTC; default: the last 30 days), and optionally
-``key`` (a hashed key as the report and the Prometheus ``key`` label show it) and ``model``.
+``key`` (a hashed key as the report and the Prometheus ``key`` label show it, or a managed key's id)
+and ``model``. A managed key's rows also name it (``key_id``, ``key_name``).
 Each gateway adds its counts to the store every heartbeat; this gateway's own are flushed first.
 """
 
@@ -15,6 +16,7 @@ from litestar.params import FromQuery
 
 from gateway.errors import InvalidRequest
 from gateway.routes.common import documented, json_response
+from gateway.state.records import key_label
 from gateway.state.usage import day_of
 
 
@@ -43,6 +45,10 @@ async def usage(
             raise InvalidRequest(f"`{name}` must be a day as YYYY-MM-DD; got {value!r}", param=name) from None
     state = request.app.state.state
     rows = await state.usage.report(state.store.db, start, end, None, model)
+    managed = {key_label(k.owner): k for k in await request.app.state.quotas.store.list()}
+    for row in rows:
+        if row["key"] in managed:
+            row["key_id"], row["key_name"] = managed[row["key"]].id, managed[row["key"]].name
     if key is not None:
-        rows = [row for row in rows if row["key"] == key]
+        rows = [row for row in rows if key in (row["key"], row.get("key_id"))]
     return json_response(UsageReport(rows, start, end))

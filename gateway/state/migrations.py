@@ -88,6 +88,39 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "CREATE INDEX conversations_owner_created ON conversations (owner, created_at)",
         ],
     ),
+    (
+        3,
+        "managed API keys (hashed) with their limits, per-minute windows and each gateway's in-flight counts",
+        [
+            """CREATE TABLE api_keys (
+                id TEXT PRIMARY KEY,
+                name TEXT NOT NULL,
+                hash TEXT NOT NULL UNIQUE,
+                hint TEXT NOT NULL,
+                created_at BIGINT NOT NULL,
+                revoked_at BIGINT,
+                rpm BIGINT,
+                tpm BIGINT,
+                max_concurrent BIGINT,
+                monthly_tokens BIGINT,
+                models TEXT,
+                default_priority INTEGER NOT NULL DEFAULT 0
+            )""",
+            """CREATE TABLE key_windows (
+                key_id TEXT NOT NULL,
+                window_start BIGINT NOT NULL,
+                requests BIGINT NOT NULL DEFAULT 0,
+                tokens BIGINT NOT NULL DEFAULT 0,
+                PRIMARY KEY (key_id, window_start)
+            )""",
+            """CREATE TABLE key_inflight (
+                gateway TEXT NOT NULL,
+                key_id TEXT NOT NULL,
+                count BIGINT NOT NULL,
+                PRIMARY KEY (gateway, key_id)
+            )""",
+        ],
+    ),
 ]
 
 _TYPES = {

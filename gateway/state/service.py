@@ -31,6 +31,7 @@ class StateService:
         self.interval = interval
         self.purge_interval = purge_interval
         self.take_over: TakeOver | None = None
+        self.hooks: list[Callable[[], Awaitable[None]]] = []  # more work of each beat (gateway.quotas' sync)
         self._task: asyncio.Task | None = None
 
     @classmethod
@@ -75,6 +76,8 @@ class StateService:
                 if self.runs.get(response_id) is None:
                     await self.take_over(response_id, gateway)
         await self.usage.flush(self.store.db)
+        for hook in self.hooks:
+            await hook()
         if purge:
             counts = await self.store.purge()
             await self.leases.forget_dead()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -27,9 +28,15 @@ def day_of(at: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(at))
 
 
+def month_start(at: float) -> str:
+    """The first day of ``at``'s month (UTC), as the usage table spells days."""
+    return time.strftime("%Y-%m-01", time.gmtime(at))
+
+
 class UsageMeter:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._pending: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0] * len(FIELDS))
+        self.on_output: Callable[[str, int], None] | None = None  # (owner, output tokens): gateway.quotas
         self.requests = Counter(
             "llmpool_key_requests",
             "Finished generations by API key (hashed) and model",
@@ -50,6 +57,8 @@ class UsageMeter:
         counts = self._pending[(day_of(time.time()), owner, model)]
         for i, value in enumerate((requests, prompt, cached, output, reasoning)):
             counts[i] += value
+        if self.on_output is not None:
+            self.on_output(owner, output)
         label = key_label(owner)
         if requests:
             self.requests.labels(label, model).inc(requests)
@@ -57,11 +66,24 @@ class UsageMeter:
             if value:
                 self.tokens.labels(label, model, kind).inc(value)
 
+    def pending_tokens(self, owner: str) -> int:
+        """Input and output tokens of ``owner`` not flushed yet."""
+        return sum(c[1] + c[3] for (_, o, _), c in self._pending.items() if o == owner)
+
     async def flush(self, db: Database) -> None:
         if not self._pending:
             return
         pending, self._pending = self._pending, defaultdict(lambda: [0] * len(FIELDS))
         await db.executemany(_UPSERT, [(*key, *counts) for key, counts in pending.items()])
+
+    async def month_totals(self, db: Database) -> dict[str, dict[str, int]]:
+        """Each owner's counts this calendar month (UTC), every model together."""
+        await self.flush(db)
+        sums = ", ".join(f"SUM({f})" for f in FIELDS)
+        rows = await db.fetch(
+            f"SELECT owner, {sums} FROM usage WHERE day >= ? GROUP BY owner", month_start(time.time())
+        )
+        return {r[0]: {f: int(v) for f, v in zip(FIELDS, r[1:])} for r in rows}
 
     async def report(
         self, db: Database, start: str, end: str, owner: str | None = None, model: str | None = None

@@ -291,6 +291,38 @@ async function refreshDashboard() {
   $("workers").querySelector("tbody").replaceChildren(...rows);
 }
 
+// The keys view wants the admin key (--admin-key), asked once and kept for this tab only.
+async function refreshKeys() {
+  let admin = sessionStorage.getItem("llmpool-admin-key");
+  if (!admin) {
+    admin = window.prompt("Admin key (--admin-key)") || "";
+    if (!admin) return;
+    sessionStorage.setItem("llmpool-admin-key", admin);
+  }
+  const response = await fetch("/admin/keys", { headers: { Authorization: `Bearer ${admin}` } });
+  if (!response.ok) {
+    sessionStorage.removeItem("llmpool-admin-key");
+    return showError("keys-error", await errorText(response));
+  }
+  showError("keys-error", "");
+  const limit = (value) => (value === null || value === undefined ? "-" : value);
+  const rows = (await response.json()).data.map((key) => {
+    const used = key.usage_this_month || {};
+    const tokens = (used.input_tokens || 0) + (used.output_tokens || 0);
+    const row = document.createElement("tr");
+    const cells = [key.name, key.id, key.status, limit(key.rpm), limit(key.tpm), limit(key.max_concurrent),
+      limit(key.monthly_tokens), key.models ? key.models.join(", ") : "all", used.requests || 0, tokens];
+    row.innerHTML = cells.map((c) => `<td>${escapeHtml(c)}</td>`).join("");
+    return row;
+  });
+  $("keys").querySelector("tbody").replaceChildren(...rows);
+}
+let keysTimer = null;
+$("keys-load").addEventListener("click", () => {
+  refreshKeys();
+  if (!keysTimer) keysTimer = setInterval(refreshKeys, 10000);
+});
+
 function escapeHtml(text) {
   return String(text).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 }

@@ -12,11 +12,11 @@ from gateway.core import admit
 from gateway.errors import InvalidRequest, Overloaded, RequestTimeout
 
 
-async def queued(admission: Admission, count: int) -> None:
-    """Until ``count`` requests wait in the queue (a task started with create_task gets there on its
-    first run): the waits below are seen, not assumed from a yield."""
+async def queued(admission: Admission, count: int, key: str | None = None) -> None:
+    """Until ``count`` requests (of ``key``, if given) wait in the queue (a task started with
+    create_task gets there on its first run): the waits below are seen, not assumed from a yield."""
     for _ in range(100):
-        if admission.waiting == count:
+        if (admission.waiting if key is None else admission.queued(key)) == count:
             return
         await asyncio.sleep(0)
     raise AssertionError(f"{admission.waiting} requests wait, not {count}")
@@ -168,5 +168,59 @@ def test_the_admission_wait_counts_toward_the_request_timeout():
         assert admission.waiting == 0
         held[0].release()
         assert len(await admit(generator, 1, asyncio.get_running_loop().time() + 5, None)) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_keys_burst_cannot_push_another_keys_request_out_of_the_queue():
+    """Key A floods a full queue; key B's request still gets a place (A's newest waiter is refused
+    instead) and is served before A's earlier waiters, since B holds no slot; A's refusals are 429s."""
+
+    async def scenario():
+        admission = Admission(max_concurrent=2, max_waiting=4)
+        running = await admission.acquire(2, key="a")
+        flood = [asyncio.create_task(admission.acquire(1, key="a")) for _ in range(4)]
+        await queued(admission, 4)
+        with pytest.raises(Overloaded):
+            await admission.acquire(1, key="a")  # A's own burst past the queue: refused at once
+        b = asyncio.create_task(admission.acquire(1, key="b"))
+        await queued(admission, 1, key="b")
+        assert admission.waiting == 4 and admission.queued("a") == 3 and admission.pushed_out == 1
+        with pytest.raises(Overloaded):
+            await flood[3]  # A's newest waiter gave its place to B
+        running[0].release()
+        (granted,) = await asyncio.wait_for(b, 1)  # B first, though A's three came earlier
+        assert granted.key == "b" and admission.held["b"] == 1 and admission.queued("a") == 3
+        running[1].release()
+        (first_a,) = await asyncio.wait_for(flood[0], 1)  # then A's, in their order
+        assert not flood[1].done() and admission.rejected == 2
+        for slot in (granted, first_a):
+            slot.release()
+        for task in flood[1:3]:
+            for slot in await asyncio.wait_for(task, 1):
+                slot.release()
+        assert admission.free == 2 and not admission.held and admission.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_key_that_queues_as_much_as_the_newcomers_keeps_its_places():
+    """Push-out only takes from a key that queues more than the newcomer's would: two keys sharing
+    a full queue evenly refuse a third request of either."""
+
+    async def scenario():
+        admission = Admission(max_concurrent=1, max_waiting=2)
+        (held,) = await admission.acquire(1, key="a")
+        waits = [asyncio.create_task(admission.acquire(1, key=k)) for k in ("a", "b")]
+        await queued(admission, 2)
+        with pytest.raises(Overloaded):
+            await admission.acquire(1, key="b")
+        assert admission.pushed_out == 0 and admission.queued("a") == admission.queued("b") == 1
+        held.release()
+        (a_slot,) = await asyncio.wait_for(waits[0], 1)  # both hold nothing now: the earlier goes first
+        assert not waits[1].done()
+        a_slot.release()
+        (b_slot,) = await asyncio.wait_for(waits[1], 1)
+        b_slot.release()
 
     asyncio.run(scenario())

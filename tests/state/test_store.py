@@ -6,7 +6,6 @@ once), the writer's group commits, leases and takeover claims, usage."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 
 import msgspec
@@ -18,15 +17,6 @@ from gateway.state.migrations import MIGRATIONS, SchemaTooNew, migrate
 from gateway.state.records import ResponseRecord, owner_of
 from gateway.state.store import Limits, StateStore
 from gateway.state.usage import UsageMeter, day_of
-
-_names = itertools.count()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/state.db"
-    return request.getfixturevalue("postgres").database(f"store_{next(_names)}")
 
 
 def run(coro):
