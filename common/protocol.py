@@ -23,6 +23,7 @@ import msgspec
 from common.pooling import PoolingInfo, PoolingParams
 
 PROTOCOL_VERSION = 2  # 1: the same messages as named maps (dataclasses)
+BATCH_PRIORITY = 2**31  # the batch runner's requests: less urgent than any priority a client may ask for
 
 
 class Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -116,6 +117,9 @@ class NewRequest(Wire):
     # thinking ends, and a budget ends it.
     reasoning: Reasoning | None = None
     pooling: PoolingParams | None = None  # a pooling request (common/pooling.py): one pass, no token sampled
+    # Lower is more urgent (vLLM's): the worker admits the most urgent first and preempts the least
+    # urgent first; batch work (gateway/batches) travels at BATCH_PRIORITY, below every interactive request.
+    priority: int = 0
 
 
 class Ready(Wire):

@@ -69,6 +69,7 @@ class Request:
     events: list[WorkerEvent] | None = None  # trace events not yet sent; None when the request is not traced
     kv_store: Lookup | None = None  # its blocks' keys and what the KV store staged for it (worker/kv_store)
     reasoning: ThinkTracker | None = None  # a reasoning model's thinking: its budget, and where a guide starts
+    priority: int = 0  # lower is more urgent: the scheduler's order and preemption follow it
 
     @classmethod
     def from_wire(cls, new: NewRequest, eos_token_ids: frozenset[int]) -> Request:
@@ -84,6 +85,7 @@ class Request:
             output_start=len(new.prompt_token_ids) - min(new.resumed_tokens, len(new.prompt_token_ids)),
             events=[] if new.trace_context else None,
             reasoning=None if new.reasoning is None else ThinkTracker(new.reasoning),
+            priority=new.priority,
         )
         if request.reasoning is not None:  # a resumed request: its thinking goes on where it was
             for token in request.generated_token_ids:
