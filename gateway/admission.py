@@ -5,7 +5,8 @@ A request asks for all its slots at once (one per prompt and choice: ``n``, ``be
 lists) and gets all of them or none. Requests that held part of what they needed while waiting for
 the rest once waited on each other forever, and with them every request after. Waiters are served
 first come, first served, so a big request is never starved by a stream of small ones: while the
-head of the queue waits for its slots, nobody behind it jumps ahead.
+head of the queue waits for its slots, nobody behind it jumps ahead. Priority (gateway/priority.py:
+lower is more urgent) orders the queue first: a waiter goes behind those at least as urgent.
 
 Routes take the slots before they answer (so a refusal is a real 429, not an error inside a 200
 stream) and hand them to the generation, which releases each when its choice ends, however it ends.
@@ -44,6 +45,7 @@ class Slot:
 class _Waiter:
     count: int
     granted: asyncio.Future
+    priority: int = 0
 
 
 class Admission:
@@ -78,9 +80,10 @@ class Admission:
                 param=param,
             )
 
-    async def acquire(self, count: int = 1) -> list[Slot]:
-        """``count`` slots together, now or after queueing behind earlier requests; Overloaded at
-        once when the queue is full. Cancelling the wait (timeout, client gone) takes nothing."""
+    async def acquire(self, count: int = 1, priority: int = 0) -> list[Slot]:
+        """``count`` slots together, now or after queueing behind earlier requests (of this or a more
+        urgent ``priority``); Overloaded at once when the queue is full. Cancelling the wait
+        (timeout, client gone) takes nothing."""
         if count > self.max_concurrent:
             raise ValueError(f"{count} slots can never be had (check_fits refuses such requests)")
         if not self._queue and self.free >= count:
@@ -91,8 +94,12 @@ class Admission:
                 f"the server is at capacity ({self.in_use} generations running, {self.waiting} requests waiting); retry shortly",
                 code="server_overloaded",
             )
-        waiter = _Waiter(count, asyncio.get_running_loop().create_future())
-        self._queue.append(waiter)
+        waiter = _Waiter(count, asyncio.get_running_loop().create_future(), priority)
+        if not self._queue or self._queue[-1].priority <= priority:
+            self._queue.append(waiter)
+        else:  # ahead of the less urgent: it may be the head now, and fit
+            self._queue.insert(next(i for i, w in enumerate(self._queue) if w.priority > priority), waiter)
+            self._wake()
         try:
             return await waiter.granted
         except asyncio.CancelledError:

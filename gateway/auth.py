@@ -10,6 +10,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from gateway.errors import Unauthorized
+from gateway.priority import batch_owner
 from gateway.state.records import owner_of
 
 
@@ -29,6 +30,8 @@ def _matches(token: str, keys: frozenset[str]) -> bool:
 
 def api_key_guard(keys: frozenset[str]):
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        if batch_owner(connection) is not None:
+            return  # the batch runner's own call, for the key that created the batch
         if not _matches(presented_key(connection), keys):
             raise Unauthorized(
                 "Incorrect or missing API key: send it as `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
@@ -53,7 +56,11 @@ def admin_guard(admin_keys: frozenset[str]):
 
 def caller_owner(connection: ASGIConnection) -> str:
     """Whose stored responses a request sees: its key's digest when the server has keys ('' when
-    it has none, so an open server keeps one shared store as before)."""
+    it has none, so an open server keeps one shared store as before). A batch's requests belong to
+    the key that created the batch."""
+    owner = batch_owner(connection)
+    if owner is not None:
+        return owner
     if not getattr(connection.app.state, "api_keys", None):
         return ""
     return owner_of(presented_key(connection))

@@ -32,6 +32,7 @@ from gateway.auth import caller_owner
 from gateway.errors import GatewayError, RequestTimeout
 from gateway.generation import Generator, TextDelta, unless_disconnected
 from gateway.logprobs import TokenLogprob
+from gateway.priority import request_priority
 from gateway.schemas import SamplingOptions
 from gateway.tools import CallDelta, ToolCall
 from gateway.validation import Prepared, prepare, request_id
@@ -85,6 +86,7 @@ class GenerationRequest:
     # Usage metering (gateway.state.usage): set from the request by ``start`` unless given here.
     owner: str | None = None
     meter: Any = None
+    priority: int = 0  # set by ``start`` (gateway/priority.py): admission's and the workers' order
 
 
 @dataclass(slots=True)
@@ -177,13 +179,14 @@ async def start(generator: Generator, req: GenerationRequest, request: Request |
     require(generator, PoolingTask.GENERATE)  # an embedding model's is a 400 that says what it serves
     if req.request_id is None:
         req.request_id = request_id(request.headers.get("x-request-id") if request is not None else None)
-    prepared = await prepare(generator, req, request)
     if request is not None and req.meter is None:
         req.meter = getattr(request.app.state, "usage", None)
         req.owner = caller_owner(request)
+    req.priority = request_priority(request, req.sampling.priority, req.owner or "")
+    prepared = await prepare(generator, req, request)
     tracing.describe_request(generator.model_name, req, prepared.prompts)
     with tracing.span("queue"):
-        slots = await admit(generator, len(prepared.news), deadline, request)
+        slots = await admit(generator, len(prepared.news), deadline, request, req.priority)
     return Generation(generator, req, prepared, slots, deadline)
 
 
@@ -192,11 +195,13 @@ async def prompt_ids(generator: Generator, req: GenerationRequest, request: Requ
     return (await prepare(generator, req, request, admit=False)).prompts
 
 
-async def admit(generator: Generator, count: int, deadline: float, request: Request | None) -> list[Slot]:
+async def admit(
+    generator: Generator, count: int, deadline: float, request: Request | None, priority: int = 0
+) -> list[Slot]:
     async def wait() -> list[Slot]:
         try:
             async with asyncio.timeout_at(deadline):
-                return await generator.admission.acquire(count)
+                return await generator.admission.acquire(count, priority)
         except TimeoutError:
             raise RequestTimeout(
                 f"the request waited longer than --request-timeout ({generator.timeout_s:g} s) for the server to take it"

@@ -20,10 +20,12 @@ from common.pooling import PoolingParams
 from common.protocol import NewRequest, RequestOutput
 from gateway import tracing
 from gateway.admission import Slot
+from gateway.auth import caller_owner
 from gateway.core import admit
 from gateway.errors import GenerationFailed, InvalidRequest, RequestTimeout
 from gateway.generation import Generator, unless_disconnected
 from gateway.metrics import RequestClock
+from gateway.priority import request_priority
 from gateway.validation import check_token_ids, request_id
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
@@ -88,15 +90,16 @@ async def pool(
                 code="context_length_exceeded",
             )
     rid = request_id(request.headers.get("x-request-id"))
+    priority = request_priority(request, None, caller_owner(request))
     news = [
-        NewRequest(f"{rid}-{i}", ids, 1, pooling=PoolingParams(task, types, dimensions))
+        NewRequest(f"{rid}-{i}", ids, 1, pooling=PoolingParams(task, types, dimensions), priority=priority)
         for i, (ids, types) in enumerate(encoded)
     ]
     wave = generator.admission.max_concurrent
     outputs: list[RequestOutput] = []
     for start in range(0, len(news), wave):
         part = news[start : start + wave]
-        slots = await admit(generator, len(part), deadline, request)
+        slots = await admit(generator, len(part), deadline, request, priority)
         outputs += await unless_disconnected(request, _wave(generator, part, slots, deadline))
     return [Pooled(array("f", out.pooled or b""), out.num_prompt_tokens) for out in outputs]
 

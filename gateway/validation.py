@@ -111,6 +111,7 @@ async def prepare(
                     ignore_eos=req.sampling.ignore_eos,
                     guide=checked.guide,
                     reasoning=thinking,
+                    priority=req.priority,
                 )
             )
             thinkers.append(

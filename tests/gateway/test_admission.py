@@ -170,3 +170,25 @@ def test_the_admission_wait_counts_toward_the_request_timeout():
         assert len(await admit(generator, 1, asyncio.get_running_loop().time() + 5, None)) == 1
 
     asyncio.run(scenario())
+
+
+def test_waiters_are_granted_most_urgent_first_then_in_arrival_order():
+    async def scenario():
+        admission = Admission(max_concurrent=1, max_waiting=8)
+        (held,) = await admission.acquire()
+        order: list[str] = []
+
+        async def wait(name: str, priority: int) -> None:
+            (slot,) = await admission.acquire(1, priority)
+            order.append(name)
+            slot.release()
+
+        tasks = []
+        for i, (name, priority) in enumerate((("batch", 2**31), ("b1", 1), ("a", 0), ("b2", 1))):
+            tasks.append(asyncio.create_task(wait(name, priority)))
+            await queued(admission, i + 1)
+        held.release()
+        await asyncio.wait_for(asyncio.gather(*tasks), 1)
+        assert order == ["a", "b1", "b2", "batch"]
+
+    asyncio.run(scenario())
