@@ -7,11 +7,9 @@ tools, grammars, token ids, templates), the tokenizing and the admission happen 
 a 429 comes before any response starts. It then translates the ``Generation``'s events back:
 streamed as they come (``events``), or folded into one ``Choice`` per generation (``collect``).
 Stop strings, tool-call parsing, grammars, logprobs, the detokenizer, admission and errors all
-live below this line, written once.
-
-Events of one choice come in this order: ``PromptLogprobs`` (echo only), then a reasoning model's
-``Thinking``, then ``Text`` and ``ToolCallDelta`` as the text grows, then one ``Finish``. Choices (``n``, several prompts)
-interleave, each event naming its choice by ``index``.
+live below this line, written once. Events of one choice come in this order: ``PromptLogprobs``
+(echo only), then a reasoning model's ``Thinking``, then ``Text`` and ``ToolCallDelta`` as the text
+grows, then one ``Finish``. Choices (``n``, several prompts) interleave, each naming its ``index``.
 """
 
 from __future__ import annotations

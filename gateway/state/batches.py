@@ -160,7 +160,7 @@ class Batches:
                 if errors:
                     sql, args = (
                         "status = 'failed', failed_at = ?, errors = ?",
-                        [now, msgspec.json.encode(_errors(errors))],
+                        [now, msgspec.json.encode({"object": "list", "data": errors})],
                     )
                 else:
                     sql, args = (
@@ -265,9 +265,7 @@ class Batches:
         )
 
     async def unfinished(self, batch_id: str) -> int:
-        row = await self.db.fetchone(
-            "SELECT COUNT(*) FROM batch_requests WHERE batch_id = ? AND state IN (0, 1)", batch_id
-        )
+        row = await self.db.fetchone("SELECT COUNT(*) FROM batch_requests WHERE batch_id = ? AND state < 2", batch_id)
         return int(row[0]) if row else 0
 
     async def finalize(self, batch_id: str, status: str, lease_s: float) -> bool:
@@ -336,10 +334,6 @@ class Batches:
             }
             for r in rows
         ]
-
-
-def _errors(errors: list[dict]) -> dict:
-    return {"object": "list", "data": errors}
 
 
 def _split(rows: list[Any]) -> tuple[list[bytes], list[bytes]]:

@@ -16,7 +16,7 @@ import msgspec
 import openai
 import pytest
 
-from tests.conftest import MODEL, spawn, stop, wait_until
+from tests.conftest import MODEL, wait_until
 from tests.integration.test_state_fleet import ADMIN, KEYS, StateFleet
 
 CHAT = "/v1/chat/completions"
@@ -51,22 +51,7 @@ def finished(sdk: openai.OpenAI, batch_id: str, timeout: float = 240):
 def fleet(postgres):
     fleet = StateFleet(postgres.database("batch_fleet"))
     fleet.env["LLMPOOL_SCHEDULING_POLICY"] = "priority"
-    try:
-        fleet.start_gateway(0)
-        fleet.start_gateway(1)
-        addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in fleet.zmq)
-        fleet.worker = spawn(
-            ["worker", "--gateway-address", addresses, "--model", MODEL, "--max-num-seqs", "4"],
-            "batch-worker",
-            fleet.env,
-        )
-        for i in (0, 1):
-            wait_until(lambda i=i: fleet.ready(i), 240, f"gateway {i} ready")
-        yield fleet
-    finally:
-        for process in [fleet.worker, *fleet.gateways]:
-            if process is not None:
-                stop(process)
+    yield from fleet.run(["--model", MODEL, "--max-num-seqs", "4"], "batch-worker")
 
 
 def test_the_sdk_runs_a_batch_and_reads_its_output_through_either_gateway(fleet):
