@@ -24,6 +24,7 @@ from common.lora import LoraCommand, LoraInfo, LoraLoad, LoraResult
 from common.pooling import PoolingInfo, PoolingParams
 
 PROTOCOL_VERSION = 2  # 1: the same messages as named maps (dataclasses)
+BATCH_PRIORITY = 2**31  # the batch runner's requests: less urgent than any priority a client may ask for
 
 
 class Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -120,6 +121,7 @@ class NewRequest(Wire):
     reasoning: Reasoning | None = None
     pooling: PoolingParams | None = None  # a pooling request (common/pooling.py): one pass, no token sampled
     lora: str | None = None  # the LoRA adapter it runs with (the name a client gave as its model); None: the base model
+    priority: int = 0  # lower is more urgent (vLLM's): admitted first, preempted last; batches: BATCH_PRIORITY
 
 
 class Ready(Wire):

@@ -8,6 +8,8 @@ first come, first served, so a big request is never starved by a stream of small
 head of the queue waits for its slots, nobody behind it jumps ahead. Between API keys the queue is
 fair (gateway/fair_queue.py): the key holding the fewest slots goes first, and a full queue refuses
 the burst of the key that queues the most, not a newcomer of another key.
+Priority (gateway/priority.py: lower is more urgent) comes before both: a waiter goes behind those
+at least as urgent.
 
 Routes take the slots before they answer (so a refusal is a real 429, not an error inside a 200
 stream) and hand them to the generation, which releases each when its choice ends, however it ends.
@@ -51,6 +53,7 @@ class _Waiter:
     granted: asyncio.Future
     key: str = ""  # whose request: the fair queue's unit (gateway/fair_queue.py)
     seq: int = 0
+    priority: int = 0
 
 
 class Admission:
@@ -92,10 +95,10 @@ class Admission:
         """Requests of ``key`` waiting for their slots."""
         return self._queue.count(key)
 
-    async def acquire(self, count: int = 1, key: str = "") -> list[Slot]:
-        """``count`` slots together, now or after queueing behind earlier requests; Overloaded at
-        once when the queue is full (and no other key queues more than ``key``). Cancelling the
-        wait (timeout, client gone) takes nothing."""
+    async def acquire(self, count: int = 1, key: str = "", priority: int = 0) -> list[Slot]:
+        """``count`` slots together, now or after queueing behind earlier requests (of this or a more
+        urgent ``priority``); Overloaded at once when the queue is full (and no other key queues more
+        than ``key``). Cancelling the wait (timeout, client gone) takes nothing."""
         if count > self.max_concurrent:
             raise ValueError(f"{count} slots can never be had (check_fits refuses such requests)")
         if not self._queue and self.free >= count:
@@ -109,7 +112,7 @@ class Admission:
             self.rejected += 1
             self.pushed_out += 1
             busiest.granted.set_exception(self._overloaded())
-        waiter = _Waiter(count, asyncio.get_running_loop().create_future(), key, next(self._seq))
+        waiter = _Waiter(count, asyncio.get_running_loop().create_future(), key, next(self._seq), priority)
         self._queue.append(waiter)
         self._wake()  # another key's head may be waiting for more slots than this one needs... or this is the head
         try:

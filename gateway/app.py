@@ -20,19 +20,23 @@ from common.config import parse_size
 from gateway import tracing
 from gateway.admission import Admission
 from gateway.auth import admin_guard, api_key_guard, parse_keys
+from gateway.batch_runner import BatchRunner
 from gateway.config import GatewayConfig, default_state_url
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.generation import Lanes
 from gateway.metrics import Metrics, http_metrics_middleware
 from gateway.model_registry import ModelRegistry
+from gateway.priority import POLICIES
 from gateway.quotas import Quotas, rate_headers
 from gateway.reasoning import PARSERS as REASONING_PARSERS
 from gateway.request_body import GatewayRequest
 from gateway.routes.admin_keys import KeysController
+from gateway.routes.batches import BatchesController
 from gateway.routes.chat import ChatController
 from gateway.routes.completions import CompletionsController
 from gateway.routes.conversations import ConversationsController
 from gateway.routes.embeddings import EmbeddingsController
+from gateway.routes.files import FilesController
 from gateway.routes.health import health, metrics, ready, workers
 from gateway.routes.lora import LoraController
 from gateway.routes.messages import MessagesController
@@ -44,6 +48,8 @@ from gateway.routes.responses import ResponsesController
 from gateway.routes.tokenize import TokenizeController
 from gateway.routes.ui import UI_ROUTES
 from gateway.routes.usage import usage
+from gateway.state.batches import Batches
+from gateway.state.files import Files
 from gateway.state.keys import KeyStore
 from gateway.state.service import StateService
 from gateway.state.store import Limits
@@ -98,6 +104,8 @@ def create_app(config: GatewayConfig) -> Litestar:
         raise ValueError(
             f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; got {config.reasoning_parser!r}"
         )
+    if config.scheduling_policy not in POLICIES:
+        raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}; got {config.scheduling_policy!r}")
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -124,6 +132,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         client.learn_model = models.learn
         app.state.allow_request_chat_template = config.allow_request_chat_template
         app.state.api_keys = keys
+        app.state.scheduling_policy = config.scheduling_policy
         app.state.models = models
         limits = Limits(
             config.state_max_age, config.state_max_bytes, config.state_max_response_bytes, config.state_max_key_bytes
@@ -144,7 +153,20 @@ def create_app(config: GatewayConfig) -> Litestar:
         app.state.quotas = Quotas(KeyStore(db), windows, admission, app.state.usage, heartbeat)
         state.hooks.append(app.state.quotas.sync)
         state.start(lambda response_id, gateway: take_over(app, response_id, gateway))
+        app.state.files = Files(state.store.db)
+        app.state.batches = Batches(state.store.db, app.state.files, state.store.gateway_id)
+        runner = app.state.batch_runner = BatchRunner(
+            app,
+            app.state.batches,
+            app.state.files,
+            admission,
+            lambda: client.dispatch.roster.workers.values(),
+            config.heartbeat_interval,
+            lease_s,
+            config.batch_max_inflight,
+        )
         await client.start()
+        runner.start()
         threading.Thread(target=_import_tokenizers, daemon=True).start()
         log.info(
             "gateway on http://%s:%d; models come with the workers that register on %s",
@@ -155,6 +177,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         try:
             yield
         finally:
+            await runner.close()
             await state.close()
             models.close()
             await client.stop()
@@ -170,6 +193,8 @@ def create_app(config: GatewayConfig) -> Litestar:
             ResponsesController,
             ResponseItemsController,
             ConversationsController,
+            type("FilesController", (FilesController,), {"request_max_body_size": parse_size(config.max_file_size)}),
+            BatchesController,
             MessagesController,
             ModelsController,
             TokenizeController,

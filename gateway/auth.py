@@ -12,6 +12,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from gateway.errors import Unauthorized
+from gateway.priority import batch_owner
 from gateway.state.keys import KeyRecord
 from gateway.state.records import owner_of
 
@@ -34,6 +35,8 @@ def api_key_guard(keys: frozenset[str], managed: bool = False):
     """A ``--api-key`` key, or (``managed``) an active managed key, whose record the request then carries."""
 
     async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        if batch_owner(connection) is not None:
+            return  # the batch runner's own call, for the key that created the batch
         token = presented_key(connection)
         if keys and _matches(token, keys):
             return
@@ -75,7 +78,11 @@ def default_priority(connection: ASGIConnection) -> int | None:
 
 def caller_owner(connection: ASGIConnection) -> str:
     """Whose stored responses a request sees: its key's digest when the server has keys ('' when
-    it has none, so an open server keeps one shared store as before)."""
+    it has none, so an open server keeps one shared store as before). A batch's requests belong to
+    the key that created the batch."""
+    owner = batch_owner(connection)
+    if owner is not None:
+        return owner
     if caller_key(connection) is None and not getattr(connection.app.state, "api_keys", None):
         return ""
     return owner_of(presented_key(connection))

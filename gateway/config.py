@@ -131,6 +131,19 @@ GATEWAY_FLAGS = [
         "Admin key(s), comma-separated: GET /v1/usage and /admin/keys want one (closed without it); "
         "with it, managed API keys are on and the API wants a managed key or an --api-key one",
     ),
+    Flag(
+        "scheduling-policy",
+        "fcfs",
+        "fcfs: requests in arrival order (a nonzero `priority` is a 400); priority: by each request's `priority` "
+        "(lower first), in admission and in the workers, preempting the least urgent first. Batch work is always last",
+    ),
+    Flag(
+        "batch-max-inflight",
+        16,
+        "Batch requests this gateway runs at once, at most, and only on idle capacity (0: it runs none)",
+        int,
+    ),
+    Flag("max-file-size", "200MiB", "Largest file uploaded to /v1/files (a batch's input)"),
 ]
 
 
@@ -173,6 +186,9 @@ class GatewayConfig(SharedConfig):
     state_max_key_bytes: int = 256 * 2**20
     state_purge_interval: float = 60.0
     admin_key: str | None = None
+    scheduling_policy: str = "fcfs"
+    batch_max_inflight: int = 16
+    max_file_size: str = "200MiB"
 
 
 ALL_GATEWAY_FLAGS = [*SHARED_FLAGS, *GATEWAY_FLAGS]

@@ -1,17 +1,14 @@
 """The one generation core every API dialect speaks through.
 
-A dialect (OpenAI chat, OpenAI completions, OpenAI responses, Anthropic messages: one module each
-under ``gateway/routes``) translates its body into one ``GenerationRequest``, checking nothing but
-its own shapes, and calls ``start``: every check (gateway/validation.py's ``prepare``: limits,
-tools, grammars, token ids, templates), the tokenizing and the admission happen there, so a 400 or
-a 429 comes before any response starts. It then translates the ``Generation``'s events back:
-streamed as they come (``events``), or folded into one ``Choice`` per generation (``collect``).
-Stop strings, tool-call parsing, grammars, logprobs, the detokenizer, admission and errors all
-live below this line, written once.
-
-Events of one choice come in this order: ``PromptLogprobs`` (echo only), then a reasoning model's
-``Thinking``, then ``Text`` and ``ToolCallDelta`` as the text grows, then one ``Finish``. Choices (``n``, several prompts)
-interleave, each event naming its choice by ``index``.
+A dialect (OpenAI chat, OpenAI completions, OpenAI responses, Anthropic messages: one module each under
+``gateway/routes``) translates its body into one ``GenerationRequest``, checking nothing but its own shapes, and
+calls ``start``: every check (gateway/validation.py's ``prepare``: limits, tools, grammars, token ids, templates),
+the tokenizing and the admission happen there, so a 400 or a 429 comes before any response starts. It then
+translates the ``Generation``'s events back: streamed as they come (``events``), or folded into one ``Choice`` per
+generation (``collect``). Stop strings, tool-call parsing, grammars, logprobs, the detokenizer, admission and errors
+all live below this line, written once. Events of one choice come in this order: ``PromptLogprobs`` (echo only),
+then a reasoning model's ``Thinking``, then ``Text`` and ``ToolCallDelta`` as the text grows, then one ``Finish``.
+Choices (``n``, several prompts) interleave, each naming its ``index``.
 """
 
 from __future__ import annotations
@@ -24,24 +21,32 @@ from typing import Any
 from litestar import Request
 
 from common.pooling import PoolingTask
-from common.protocol import RequestOutput, TokenLogprobs
+from common.protocol import RequestOutput
 from gateway import tracing
 from gateway.abilities import require
 from gateway.admission import Slot
 from gateway.auth import caller_owner
 from gateway.errors import GatewayError, RequestTimeout
+from gateway.events import (
+    END,
+    LENGTH,
+    STOP_SEQUENCE,
+    TOOL_CALLS,
+    Choice,
+    Event,
+    Finish,
+    PromptLogprobs,
+    Text,
+    Thinking,
+    ToolCallDelta,
+    Usage,
+)
 from gateway.generation import Generator, TextDelta, unless_disconnected
-from gateway.logprobs import TokenLogprob
+from gateway.priority import request_priority
 from gateway.quotas import enforce
 from gateway.schemas import SamplingOptions
-from gateway.tools import CallDelta, ToolCall
+from gateway.tools import ToolCall
 from gateway.validation import Prepared, prepare, request_id
-
-# Why a choice ended, in the core's words (each dialect names them its own way):
-END = "stop"  # the model ended it (end-of-sequence, a stop token)
-STOP_SEQUENCE = "stop_sequence"  # a stop string ended it (``Finish.stop_sequence`` says which)
-LENGTH = "length"  # the token budget (max_tokens) or the context ran out
-TOOL_CALLS = "tool_calls"  # it ended having called tools
 
 
 @dataclass(slots=True, kw_only=True)
@@ -86,87 +91,7 @@ class GenerationRequest:
     # Usage metering (gateway.state.usage): set from the request by ``start`` unless given here.
     owner: str | None = None
     meter: Any = None
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens read from the prefix cache
-    reasoning_tokens: int = 0  # of the completion tokens, those of the thinking (its markers included)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(slots=True)
-class Text:
-    index: int
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens behind this text, when asked for
-
-
-@dataclass(slots=True)
-class Thinking:
-    """New text of a reasoning model's thinking (never part of ``Text``)."""
-
-    index: int
-    text: str
-
-
-@dataclass(slots=True)
-class ToolCallDelta:
-    index: int
-    call: CallDelta
-
-
-@dataclass(slots=True)
-class PromptLogprobs:
-    index: int
-    logprobs: list[tuple[int, TokenLogprobs | None]]  # every prompt token's (the first has none)
-
-
-@dataclass(slots=True)
-class Finish:
-    index: int
-    reason: str  # END, STOP_SEQUENCE, LENGTH or TOOL_CALLS
-    usage: Usage
-    stop_sequence: str | None = None
-
-
-Event = Text | Thinking | ToolCallDelta | PromptLogprobs | Finish
-
-
-@dataclass(slots=True)
-class Choice:
-    """One generation, whole."""
-
-    index: int
-    text: str = ""  # what is not tool calls (nor thinking)
-    reasoning: str = ""  # a reasoning model's thinking
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)
-    finish: Finish | None = None
-
-    @property
-    def content(self) -> str | None:
-        """The text as a message's content: None when there is only a tool call."""
-        if not self.tool_calls:
-            return self.text
-        return self.text.strip() or None
-
-
-def total_usage(finishes: list[Finish], n: int = 1) -> Usage:
-    """Usage of all choices; each prompt counts once however many choices (``n``) it had."""
-    prompts = [f.usage for f in finishes[::n]]
-    return Usage(
-        sum(u.prompt_tokens for u in prompts),
-        sum(f.usage.completion_tokens for f in finishes),
-        sum(u.cached_tokens for u in prompts),
-        sum(f.usage.reasoning_tokens for f in finishes),
-    )
+    priority: int = 0  # set by ``start`` (gateway/priority.py): admission's and the workers' order
 
 
 async def start(generator: Generator, req: GenerationRequest, request: Request | None = None) -> Generation:
@@ -178,14 +103,15 @@ async def start(generator: Generator, req: GenerationRequest, request: Request |
     require(generator, PoolingTask.GENERATE)  # an embedding model's is a 400 that says what it serves
     if req.request_id is None:
         req.request_id = request_id(request.headers.get("x-request-id") if request is not None else None)
-    prepared = await prepare(generator, req, request)
-    await enforce(request, generator.model_name, sum(map(len, prepared.prompts)), len(prepared.news))
     if request is not None and req.meter is None:
         req.meter = getattr(request.app.state, "usage", None)
         req.owner = caller_owner(request)
+    req.priority = request_priority(request, req.sampling.priority)
+    prepared = await prepare(generator, req, request)
+    await enforce(request, generator.model_name, sum(map(len, prepared.prompts)), len(prepared.news))
     tracing.describe_request(generator.model_name, req, prepared.prompts)
     with tracing.span("queue"):
-        slots = await admit(generator, len(prepared.news), deadline, request)
+        slots = await admit(generator, len(prepared.news), deadline, request, req.priority)
     return Generation(generator, req, prepared, slots, deadline)
 
 
@@ -194,11 +120,14 @@ async def prompt_ids(generator: Generator, req: GenerationRequest, request: Requ
     return (await prepare(generator, req, request, admit=False)).prompts
 
 
-async def admit(generator: Generator, count: int, deadline: float, request: Request | None) -> list[Slot]:
+async def admit(
+    generator: Generator, count: int, deadline: float, request: Request | None, priority: int = 0
+) -> list[Slot]:
     async def wait() -> list[Slot]:
         try:
             async with asyncio.timeout_at(deadline):
-                return await generator.admission.acquire(count, caller_owner(request) if request else "")
+                key = caller_owner(request) if request is not None else ""
+                return await generator.admission.acquire(count, key, priority)
         except TimeoutError:
             raise RequestTimeout(
                 f"the request waited longer than --request-timeout ({generator.timeout_s:g} s) for the server to take it"

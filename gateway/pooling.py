@@ -24,6 +24,7 @@ from gateway.core import admit
 from gateway.errors import GenerationFailed, InvalidRequest, RequestTimeout
 from gateway.generation import Generator, unless_disconnected
 from gateway.metrics import RequestClock
+from gateway.priority import request_priority
 from gateway.quotas import enforce
 from gateway.validation import check_token_ids, request_id
 
@@ -89,8 +90,9 @@ async def pool(
                 code="context_length_exceeded",
             )
     rid = request_id(request.headers.get("x-request-id"))
+    priority = request_priority(request, None)
     news = [
-        NewRequest(f"{rid}-{i}", ids, 1, pooling=PoolingParams(task, types, dimensions))
+        NewRequest(f"{rid}-{i}", ids, 1, pooling=PoolingParams(task, types, dimensions), priority=priority)
         for i, (ids, types) in enumerate(encoded)
     ]
     wave = generator.admission.max_concurrent
@@ -98,7 +100,7 @@ async def pool(
     outputs: list[RequestOutput] = []
     for start in range(0, len(news), wave):
         part = news[start : start + wave]
-        slots = await admit(generator, len(part), deadline, request)
+        slots = await admit(generator, len(part), deadline, request, priority)
         outputs += await unless_disconnected(request, _wave(generator, part, slots, deadline))
     return [Pooled(array("f", out.pooled or b""), out.num_prompt_tokens) for out in outputs]
 

@@ -45,6 +45,7 @@ class SamplingOptions(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    priority: int | None = None  # vLLM's: lower is more urgent (--scheduling-policy priority); gateway/priority.py
 
 
 class SamplingFields(SamplingOptions, kw_only=True):

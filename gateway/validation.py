@@ -96,11 +96,8 @@ async def prepare(
         rid = f"{req.request_id}-p{p}" if len(prompts) > 1 else req.request_id
         thinking = markers.spec(ids, checked.budget) if markers is not None else None
         for choice in range(req.n):  # each copy its own request id, and with a seed, its own seed derived from it
-            seeded = (
-                msgspec.structs.replace(sampling, seed=(sampling.seed + choice) % 2**63)
-                if choice and sampling.seed is not None
-                else sampling
-            )
+            reseed = choice and sampling.seed is not None
+            seeded = msgspec.structs.replace(sampling, seed=(sampling.seed + choice) % 2**63) if reseed else sampling
             news.append(
                 NewRequest(
                     request_id=f"{rid}-{choice}" if choice else rid,
@@ -111,6 +108,7 @@ async def prepare(
                     ignore_eos=req.sampling.ignore_eos,
                     guide=checked.guide,
                     reasoning=thinking,
+                    priority=req.priority,
                 )
             )
             thinkers.append(

@@ -79,6 +79,7 @@ class Request:
     kv_store: Lookup | None = None  # its blocks' keys and what the KV store staged for it (worker/kv_store)
     reasoning: ThinkTracker | None = None  # a reasoning model's thinking: its budget, and where a guide starts
     lora: LoraRef | None = None  # its LoRA adapter (None: the base model), set by the engine
+    priority: int = 0  # lower is more urgent: the scheduler's order and preemption follow it
 
     @property
     def cache_salt(self) -> str | None:
@@ -99,6 +100,7 @@ class Request:
             output_start=len(new.prompt_token_ids) - min(new.resumed_tokens, len(new.prompt_token_ids)),
             events=[] if new.trace_context else None,
             reasoning=None if new.reasoning is None else ThinkTracker(new.reasoning),
+            priority=new.priority,
         )
         if request.reasoning is not None:  # a resumed request: its thinking goes on where it was
             for token in request.generated_token_ids:

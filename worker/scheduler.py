@@ -12,6 +12,11 @@ A chunk's attention also grows with the context before it (64 tokens over a 2,00
 75 ms of attention alone), so past ``PREFILL_REFERENCE_CONTEXT`` tokens the cap shrinks in proportion. When a running request needs a block and none is free, the most
 recently admitted request is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed from prompt plus the tokens it already generated.
+
+Priority (``Request.priority``, lower is more urgent; all 0 unless the gateway runs
+``--scheduling-policy priority`` or batch work): both queues stay ordered by it, arrival order
+within one priority, so the least urgent, most recently admitted request is the one preempted; and
+a waiting request that does not fit (batch size or blocks) preempts less urgent running ones.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.protocol import TokenLogprobs
-from worker.block_manager import BlockManager
+from worker.block_manager import BlockManager, blocks_for
 from worker.request import Request, RequestStatus
 from worker.speculative import Speculator
 
@@ -102,7 +107,26 @@ class Scheduler:
         self._prefill_budget = 0  # prompt tokens left in it
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        """Into ``waiting`` by priority: behind its equals when new, ahead of them when preempted."""
+        waiting, priority = self.waiting, request.priority
+        if not front and (not waiting or waiting[-1].priority <= priority):
+            waiting.append(request)
+        elif front and (not waiting or waiting[0].priority >= priority):
+            waiting.appendleft(request)
+        else:
+            after = (lambda other: other.priority >= priority) if front else (lambda other: other.priority > priority)
+            waiting.insert(next((i for i, other in enumerate(waiting) if after(other)), len(waiting)), request)
+
+    def _start(self, request: Request) -> None:
+        """Into ``running`` by priority, behind its equals: its last is always the first to preempt."""
+        running = self.running
+        if not running or running[-1].priority <= request.priority:
+            running.append(request)
+        else:
+            running.insert(next(i for i, other in enumerate(running) if other.priority > request.priority), request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -116,6 +140,7 @@ class Scheduler:
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         self._budget = self.max_num_batched_tokens
         self._prefill_budget = self.max_prefill_chunk if decoding else self.max_num_batched_tokens
+        self._make_room()
         preempted = self._schedule_running(batch)
         if not preempted:
             self._schedule_waiting(batch)
@@ -139,6 +164,22 @@ class Scheduler:
         self._budget -= num_tokens
         if request.num_tokens - request.num_computed_tokens > 1:
             self._prefill_budget -= num_tokens
+
+    def _make_room(self) -> None:
+        """Waiting requests more urgent than running ones take their places when they do not fit
+        beside them (before any is scheduled this step, so nothing preempted is in the batch)."""
+        seats, reserved = self.max_num_seqs - len(self.running), 0
+        for head in list(self.waiting):
+            if not self.running or self.running[-1].priority <= head.priority:
+                return  # the rest are less urgent still (the common case: everyone at 0)
+            tokens = min(head.num_tokens - head.num_computed_tokens, self.max_prefill_chunk)
+            needed = reserved + blocks_for(head.num_computed_tokens + tokens, self.blocks.block_size)
+            while seats < 1 or self.blocks.num_free_blocks < needed - len(head.block_ids):
+                if not self.running or self.running[-1].priority <= head.priority:
+                    return
+                self._preempt(self.running.pop())
+                seats += 1
+            seats, reserved = seats - 1, needed - len(head.block_ids)
 
     def _schedule_running(self, batch: ScheduledBatch) -> bool:
         """Give each running request its next tokens; preempt from the back when blocks run out."""
@@ -184,7 +225,7 @@ class Scheduler:
                     "scheduled" if request.status == RequestStatus.WAITING else "resumed", cached_tokens=cached
                 )
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start(request)
             self._add(batch, request, num_tokens)
 
     def _lora_fits(self, request: Request) -> bool:
@@ -206,7 +247,7 @@ class Scheduler:
         self.blocks.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         self.num_preemptions += 1
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, list[int]]) -> list[Request]:

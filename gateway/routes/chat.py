@@ -12,9 +12,10 @@ from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
-from gateway import core
-from gateway.core import LENGTH, TOOL_CALLS, Finish, GenerationRequest, Text, Thinking, ToolCallDelta
+from gateway import core, events
+from gateway.core import GenerationRequest
 from gateway.errors import InvalidRequest
+from gateway.events import LENGTH, TOOL_CALLS, Finish, Text, Thinking, ToolCallDelta
 from gateway.generation import now_s
 from gateway.logprobs import chat_logprobs
 from gateway.model_registry import ModelRegistry
@@ -125,7 +126,7 @@ class ChatController(Controller):
         )
 
 
-def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list[core.Choice]) -> ChatCompletion:
+def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list[events.Choice]) -> ChatCompletion:
     generator, with_logprobs = generation.generator, req.logprobs
     out = []
     for choice in choices:
@@ -145,7 +146,7 @@ def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list
                 logprobs=chat_logprobs(generator.token_texts, choice.logprobs) if with_logprobs else None,
             )
         )
-    usage = core.total_usage([c.finish for c in choices], req.n)  # type: ignore[misc]
+    usage = events.total_usage([c.finish for c in choices], req.n)  # type: ignore[misc]
     return ChatCompletion(
         id=_completion_id(), created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage)
     )
@@ -203,7 +204,7 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
                 [ChatChunkChoice(index=event.index, delta=ChatDelta(), finish_reason=finish_reason(event, generation))]
             )
     if include_usage and len(finishes) == generation.choices:
-        usage = core.total_usage([finishes[i] for i in range(generation.choices)], req.n)
+        usage = events.total_usage([finishes[i] for i in range(generation.choices)], req.n)
         yield ChatCompletionChunk(
             id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage)
         )

@@ -10,8 +10,9 @@ from litestar import Request, Response
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
-from gateway.core import Choice, Generation, Usage
+from gateway.core import Generation
 from gateway.errors import InvalidRequest
+from gateway.events import Choice, Usage
 from gateway.schemas import CompletionTokensDetails, ErrorBody, PromptTokensDetails
 from gateway.schemas import Usage as OpenAIUsage
 from gateway.streaming import SSE_HEADERS, sse_events

@@ -12,9 +12,10 @@ from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
-from gateway import core
-from gateway.core import LENGTH, Finish, GenerationRequest, PromptLogprobs, Text, Usage
+from gateway import core, events
+from gateway.core import GenerationRequest
 from gateway.errors import InvalidRequest
+from gateway.events import LENGTH, Finish, PromptLogprobs, Text, Usage
 from gateway.generation import now_s
 from gateway.logprobs import completion_logprobs
 from gateway.model_registry import ModelRegistry
@@ -112,7 +113,7 @@ def _echo_texts(generation: core.Generation, prompt: object) -> list[str]:
     return [p if isinstance(p, str) else decode(ids) for p, ids in zip(_prompts(prompt), generation.prompts)]
 
 
-def _best(choices: list[core.Choice], copies: int, n: int) -> list[core.Choice]:
+def _best(choices: list[events.Choice], copies: int, n: int) -> list[events.Choice]:
     """Of each prompt's ``copies`` generations, the ``n`` with the highest cumulative logprob."""
     if copies == n:
         return choices
@@ -128,7 +129,7 @@ def _finish_reason(finish: Finish) -> str:
 
 
 def _body(
-    generation: core.Generation, req: CompletionRequest, echoes: list[str] | None, choices: list[core.Choice]
+    generation: core.Generation, req: CompletionRequest, echoes: list[str] | None, choices: list[events.Choice]
 ) -> Completion:
     generator, with_logprobs = generation.generator, req.logprobs is not None
     copies = _copies(req)
@@ -136,7 +137,7 @@ def _body(
     chosen = _best(choices, copies, req.n)
     if _prompt_only(req):  # the one generated token is not part of the answer
         chosen = [
-            core.Choice(c.index, prompt_logprobs=c.prompt_logprobs, finish=Finish(c.index, LENGTH, Usage()))
+            events.Choice(c.index, prompt_logprobs=c.prompt_logprobs, finish=Finish(c.index, LENGTH, Usage()))
             for c in chosen
         ]
         finishes = [Finish(f.index, LENGTH, Usage(f.usage.prompt_tokens, 0, f.usage.cached_tokens)) for f in finishes]
@@ -151,7 +152,7 @@ def _body(
         )
         for index, choice in enumerate(chosen)
     ]
-    usage = core.total_usage(finishes, copies)  # every generation was computed, so every one counts
+    usage = events.total_usage(finishes, copies)  # every generation was computed, so every one counts
     return Completion(
         id=f"cmpl-{uuid.uuid4().hex}",
         created=now_s(),
@@ -206,7 +207,7 @@ async def _chunks(
             finishes[event.index] = event
             yield chunk(event.index, "", None, _finish_reason(event))
     if include_usage and len(finishes) == generation.choices:
-        usage = core.total_usage([finishes[i] for i in range(generation.choices)], req.n)
+        usage = events.total_usage([finishes[i] for i in range(generation.choices)], req.n)
         yield Completion(
             id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage)
         )

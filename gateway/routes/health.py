@@ -3,7 +3,7 @@ as JSON), /metrics (Prometheus)."""
 
 from __future__ import annotations
 
-from litestar import Response, get
+from litestar import Request, Response, get
 from litestar.di import NamedDependency
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -34,8 +34,9 @@ async def ready(models: NamedDependency[ModelRegistry]) -> Response:
 
 
 @get("/workers")
-async def workers(models: NamedDependency[ModelRegistry]) -> Response:
-    return json_response(models.client.snapshot())
+async def workers(request: Request, models: NamedDependency[ModelRegistry]) -> Response:
+    runner = getattr(request.app.state, "batch_runner", None)  # this gateway's share of the batch work
+    return json_response({**models.client.snapshot(), "batch_runner": runner.snapshot() if runner else None})
 
 
 @get("/metrics")

@@ -20,18 +20,9 @@ from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
-from gateway import core
-from gateway.core import (
-    LENGTH,
-    STOP_SEQUENCE,
-    TOOL_CALLS,
-    Finish,
-    Text,
-    Thinking,
-    ToolCallDelta,
-    Usage,
-)
+from gateway import core, events
 from gateway.errors import GatewayError
+from gateway.events import LENGTH, STOP_SEQUENCE, TOOL_CALLS, Finish, Text, Thinking, ToolCallDelta, Usage
 from gateway.model_registry import ModelRegistry
 from gateway.routes.common import answer, documented, json_response
 from gateway.routes.messages_input import generation_request
@@ -47,7 +38,7 @@ from gateway.schemas_anthropic import (
     ToolUseBlock,
 )
 
-STOP_REASONS = {core.END: "end_turn", STOP_SEQUENCE: "stop_sequence", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
+STOP_REASONS = {events.END: "end_turn", STOP_SEQUENCE: "stop_sequence", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
 
 
 def _usage(usage: Usage) -> AnthropicUsage:
@@ -112,7 +103,7 @@ class MessagesController(Controller):
         return json_response(CountTokensResponse(len(prompt)))
 
 
-def _message(generation: core.Generation, choices: list[core.Choice]) -> MessageResponse:
+def _message(generation: core.Generation, choices: list[events.Choice]) -> MessageResponse:
     (choice,) = choices
     content: list[ThinkingBlock | TextBlock | ToolUseBlock] = (
         [ThinkingBlock(thinking=choice.reasoning)] if choice.reasoning else []

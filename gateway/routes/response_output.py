@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
-from gateway import core
-from gateway.core import LENGTH, Finish, Text, Thinking, ToolCallDelta
+from gateway import core, events
 from gateway.errors import GatewayError
+from gateway.events import LENGTH, Finish, Text, Thinking, ToolCallDelta
 from gateway.generation import Generator
 from gateway.logprobs import chat_logprobs
 from gateway.schemas_responses import (
@@ -68,7 +68,7 @@ class Output:
             self.response.error = ResponseError(exc.error_type, exc.message)
             yield self.event("response.failed", response=self.response)
 
-    async def events(self, generation: core.Generation, choices: list[core.Choice] | None) -> AsyncIterator[Event]:
+    async def events(self, generation: core.Generation, choices: list[events.Choice] | None) -> AsyncIterator[Event]:
         """The items' events, from the live stream (``choices`` None) or from a collected choice."""
         finish: Finish | None = None
         async for event in _replay(choices[0]) if choices else generation.events():
@@ -91,7 +91,7 @@ class Output:
         incomplete = finish is not None and finish.reason == LENGTH
         for out in self._close("incomplete" if incomplete else "completed"):
             yield out
-        usage = finish.usage if finish else core.Usage()
+        usage = finish.usage if finish else events.Usage()
         self.response.usage = ResponseUsage(
             input_tokens=usage.prompt_tokens,
             input_tokens_details=InputTokensDetails(usage.cached_tokens),
@@ -232,7 +232,7 @@ class Output:
         return out
 
 
-async def _replay(choice: core.Choice) -> AsyncIterator[core.Event]:
+async def _replay(choice: events.Choice) -> AsyncIterator[events.Event]:
     """A collected choice as the events that made it."""
     if choice.reasoning:
         yield Thinking(0, choice.reasoning)

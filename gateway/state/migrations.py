@@ -121,6 +121,68 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             )""",
         ],
     ),
+    (
+        4,
+        "files (their contents too), batches and their requests (gateway/state/batches.py)",
+        [
+            """CREATE TABLE files (
+                id TEXT PRIMARY KEY,
+                owner TEXT NOT NULL,
+                purpose TEXT NOT NULL,
+                filename TEXT NOT NULL,
+                bytes BIGINT NOT NULL,
+                created_at BIGINT NOT NULL,
+                content {blob} NOT NULL
+            )""",
+            "CREATE INDEX files_owner ON files (owner, id)",
+            """CREATE TABLE batches (
+                id TEXT PRIMARY KEY,
+                owner TEXT NOT NULL,
+                endpoint TEXT NOT NULL,
+                input_file_id TEXT NOT NULL,
+                completion_window TEXT NOT NULL,
+                status TEXT NOT NULL,
+                created_at BIGINT NOT NULL,
+                expires_at BIGINT NOT NULL,
+                in_progress_at BIGINT,
+                finalizing_at BIGINT,
+                completed_at BIGINT,
+                failed_at BIGINT,
+                expired_at BIGINT,
+                cancelling_at BIGINT,
+                cancelled_at BIGINT,
+                output_file_id TEXT,
+                error_file_id TEXT,
+                errors {blob},
+                metadata {blob},
+                model TEXT,
+                gateway TEXT,
+                total BIGINT NOT NULL DEFAULT 0,
+                completed BIGINT NOT NULL DEFAULT 0,
+                failed BIGINT NOT NULL DEFAULT 0,
+                input_tokens BIGINT NOT NULL DEFAULT 0,
+                cached_tokens BIGINT NOT NULL DEFAULT 0,
+                output_tokens BIGINT NOT NULL DEFAULT 0,
+                reasoning_tokens BIGINT NOT NULL DEFAULT 0
+            )""",
+            "CREATE INDEX batches_owner ON batches (owner, id)",
+            "CREATE INDEX batches_status ON batches (status)",
+            # state: 0 waiting, 1 claimed by ``gateway``, 2 done (``result``: its output line), 3 cancelled, 4 expired
+            """CREATE TABLE batch_requests (
+                batch_id TEXT NOT NULL,
+                line INTEGER NOT NULL,
+                custom_id TEXT NOT NULL,
+                body {blob} NOT NULL,
+                state INTEGER NOT NULL DEFAULT 0,
+                gateway TEXT,
+                failed INTEGER NOT NULL DEFAULT 0,
+                result {blob},
+                PRIMARY KEY (batch_id, line)
+            )""",
+            "CREATE INDEX batch_requests_state ON batch_requests (batch_id, state)",
+            "CREATE INDEX batch_requests_claims ON batch_requests (state, gateway)",
+        ],
+    ),
 ]
 
 _TYPES = {

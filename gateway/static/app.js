@@ -289,6 +289,39 @@ async function refreshDashboard() {
     return row;
   });
   $("workers").querySelector("tbody").replaceChildren(...rows);
+  refreshBatches();
+}
+
+// The key's batches, newest first: those running, then the last few that ended (GET /v1/batches).
+async function refreshBatches() {
+  let response;
+  try {
+    response = await api("/v1/batches?limit=20");
+  } catch {
+    return;
+  }
+  if (!response.ok) return;
+  const running = ["validating", "in_progress", "finalizing", "cancelling"];
+  const batches = (await response.json()).data;
+  const shown = batches.filter((b) => running.includes(b.status)).concat(batches.filter((b) => !running.includes(b.status)).slice(0, 5));
+  const rows = shown.map((b) => {
+    const counts = b.request_counts || { total: 0, completed: 0, failed: 0 };
+    const usage = b.usage || { input_tokens: 0, output_tokens: 0 };
+    const done = counts.total ? counts.completed / counts.total : 0;
+    const row = document.createElement("tr");
+    row.innerHTML = [
+      escapeHtml(b.id),
+      escapeHtml(b.endpoint),
+      escapeHtml(b.model || "-"),
+      `<span class="state ${running.includes(b.status) ? "busy" : "ready"}">${escapeHtml(b.status)}</span>`,
+      `<span class="bar"><span style="width:${(done * 100).toFixed(0)}%"></span></span>${counts.completed} / ${counts.total}`,
+      counts.failed,
+      `${usage.input_tokens} / ${usage.output_tokens}`,
+      new Date(b.created_at * 1000).toLocaleString(),
+    ].map((c) => `<td>${c}</td>`).join("");
+    return row;
+  });
+  $("batches").querySelector("tbody").replaceChildren(...rows);
 }
 
 // The keys view wants the admin key (--admin-key), asked once and kept for this tab only.

@@ -223,4 +223,24 @@ def test_a_key_that_queues_as_much_as_the_newcomers_keeps_its_places():
         (b_slot,) = await asyncio.wait_for(waits[1], 1)
         b_slot.release()
 
+
+def test_waiters_are_granted_most_urgent_first_then_in_arrival_order():
+    async def scenario():
+        admission = Admission(max_concurrent=1, max_waiting=8)
+        (held,) = await admission.acquire()
+        order: list[str] = []
+
+        async def wait(name: str, priority: int) -> None:
+            (slot,) = await admission.acquire(1, priority=priority)
+            order.append(name)
+            slot.release()
+
+        tasks = []
+        for i, (name, priority) in enumerate((("batch", 2**31), ("b1", 1), ("a", 0), ("b2", 1))):
+            tasks.append(asyncio.create_task(wait(name, priority)))
+            await queued(admission, i + 1)
+        held.release()
+        await asyncio.wait_for(asyncio.gather(*tasks), 1)
+        assert order == ["a", "b1", "b2", "batch"]
+
     asyncio.run(scenario())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -44,26 +45,27 @@ class StateFleet:
     def ready(self, i: int) -> bool:
         return self.get(i, "/ready").status_code == 200
 
+    def run(self, worker_args: list[str], name: str) -> Iterator[StateFleet]:
+        """Both gateways and one worker serving both (a module fixture's body)."""
+        try:
+            self.start_gateway(0)
+            self.start_gateway(1)
+            addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in self.zmq)
+            self.worker = spawn(["worker", "--gateway-address", addresses, *worker_args], name, self.env)
+            for i in (0, 1):
+                wait_until(lambda i=i: self.ready(i), 240, f"gateway {i} ready")
+            yield self
+        finally:
+            for process in [self.worker, *self.gateways]:
+                if process is not None:
+                    stop(process)
+
 
 @pytest.fixture(scope="module")
 def fleet(postgres):
-    fleet = StateFleet(postgres.database("state_fleet"))
-    try:
-        fleet.start_gateway(0)
-        fleet.start_gateway(1)
-        addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in fleet.zmq)
-        fleet.worker = spawn(
-            ["worker", "--gateway-address", addresses, "--dtype", "float32", "--model", MODEL],
-            "state-worker",
-            fleet.env,
-        )
-        for i in (0, 1):
-            wait_until(lambda i=i: fleet.ready(i), 240, f"gateway {i} ready")
-        yield fleet
-    finally:
-        for process in [fleet.worker, *fleet.gateways]:
-            if process is not None:
-                stop(process)
+    yield from StateFleet(postgres.database("state_fleet")).run(
+        ["--dtype", "float32", "--model", MODEL], "state-worker"
+    )
 
 
 def test_a_conversation_goes_on_through_the_other_gateway_and_stays_its_keys(fleet):

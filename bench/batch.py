@@ -1,0 +1,121 @@
+"""``python -m bench.batch``: the chat workload's latency with and without a large batch running.
+
+Starts ``llmpool serve`` (or uses ``--url``), then for each level: the chat workload alone, then a
+batch of ``--batch`` chat requests (``--batch-output-len`` tokens each) created through
+``/v1/batches`` and, once its requests run, the same chat workload again beside it. Reports TTFT
+and ITL p50/p99 of both runs, the batch's progress during the loaded run (requests done per second
+beside interactive traffic) and on its own afterwards, to ``--out`` (JSON) and stdout.
+
+    python -m bench.batch --batch 2000 --levels 8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from bench import servers, workloads
+from bench.load import run_level
+from bench.stats import summarize
+
+KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
+
+
+def batch_file(model: str, count: int, output_len: int) -> bytes:
+    lines = []
+    for i in range(count):
+        prompt = workloads.PROMPTS[i % len(workloads.PROMPTS)]
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": output_len}
+        lines.append(
+            {"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions", "body": body | {"ignore_eos": True}}
+        )
+    return b"\n".join(msgspec.json.encode(line) for line in lines)
+
+
+def start_batch(url: str, model: str, count: int, output_len: int) -> str:
+    content = batch_file(model, count, output_len)
+    made = httpx.post(url + "/v1/files", files={"file": ("b.jsonl", io.BytesIO(content))}, data={"purpose": "batch"})
+    made.raise_for_status()
+    body = {"input_file_id": made.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    batch = httpx.post(url + "/v1/batches", json=body, timeout=30)
+    batch.raise_for_status()
+    return batch.json()["id"]
+
+
+def batch_state(url: str, batch_id: str) -> dict:
+    return httpx.get(f"{url}/v1/batches/{batch_id}", timeout=30).json()
+
+
+def chat_level(url: str, model: str, level: int, requests: int, output_len: int) -> dict:
+    prompts = [workloads.PROMPTS[i % len(workloads.PROMPTS)] for i in range(requests)]
+    timings, wall = asyncio.run(run_level(url, model, prompts, level, requests, output_len))
+    row = summarize(level, timings, wall)
+    return {key: row.get(key) for key in (*KEYS, "errors", "completed", "duration")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.batch", description=__doc__)
+    parser.add_argument("--url", help="an already running llmpool (default: start `llmpool serve`)")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--levels", default="8,32")
+    parser.add_argument("--num-prompts", type=int, default=4, help="chat requests per stream at each level")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2000, help="requests in the batch")
+    parser.add_argument("--batch-output-len", type=int, default=32)
+    parser.add_argument("--out", default="docs/bench/batch.json")
+    parser.add_argument("serve_args", nargs="*", help="more flags for `llmpool serve` (after --)")
+    args = parser.parse_args()
+    processes, url = ([], args.url) if args.url else servers.start_llmpool(1, args.serve_args, False)
+    results: dict = {
+        "levels": [],
+        "batch": args.batch,
+        "batch_output_len": args.batch_output_len,
+        "serve": args.serve_args,
+    }
+    try:
+        chat_level(url, args.model, 2, 2, 8)  # warm-up
+        for level in map(int, args.levels.split(",")):
+            requests = level * args.num_prompts
+            alone = chat_level(url, args.model, level, requests, args.output_len)
+            batch_id = start_batch(url, args.model, args.batch, args.batch_output_len)
+            while batch_state(url, batch_id)["request_counts"]["completed"] < 1:
+                time.sleep(0.2)
+            before, started = batch_state(url, batch_id)["request_counts"]["completed"], time.monotonic()
+            loaded = chat_level(url, args.model, level, requests, args.output_len)
+            during_s = time.monotonic() - started
+            during = batch_state(url, batch_id)["request_counts"]["completed"] - before
+            httpx.post(f"{url}/v1/batches/{batch_id}/cancel", timeout=30)  # the rest would only take time
+            row = {
+                "concurrency": level,
+                "alone": alone,
+                "with_batch": loaded,
+                "batch_requests_per_s_beside": round(during / during_s, 2),
+            }
+            results["levels"].append(row)
+            print(json.dumps(row), flush=True)
+            while batch_state(url, batch_id)["status"] not in ("cancelled", "completed"):
+                time.sleep(0.5)
+        # The batch alone: how fast it runs on the whole pool.
+        batch_id = start_batch(url, args.model, min(args.batch, 256), args.batch_output_len)
+        started = time.monotonic()
+        while (state := batch_state(url, batch_id))["status"] != "completed":
+            time.sleep(0.5)
+        results["batch_alone_requests_per_s"] = round(
+            state["request_counts"]["completed"] / (time.monotonic() - started), 2
+        )
+        print("batch alone:", results["batch_alone_requests_per_s"], "requests/s", flush=True)
+    finally:
+        servers.stop(processes)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
