@@ -133,7 +133,9 @@ def test_an_urgent_request_overtakes_less_urgent_ones_under_overload(fleet):
     for thread in threads:
         thread.join(300)
     assert urgent.usage.completion_tokens == 8 and ends[0] == "urgent", ends
-    assert any(w["preemptions"] > 0 for w in fleet.get(0, "/workers").json()["workers"])
+    wait_until(  # the count comes with the worker's next heartbeat
+        lambda: any(w["preemptions"] > 0 for w in fleet.get(0, "/workers").json()["workers"]), 10, "a preemption"
+    )
 
 
 def test_a_cancelled_batch_keeps_what_ran(fleet):

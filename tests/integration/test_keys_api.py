@@ -1,5 +1,6 @@
-"""Managed API keys against real servers and the real SDKs, on SQLite and on PostgreSQL: two
-gateways share one database (and one worker), so every limit below is the fleet's.
+"""Managed API keys against real servers and the real SDKs: two gateways share one PostgreSQL
+database (and one worker), so every limit below is the fleet's. (The key store and its shared
+counts run on SQLite too in tests/state/test_keys.py; one fleet keeps this module near a minute.)
 
 /admin/keys (admin only), keys that work on both gateways and stop on both when revoked, the static
 ``--api-key`` beside them; a per-minute rate across both gateways (openai's and anthropic's
@@ -62,13 +63,9 @@ class Fleet:
         return self.openai(secret, i).chat.completions.create(model=MODEL, messages=messages, max_tokens=tokens)
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def fleet(request, tmp_path_factory):
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path_factory.mktemp('keys')}/state.db"
-    else:
-        url = request.getfixturevalue("postgres").database("keys_fleet")
-    fleet = Fleet(url)
+@pytest.fixture(scope="module")
+def fleet(postgres):
+    fleet = Fleet(postgres.database("keys_fleet"))
     try:
         for i in (0, 1):
             wait_until(
