@@ -23,7 +23,7 @@ from gateway.auth import admin_guard, api_key_guard, parse_keys
 from gateway.batch_runner import BatchRunner
 from gateway.config import GatewayConfig, default_state_url
 from gateway.errors import EXCEPTION_HANDLERS
-from gateway.generation import Lanes
+from gateway.lanes import Lanes
 from gateway.metrics import Metrics, http_metrics_middleware
 from gateway.model_registry import ModelRegistry
 from gateway.priority import POLICIES

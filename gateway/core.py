@@ -41,7 +41,8 @@ from gateway.events import (
     ToolCallDelta,
     Usage,
 )
-from gateway.generation import Generator, TextDelta, unless_disconnected
+from gateway.generation import Generator, TextDelta
+from gateway.lanes import unless_disconnected
 from gateway.priority import request_priority
 from gateway.quotas import enforce
 from gateway.schemas import SamplingOptions

@@ -6,11 +6,9 @@ submits and aborts, a clock says the time, and its decisions come out as message
 Requests go only to workers of their model (``ModelPool.choose``, or prefix affinity). Any message
 from a worker counts as its heartbeat; a worker silent for ``liveness`` intervals, one that says
 ``Goodbye``, one the ROUTER can no longer reach, or one that holds requests and makes no progress
-for ``hung_timeout`` is purged. Each of its in-flight requests is then resumed on another worker as
-prompt plus the tokens already delivered, with the remaining budget and the same sampling
-settings, so the client's stream simply continues; only when no worker is left, or a request has
-been moved ``max_retries`` times, does it end with an error. A gap in a request's output numbers
-(a lost message) resumes it the same way. Submits made before a ``flush`` travel to a worker in
+for ``hung_timeout`` is purged. Each of its in-flight requests is then resumed on another worker
+(gateway/recovery.py), so the client's stream simply continues. A gap in a request's output
+numbers (a lost message) resumes it the same way. Submits made before a ``flush`` travel to a worker in
 one ``AddRequests`` message.
 """
 
@@ -31,18 +29,18 @@ from common.protocol import (
     ModelInfo,
     NewRequest,
     Ready,
-    RequestOutput,
     StepOutputs,
     WorkerError,
 )
 from gateway.errors import BadGeneration, GenerationFailed, NoWorkerAvailable
 from gateway.pool import UNTRACED, PrefixAffinity, RequestStream, Trace, WorkerInfo
+from gateway.recovery import Recovery
 from gateway.roster import GATEWAY_HEARTBEAT, Admitted, Outbox, Roster
 
 log = logging.getLogger(__name__)
 
 
-class Dispatcher:
+class Dispatcher(Recovery):
     def __init__(
         self,
         interval: float,
@@ -257,30 +255,6 @@ class Dispatcher:
         stream = stream or self._attempts.get(wire_id or "")
         return stream if stream is not None and stream.wire_id == wire_id else None
 
-    def _lost_output(self, worker: WorkerInfo, stream: RequestStream, seq: int) -> None:
-        """An output of this request never arrived (seq jumped): the tokens delivered so far are
-        exact, so it resumes from them as after a dead worker, under a new wire id (the worker is
-        told to stop the old attempt; whatever else it sends for it is ignored)."""
-        reason = f"worker {worker.ready.worker_name} lost output {stream.next_seq} of the request (got {seq})"
-        log.warning("%s; resuming it", reason, extra={"request_id": stream.request_id})
-        self.outbox.append((worker.identity, Abort([stream.wire_id])))
-        worker.release(stream)
-        self._resume(stream, reason)
-
-    def _recover_unheld(self, worker: WorkerInfo) -> None:
-        """The worker says it holds nothing, yet requests sent to it ``liveness`` heartbeats ago
-        are open: it never accepted them (a message lost or unreadable), or their last output was
-        lost. Messages from one worker arrive in order, so their outputs would have come before
-        this heartbeat. Each resumes from what was delivered (``max_retries`` times at most), the
-        worker is not at fault: it counts as neither hung nor dead."""
-        for request_id in list(worker.inflight):
-            stream = self.streams.get(request_id)
-            if stream is not None and worker.heartbeats - stream.heartbeats_at_assign > self.liveness:
-                reason = f"worker {worker.ready.worker_name} does not hold the request (never accepted, or its last output was lost)"
-                log.warning("%s; resuming it", reason, extra={"request_id": request_id})
-                worker.release(stream)
-                self._resume(stream, reason)
-
     # ---- endings and moves -------------------------------------------------------------------
 
     def end(self, stream: RequestStream, error: GenerationFailed | None = None) -> None:
@@ -293,51 +267,6 @@ class Dispatcher:
         if error is not None and not stream.finished:
             stream.queue.put_nowait(error)
         stream.finished = True
-
-    def _purge(self, worker: WorkerInfo, reason: str) -> None:
-        if not self.roster.remove(worker, reason):
-            return
-        self._with_pending.pop(worker.identity, None)
-        log.warning("%s; resuming its %d in-flight requests elsewhere", reason, len(worker.inflight))
-        for request_id in list(worker.inflight):
-            stream = self.streams.get(request_id)
-            if stream is not None:
-                self._resume(stream, reason)
-
-    def _resume(self, stream: RequestStream, reason: str) -> None:
-        """Move a request whose worker died to another one, or end it if it can't be moved."""
-        if stream.finished:
-            return
-        if not self.roster.available(stream.model, self.clock()):
-            self._orphans.setdefault(stream.request_id, (stream, reason, self.clock()))
-            return
-        self._orphans.pop(stream.request_id, None)
-        if stream.retries >= self.max_retries:
-            self.end(stream, GenerationFailed(f"{reason}; the request was moved {stream.retries} times already"))
-            return
-        request = stream.resumed_request()
-        if request.max_new_tokens <= 0:
-            self._finish_delivered(stream)
-            return
-        stream.retries += 1
-        stream.offset = len(stream.generated)
-        self._attempts.pop(stream.wire_id, None)
-        stream.wire_id = (
-            f"{stream.request_id}.{stream.retries}"  # a late output of the old attempt can't pass for the new one's
-        )
-        self._attempts[stream.wire_id] = stream
-        request.request_id = stream.wire_id
-        self.resumed += 1
-        stream.trace.resumed(reason, stream.retries, stream.offset)
-        self._assign(stream, request)
-
-    def _finish_delivered(self, stream: RequestStream) -> None:
-        """Every token was delivered, only the finish was lost: it ends at its length."""
-        final = RequestOutput(
-            stream.request_id, [], FinishReason.LENGTH, len(stream.request.prompt_token_ids), len(stream.generated)
-        )
-        stream.queue.put_nowait(final)
-        self.end(stream, None)
 
     def tick(self) -> None:
         """Every heartbeat interval: judge the workers (expired, hung), end orphans that waited too

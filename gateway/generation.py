@@ -11,8 +11,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +22,7 @@ from common.reasoning import ThinkTracker
 from gateway import tracing
 from gateway.admission import Admission, Slot
 from gateway.errors import ClientGone, GenerationFailed, InvalidRequest, NoWorkerAvailable, RequestTimeout
+from gateway.lanes import SMALL_JOB_CHARS, Lanes, unless_disconnected
 from gateway.logprobs import TokenLogprob, TokenTexts
 from gateway.metrics import Metrics, RequestClock
 from gateway.pool import RequestStream, Trace
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_CHARS_PER_TOKEN = 16  # generous: English averages about 4 characters a token
-SMALL_JOB_CHARS = 32_768  # inputs above this are tokenized in the big-job lane
 
 
 @dataclass(slots=True)
@@ -52,19 +51,6 @@ class TextDelta:
     prompt_logprobs: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)  # echo: every prompt token's
     stop_sequence: str | None = None  # the stop string that ended the text, when one did
     reasoning_tokens: int = 0  # of the completion tokens so far, those of a reasoning model's thinking
-
-
-class Lanes:
-    """The threads that tokenize and render templates off the event loop, shared by every model.
-    Big inputs and requests' own templates take their own lane, so they never hold up small ones."""
-
-    def __init__(self, threads: int) -> None:
-        self.small = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
-        self.big = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-big")
-
-    def close(self) -> None:
-        self.small.shutdown(wait=False, cancel_futures=True)
-        self.big.shutdown(wait=False, cancel_futures=True)
 
 
 class Generator:
@@ -325,28 +311,3 @@ def _merge_ready(item: RequestOutput | GenerationFailed, queue: asyncio.Queue) -
 
 def now_s() -> int:
     return int(time.time())
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` but cancel it, which aborts it on the worker, as soon as the client hangs up
-    (a non-streamed generation, an admission wait, a request's own template); streams get this
-    from Litestar, everything else needs it here."""
-    task = asyncio.ensure_future(work)
-
-    async def hang_up() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(hang_up())
-    gone = False
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            gone = True
-            task.cancel()  # only a request: wait until it took effect, and retrieve its outcome
-            await asyncio.gather(task, return_exceptions=True)
-    if gone:
-        raise ClientGone("the client closed the connection; the request was aborted")
-    return task.result()

@@ -18,7 +18,8 @@ from common.protocol import ModelInfo
 from gateway.abilities import tasks
 from gateway.admission import Admission
 from gateway.errors import NotFound, NoWorkerAvailable
-from gateway.generation import Generator, Lanes
+from gateway.generation import Generator
+from gateway.lanes import Lanes
 from gateway.lora import AdapterClient, adapters_of, find
 from gateway.metrics import Metrics
 from gateway.reasoning import model_markers

@@ -22,7 +22,8 @@ from gateway import tracing
 from gateway.admission import Slot
 from gateway.core import admit
 from gateway.errors import GenerationFailed, InvalidRequest, RequestTimeout
-from gateway.generation import Generator, unless_disconnected
+from gateway.generation import Generator
+from gateway.lanes import unless_disconnected
 from gateway.metrics import RequestClock
 from gateway.priority import request_priority
 from gateway.quotas import enforce

@@ -28,44 +28,28 @@ import signal
 import socket
 import time
 from collections import deque
-from typing import NamedTuple
 
 import zmq
 
-from common import protocol
 from common.model_source import TokenizerBundle
 from common.protocol import (
-    Abort,
     AddRequests,
-    DescribeModel,
-    Heartbeat,
-    ModelInfo,
     Ready,
     RequestOutput,
     StepOutputs,
-    WorkerError,
 )
-from common.salvage import salvage_requests
 from worker.gateways import Gateways
 from worker.handshake import GatewayLink
 from worker.heartbeat import Vitals
-from worker.lora.registry import answer, lora_info
+from worker.inbound import Inbound, Inbox
+from worker.lora.registry import lora_info
 from worker.stepper import Stepped, Stepper, StepThread
 from worker.threads import AdaptiveTeam
 
 log = logging.getLogger(__name__)
 
 
-class Refused(NamedTuple):
-    """Requests of an AddRequests that did not decode, to be answered with these errors."""
-
-    request_ids_and_reasons: list[tuple[str, str]]
-
-
-Inbox = list[tuple[GatewayLink, AddRequests | Abort | Refused | protocol.LoraCommand]]
-
-
-class WorkerProc:
+class WorkerProc(Inbound):
     """Connects to every gateway, registers, and runs the engine loop until told to stop."""
 
     def __init__(
@@ -274,80 +258,3 @@ class WorkerProc:
         self.gateways.close(link, now)
 
     # ---- messages ------------------------------------------------------------------------------
-
-    def _drain_socket(self, link: GatewayLink) -> bool:
-        """Read every message waiting on a link (a step may be running: what is for the engine
-        waits in the inbox); True if anything valid arrived."""
-        got = False
-        while (frames := link.receive()) is not None:
-            try:
-                msg = protocol.decode(frames)
-            except protocol.ProtocolError as exc:
-                msg = self._salvage(link, frames, exc)
-                if msg is None:
-                    continue
-            if isinstance(
-                msg, WorkerError
-            ):  # a refusal (a live worker has our name): the link stays silent and retries
-                log.error("the gateway at %s: %s", link.address, msg.message)
-                continue
-            got = True
-            link.last_heard = time.monotonic()
-            if isinstance(msg, AddRequests | Abort | protocol.LoraCommand):
-                self._inbox.append((link, msg))
-            elif isinstance(msg, DescribeModel):
-                self._describe(link)
-            elif not isinstance(msg, Heartbeat):
-                log.warning("unexpected %s from the gateway at %s", type(msg).__name__, link.address)
-        return got
-
-    def _apply_inbox(self) -> None:
-        """Engine held: hand it what arrived, in order; aborted requests' final outputs go back to
-        the gateways that asked."""
-        inbox, self._inbox = self._inbox, []
-        for link, msg in inbox:
-            if link.sock is None:
-                continue  # the link closed since: its gateway has moved those requests
-            if isinstance(msg, AddRequests):
-                for new in msg.requests:
-                    self._own(link, new.request_id)
-                    self.engine.add_request(new)
-            elif isinstance(msg, protocol.LoraCommand):  # a load or unload of an adapter, between two steps
-                link.send(answer(getattr(self.engine, "loras", None), msg, self.ready))
-            elif isinstance(msg, Refused):
-                for request_id, why in msg.request_ids_and_reasons:
-                    self._own(link, request_id)
-                    self.engine.reject(request_id, why, bad_request=True)
-            else:
-                link.send(StepOutputs(self.engine.abort(msg.request_ids)))
-                for request_id in msg.request_ids:
-                    if self.owner.get(request_id) is link:
-                        del self.owner[request_id]
-                    link.requests.discard(request_id)
-
-    def _own(self, link: GatewayLink, request_id: str) -> None:
-        self.owner[request_id] = link
-        link.requests.add(request_id)
-
-    def _describe(self, link: GatewayLink) -> None:
-        """Send the model's tokenizer and chat template: the gateway has no files of its own."""
-        if self.tokenizer is None:
-            link.send(WorkerError(f"worker {self.name} has no tokenizer bundle to describe {self.ready.model}"))
-            return
-        bundle = self.tokenizer
-        link.send(ModelInfo(self.ready.model, bundle.digest, bundle.packed, bundle.chat_template))
-
-    def _salvage(self, link: GatewayLink, frames: list[bytes], exc: protocol.ProtocolError) -> AddRequests | None:
-        """A message that did not decode: if it is an AddRequests, keep the requests that do decode
-        and answer the others with an error (the gateway would otherwise wait on them until its
-        timeout); anything else is dropped."""
-        salvaged = salvage_requests(frames)
-        if salvaged is None:
-            log.warning("dropped a malformed message: %s", exc)
-            return None
-        good, bad = salvaged
-        log.warning(
-            "an AddRequests did not decode (%s): %d of its requests run, %d are refused", exc, len(good), len(bad)
-        )
-        self._inbox.append((link, Refused(bad)))
-        return AddRequests(good)
