@@ -4,6 +4,11 @@ server, fsync on), the configurations alternating round by round on the same mac
 
     python -m bench.state_cost --baseline-tree /tmp/llmpool-before --rounds 3
     python -m bench.state_cost --baseline-tree /tmp/llmpool-before --fake-worker   # the gateway alone
+    python -m bench.state_cost --rounds 3   # no store = this tree's Responses with `store: false`
+
+Without ``--baseline-tree``, "no store" is this code on SQLite with Responses sent ``store: false``
+(nothing written for them): with a real model that keeps every other difference between the trees,
+the worker's above all, out of the comparison; chat then differs only by the usage rows.
 
 Per run: output tokens/s, TTFT p50, the gap between a Responses stream's last delta and its
 ``response.completed`` (where the final row is committed: the write the client waits for, after the
@@ -141,8 +146,7 @@ def main() -> None:
     parser.add_argument(
         "--baseline-tree",
         type=Path,
-        required=True,
-        help="a checkout of the code before the store (git archive d574bd2)",
+        help="a checkout of the code before the store (git archive d574bd2); default: this tree, `store: false`",
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=64)
@@ -161,7 +165,9 @@ def main() -> None:
 
     postgres = Postgres(durable=True)
     configs = {
-        "none": (args.baseline_tree, None, False),
+        "none": (args.baseline_tree, None, False)
+        if args.baseline_tree
+        else (REPO, f"sqlite:///{postgres.folder}/bench-none.db", False),
         "sqlite": (REPO, f"sqlite:///{postgres.folder}/bench-state.db", True),
         "postgresql": (REPO, postgres.database("bench"), True),
     }

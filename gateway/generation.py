@@ -78,6 +78,7 @@ class Generator:
         self.token_texts = TokenTexts(tokenizer)
         self.template = template
         self.model_name = model_name
+        self.served_name = model_name  # what answers echo as `model`: a LoRA adapter's name where one was asked for
         self.lanes = lanes
         self.reasoning = reasoning  # a reasoning model's thinking markers (gateway/reasoning.py)
 

@@ -79,6 +79,7 @@ class ModelRegistry:
         if base in self.generators:  # a LoRA adapter: its base model's generator, each request with the adapter
             generator = copy.copy(self.generators[base])
             generator.client = AdapterClient(self.client, name)
+            generator.served_name = name
         if generator is None:
             if name in self.client.models:
                 raise NoWorkerAvailable(f"the model `{name}` is starting (its tokenizer is loading); retry shortly")

@@ -17,6 +17,10 @@ Priority (``Request.priority``, lower is more urgent; all 0 unless the gateway r
 ``--scheduling-policy priority`` or batch work): both queues stay ordered by it, arrival order
 within one priority, so the least urgent, most recently admitted request is the one preempted; and
 a waiting request that does not fit (batch size or blocks) preempts less urgent running ones.
+Batch work (``BATCH_PRIORITY``) also sits out every step that has interactive work to do: it keeps
+its KV blocks and its place, but a step carrying it would be slower for the interactive rows beside
+it (on a CPU each row costs; on any device a batch prompt chunk does), so it runs only in the
+steps that interactive work leaves idle.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.protocol import TokenLogprobs
+from common.protocol import BATCH_PRIORITY, TokenLogprobs
 from worker.block_manager import BlockManager, blocks_for
 from worker.request import Request, RequestStatus
 from worker.speculative import Speculator
@@ -105,6 +109,7 @@ class Scheduler:
         self.max_loras = 0  # most distinct LoRA adapters running at once (0: no adapters served); worker/lora
         self._budget = 0  # tokens left in the step being scheduled
         self._prefill_budget = 0  # prompt tokens left in it
+        self._yield = False  # interactive work waits or runs: batch work sits this step out
 
     def add(self, request: Request) -> None:
         self._enqueue(request, front=False)
@@ -140,6 +145,8 @@ class Scheduler:
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         self._budget = self.max_num_batched_tokens
         self._prefill_budget = self.max_prefill_chunk if decoding else self.max_num_batched_tokens
+        interactive = (r for queue in (self.running, self.waiting) for r in queue if r.priority < BATCH_PRIORITY)
+        self._yield = next(interactive, None) is not None
         self._make_room()
         preempted = self._schedule_running(batch)
         if not preempted:
@@ -187,6 +194,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and self._budget > 0:
             request = self.running[index]
+            if self._yield and request.priority >= BATCH_PRIORITY:
+                index += 1  # it keeps its blocks and its place, and waits for an idle step
+                continue
             num_tokens = self._take(request)
             if num_tokens == 0:
                 index += 1
@@ -205,6 +215,8 @@ class Scheduler:
         """Admit waiting requests in order while the budgets, batch size and free blocks allow."""
         while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self._yield and request.priority >= BATCH_PRIORITY:
+                break  # the rest are batch work too (the queue is in priority order)
             if request.lora is not None and not self._lora_fits(request):
                 break  # its adapter waits until one of the resident ones has no running request
             if self.kv_store is not None and not self.kv_store.ready(request, wait=not batch):

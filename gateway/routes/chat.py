@@ -148,7 +148,7 @@ def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list
         )
     usage = events.total_usage([c.finish for c in choices], req.n)  # type: ignore[misc]
     return ChatCompletion(
-        id=_completion_id(), created=now_s(), model=generator.model_name, choices=out, usage=openai_usage(usage)
+        id=_completion_id(), created=now_s(), model=generator.served_name, choices=out, usage=openai_usage(usage)
     )
 
 
@@ -176,7 +176,7 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
         return ChatCompletionChunk(
             id=completion_id,
             created=created,
-            model=generator.model_name,
+            model=generator.served_name,
             choices=choices,
             usage=None if include_usage else msgspec.UNSET,
         )
@@ -206,5 +206,5 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
     if include_usage and len(finishes) == generation.choices:
         usage = events.total_usage([finishes[i] for i in range(generation.choices)], req.n)
         yield ChatCompletionChunk(
-            id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage)
+            id=completion_id, created=created, model=generator.served_name, choices=[], usage=openai_usage(usage)
         )

@@ -156,7 +156,7 @@ def _body(
     return Completion(
         id=f"cmpl-{uuid.uuid4().hex}",
         created=now_s(),
-        model=generator.model_name,
+        model=generator.served_name,
         choices=out,
         usage=openai_usage(usage),
     )
@@ -175,7 +175,7 @@ async def _chunks(
         return Completion(
             id=completion_id,
             created=created,
-            model=generator.model_name,
+            model=generator.served_name,
             choices=[choice],
             usage=None if include_usage else msgspec.UNSET,
         )
@@ -209,5 +209,5 @@ async def _chunks(
     if include_usage and len(finishes) == generation.choices:
         usage = events.total_usage([finishes[i] for i in range(generation.choices)], req.n)
         yield Completion(
-            id=completion_id, created=created, model=generator.model_name, choices=[], usage=openai_usage(usage)
+            id=completion_id, created=created, model=generator.served_name, choices=[], usage=openai_usage(usage)
         )

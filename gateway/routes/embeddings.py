@@ -51,7 +51,7 @@ class EmbeddingsController(Controller):
         return json_response(
             EmbeddingList(
                 data=data_out,
-                model=generator.model_name,
+                model=generator.served_name,
                 usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
             )
         )

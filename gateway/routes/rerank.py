@@ -83,7 +83,7 @@ async def rerank(request: Request, data: JSONBody[RerankRequest], models: NamedD
     ]
     body = RerankResponse(
         id=f"rerank-{uuid.uuid4().hex}",
-        model=generator.model_name,
+        model=generator.served_name,
         results=results,
         usage=RerankUsage(total_tokens=tokens),
     )
@@ -110,7 +110,7 @@ async def score(request: Request, data: JSONBody[ScoreRequest], models: NamedDep
         ScoreResponse(
             id=f"score-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=generator.model_name,
+            model=generator.served_name,
             data=data_out,
             usage=usage,
         )

@@ -218,7 +218,7 @@ def _envelope(generator: Generator, req: ResponsesRequest) -> ResponseObject:
     return ResponseObject(
         id=f"resp_{uuid.uuid4().hex}",
         created_at=int(time.time()),
-        model=generator.model_name,
+        model=generator.served_name,
         status="in_progress",
         output=[],
         usage=None,

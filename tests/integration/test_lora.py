@@ -62,6 +62,7 @@ def test_a_runtime_loaded_adapter_serves_close_to_peft_and_unloads(server, clien
         close, where = check_close(expected, got)
         assert close and where >= 4, f"diverged at token {where}: {expected.tokens[where:]!r} vs {got.tokens[where:]!r}"
         assert replies[NAME].choices[0].message.content != replies[MODEL].choices[0].message.content
+        assert replies[NAME].model == NAME and replies[MODEL].model == MODEL  # each answer names what it ran
         assert "vllm:lora_requests_info{" in server.get("/metrics").text
         assert any((w["lora"] or {}).get("resident") == [NAME] for w in server.workers())
     finally:

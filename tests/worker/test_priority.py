@@ -45,11 +45,28 @@ def test_an_urgent_request_that_does_not_fit_takes_the_place_of_batch_work():
     chat = urgent("chat", 4, 0)
     scheduler.add(chat)
     step = scheduler.schedule()
-    assert chat in step.requests and batch[1] not in step.requests and batch[0] in step.requests
+    assert step.requests == [chat]  # batch0 keeps its place and its blocks, and sits the step out
+    assert batch[0].status == RequestStatus.RUNNING and batch[0].block_ids
     assert batch[1].status == RequestStatus.PREEMPTED and scheduler.waiting[0] is batch[1]
-    # Equals never preempt each other: the waiting batch request waits for a free place.
     scheduler.update(step, {r.request_id: [1] for r in step.requests})
-    assert batch[1] not in scheduler.schedule().requests and scheduler.num_preemptions == 1
+    assert scheduler.schedule().requests == [chat] and scheduler.num_preemptions == 1
+
+
+def test_batch_work_sits_out_the_steps_interactive_work_takes_and_goes_on_after():
+    """A step with batch rows beside interactive ones is slower for the interactive ones: batch work
+    runs only in the steps that interactive work leaves idle, keeping its blocks meanwhile."""
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=8)
+    batch = urgent("batch", 4, BATCH_PRIORITY, 20)
+    scheduler.add(batch)
+    scheduler.update(scheduler.schedule(), {"batch": [1]})
+    chat = urgent("chat", 4, 0, max_new_tokens=2)
+    scheduler.add(chat)
+    finished: list = []
+    while not finished:
+        step = scheduler.schedule()
+        assert step.requests == [chat] and batch.block_ids
+        finished = scheduler.update(step, {"chat": [1]})
+    assert finished == [chat] and scheduler.schedule().requests == [batch]
 
 
 def test_batch_work_preempted_by_interactive_requests_is_recomputed_with_the_same_result():
