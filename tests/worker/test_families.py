@@ -148,6 +148,14 @@ def test_a_gguf_file_of_each_family_loads_through_transformers_and_is_exact(name
     assert [g.tokens for g in run(Engine(runner, config), PROMPTS)] == reference
 
 
+def test_a_gguf_file_of_a_family_transformers_does_not_read_is_refused_by_architecture(tmp_path):
+    """Gemma (1), OLMo, Granite, Cohere, Phi, SmolLM3, ...: transformers' GGUF support has no
+    mapping for them, and the worker stops with its sentence rather than guess."""
+    gguf_file = write_gguf(build("gemma", {}, tmp_path / "hf"), tmp_path / "gguf" / "tiny-gemma.gguf")
+    with pytest.raises(ValueError, match="GGUF model with architecture gemma is not supported"):
+        ModelRunner(resolve_model(str(gguf_file)), replace(CONFIG, cache_dir=str(tmp_path / "cache")))
+
+
 @pytest.mark.skipif(
     DEVICE != "cpu" or not kernels.has_vnni(), reason="the q4 weights are the CPU's C++ step's, with VNNI"
 )
