@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file, save_model
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from common.model_source import ModelSource, save_to_cache
 
@@ -27,13 +27,37 @@ def load_model(source: ModelSource, dtype: torch.dtype, cache_root: str) -> PreT
     if cached is not None and (cached / "model.safetensors").is_file():
         log.info("loading converted weights from %s", cached)
         return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        source.path, gguf_file=source.gguf_file, dtype=dtype, **_gguf_head_dim(source)
+    )
     if cached is not None:
         try:
             _save_converted(model, cached)
         except OSError as exc:  # a read-only cache costs speed, not correctness
             log.warning("could not cache converted weights in %s: %s", cached, exc)
     return model
+
+
+def _gguf_head_dim(source: ModelSource) -> dict[str, PretrainedConfig]:
+    """A config with the file's head size where transformers reads none from the family's GGUF
+    metadata (Qwen3: the class default, 128, whatever the file says, so a file with other heads
+    fails to load); llama.cpp writes it as the key length. Empty: nothing to correct."""
+    if source.gguf_file is None:
+        return {}
+    from gguf import GGUFReader
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    fields = GGUFReader(Path(source.path) / source.gguf_file).fields
+    arch = fields["general.architecture"].contents()
+    read = GGUF_CONFIG_MAPPING.get(arch, {})
+    key_length = fields.get(f"{arch}.attention.key_length")
+    if key_length is None or "attention.key_length" in read or "head_dim" in read.values():
+        return {}
+    config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if getattr(config, "head_dim", None) in (None, int(key_length.contents())):
+        return {}
+    config.head_dim = int(key_length.contents())
+    return {"config": config}
 
 
 def cached_tensors(folder: Path | None, build: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

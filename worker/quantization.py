@@ -3,8 +3,8 @@
 A batch-1 decode step is bound by the bytes of weights it reads, so fewer bytes per weight is speed:
 - int8: one float32 scale per output row (symmetric, round to nearest); half of bf16's bytes.
 - q4: 4 bits with a float16 scale and minimum per group of 32 inputs (GGUF's Q4_1 layout, 5 bits a
-  weight); a model shipped as Q4_1, like the default one, loses nothing to it, since its de-quantized
-  weights land back on the same grid. ``auto`` picks it for such models (``on_4bit_grid``).
+  weight); a model shipped as Q4_1, like the default one, or as Q4_0 loses nothing to it, since its
+  de-quantized weights land back on the same grid. ``auto`` picks it for such models (``on_4bit_grid``).
 The kernel multiplies in float32. Accuracy on the default model is in README's "Quantization" section.
 """
 
@@ -67,21 +67,34 @@ def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` -> (uint8 ``[N, K / 2]``, float16 ``[N, K / 32, 2]`` scale and minimum per group).
 
     Byte j of a group holds q[j] in its low nibble and q[j + 16] in its high one; w ~ d * q + m.
+    Each group takes whichever of two grids reproduces it better: Q4_1's (its minimum and maximum
+    15 steps apart) or Q4_0's (its value of largest magnitude 8 steps from zero, the grid running
+    7 steps past zero), so that weights de-quantized from either kind of file come back as they
+    were (a Q4_0 group put on Q4_1's grid is rounded again: 0.15 of a step on average).
     """
     n, k = weight.shape
     if k % Q4_GROUP:
         raise ValueError(f"q4 needs input features in groups of {Q4_GROUP}; this weight has {k}")
     groups = weight.detach().float().view(n, k // Q4_GROUP, Q4_GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    d = ((high - low) / 15).half()
-    m = low.half()
-    step = d.float().unsqueeze(-1)
-    q = (
-        torch.where(step > 0, (groups - m.float().unsqueeze(-1)) / step.clamp(min=1e-30), 0.0)
-        .round_()
-        .clamp_(0, 15)
-        .to(torch.uint8)
-    )
+    peak = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    best = None
+    for d, m in (((high - low) / 15, low), (peak.abs() / 8, torch.where(peak < 0, peak, -7 * peak / 8))):
+        d, m = d.half(), m.half()
+        step, base = d.float().unsqueeze(-1), m.float().unsqueeze(-1)
+        q = torch.where(step > 0, (groups - base) / step.clamp(min=1e-30), 0.0).round_().clamp_(0, 15)
+        error = (q * step + base - groups).abs().amax(dim=-1)
+        if best is None:
+            best = (q, d, m, error)
+            continue
+        better = error < best[3] / 2  # clearly better: at the weights' own rounding Q4_1's grid stays
+        best = (
+            torch.where(better.unsqueeze(-1), q, best[0]),
+            torch.where(better, d, best[1]),
+            torch.where(better, m, best[2]),
+            error,
+        )
+    q, d, m = best[0].to(torch.uint8), best[1], best[2]
     packed = q[..., :16] | (q[..., 16:] << 4)
     return packed.reshape(n, k // 2).contiguous(), torch.stack([d, m], dim=-1).contiguous()
 

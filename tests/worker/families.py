@@ -9,6 +9,7 @@ with a phrase the refusal must contain.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -151,15 +152,37 @@ def build(model_type: str, extra: dict, folder: Path, seed: int = 0) -> PreTrain
     return model
 
 
-def write_gguf(model: PreTrainedModel, path: Path) -> Path:
-    """``model`` as a float32 GGUF file, named the way llama.cpp names tensors (gguf's own tensor
-    map), for architectures whose tensors llama.cpp stores unchanged (Qwen2: no rotary permutation,
-    no norm offset; transformers reads no head_dim from a Qwen3 file)."""
+# Families whose GGUF files transformers reads back (transformers/integrations/ggml.py), with only
+# what such a file carries: transformers reads no softcap, query_pre_attn_scalar or window pattern
+# from a Gemma file, no window from a Phi-3 or Mistral file (llama.cpp writes Mistral as a Llama),
+# so those stay at their defaults here (a real Gemma 2's), and Gemma's windows cut through the
+# ``sliding_window`` the file does carry.
+GGUF: dict[str, tuple[str, dict]] = {
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {}),
+    "phi3": ("phi3", {}),
+    "gemma2": ("gemma2", dict(sliding_window=W)),
+    "gemma3_text": ("gemma3_text", dict(sliding_window=W)),
+}
+_GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}  # llama.cpp's name where it differs
+_NORM_PLUS_ONE = {"gemma2", "gemma3"}  # llama.cpp stores Gemma's 1 + w norm scales as they multiply
+
+
+def write_gguf(model: PreTrainedModel, path: Path, quantize: str | None = None) -> Path:
+    """``model`` as a GGUF file, written the way llama.cpp's convert_hf_to_gguf.py writes it for the
+    families in ``GGUF`` (gguf's own tensor map; Llama-arch q/k rows permuted for its rotary, Gemma's
+    norms shifted by 1, a tied head left out). ``quantize`` ("Q4_0", "Q4_1", ...): the projections
+    in that type, quantized by gguf's own quantizer, embeddings and head in Q8_0 (as llama.cpp's
+    4-bit files keep them at 8 bits or more); None: everything float32."""
     import gguf
+    import numpy as np
 
     config = model.config
+    arch = _GGUF_ARCH.get(config.model_type, config.model_type)
+    rope = config.rope_parameters
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), config.model_type)
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{config.model_type}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -167,12 +190,37 @@ def write_gguf(model: PreTrainedModel, path: Path) -> Path:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[config.model_type.upper()], config.num_hidden_layers)
+    writer.add_bos_token_id(
+        config.bos_token_id
+    )  # the vocabulary's special tokens (Phi-3's defaults lie past a tiny one)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    if arch in _NORM_PLUS_ONE:
+        writer.add_sliding_window(config.sliding_window)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    tied = config.tie_word_embeddings
     for name, tensor in model.state_dict().items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+        if tied and name == "lm_head.weight":
+            continue
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        data = tensor.float().numpy()
+        if arch == "llama" and re.search(r"\.attn_[qk]\.", gguf_name):
+            heads = config.num_attention_heads if ".attn_q." in gguf_name else config.num_key_value_heads
+            data = data.reshape(heads, 2, -1, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        if arch in _NORM_PLUS_ONE and gguf_name.endswith("norm.weight"):
+            data = data + 1
+        kind = None
+        if quantize is not None and data.ndim == 2:
+            kind = gguf.GGMLQuantizationType["Q8_0" if gguf_name.startswith(("token_embd", "output.")) else quantize]
+            data = gguf.quants.quantize(np.ascontiguousarray(data), kind)
+        writer.add_tensor(gguf_name, data, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

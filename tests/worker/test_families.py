@@ -24,10 +24,12 @@ import torch
 from bench.accuracy import Generation, check_close
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
-from tests.worker.families import REFUSED, SERVED, WINDOW, build, write_gguf
+from tests.worker.families import GGUF, REFUSED, SERVED, WINDOW, build, write_gguf
+from worker import kernels
 from worker.attention.layers import LayerSpec
 from worker.config import WorkerConfig
 from worker.engine import Engine
+from worker.loader import load_model
 from worker.models import support
 from worker.runner import ModelRunner
 
@@ -124,17 +126,55 @@ def test_bfloat16_output_is_close_to_generate(name, tmp_path):
     assert all(check_close(g, r)[0] for g, r in zip(got, reference))
 
 
-@pytest.mark.parametrize("impl", ["native", "transformers"])
-def test_a_gguf_file_of_another_family_loads_through_transformers_and_is_exact(impl, tmp_path):
-    """A .gguf of a non-Llama family (Qwen2) serves as its safetensors do, loaded through
-    transformers' GGUF support, on either model implementation."""
-    model_type, extra = SERVED["qwen2"]
+# Every family on transformers' classes; those the native forward takes on it too (a Mistral file
+# is a Llama one: llama.cpp writes it so, and it loads as one).
+GGUF_CASES = [(name, "transformers") for name in sorted(GGUF)] + [("qwen2", "native"), ("mistral", "native")]
+
+
+@pytest.mark.parametrize(("name", "impl"), GGUF_CASES)
+def test_a_gguf_file_of_each_family_loads_through_transformers_and_is_exact(name, impl, tmp_path):
+    """A float32 .gguf written as llama.cpp writes it (rotary permutation, Gemma's norm offset, fused
+    Phi-3 projections, Qwen3's head size in the key length) serves as its safetensors do."""
+    model_type, extra = GGUF[name]
     model = build(model_type, extra, tmp_path / "hf")
-    gguf_file = write_gguf(model, tmp_path / "gguf" / "tiny-qwen2.gguf")
+    with torch.no_grad():  # sharp attention, so that rotary dimensions read in another order change the tokens
+        for weight, parameter in model.named_parameters():
+            if weight.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                parameter.mul_(8)
+    gguf_file = write_gguf(model, tmp_path / "gguf" / f"tiny-{name}.gguf")
     reference = [g.tokens for g in generate(model, PROMPTS)]
     config = replace(CONFIG, model_impl=impl, cache_dir=str(tmp_path / "cache"))
     runner = ModelRunner(resolve_model(str(gguf_file)), config)
     assert [g.tokens for g in run(Engine(runner, config), PROMPTS)] == reference
+
+
+def test_a_gguf_file_of_a_family_transformers_does_not_read_is_refused_by_architecture(tmp_path):
+    """Gemma (1), OLMo, Granite, Cohere, Phi, SmolLM3, ...: transformers' GGUF support has no
+    mapping for them, and the worker stops with its sentence rather than guess."""
+    gguf_file = write_gguf(build("gemma", {}, tmp_path / "hf"), tmp_path / "gguf" / "tiny-gemma.gguf")
+    with pytest.raises(ValueError, match="GGUF model with architecture gemma is not supported"):
+        ModelRunner(resolve_model(str(gguf_file)), replace(CONFIG, cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.skipif(
+    DEVICE != "cpu" or not kernels.has_vnni(), reason="the q4 weights are the CPU's C++ step's, with VNNI"
+)
+@pytest.mark.parametrize(("name", "kind"), [("qwen3", "Q4_0"), ("gemma2", "Q4_1")])
+def test_a_4bit_gguf_file_keeps_its_weights_on_the_q4_path(name, kind, tmp_path):
+    """A 4-bit file of a family the C++ step runs: in bf16 its weights go to the step as q4 (auto
+    sees them on a 4-bit grid), and the output is close to generate on the de-quantized weights."""
+    model_type, extra = GGUF[name]
+    gguf_file = write_gguf(
+        build(model_type, extra, tmp_path / "hf"), tmp_path / "gguf" / f"tiny-{name}.{kind}.gguf", kind
+    )
+    # transformers' GGUF loading, with the head size it does not read from a Qwen3 file (worker/loader.py)
+    dequantized = load_model(resolve_model(str(gguf_file)), torch.bfloat16, str(tmp_path / "reference-cache"))
+    reference = generate(dequantized.eval(), PROMPTS)
+    config = replace(CONFIG, dtype="bfloat16", cache_dir=str(tmp_path / "cache"))
+    runner = ModelRunner(resolve_model(str(gguf_file)), config)
+    assert runner.quantization == "q4" and runner.paths.fused.any_batch
+    got = run(Engine(runner, config), PROMPTS, logprobs=5)
+    assert all(check_close(g, r)[0] for g, r in zip(got, reference))
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

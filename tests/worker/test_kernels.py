@@ -191,6 +191,20 @@ def test_q4_reproduces_a_q4_1_grid_exactly():
     torch.testing.assert_close(dequantize_q4(*quantize_q4(w)), w, atol=1e-6, rtol=0)
 
 
+def test_q4_reproduces_a_q4_0_grid():
+    """A Q4_0 GGUF's groups (w = d * (q - 8), the largest magnitude at q = 0, d of either sign) come
+    back to within float16's rounding of the grid's minimum (7 d is not always a float16), not
+    rounded again onto Q4_1's grid (up to half a step off)."""
+    from worker.quantization import dequantize_q4, quantize_q4
+
+    torch.manual_seed(0)
+    d = ((torch.rand(16, 4, 1) * 0.01 + 0.001) * torch.where(torch.rand(16, 4, 1) < 0.5, -1, 1)).half().float()
+    q = torch.randint(1, 15, (16, 4, 32)).float()  # the other extreme (q = 15) not reached: Q4_1's grid misses it
+    q[..., 0] = 0
+    w = (d * (q - 8)).view(16, 128)
+    torch.testing.assert_close(dequantize_q4(*quantize_q4(w)), w, atol=5e-5, rtol=0)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 6])
 def test_q4_with_int8_activations_stays_within_activation_rounding(rows):
     """K a multiple of 64: the VNNI path multiplies nibbles by int8 activations (per group of 64)."""
