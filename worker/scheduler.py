@@ -143,10 +143,13 @@ class Scheduler:
         if self.kv_store is not None:
             self.kv_store.release_written()
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        self._budget = self.max_num_batched_tokens
-        self._prefill_budget = self.max_prefill_chunk if decoding else self.max_num_batched_tokens
         interactive = (r for queue in (self.running, self.waiting) for r in queue if r.priority < BATCH_PRIORITY)
         self._yield = next(interactive, None) is not None
+        # A step of batch work alone stays as short as a step beside decoding streams: an
+        # interactive request arriving meanwhile waits for it to end.
+        batch_only = not self._yield and any(r.priority >= BATCH_PRIORITY for r in self.running)
+        self._budget = self.max_num_batched_tokens
+        self._prefill_budget = self.max_prefill_chunk if decoding or batch_only else self.max_num_batched_tokens
         self._make_room()
         preempted = self._schedule_running(batch)
         if not preempted:

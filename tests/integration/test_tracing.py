@@ -25,7 +25,7 @@ from common import protocol
 from gateway import tracing
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from tests.conftest import MODEL, free_port, spawn, stop, wait_until
+from tests.conftest import MODEL, STATE_DIR, free_port, spawn, stop, wait_until
 from tests.gateway.test_tracing import Collector
 
 WORKER = "trace-w"
@@ -71,6 +71,7 @@ def gateway() -> Iterator[Gateway]:
         ui=False,
         otlp_endpoint=collector.url,
         otlp_service_name="llmpool-test",
+        state_url=f"sqlite:///{STATE_DIR}/tracing.db",  # this run's, not the user's cache directory's
     )
     server = uvicorn.Server(
         uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_config=None, access_log=False)
