@@ -27,9 +27,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, cache_root: str) -> PreT
     if cached is not None and (cached / "model.safetensors").is_file():
         log.info("loading converted weights from %s", cached)
         return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+    fields = _gguf_fields(source)
     model = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=dtype, **_gguf_head_dim(source)
+        source.path, gguf_file=source.gguf_file, dtype=dtype, **_gguf_head_dim(source, fields)
     )
+    _refuse_lost_experts(fields, model)
     if cached is not None:
         try:
             _save_converted(model, cached)
@@ -38,16 +40,38 @@ def load_model(source: ModelSource, dtype: torch.dtype, cache_root: str) -> PreT
     return model
 
 
-def _gguf_head_dim(source: ModelSource) -> dict[str, PretrainedConfig]:
+def _gguf_fields(source: ModelSource) -> dict | None:
+    """The GGUF file's metadata fields (None: not a GGUF source)."""
+    if source.gguf_file is None:
+        return None
+    from gguf import GGUFReader
+
+    return GGUFReader(Path(source.path) / source.gguf_file).fields
+
+
+def _refuse_lost_experts(fields: dict | None, model: PreTrainedModel) -> None:
+    """A mixture of experts in llama.cpp's layout (Mixtral's files: the llama architecture plus
+    expert tensors) that transformers built as a dense model would serve wrong text: refuse it."""
+    experts = fields.get(f"{fields['general.architecture'].contents()}.expert_count") if fields else None
+    if experts is None or int(experts.contents()) == 0:
+        return
+    config = model.config
+    if not any(getattr(config, name, 0) for name in ("num_local_experts", "num_experts", "n_routed_experts")):
+        raise ValueError(
+            f"the GGUF file holds a mixture of {int(experts.contents())} experts, which transformers loaded as a "
+            f"dense {type(model).__name__} (its expert weights dropped): it would serve wrong text. "
+            "Serve the model's safetensors checkpoint instead"
+        )
+
+
+def _gguf_head_dim(source: ModelSource, fields: dict | None) -> dict[str, PretrainedConfig]:
     """A config with the file's head size where transformers reads none from the family's GGUF
     metadata (Qwen3: the class default, 128, whatever the file says, so a file with other heads
     fails to load); llama.cpp writes it as the key length. Empty: nothing to correct."""
-    if source.gguf_file is None:
+    if fields is None:
         return {}
-    from gguf import GGUFReader
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    fields = GGUFReader(Path(source.path) / source.gguf_file).fields
     arch = fields["general.architecture"].contents()
     read = GGUF_CONFIG_MAPPING.get(arch, {})
     key_length = fields.get(f"{arch}.attention.key_length")

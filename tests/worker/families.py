@@ -169,12 +169,13 @@ _GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}  # llama.cpp's name w
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}  # llama.cpp stores Gemma's 1 + w norm scales as they multiply
 
 
-def write_gguf(model: PreTrainedModel, path: Path, quantize: str | None = None) -> Path:
+def write_gguf(model: PreTrainedModel, path: Path, quantize: str | None = None, extra: dict | None = None) -> Path:
     """``model`` as a GGUF file, written the way llama.cpp's convert_hf_to_gguf.py writes it for the
     families in ``GGUF`` (gguf's own tensor map; Llama-arch q/k rows permuted for its rotary, Gemma's
     norms shifted by 1, a tied head left out). ``quantize`` ("Q4_0", "Q4_1", ...): the projections
     in that type, quantized by gguf's own quantizer, embeddings and head in Q8_0 (as llama.cpp's
-    4-bit files keep them at 8 bits or more); None: everything float32."""
+    4-bit files keep them at 8 bits or more); None: everything float32. ``extra``: more metadata
+    fields (name: unsigned int)."""
     import gguf
     import numpy as np
 
@@ -204,6 +205,8 @@ def write_gguf(model: PreTrainedModel, path: Path, quantize: str | None = None) 
     writer.add_pad_token_id(config.pad_token_id)
     if arch in _NORM_PLUS_ONE:
         writer.add_sliding_window(config.sliding_window)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     tied = config.tie_word_embeddings
     for name, tensor in model.state_dict().items():

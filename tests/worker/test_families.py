@@ -156,6 +156,15 @@ def test_a_gguf_file_of_a_family_transformers_does_not_read_is_refused_by_archit
         ModelRunner(resolve_model(str(gguf_file)), replace(CONFIG, cache_dir=str(tmp_path / "cache")))
 
 
+def test_a_gguf_mixture_of_experts_that_loads_as_a_dense_model_is_refused(tmp_path):
+    """Mixtral's files are llama.cpp's llama architecture plus expert tensors; a file whose experts
+    transformers would drop (here: a llama file that says it has 4) is refused, never served wrong."""
+    model = build("llama", {}, tmp_path / "hf")
+    gguf_file = write_gguf(model, tmp_path / "gguf" / "tiny-moe.gguf", extra={"llama.expert_count": 4})
+    with pytest.raises(ValueError, match="mixture of 4 experts, which transformers loaded as a dense LlamaForCausalLM"):
+        ModelRunner(resolve_model(str(gguf_file)), replace(CONFIG, cache_dir=str(tmp_path / "cache")))
+
+
 @pytest.mark.skipif(
     DEVICE != "cpu" or not kernels.has_vnni(), reason="the q4 weights are the CPU's C++ step's, with VNNI"
 )
