@@ -135,7 +135,11 @@ def create_app(config: GatewayConfig) -> Litestar:
         app.state.scheduling_policy = config.scheduling_policy
         app.state.models = models
         limits = Limits(
-            config.state_max_age, config.state_max_bytes, config.state_max_response_bytes, config.state_max_key_bytes
+            config.state_max_age,
+            config.state_max_bytes,
+            config.state_max_response_bytes,
+            config.state_max_key_bytes,
+            config.state_log_interval,
         )
         app.state.usage = UsageMeter(models.metrics.registry)
         lease_s = config.heartbeat_interval * config.heartbeat_liveness

@@ -32,19 +32,21 @@ _FINISHED = (
 
 @dataclass(slots=True)
 class Limits:
-    """``--state-max-age`` / ``--state-max-bytes`` / ``--state-max-response-bytes`` / ``--state-max-key-bytes``."""
+    """``--state-max-age`` / ``--state-max-bytes`` / ``--state-max-response-bytes`` / ``--state-max-key-bytes``,
+    and ``--state-log-interval`` (how long a stream's events gather before they are written)."""
 
     max_age_s: float = 30 * 86400.0
     max_bytes: int = 8 * 2**30
     max_response_bytes: int = 2**20
     max_key_bytes: int = 256 * 2**20
+    log_interval_s: float = 0.5
 
 
 class StateStore:
-    def __init__(self, db: Database, limits: Limits, writer_interval: float = 0.1) -> None:
+    def __init__(self, db: Database, limits: Limits) -> None:
         self.db = db
         self.limits = limits
-        self.writer = Writer(db, writer_interval)
+        self.writer = Writer(db, limits.log_interval_s)
         self.conversations = Conversations(db)
         self.gateway_id = uuid.uuid4().hex  # this process, in the lease table
 

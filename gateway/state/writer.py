@@ -3,7 +3,7 @@
 Routes never wait on the database while tokens flow. They hand rows to ``Writer`` (a list append) and
 go on; a background task commits whatever has gathered in one transaction: a running response's
 first row, its events and token chunks as they go out, and the final row when it ends. Events alone
-wait up to ``interval`` to gather more, and each response's events (and chunks) of one commit go in
+wait up to ``interval`` (``--state-log-interval``) to gather more, and each response's events (and chunks) of one commit go in
 one row: 64 streams' deltas become one transaction of 64 rows, not thousands of rows. A final row
 is committed at once, and its writer awaits that commit before the client is told the response is
 complete, so a continuation on any gateway finds it.
@@ -52,7 +52,7 @@ class _Batch:
 
 
 class Writer:
-    def __init__(self, db: Database, interval: float = 0.1) -> None:
+    def __init__(self, db: Database, interval: float = 0.5) -> None:
         self.db = db
         self.interval = interval
         self._batch = _Batch()
