@@ -5,7 +5,9 @@ go on; a background task commits whatever has gathered in one transaction: a run
 first row, its events and token chunks as they go out, and the final row when it ends. Events alone
 wait up to ``interval`` (``--state-log-interval``) to gather more, and each response's events (and chunks) of one commit go in
 one row: 64 streams' deltas become one transaction of 64 rows, not thousands of rows. A final row
-is committed at once, and its writer awaits that commit before the client is told the response is
+is committed at once, with that response's own pending events only (the others keep gathering: at
+64 streams a response ends several times a second, and each end would otherwise write a row for
+every stream), and its writer awaits that commit before the client is told the response is
 complete, so a continuation on any gateway finds it.
 """
 
@@ -58,6 +60,7 @@ class Writer:
         self._batch = _Batch()
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()  # a final row or a sync waits: commit now, not after the interval
+        self._everything = False  # a sync waits: commit every pending row, not only the finals'
         self._task: asyncio.Task | None = None
         self.commits = 0  # transactions committed (the figures in the README come from these)
         self.rows = 0
@@ -73,7 +76,7 @@ class Writer:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self._batch:
-            await self._commit(self._take())
+            await self._commit(self._take(True))
 
     def started(self, record: ResponseRecord) -> None:
         """A response that runs (streamed or background) begins: its row, so any gateway can see it."""
@@ -98,6 +101,7 @@ class Writer:
         row, before its id goes out: any gateway can be asked about it next)."""
         waiter = asyncio.get_running_loop().create_future()
         self._batch.waiters.append(waiter)
+        self._everything = True
         self._wake.set()
         self._urgent.set()
         await waiter
@@ -111,28 +115,42 @@ class Writer:
         self._urgent.set()
         await waiter
 
-    def _take(self) -> _Batch:
+    def _take(self, everything: bool) -> _Batch:
+        """What to commit now: everything, or (a final row that cannot wait) the finals, with their
+        own responses' events and chunks, and whatever else must not wait; other events stay."""
         batch, self._batch = self._batch, _Batch()
         self._wake.clear()
         self._urgent.clear()
+        self._everything = False
+        if everything:
+            return batch
+        ending = {record.id for record in batch.finals} | set(batch.dropped)
+        for name in ("events", "chunks"):
+            rows: list[tuple] = getattr(batch, name)
+            setattr(batch, name, [row for row in rows if row[0] in ending])
+            getattr(self._batch, name).extend(row for row in rows if row[0] not in ending)
+        if self._batch:
+            self._wake.set()
         return batch
 
     async def _run(self) -> None:
-        last = 0.0
+        last = 0.0  # when everything was last committed
         while True:
             await self._wake.wait()
             delay = last + self.interval - time.monotonic()
             if (
                 delay > 0 and not self._urgent.is_set()
-            ):  # events only: let more gather, up to interval after the last commit
+            ):  # events only: let more gather, up to interval after the last full commit
                 try:
                     await asyncio.wait_for(self._urgent.wait(), delay)
                 except TimeoutError:
                     pass
-            batch = self._take()
+            everything = self._everything or time.monotonic() >= last + self.interval
+            batch = self._take(everything)
             if not batch:
                 continue
-            last = time.monotonic()
+            if everything:
+                last = time.monotonic()
             try:
                 await self._commit(batch)
             except Exception as exc:  # a failed commit must not kill the writer: say so, fail the waiters, go on

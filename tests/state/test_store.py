@@ -170,6 +170,37 @@ def test_the_writer_commits_events_in_groups_and_the_final_row_with_them(url):
     run(main())
 
 
+def test_a_final_row_commits_its_own_events_and_leaves_the_other_streams_gathering(url):
+    """At 64 streams a response ends several times a second: its commit must not write a row for
+    every other stream's pending events (the rows, not the tokens, are what the store costs)."""
+
+    async def main() -> None:
+        store = await opened(url)
+        owner = owner_of("k")
+        for name in ("ending", "running"):
+            start = record(name, owner)
+            start.status, start.request, start.gateway = "in_progress", b"{}", store.gateway_id
+            store.writer.started(start)
+        await store.writer.sync()
+        for seq in range(3):
+            for name in ("ending", "running"):
+                store.writer.event(name, seq, b'{"type":"response.output_text.delta"}')
+                store.writer.chunk(name, seq, b"\x90")
+        rows = store.writer.rows
+        await store.writer.final(record("ending", owner))
+        assert store.writer.rows - rows == 7, "the final row with its 3 events and 3 chunks, not the other stream's 6"
+        assert [seq for seq, _ in await store.events_after("ending", -1)] == [0, 1, 2]
+        deadline = asyncio.get_running_loop().time() + 10
+        while not await store.events_after("running", -1):  # the other stream's, within the interval
+            assert asyncio.get_running_loop().time() < deadline, "the running stream's events were never written"
+            await asyncio.sleep(0.05)
+        assert [seq for seq, _ in await store.events_after("running", -1)] == [0, 1, 2]
+        assert len(await store.chunks("running")) == 3
+        await store.close()
+
+    run(main())
+
+
 def test_a_dead_gateways_run_is_claimed_by_one_gateway(url):
     async def main() -> None:
         stores = [await opened(url) for _ in range(3)]
