@@ -23,7 +23,7 @@ import msgspec
 from common.lora import LoraCommand, LoraInfo, LoraLoad, LoraResult
 from common.pooling import PoolingInfo, PoolingParams
 
-PROTOCOL_VERSION = 2  # 1: the same messages as named maps (dataclasses)
+PROTOCOL_VERSION = 3  # 1: the same messages as named maps (dataclasses); 2: single-token thinking markers
 BATCH_PRIORITY = 2**31  # the batch runner's requests: less urgent than any priority a client may ask for
 
 
@@ -93,11 +93,12 @@ class Guide(Wire):
 
 class Reasoning(Wire):
     """A reasoning model's thinking section, as the worker enforces it (common/reasoning.py): the
-    marker tokens, where the prompt left the thinking (``ThinkState``), and how many thinking tokens
-    may come before the worker forces the end marker (None: no bound but ``max_new_tokens``)."""
+    markers' token ids (one token or several: ``<thinking>`` is three in a vocabulary without it),
+    where the prompt left the thinking (``ThinkState``), and how many thinking tokens may come
+    before the worker forces the end marker (None: no bound but ``max_new_tokens``)."""
 
-    start_token_id: int
-    end_token_id: int
+    start_token_ids: list[int]
+    end_token_ids: list[int]
     state: int = 0
     budget: int | None = None
 

@@ -190,7 +190,10 @@ class Generator:
         on_output: Callable[[RequestOutput], None] | None,
     ) -> AsyncIterator[TextDelta]:
         stop = StopChecker(stops)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes)
+        keep = (
+            self.reasoning.special_ids if self.reasoning is not None and request.reasoning is not None else frozenset()
+        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes, keep)
         trace = tracing.generation(request)  # before the submit: it puts the trace context in the request
         pending = deque(replay)
         stream = None

@@ -2,14 +2,16 @@
 
 ``--reasoning-parser`` picks the markers: ``deepseek_r1`` and ``qwen3`` both use ``<think>`` and
 ``</think>``; ``auto`` (the default) takes the first pair of known markers that the model's chat
-template mentions and its vocabulary holds as single tokens; ``none`` splits nothing. They differ
-where the output has no start marker: DeepSeek-R1 omits it (its template opens the thinking), so
-``deepseek_r1`` reads text before ``</think>`` as thinking; Qwen3 writes it, so ``qwen3`` and ``auto``
-read an answer without one as all answer. Where the prompt itself leaves the thinking open or
-closed (``enable_thinking``), that decides (common/reasoning.py's ``initial_state``).
+template mentions; ``none`` splits nothing. A marker may be one token or several (a vocabulary
+without ``<thinking>`` writes it as ``<``, ``thinking``, ``>``), and may be a special token (kept in
+the text the split reads, though decoding skips special tokens). They differ where the output has
+no start marker: DeepSeek-R1 omits it (its template opens the thinking), so ``deepseek_r1`` reads
+text before ``</think>`` as thinking; Qwen3 writes it, so ``qwen3`` and ``auto`` read an answer
+without one as all answer. Where the prompt itself leaves the thinking open or closed
+(``enable_thinking``), that decides (common/reasoning.py's ``initial_state``).
 
 The worker enforces the rest by token (common/reasoning.py): a budget ends the thinking with the end
-marker, and a guide (``response_format``, a forced tool call) starts after it.
+marker's tokens, and a guide (``response_format``, a forced tool call) starts after them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from gateway.errors import InvalidRequest
 log = logging.getLogger(__name__)
 
 PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
-MARKERS = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("◁think▷", "◁/think▷"))
+MARKERS = (
+    ("<think>", "</think>"),  # DeepSeek-R1, Qwen3, QwQ, GLM-4.5, SmolLM3...
+    ("<thinking>", "</thinking>"),
+    ("◁think▷", "◁/think▷"),  # Kimi
+    ("<seed:think>", "</seed:think>"),  # Seed-OSS
+    ("[THINK]", "[/THINK]"),  # Magistral (special tokens)
+    ("<|START_THINKING|>", "<|END_THINKING|>"),  # Command A Reasoning (special tokens)
+)
 # ``reasoning_effort`` (OpenAI's names) as thinking-token budgets; max: no budget but max_tokens.
 EFFORT_BUDGETS: dict[str, int | None] = {
     "none": 0,
@@ -44,45 +53,30 @@ class Markers:
 
     start: str
     end: str
-    start_id: int
-    end_id: int
+    start_ids: list[int]
+    end_ids: list[int]
     assume_thinking: bool  # the model omits the start marker (DeepSeek-R1)
+    special_ids: frozenset[int] = frozenset()  # the markers' special tokens: decoding must keep them
 
     def spec(self, prompt: list[int], budget: int | None) -> Reasoning:
         """The wire description of one prompt's thinking."""
-        return Reasoning(
-            self.start_id, self.end_id, initial_state(prompt, self.start_id, self.end_id, self.assume_thinking), budget
-        )
+        state = initial_state(prompt, self.start_ids, self.end_ids, self.assume_thinking)
+        return Reasoning(self.start_ids, self.end_ids, state, budget)
 
 
 def model_markers(parser: str, tokenizer: Any, template_source: str) -> Markers | None:
-    """The markers ``parser`` gives this model, or None (no thinking to split). A named parser whose
-    markers the vocabulary lacks as single, non-special tokens is logged and left off."""
+    """The markers ``parser`` gives this model, or None (no thinking to split)."""
     if parser == "none":
         return None
-    pairs = MARKERS if parser == "auto" else MARKERS[:1]
-    for start, end in pairs:
+    for start, end in MARKERS if parser == "auto" else MARKERS[:1]:
         if parser == "auto" and start not in template_source:
             continue
-        ids = [_single_token(tokenizer, marker) for marker in (start, end)]
-        if None not in ids:
-            return Markers(start, end, ids[0], ids[1], parser == "deepseek_r1")  # type: ignore[arg-type]
-        if parser != "auto":
-            log.warning(
-                "--reasoning-parser %s: the tokenizer has no single tokens for %s and %s; no thinking is split out",
-                parser,
-                start,
-                end,
-            )
+        start_ids, end_ids = (tokenizer.encode(marker, add_special_tokens=False) for marker in (start, end))
+        if len(start_ids) > 1 or len(end_ids) > 1:
+            log.info("thinking markers %s and %s are %d and %d tokens", start, end, len(start_ids), len(end_ids))
+        special = frozenset(start_ids + end_ids) & frozenset(tokenizer.all_special_ids)
+        return Markers(start, end, start_ids, end_ids, parser == "deepseek_r1", special)
     return None
-
-
-def _single_token(tokenizer: Any, text: str) -> int | None:
-    """The token id of ``text`` when it is one token that decoding keeps (special tokens are skipped)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1 or ids[0] in set(tokenizer.all_special_ids):
-        return None
-    return ids[0]
 
 
 def thinking_budget(effort: str | None, budget: int | None, effort_param: str, budget_param: str) -> int | None:

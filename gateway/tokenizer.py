@@ -23,15 +23,21 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         skip_special_tokens: bool = True,
         token_bytes: Callable[[int], bytes] | None = None,
+        keep: frozenset[int] = frozenset(),
     ) -> None:
         self.tokenizer = tokenizer
         self.token_bytes = token_bytes  # a token's exact bytes, to tell a cut character from a real U+FFFD
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens = skip_special_tokens and not keep
+        # Special tokens that stay in the text when the others are skipped (a reasoning model's
+        # special thinking markers, which the split must see): the rest are dropped before decoding.
+        self._drop = frozenset(tokenizer.all_special_ids) - keep if skip_special_tokens and keep else frozenset()
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
+        if self._drop:
+            ids = [t for t in ids if t not in self._drop]
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, new_token_ids: list[int]) -> str:

@@ -6,7 +6,8 @@ fill one bitmask (a bit per vocabulary entry); allowed tokens keep their logits,
 each matcher consumes its row's token. Once the grammar is complete the mask allows only the
 end-of-sequence tokens, so the request stops the ordinary way. A reasoning model's grammar starts
 after its thinking (common/reasoning.py): thinking rows are not masked and their tokens not
-consumed, and a row that may still open its thinking may also take the start marker.
+consumed, and a row that may still open its thinking may also take the start marker (all of it,
+once begun, when the marker is several tokens).
 
 llguidance was chosen over xgrammar by measurement on this machine (default model's tokenizer, a
 3-field JSON schema; scripts in the commit message): both compute a mask in well under 0.1 ms
@@ -99,8 +100,10 @@ class GuidedDecoding:
         allowed = _unpack(torch.from_numpy(bitmask), logits.shape[-1]).to(logits.device)
         for j, (i, _) in enumerate(rows):  # a model that may still open its thinking may do so
             think = requests[i].reasoning
-            if think is not None and think.may_open:
-                allowed[j, think.spec.start_token_id] = True
+            if think is not None and (token := think.opening()) is not None:
+                if think.matched:  # a start marker of several tokens, begun: the grammar never saw it, so finish it
+                    allowed[j] = False
+                allowed[j, token] = True
         guided = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
         return logits.index_copy(0, index, guided)
 

@@ -7,7 +7,7 @@ from common.reasoning import ThinkState
 from gateway.errors import InvalidRequest
 from gateway.reasoning import EFFORT_BUDGETS, Markers, ReasoningParser, model_markers, thinking_budget
 
-MARKERS = Markers("<think>", "</think>", 7, 8, assume_thinking=False)
+MARKERS = Markers("<think>", "</think>", [7], [8], assume_thinking=False)
 
 
 def split(pieces: list[str], state: ThinkState) -> tuple[str, str, list[tuple[str, str]]]:
@@ -57,19 +57,41 @@ def test_budgets():
 
 
 def test_markers_come_from_the_template_and_the_vocabulary():
-    """auto needs the template to name the markers; every parser needs them as single tokens."""
+    """auto needs the template to name the markers; a marker is one token, several, or a special one
+    that decoding then keeps in the text the split reads."""
     from common.config import CACHE_DIR
     from common.model_source import load_tokenizer, resolve_model
+    from gateway.tokenizer import IncrementalDetokenizer
 
     tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"), CACHE_DIR.env_default())
-    assert model_markers("qwen3", tokenizer, "<think>") is None  # SmolLM2 has no <think> token
-    tokenizer.add_tokens(["<think>", "</think>"])
+    several = model_markers("qwen3", tokenizer, "")  # SmolLM2 has no <think> token: "<", "think", ">"
+    assert (
+        several.start_ids == tokenizer.encode("<think>", add_special_tokens=False)
+        and len(several.start_ids) > 1
+        and not several.special_ids
+    )
     assert model_markers("auto", tokenizer, "{{ messages }}") is None  # the template names no markers
+    tokenizer.add_tokens(["<think>", "</think>"])
     auto = model_markers("auto", tokenizer, "{{ '<think>' }}")
     assert auto is not None and not auto.assume_thinking
-    assert (auto.start_id, auto.end_id) == tuple(tokenizer.convert_tokens_to_ids(["<think>", "</think>"]))
+    assert [*auto.start_ids, *auto.end_ids] == tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     assert model_markers("deepseek_r1", tokenizer, "").assume_thinking
     assert model_markers("none", tokenizer, "<think>") is None
+
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})
+    special = model_markers("auto", tokenizer, "{{ '[THINK]' }}")
+    assert special.start == "[THINK]" and special.special_ids == {*special.start_ids, *special.end_ids}
+    ids = tokenizer.encode("[THINK]a[/THINK]b", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "ab"  # what a split without the markers would read
+    kept = IncrementalDetokenizer(tokenizer, keep=special.special_ids)
+    assert kept.push(ids) + kept.flush() == "[THINK]a[/THINK]b"  # the markers stay, the end of sequence does not
+    assert split_with(special, "[THINK]a[/THINK]b") == ("a", "b")
+
+
+def split_with(markers: Markers, text: str) -> tuple[str, str]:
+    parser = ReasoningParser(markers, ThinkState.PENDING)
+    (thinking, answer), (more, rest) = parser.push(text), parser.finish()
+    return thinking + more, answer + rest
 
 
 def test_earlier_thinking_reaches_the_template_as_reasoning_content():

@@ -3,20 +3,25 @@ out apart from its answer in every dialect, streamed and not; a budget ends the 
 format holds for the answer after it; ``enable_thinking`` reaches the template.
 
 The model is a tiny random Qwen2 (hidden 64, 2 layers, seeded) with the default model's tokenizer
-plus ``<think>`` and ``</think>``, and a DeepSeek-R1-like template that opens the thinking in the
-prompt (so the random model thinks until its budget ends it) unless ``enable_thinking`` is false.
+and a DeepSeek-R1-like template that opens the thinking in the prompt (so the random model thinks
+until its budget ends it) unless ``enable_thinking`` is false. Its markers are ``<think>`` and
+``</think>`` added as single tokens, or ``<thinking>`` and ``</thinking>``, which the vocabulary
+holds only as three tokens each (``<``, ``thinking``, ``>``): the worker matches and forces those
+token by token, the gateway splits their text.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import anthropic
 import jsonschema
 import openai
 import pytest
 
-from tests.conftest import start_serve
+from tests.conftest import Server, start_serve
 from tests.integration.test_fleet import build_tiny_qwen
 
 TEMPLATE = (
@@ -35,15 +40,27 @@ SCHEMA = {
 MESSAGES = [{"role": "user", "content": "Is 7 prime?"}]
 
 
-def with_thinking(tokenizer) -> None:  # a transformers tokenizer
-    tokenizer.add_tokens(["<think>", "</think>"])  # added, not special: the text keeps them
-    tokenizer.chat_template = TEMPLATE
+@dataclass
+class Thinker:
+    server: Server
+    marker: str  # the start marker's word: "think" or "thinking"
+    end_tokens: int  # how many tokens the end marker is (usage counts them as reasoning)
 
 
-@pytest.fixture(scope="module")
-def thinker(tmp_path_factory):  # a tests.conftest.Server
+@pytest.fixture(scope="module", params=["think", "thinking"])
+def thinker(request, tmp_path_factory) -> Iterator[Thinker]:
+    word = request.param
     folder = tmp_path_factory.mktemp("thinker") / NAME
+    end_tokens = []
+
+    def with_thinking(tokenizer) -> None:  # a transformers tokenizer
+        if word == "think":
+            tokenizer.add_tokens(["<think>", "</think>"])  # added, not special: the text keeps them
+        tokenizer.chat_template = TEMPLATE.replace("think>", f"{word}>")
+        end_tokens.append(len(tokenizer.encode(f"</{word}>", add_special_tokens=False)))
+
     build_tiny_qwen(folder, with_thinking)
+    assert end_tokens == [1 if word == "think" else 3]
     server = start_serve(
         "reasoning",
         1,
@@ -56,13 +73,13 @@ def thinker(tmp_path_factory):  # a tests.conftest.Server
         "--max-model-len",
         "1024",
     )
-    yield server
+    yield Thinker(server, word, end_tokens[0])
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def oai(thinker):  # an openai.OpenAI
-    return openai.OpenAI(base_url=thinker.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=thinker.server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def chat(oai, stream: bool = False, **extra):
@@ -71,13 +88,17 @@ def chat(oai, stream: bool = False, **extra):
     return oai.chat.completions.create(stream=stream, extra_body=body, **args)
 
 
-def test_chat_carries_the_thinking_under_both_names_streamed_or_not(oai):
+def test_chat_carries_the_thinking_under_both_names_streamed_or_not(oai, thinker):
     whole = chat(oai)
     message = whole.choices[0].message
     thinking = message.model_extra["reasoning_content"]
     assert thinking and message.model_extra["reasoning"] == thinking
-    assert message.content and "think>" not in thinking + message.content
-    assert whole.usage.completion_tokens == 16 and whole.usage.completion_tokens_details.reasoning_tokens == BUDGET + 1
+    assert message.content and f"{thinker.marker}>" not in thinking + message.content
+    reasoning_tokens = BUDGET + thinker.end_tokens  # the thinking, then the end marker the budget forced
+    assert (
+        whole.usage.completion_tokens == 16
+        and whole.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    )
 
     streamed = {"reasoning_content": "", "reasoning": "", "content": ""}
     for chunk in chat(oai, stream=True):
@@ -136,14 +157,17 @@ def test_bad_budgets_are_400s_naming_the_field(oai):
     assert error.value.body["param"] == "reasoning_effort"
 
 
-def test_responses_carry_a_reasoning_item_streamed_or_not(oai):
+def test_responses_carry_a_reasoning_item_streamed_or_not(oai, thinker):
     thinking = chat(oai).choices[0].message.model_extra["reasoning_content"]
     args = dict(model=NAME, input="Is 7 prime?", max_output_tokens=16, temperature=0, reasoning={"effort": "low"})
     args["extra_body"] = {"thinking_token_budget": BUDGET}  # low is 1024 tokens: the explicit budget wins
     whole = oai.responses.create(**args)
     reasoning, message = whole.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == thinking and message.type == "message"
-    assert whole.usage.output_tokens_details.reasoning_tokens == BUDGET + 1 and whole.reasoning.effort == "low"
+    assert (
+        whole.usage.output_tokens_details.reasoning_tokens == BUDGET + thinker.end_tokens
+        and whole.reasoning.effort == "low"
+    )
 
     events = list(oai.responses.create(stream=True, **args))
     kinds = [e.type for e in events]
@@ -151,12 +175,12 @@ def test_responses_carry_a_reasoning_item_streamed_or_not(oai):
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     done = events[-1].response
     assert done.output[0].content[0].text == thinking and done.output[1].content[0].text == message.content[0].text
-    assert done.usage.output_tokens_details.reasoning_tokens == BUDGET + 1
+    assert done.usage.output_tokens_details.reasoning_tokens == BUDGET + thinker.end_tokens
 
 
 def test_messages_carry_thinking_blocks_streamed_or_not(oai, thinker):
     thinking = chat(oai).choices[0].message.model_extra["reasoning_content"]
-    claude = anthropic.Anthropic(base_url=thinker.base_url, api_key="unused", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=thinker.server.base_url, api_key="unused", max_retries=0, timeout=120)
     args = dict(
         model=NAME,
         messages=MESSAGES,

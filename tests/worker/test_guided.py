@@ -132,15 +132,17 @@ def test_an_invalid_grammar_is_an_error_for_that_request_only(engine):
     assert len(tokens["good"]) == 8
 
 
-def thinking_markers(tokenizer) -> tuple[int, int]:
-    """Two ordinary tokens of SmolLM2 that stand in for <think> and </think> (the worker only sees ids)."""
-    start, end = tokenizer.convert_tokens_to_ids(["think", "done"])
+def thinking_markers(tokenizer) -> tuple[list[int], list[int]]:
+    """``<thinking>`` and ``</thinking>``, three tokens each in SmolLM2's vocabulary (the worker
+    only sees ids: a marker of several tokens is matched, and forced, token by token)."""
+    start, end = (tokenizer.encode(marker, add_special_tokens=False) for marker in ("<thinking>", "</thinking>"))
+    assert len(start) == len(end) == 3
     return start, end
 
 
 def test_a_thinking_budget_forces_the_end_marker_then_the_grammar_applies(engine, tokenizer):
     """Thinking is free sampling (the grammar would forbid its first token); the budget ends it
-    with the end marker; the answer after it follows the grammar to its end."""
+    with the end marker's tokens; the answer after it follows the grammar to its end."""
     start, end = thinking_markers(tokenizer)
     guide = Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA))
     engine.add_request(NewRequest("free", PROMPTS[1], 4, SamplingParams(temperature=0)))
@@ -154,50 +156,42 @@ def test_a_thinking_budget_forces_the_end_marker_then_the_grammar_applies(engine
             reasoning=Reasoning(start, end, ThinkState.THINKING, 4),
         )
     )
-    # The model may open its thinking (the start marker, which a bias makes certain) despite the grammar.
-    opened = SamplingParams(temperature=0, logit_bias={start: 100.0})
+    # The model may open its thinking despite the grammar: a bias makes it take the start marker's
+    # first token, and once begun the marker is finished (the grammar never saw those tokens).
+    opened = SamplingParams(temperature=0, logit_bias={start[0]: 100.0})
     engine.add_request(
         NewRequest("open", PROMPTS[2], 80, opened, guide=guide, reasoning=Reasoning(start, end, ThinkState.PENDING, 3))
     )
     tokens, errors, _ = drain(engine)
     assert not errors
     think, free = tokens["think"], tokens["free"]
-    assert think[:4] == free and not tokenizer.decode(free[:1]).lstrip().startswith(
-        "{"
-    )  # thinking the grammar would forbid
-    assert think[4] == end
-    jsonschema.validate(json.loads(tokenizer.decode(think[5:], skip_special_tokens=True)), SCHEMA)
+    assert think[:4] == free and not tokenizer.decode(free[:1]).lstrip().startswith("{")  # the grammar would forbid
+    assert think[4:7] == end
+    jsonschema.validate(json.loads(tokenizer.decode(think[7:], skip_special_tokens=True)), SCHEMA)
     opened_tokens = tokens["open"]
-    assert (
-        opened_tokens[:4] == [start] * 4 and opened_tokens[4] == end
-    )  # the biased marker, 3 more thinking tokens, the end
-    jsonschema.validate(json.loads(tokenizer.decode(opened_tokens[5:], skip_special_tokens=True)), SCHEMA)
+    assert opened_tokens[:6] == start + [start[0]] * 3 and opened_tokens[6:9] == end  # 3 thinking tokens, the end
+    jsonschema.validate(json.loads(tokenizer.decode(opened_tokens[9:], skip_special_tokens=True)), SCHEMA)
 
 
 def test_a_resumed_request_keeps_its_thinking_budget(engine, tokenizer):
+    """Resumed inside the thinking, or halfway through the forced end marker, the rest comes out the same."""
     start, end = thinking_markers(tokenizer)
-    engine.add_request(
-        NewRequest(
-            "whole",
-            PROMPTS[0],
-            5,
-            SamplingParams(temperature=0),
-            reasoning=Reasoning(start, end, ThinkState.THINKING, 3),
-        )
-    )
+    spec = Reasoning(start, end, ThinkState.THINKING, 3)
+    engine.add_request(NewRequest("whole", PROMPTS[0], 7, SamplingParams(temperature=0), reasoning=spec))
     whole = drain(engine)[0]["whole"]
-    assert whole[3] == end and end not in whole[:3]
-    engine.add_request(
-        NewRequest(
-            "rest",
-            PROMPTS[0] + whole[:2],
-            3,
-            SamplingParams(temperature=0),
-            resumed_tokens=2,  # a worker died after two thinking tokens: one more, then the end marker
-            reasoning=Reasoning(start, end, ThinkState.THINKING, 3),
+    assert whole[3:6] == end and end[0] not in whole[:3]
+    for done in (2, 4):  # a worker died after two thinking tokens, or after the marker's first token
+        engine.add_request(
+            NewRequest(
+                f"rest{done}",
+                PROMPTS[0] + whole[:done],
+                7 - done,
+                SamplingParams(temperature=0),
+                resumed_tokens=done,
+                reasoning=spec,
+            )
         )
-    )
-    assert whole[:2] + drain(engine)[0]["rest"] == whole
+        assert whole[:done] + drain(engine)[0][f"rest{done}"] == whole
 
 
 GUIDED_STEP_IMPORTS = """
