@@ -280,6 +280,25 @@ def served(fleet: Fleet, i: int) -> dict[str, list[str] | None]:
     return {w["name"]: w["lora_adapters"] for w in workers}
 
 
+def test_a_key_lists_adapters_by_their_own_names(fleet, adapters):
+    """A key's models are the names clients send: an adapter's own, not its base model's. Loaded
+    through gateway 0, used through gateway 1 (which learns of the load at its next heartbeat)."""
+    for name in ("a", "b"):
+        lora(fleet, 0, "load", name, adapters[name])
+    try:
+        wait_until(lambda: {"a", "b"} <= listed(fleet, 1), 20, "gateway 1 to list the adapters loaded through 0")
+        only_a, only_base = fleet.key(models=["a"]), fleet.key(models=[MODEL])
+        ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert fleet.openai(only_a, 1).chat.completions.create(model="a", **ask).model == "a"
+        for secret, model in ((only_a, MODEL), (only_a, "b"), (only_base, "a")):
+            with pytest.raises(openai.PermissionDeniedError) as denied:
+                fleet.openai(secret, 1).chat.completions.create(model=model, **ask)
+            assert denied.value.body["code"] == "model_not_allowed" and f"`{model}`" in denied.value.body["message"]
+    finally:
+        for name in ("a", "b"):
+            lora(fleet, 1, "unload", name)
+
+
 def test_runtime_adapters_reach_the_other_gateway_and_workers_that_join_later(fleet, adapters):
     """Last in the module: it replaces the fleet's worker. A load through one gateway is served
     through the other; an unload through the other sticks; a worker that joins afterwards, its
