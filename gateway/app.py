@@ -7,6 +7,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
@@ -51,6 +52,7 @@ from gateway.routes.usage import usage
 from gateway.state.batches import Batches
 from gateway.state.files import Files
 from gateway.state.keys import KeyStore
+from gateway.state.loras import LoraTable
 from gateway.state.service import StateService
 from gateway.state.store import Limits
 from gateway.state.usage import UsageMeter
@@ -156,6 +158,8 @@ def create_app(config: GatewayConfig) -> Litestar:
         windows = Windows(db, state.store.gateway_id, lease_s, heartbeat)
         app.state.quotas = Quotas(KeyStore(db), windows, admission, app.state.usage, heartbeat)
         state.hooks.append(app.state.quotas.sync)
+        client.loras.table = LoraTable(db)  # runtime LoRA adapters are the fleet's (gateway/lora.py)
+        state.hooks.append(partial(client.loras.sync, client.models))
         state.start(lambda response_id, gateway: take_over(app, response_id, gateway))
         app.state.files = Files(state.store.db)
         app.state.batches = Batches(state.store.db, app.state.files, state.store.gateway_id)

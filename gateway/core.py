@@ -109,7 +109,7 @@ async def start(generator: Generator, req: GenerationRequest, request: Request |
         req.owner = caller_owner(request)
     req.priority = request_priority(request, req.sampling.priority)
     prepared = await prepare(generator, req, request)
-    await enforce(request, generator.model_name, sum(map(len, prepared.prompts)), len(prepared.news))
+    await enforce(request, generator.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
     tracing.describe_request(generator.model_name, req, prepared.prompts)
     with tracing.span("queue"):
         slots = await admit(generator, len(prepared.news), deadline, request, req.priority)

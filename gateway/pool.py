@@ -95,6 +95,7 @@ class WorkerInfo:
             "spec_accepted_tokens": self.load.spec_accepted_tokens,
             **{name: getattr(self.load, name) for name in KV_STORE_FIELDS},
             "lora": None if self.load.lora is None else msgspec.structs.asdict(self.load.lora),  # gateway/lora.py
+            "lora_adapters": None if self.ready.lora is None else sorted(self.ready.lora.adapters),
         }
 
 

@@ -97,7 +97,7 @@ async def pool(
         for i, (ids, types) in enumerate(encoded)
     ]
     wave = generator.admission.max_concurrent
-    await enforce(request, generator.model_name, sum(len(ids) for ids, _ in encoded), min(len(news), wave))
+    await enforce(request, generator.served_name, sum(len(ids) for ids, _ in encoded), min(len(news), wave))
     outputs: list[RequestOutput] = []
     for start in range(0, len(news), wave):
         part = news[start : start + wave]

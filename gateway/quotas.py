@@ -80,7 +80,8 @@ class Quotas:
 
     async def check(self, key: KeyRecord, model: str, tokens: int, count: int) -> RateInfo | None:
         """Refuse the request of ``count`` generations and ``tokens`` prompt tokens if it is over
-        one of ``key``'s limits; else count it in its minute and say what is left."""
+        one of ``key``'s limits; else count it in its minute and say what is left. ``model`` is the
+        name the client asked for: a LoRA adapter's own, which a key must list to use it."""
         self._ids[key.owner] = key.id
         if key.models is not None and model not in key.models:
             raise PermissionDenied(

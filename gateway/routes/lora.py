@@ -1,7 +1,9 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter: vLLM's runtime LoRA API (its bodies and
 its plain-text answers), behind the API key like every other route. A load goes to every worker of
 the base model, which reads and checks the adapter before answering; once all have it, requests
-naming ``lora_name`` as their model run with it, and /v1/models lists it with its ``parent``."""
+naming ``lora_name`` as their model run with it, and /v1/models lists it with its ``parent``.
+Both are recorded for the whole fleet (gateway/lora.py): other gateways and workers that join
+later follow within a heartbeat."""
 
 from __future__ import annotations
 
@@ -45,17 +47,18 @@ class LoraController(Controller):
             served = ", ".join(f"`{m}`" for m in sorted(models.generators))
             raise InvalidRequest(f"`base_model_name` must say which model it adapts: {served}", param="base_model_name")
         base = models.get(data.base_model_name)  # the only model when none is named; 404 for an unknown one
-        await models.client.loras.run(models.client.available(base.model_name), name, path)
+        await models.client.loras.load(base.model_name, models.client.available(base.model_name), name, path)
         return _text(f"Success: LoRA adapter '{name}' added successfully.")
 
     @post("/unload_lora_adapter", status_code=200, responses=documented(None))
     async def unload(
         self, data: JSONBody[UnloadLoraAdapterRequest], models: NamedDependency[ModelRegistry]
     ) -> Response:
-        name = data.lora_name
-        base = find(models.client.models, name)
+        name, loras = data.lora_name, models.client.loras
+        # Served now, or loaded at runtime though no worker could read it (still the fleet's to unload)
+        base = find(models.client.models, name) or next((m for m, a in loras.wanted.items() if a.get(name)), None)
         if base is None:
             raise NotFound(f"The lora adapter '{name}' cannot be found.", param="lora_name", code="model_not_found")
-        pool = models.client.models[base]
-        await models.client.loras.run([w for w in pool.workers.values() if serves(w, name)], name, unload=True)
+        pool = models.client.models.get(base)
+        await loras.unload(base, [w for w in pool.workers.values() if serves(w, name)] if pool else [], name)
         return _text(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -183,6 +183,20 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "CREATE INDEX batch_requests_claims ON batch_requests (state, gateway)",
         ],
     ),
+    (
+        5,
+        "LoRA adapters loaded and unloaded at runtime, per model (gateway/state/loras.py)",
+        [
+            # path NULL: unloaded (kept, so a worker that rejoins with it is told to drop it)
+            """CREATE TABLE lora_adapters (
+                model TEXT NOT NULL,
+                name TEXT NOT NULL,
+                path TEXT,
+                updated_at {real} NOT NULL,
+                PRIMARY KEY (model, name)
+            )""",
+        ],
+    ),
 ]
 
 _TYPES = {

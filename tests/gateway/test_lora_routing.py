@@ -1,11 +1,14 @@
 """Where an adapter's requests go (gateway/lora.py ``prefer``, through ``ModelPool.choose``): only to
-workers that serve the adapter, and to one holding it resident unless it is much busier."""
+workers that serve the adapter, and to one holding it resident unless it is much busier; and the
+commands that bring each worker to the fleet's runtime adapters."""
 
 from __future__ import annotations
 
-from common.lora import LoraInfo, LoraLoad
+import asyncio
+
+from common.lora import LoraCommand, LoraInfo, LoraLoad, LoraResult
 from common.protocol import Heartbeat, Ready
-from gateway.lora import RESIDENT_SLACK_TOKENS
+from gateway.lora import RESIDENT_SLACK_TOKENS, LoraCommands
 from gateway.pool import ModelPool, WorkerInfo
 
 
@@ -34,3 +37,27 @@ def test_an_adapters_request_goes_where_the_adapter_is_resident_unless_that_work
     cold.outstanding_tokens = 10**6
     warm.outstanding_tokens = 10**6
     assert pool.choose(10, 0.0, "a") in (cold, warm)  # never the worker that does not serve it
+
+
+def test_sync_brings_each_worker_to_the_fleets_runtime_adapters_once():
+    """``LoraCommands.sync`` (each heartbeat): a worker missing a runtime load gets it, one holding an
+    unloaded adapter drops it; a command in flight is not sent twice, a refused load not again."""
+    sent: list[tuple[bytes, LoraCommand]] = []
+    commands = LoraCommands(lambda identity, command: sent.append((identity, command)))
+    commands.wanted = {"m": {"late": "/late", "gone": None}}
+    joiner, current = worker("joiner", ["gone"], []), worker("current", ["late"], [])
+    current.ready.lora.adapters["late"] = "/late"
+    pools = {"m": pool_of(joiner, current)}
+    asyncio.run(commands.sync(pools))
+    assert sorted((i, c.name, c.path, c.unload) for i, c in sent) == [
+        (b"joiner", "gone", "", True),
+        (b"joiner", "late", "/late", False),
+    ]
+    asyncio.run(commands.sync(pools))
+    assert len(sent) == 2, "unanswered commands are not sent again"
+    for _, command in sent:
+        error = "cannot read" if command.name == "late" else None
+        commands.answered(joiner, LoraResult(command.token, command.name, error, command.path, command.unload))
+    assert joiner.ready.lora.adapters == {}
+    asyncio.run(commands.sync(pools))
+    assert len(sent) == 2, "a load the worker refused is not retried while it stays registered"

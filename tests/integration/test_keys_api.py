@@ -6,7 +6,9 @@ counts run on SQLite too in tests/state/test_keys.py; one fleet keeps this modul
 ``--api-key`` beside them; a per-minute rate across both gateways (openai's and anthropic's
 RateLimitError with their headers); models a key may not use; a spent monthly budget; a
 concurrency cap; one key's flood that cannot push another key's requests out of admission; usage
-per key in /v1/usage and /admin/keys."""
+per key in /v1/usage and /admin/keys; keys that name LoRA adapters, and runtime adapters that are
+the fleet's like the keys (a load through one gateway served through the other, a worker that joins
+later given the fleet's set)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class Fleet:
     def __init__(self, state_url: str) -> None:
         self.zmq = [free_port(), free_port()]
         self.http = [free_port(), free_port()]
-        env = {"LLMPOOL_API_KEY": STATIC, "LLMPOOL_ADMIN_KEY": ADMIN, "LLMPOOL_STATE_URL": state_url}
+        env = self.env = {"LLMPOOL_API_KEY": STATIC, "LLMPOOL_ADMIN_KEY": ADMIN, "LLMPOOL_STATE_URL": state_url}
         self.processes = [
             spawn(
                 ["gateway", "--port", str(self.http[i]), "--zmq-bind", f"tcp://127.0.0.1:{self.zmq[i]}"]
@@ -248,3 +250,79 @@ def test_usage_per_key_in_the_usage_report_and_the_keys_list(fleet):
     assert rows[0]["key_name"] == "billed" and rows[0]["requests"] == 1 and rows[0]["output_tokens"] > 0
     listed = {k["id"]: k for k in fleet.admin("GET", "/admin/keys", 1).json()["data"]}
     assert listed[made["id"]]["usage_this_month"]["requests"] == 1
+
+
+# ---- runtime LoRA adapters: the fleet's, as keys are (gateway/lora.py, gateway/state/loras.py) ----
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, str]:
+    from tests.worker.lora_adapters import default_model_adapter
+
+    root = tmp_path_factory.mktemp("keys-lora")
+    return {name: str(default_model_adapter(root / name, seed)) for seed, name in enumerate(("a", "b", "late", "gone"))}
+
+
+def lora(fleet: Fleet, i: int, action: str, name: str, path: str = "") -> None:
+    body = {"lora_name": name, **({"lora_path": path} if path else {})}
+    reply = httpx.post(
+        fleet.url(i) + f"/v1/{action}_lora_adapter", json=body, headers={"x-api-key": STATIC}, timeout=120
+    )
+    assert reply.status_code == 200, reply.text
+
+
+def listed(fleet: Fleet, i: int) -> set[str]:
+    return {m["id"] for m in httpx.get(fleet.url(i) + "/v1/models", headers={"x-api-key": STATIC}).json()["data"]}
+
+
+def served(fleet: Fleet, i: int) -> dict[str, list[str] | None]:
+    workers = httpx.get(fleet.url(i) + "/workers", headers={"x-api-key": STATIC}).json()["workers"]
+    return {w["name"]: w["lora_adapters"] for w in workers}
+
+
+def test_a_key_lists_adapters_by_their_own_names(fleet, adapters):
+    """A key's models are the names clients send: an adapter's own, not its base model's. Loaded
+    through gateway 0, used through gateway 1 (which learns of the load at its next heartbeat)."""
+    for name in ("a", "b"):
+        lora(fleet, 0, "load", name, adapters[name])
+    try:
+        wait_until(lambda: {"a", "b"} <= listed(fleet, 1), 20, "gateway 1 to list the adapters loaded through 0")
+        only_a, only_base = fleet.key(models=["a"]), fleet.key(models=[MODEL])
+        ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert fleet.openai(only_a, 1).chat.completions.create(model="a", **ask).model == "a"
+        for secret, model in ((only_a, MODEL), (only_a, "b"), (only_base, "a")):
+            with pytest.raises(openai.PermissionDeniedError) as denied:
+                fleet.openai(secret, 1).chat.completions.create(model=model, **ask)
+            assert denied.value.body["code"] == "model_not_allowed" and f"`{model}`" in denied.value.body["message"]
+    finally:
+        for name in ("a", "b"):
+            lora(fleet, 1, "unload", name)
+
+
+def test_runtime_adapters_reach_the_other_gateway_and_workers_that_join_later(fleet, adapters):
+    """Last in the module: it replaces the fleet's worker. A load through one gateway is served
+    through the other; an unload through the other sticks; a worker that joins afterwards, its
+    ``--lora`` naming the unloaded adapter (as a restarted worker's flags would), gets the runtime
+    adapter and drops the unloaded one, and serves it alone once the first worker is gone."""
+    (first,) = served(fleet, 0)
+    for name in ("late", "gone"):
+        lora(fleet, 0, "load", name, adapters[name])
+    wait_until(lambda: {"late", "gone"} <= listed(fleet, 1), 20, "gateway 1 to list the adapters loaded through 0")
+    ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert fleet.openai(STATIC, 1).chat.completions.create(model="late", **ask).model == "late"
+    lora(fleet, 1, "unload", "gone")
+    wait_until(lambda: "gone" not in listed(fleet, 0), 20, "gateway 0 to drop the adapter unloaded through 1")
+
+    addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in fleet.zmq)
+    args = ["worker", "--gateway-address", addresses, "--model", MODEL, "--worker-name", "keys-joiner"]
+    fleet.processes.append(spawn([*args, "--lora", f"gone={adapters['gone']}"], "keys-worker-2", fleet.env))
+    for i in (0, 1):  # it came with `gone` (its --lora); each gateway brings it to the fleet's set
+        wait_until(
+            lambda i=i: served(fleet, i).get("keys-joiner") == ["late"], 240, f"gateway {i}: the joiner's adapters"
+        )
+    stop(fleet.processes[2])
+    wait_until(lambda: first not in served(fleet, 0), 20, "the first worker gone")
+    assert fleet.openai(STATIC, 0).chat.completions.create(model="late", **ask).model == "late"
+    with pytest.raises(openai.NotFoundError) as missing:
+        fleet.openai(STATIC, 1).chat.completions.create(model="gone", **ask)
+    assert missing.value.body["code"] == "model_not_found"

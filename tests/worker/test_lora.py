@@ -120,6 +120,7 @@ def test_load_and_unload_between_steps_and_unknown_adapters(family, tmp_path):
     assert run(engine, [(PROMPTS[0], "b"), (PROMPTS[0], None)]) == [reference["b"][0], reference[None][0]]
     assert answer(engine.loras, LoraCommand(2, "b", unload=True), ready).error is None
     assert ready.lora.adapters == {}
+    assert answer(engine.loras, LoraCommand(4, "b", unload=True), ready).error is None, "a second unload: done already"
     engine.add_request(NewRequest("x", PROMPTS[0], 4, lora="b"))
     (out,) = engine.step().outputs
     assert out.bad_request and "`b` does not exist" in out.error

@@ -149,13 +149,15 @@ def lora_info(registry: LoraRegistry | None) -> LoraInfo | None:
 def answer(registry: LoraRegistry | None, command: LoraCommand, ready: Ready) -> LoraResult:
     """Carry out a gateway's load or unload (between two steps) and keep ``ready`` current, so a
     gateway that connects later learns the adapters served now. Loading the same folder under the
-    same name again is a success (each gateway of a pool may send it)."""
+    same name again is a success, and so is unloading a name it does not serve: each gateway of a
+    fleet may send the same command (gateway/lora.py brings every worker to the fleet's set)."""
     name, path = command.name, command.path
     try:
         if registry is None:
             raise AdapterError("this worker cannot apply LoRA adapters (they need the native forward)")
         if command.unload:
-            registry.unregister(name)
+            if registry.get(name) is not None:
+                registry.unregister(name)
         elif registry.get(name) is None or registry.get(name).path != path:
             registry.register(name, path)
     except AdapterError as exc:
