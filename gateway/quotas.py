@@ -82,7 +82,7 @@ class Quotas:
         """Refuse the request of ``count`` generations and ``tokens`` prompt tokens if it is over
         one of ``key``'s limits; else count it in its minute and say what is left."""
         self._ids[key.owner] = key.id
-        if key.models is not None and model not in key.models:
+        if not key.may_use(model):
             raise PermissionDenied(
                 f"this API key ({key.name}) may not use the model `{model}`; it may use: {', '.join(key.models) or 'none'}",
                 param="model",
