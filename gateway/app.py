@@ -49,6 +49,7 @@ from gateway.routes.tokenize import TokenizeController
 from gateway.routes.ui import UI_ROUTES
 from gateway.routes.usage import usage
 from gateway.state.batches import Batches
+from gateway.state.file_store import check_files_url, open_file_store
 from gateway.state.files import Files
 from gateway.state.keys import KeyStore
 from gateway.state.service import StateService
@@ -106,9 +107,11 @@ def create_app(config: GatewayConfig) -> Litestar:
         )
     if config.scheduling_policy not in POLICIES:
         raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}; got {config.scheduling_policy!r}")
+    check_files_url(config.files_url)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        file_store = await open_file_store(config.files_url, config.files_s3_endpoint)  # a bad bucket: refused now
         tracing.setup(config.otlp_endpoint, config.otlp_service_name)
         client = WorkerClient(
             config.zmq_bind,
@@ -153,7 +156,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         app.state.quotas = Quotas(KeyStore(db), windows, admission, app.state.usage, heartbeat)
         state.hooks.append(app.state.quotas.sync)
         state.start(lambda response_id, gateway: take_over(app, response_id, gateway))
-        app.state.files = Files(state.store.db)
+        app.state.files = Files(state.store.db, file_store)
         app.state.batches = Batches(state.store.db, app.state.files, state.store.gateway_id)
         runner = app.state.batch_runner = BatchRunner(
             app,
