@@ -50,6 +50,7 @@ from gateway.routes.tokenize import TokenizeController
 from gateway.routes.ui import UI_ROUTES
 from gateway.routes.usage import usage
 from gateway.state.batches import Batches
+from gateway.state.file_store import check_files_url, open_file_store
 from gateway.state.files import Files
 from gateway.state.keys import KeyStore
 from gateway.state.loras import LoraTable
@@ -108,9 +109,11 @@ def create_app(config: GatewayConfig) -> Litestar:
         )
     if config.scheduling_policy not in POLICIES:
         raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}; got {config.scheduling_policy!r}")
+    check_files_url(config.files_url)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        file_store = await open_file_store(config.files_url, config.files_s3_endpoint)  # a bad bucket: refused now
         tracing.setup(config.otlp_endpoint, config.otlp_service_name)
         client = WorkerClient(
             config.zmq_bind,
@@ -161,7 +164,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         client.loras.table = LoraTable(db)  # runtime LoRA adapters are the fleet's (gateway/lora.py)
         state.hooks.append(partial(client.loras.sync, client.models))
         state.start(lambda response_id, gateway: take_over(app, response_id, gateway))
-        app.state.files = Files(state.store.db)
+        app.state.files = Files(state.store.db, file_store)
         app.state.batches = Batches(state.store.db, app.state.files, state.store.gateway_id)
         runner = app.state.batch_runner = BatchRunner(
             app,

@@ -21,6 +21,7 @@ from typing import Any
 from gateway.admission import Admission
 from gateway.batch_io import RETRY_STATUSES, call, error_line, output_line, parse_input, usage_of
 from gateway.state.batches import CANCELLED, EXPIRED, WAITING, Batches, Claimed
+from gateway.state.file_store import ContentUnavailable
 from gateway.state.files import Files
 
 log = logging.getLogger(__name__)
@@ -131,12 +132,14 @@ class BatchRunner:
                 self.inflight[task] = claimed
 
     async def _validate(self, batch_id: str, owner: str, file_id: str, endpoint: str) -> None:
-        content = await self.files.content(file_id, owner)
+        try:
+            content = await self.files.content(file_id, owner)
+            gone = f"the input file {file_id} is gone"
+        except ContentUnavailable as exc:
+            content, gone = None, str(exc)
         if content is None:
             lines, model = [], None
-            errors = [
-                {"code": "invalid_file", "message": f"the input file {file_id} is gone", "param": "input_file_id"}
-            ]
+            errors = [{"code": "invalid_file", "message": gone, "param": "input_file_id"}]
         else:
             lines, errors, model = await asyncio.to_thread(parse_input, content, endpoint)
         if await self.batches.start(batch_id, lines, errors, model):

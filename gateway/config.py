@@ -152,6 +152,18 @@ GATEWAY_FLAGS = [
         int,
     ),
     Flag("max-file-size", "200MiB", "Largest file uploaded to /v1/files (a batch's input)"),
+    Flag(
+        "files-url",
+        None,
+        "Where the bytes of /v1/files files (batch inputs, outputs) live: file:///DIR or s3://BUCKET/PREFIX "
+        "(credentials and region from the standard AWS variables); every gateway of a fleet names the same one; "
+        "default: in the state database",
+    ),
+    Flag(
+        "files-s3-endpoint",
+        None,
+        "The S3-compatible server of an s3:// --files-url (e.g. http://minio:9000); default: AWS_ENDPOINT_URL, else AWS",
+    ),
 ]
 
 
@@ -198,6 +210,8 @@ class GatewayConfig(SharedConfig):
     scheduling_policy: str = "fcfs"
     batch_max_inflight: int = 16
     max_file_size: str = "200MiB"
+    files_url: str | None = None
+    files_s3_endpoint: str | None = None
 
 
 ALL_GATEWAY_FLAGS = [*SHARED_FLAGS, *GATEWAY_FLAGS]

@@ -83,7 +83,7 @@ class Quotas:
         one of ``key``'s limits; else count it in its minute and say what is left. ``model`` is the
         name the client asked for: a LoRA adapter's own, which a key must list to use it."""
         self._ids[key.owner] = key.id
-        if key.models is not None and model not in key.models:
+        if not key.may_use(model):
             raise PermissionDenied(
                 f"this API key ({key.name}) may not use the model `{model}`; it may use: {', '.join(key.models) or 'none'}",
                 param="model",

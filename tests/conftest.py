@@ -199,3 +199,59 @@ def _pings(client) -> bool:  # a redis.Redis
         return bool(client.ping())
     except redis.ConnectionError:
         return False
+
+
+@dataclass
+class S3Server:
+    """A real S3-compatible HTTP server (moto's) on loopback, with one bucket made for the tests."""
+
+    endpoint: str
+    bucket: str = "llmpool-tests"
+    # moto takes any credentials; boto3 still wants some, from the usual variables.
+    env: dict[str, str] = field(
+        default_factory=lambda: {
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+    )
+
+    def client(self):  # a boto3 S3 client
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
+        )
+
+    def keys(self, prefix: str) -> list[str]:
+        listed = self.client().list_objects_v2(Bucket=self.bucket, Prefix=prefix)
+        return [item["Key"] for item in listed.get("Contents", [])]
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Server]:
+    """moto's S3 server as a process for the whole session (no S3 server is packaged by Debian, and
+    there is no Docker here); scripts/setup.sh --test installs it with the test extras."""
+    import importlib.util
+
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
+        pytest.skip("moto[server] is not installed (scripts/setup.sh --test installs it)")
+    port = free_port()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with open(ARTIFACTS / "moto-s3.log", "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        server = S3Server(f"http://127.0.0.1:{port}")
+        wait_until(lambda: httpx.get(server.endpoint + "/moto-api/", timeout=2).status_code == 200, 30, "moto_server")
+        server.client().create_bucket(Bucket=server.bucket)
+        yield server
+    finally:
+        stop(process)

@@ -1,7 +1,8 @@
 """OpenAI's Files API, as far as batches need it (``client.files.create/list/retrieve/content/delete``):
 a batch's input (``purpose: batch``), the output and error files a batch makes (``batch_output``),
 scoped to the caller's key like everything stored (another key's is a 404). Bytes live in the state
-database (gateway/state/files.py says why); an upload is at most ``--max-file-size``."""
+database, a directory or a bucket (``--files-url``; gateway/state/files.py says why); an upload is at
+most ``--max-file-size``."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from litestar.datastructures import UploadFile
 from litestar.params import FromPath, FromQuery
 
 from gateway.auth import caller_owner
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import GatewayError, InvalidRequest, NotFound
 from gateway.routes.common import documented, json_response
 from gateway.routes.response_items import ItemList
+from gateway.state.file_store import ContentUnavailable
 from gateway.state.files import Files
 
 UPLOAD_PURPOSES = ("batch", "user_data")
@@ -93,7 +95,10 @@ class FilesController(Controller):
 
     @get("/{file_id:str}/content", responses=documented(None, "the file's bytes"))
     async def content(self, request: Request, file_id: FromPath[str]) -> Response:
-        found = await files_of(request).content(file_id, caller_owner(request))
+        try:
+            found = await files_of(request).content(file_id, caller_owner(request))
+        except ContentUnavailable as exc:
+            raise GatewayError(str(exc), param="file_id", code="file_content_unavailable") from exc
         if found is None:
             raise missing(file_id)
         return Response(content=found, media_type="application/octet-stream")

@@ -1,7 +1,9 @@
 """GET /v1/models and /v1/models/{model_id}: every model some worker has brought, with its context
 length, what it can do (``capabilities``: generate, or embed and score) and how many workers serve
 it now. The anthropic SDK's ``models.list()`` / ``models.retrieve()`` (requests that carry
-``anthropic-version``) get Anthropic's shape: ``type``, ``display_name``, ``created_at``, pages."""
+``anthropic-version``) get Anthropic's shape: ``type``, ``display_name``, ``created_at``, pages.
+A managed key limited to some models sees only those (adapters too, by the name listed): the others
+are a 404, as OpenAI answers a model the key has no access to."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from litestar import Controller, Request, Response, get
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 
-from gateway.errors import InvalidRequest
+from gateway.auth import caller_key
+from gateway.errors import InvalidRequest, NotFound
 from gateway.model_registry import ModelRegistry
 from gateway.routes.common import documented, json_response
 
@@ -43,6 +46,12 @@ def anthropic_page(cards: list[dict], limit: int, after_id: str | None, before_i
     }
 
 
+def visible(request: Request, cards: list[dict]) -> list[dict]:
+    """The cards of the models the caller's key may use (a static key or an open server: all)."""
+    key = caller_key(request)
+    return cards if key is None else [c for c in cards if key.may_use(c["id"])]
+
+
 class ModelsController(Controller):
     path = "/v1/models"
 
@@ -55,13 +64,22 @@ class ModelsController(Controller):
         after_id: FromQuery[str | None] = None,
         before_id: FromQuery[str | None] = None,
     ) -> Response:
+        cards = visible(request, models.cards())
         if "anthropic-version" in request.headers:
-            return json_response(anthropic_page(models.cards(), limit, after_id, before_id))
-        return json_response({"object": "list", "data": models.cards()})
+            return json_response(anthropic_page(cards, limit, after_id, before_id))
+        return json_response({"object": "list", "data": cards})
 
     @get("/{model_id:path}", responses=documented(None))
     async def get_model(
         self, request: Request, model_id: FromPath[str], models: NamedDependency[ModelRegistry]
     ) -> Response:
-        card = models.card(model_id.lstrip("/"))
+        name = model_id.lstrip("/")
+        key = caller_key(request)
+        if key is not None and not key.may_use(name):
+            raise NotFound(
+                f"the model `{name}` does not exist or this API key ({key.name}) may not use it",
+                param="model",
+                code="model_not_found",
+            )
+        card = models.card(name)
         return json_response(anthropic_model(card) if "anthropic-version" in request.headers else card)

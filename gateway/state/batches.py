@@ -286,26 +286,23 @@ class Batches:
             )
             if moved != 1:
                 return False
+        # Nothing changes the rows now: a batch is ended only once none of its requests runs or
+        # waits. The files' bytes go to the file store before the transaction that lists them.
+        rows = await self.db.fetch(
+            "SELECT custom_id, state, failed, result FROM batch_requests WHERE batch_id = ? AND state IN (2, 4)"
+            " ORDER BY line",
+            batch_id,
+        )
+        owner_row = await self.db.fetchone("SELECT owner FROM batches WHERE id = ?", batch_id)
+        if owner_row is None:
+            return False
+        staged = [await self.files.stage(b"".join(lines)) if lines else None for lines in _split(rows)]
         try:
             async with self.db.transaction() as tx:
-                rows = await tx.fetch(
-                    "SELECT custom_id, state, failed, result FROM batch_requests WHERE batch_id = ? AND state IN (2, 4)"
-                    " ORDER BY line",
-                    batch_id,
-                )
-                owner_row = await tx.fetchone("SELECT owner FROM batches WHERE id = ?", batch_id)
-                if owner_row is None:
-                    raise _Lost
-                output, errors = _split(rows)
-                ids = []
-                for lines, kind in ((output, "output"), (errors, "error")):
-                    if lines:
-                        made = await self.files.create(
-                            owner_row[0], "batch_output", f"{batch_id}_{kind}.jsonl", b"".join(lines), tx
-                        )
-                        ids.append(made["id"])
-                    else:
-                        ids.append(None)
+                for made, kind in zip(staged, ("output", "error")):
+                    if made is not None:
+                        await self.files.insert(made, owner_row[0], "batch_output", f"{batch_id}_{kind}.jsonl", tx)
+                ids = [None if made is None else made.id for made in staged]
                 sql = f"UPDATE batches SET status = ?, {status}_at = ?, output_file_id = ?, error_file_id = ? WHERE id = ? AND status = ?"
                 args: list[object] = [status, now, *ids, batch_id, came_from]
                 if came_from == "finalizing":
@@ -313,8 +310,12 @@ class Batches:
                 if await tx.execute(sql, *args) != 1:
                     raise _Lost
                 await tx.execute("DELETE FROM batch_requests WHERE batch_id = ?", batch_id)
-        except _Lost:
-            return False
+        except BaseException as exc:
+            for made in filter(None, staged):
+                await self.files.discard(made)
+            if isinstance(exc, _Lost):
+                return False
+            raise
         return True
 
     async def usage(self, batch_id: str | None = None) -> list[dict]:

@@ -55,6 +55,10 @@ class KeyRecord:
     def owner(self) -> str:
         return self.hash[:32]
 
+    def may_use(self, model: str) -> bool:
+        """A model (or adapter, by its served name) this key may ask for and see in /v1/models."""
+        return self.models is None or model in self.models
+
     def view(self) -> dict:
         """The key as /admin/keys shows it: never the hash; the secret only on creation."""
         out = asdict(self)

@@ -309,6 +309,7 @@ async function refreshBatches() {
     const usage = b.usage || { input_tokens: 0, output_tokens: 0 };
     const done = counts.total ? counts.completed / counts.total : 0;
     const row = document.createElement("tr");
+    row.dataset.batch = b.id;
     row.innerHTML = [
       escapeHtml(b.id),
       escapeHtml(b.endpoint),
@@ -343,6 +344,7 @@ async function refreshKeys() {
     const used = key.usage_this_month || {};
     const tokens = (used.input_tokens || 0) + (used.output_tokens || 0);
     const row = document.createElement("tr");
+    row.dataset.key = key.id;
     const cells = [key.name, key.id, key.status, limit(key.rpm), limit(key.tpm), limit(key.max_concurrent),
       limit(key.monthly_tokens), key.models ? key.models.join(", ") : "all", used.requests || 0, tokens];
     row.innerHTML = cells.map((c) => `<td>${escapeHtml(c)}</td>`).join("");

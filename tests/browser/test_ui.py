@@ -10,9 +10,12 @@ import shutil
 import time
 from collections.abc import Iterator
 
+import httpx
+import openai
 import pytest
 
-from tests.conftest import ARTIFACTS, Server, free_port, spawn, start_serve, wait_until
+from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, start_serve, wait_until
+from tests.integration.test_batches import chat, jsonl
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SHOTS = ARTIFACTS / "screenshots"
@@ -139,7 +142,7 @@ def test_operator_view_shows_a_worker_appear(page):
 
 @pytest.fixture(scope="module")
 def keyed_server() -> Iterator[Server]:
-    server = start_serve("ui-apikey", 1, env={"LLMPOOL_API_KEY": "ui-secret"})
+    server = start_serve("ui-apikey", 1, env={"LLMPOOL_API_KEY": "ui-secret", "LLMPOOL_ADMIN_KEY": "ui-admin"})
     yield server
     server.stop()
 
@@ -155,6 +158,34 @@ def test_page_asks_for_the_api_key_and_sends_it(keyed_server: Server, page):
     assert answer_length(page) > 0
     # The browser logs the 401 that made the page ask for the key: expected here, and only here.
     page.console_errors[:] = [e for e in page.console_errors if "status of 401" not in e]
+
+
+def test_dashboard_lists_the_keys_and_the_batches(keyed_server: Server, page):
+    """A managed key made through /admin/keys and a batch made with the openai SDK show as rows:
+    the keys table once the admin key is given (the page prompts for it), the batch as it runs to its end."""
+    made = httpx.post(
+        keyed_server.base_url + "/admin/keys",
+        headers={"Authorization": "Bearer ui-admin"},
+        json={"name": "ui-team", "rpm": 60, "models": [MODEL]},
+        timeout=30,
+    ).json()
+    sdk = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key="ui-secret", max_retries=0, timeout=60)
+    upload = sdk.files.create(file=("ui.jsonl", jsonl({"one": chat("Hi", max_tokens=2)})), purpose="batch")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    page.add_init_script("localStorage.setItem('llmpool.apiKey', 'ui-secret')")
+    page.on("dialog", lambda dialog: dialog.accept("ui-admin"))
+    page.goto(keyed_server.base_url + "/dashboard")
+    done = f"#batches tr[data-batch='{batch.id}']"
+    page.wait_for_function(
+        f"(document.querySelector(\"{done} .state\") || {{}}).textContent === 'completed'", timeout=90000
+    )
+    assert "/v1/chat/completions" in page.inner_text(done) and "1 / 1" in page.inner_text(done)
+    page.click("#keys-load")
+    key_row = f"#keys tr[data-key='{made['id']}']"
+    page.wait_for_selector(key_row, timeout=20000)
+    cells = page.eval_on_selector_all(f"{key_row} td", "cells => cells.map((c) => c.textContent)")
+    assert cells[:4] == ["ui-team", made["id"], "active", "60"] and cells[7] == MODEL, cells
+    shot(page, "dashboard-keys-batches")
 
 
 def test_the_ui_can_be_turned_off():

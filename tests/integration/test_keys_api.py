@@ -159,6 +159,20 @@ def test_anthropic_clients_get_their_own_rate_headers_and_error_shapes(fleet):
     assert denied.value.body["error"]["type"] == "permission_error"
 
 
+def test_a_key_lists_only_the_models_it_may_use(fleet):
+    allowed, barred = fleet.key(models=[MODEL]), fleet.key(models=["another-model"])
+    assert [m.id for m in fleet.openai(allowed).models.list()] == [MODEL]
+    assert fleet.openai(allowed, 1).models.retrieve(MODEL).id == MODEL
+    assert list(fleet.openai(barred).models.list()) == []
+    with pytest.raises(openai.NotFoundError) as hidden:
+        fleet.openai(barred, 1).models.retrieve(MODEL)
+    assert hidden.value.body["code"] == "model_not_found" and hidden.value.body["param"] == "model"
+    claude = anthropic.Anthropic(base_url=fleet.url(0), api_key=barred, max_retries=0)
+    assert list(claude.models.list()) == []
+    for open_key in (STATIC, fleet.key()):  # the static --api-key and a key without a model list: all
+        assert [m.id for m in fleet.openai(open_key).models.list()] == [MODEL]
+
+
 def test_models_budget_and_concurrency_limits(fleet):
     with pytest.raises(openai.PermissionDeniedError) as denied:
         fleet.chat(fleet.key(models=["another-model"]))

@@ -1,6 +1,7 @@
 """Embeddings, rerank and score through the real gateway and pooling workers (tiny random models):
 the openai SDK's ``embeddings.create`` against sentence-transformers, every input shape, base64
-and floats, the errors, and what /v1/models says each model can do."""
+and floats, the errors, and what /v1/models says each model can do; batches of embeddings and of
+Responses requests (float32) answered as the same requests sent directly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL, spawn, start_serve
+from tests.integration.test_batches import finished, jsonl, lines
 from tests.worker import pooling_models
 
 st = pytest.importorskip("sentence_transformers")
@@ -201,3 +203,45 @@ def test_generation_model_refuses_embeddings(server, client):
     ):
         client.embeddings.create(model=client.models.list().data[0].id, input="hi")
     assert client.models.list().data[0].model_extra["capabilities"] == ["generate"]
+
+
+def test_embeddings_and_responses_batches_answer_as_the_same_requests_sent_directly(sdk):
+    """The SDK's batch flow on /v1/embeddings and /v1/responses: OpenAI's output lines, holding the
+    vectors and the greedy float32 text that the same requests get when sent directly."""
+    bodies = {
+        "/v1/embeddings": {f"e{i}": {"model": "embed", "input": text} for i, text in enumerate(TEXTS)},
+        "/v1/responses": {
+            f"r{i}": {"model": "smol-embed", "input": f"Count to {i + 3}.", "max_output_tokens": 8, "temperature": 0}
+            for i in range(2)
+        },
+    }
+    made = {
+        endpoint: sdk.batches.create(
+            input_file_id=sdk.files.create(file=("in.jsonl", jsonl(lines_, endpoint)), purpose="batch").id,
+            endpoint=endpoint,
+            completion_window="24h",
+        ).id
+        for endpoint, lines_ in bodies.items()
+    }
+    out = {}
+    for endpoint, batch_id in made.items():
+        done = finished(sdk, batch_id, 180)
+        assert done.status == "completed" and done.error_file_id is None, done
+        assert done.request_counts.completed == done.request_counts.total == len(bodies[endpoint])
+        out[endpoint] = lines(sdk, done.output_file_id)
+        for custom_id, line in out[endpoint].items():
+            assert line["id"].startswith("batch_req_") and line["error"] is None and line["response"]["request_id"]
+            assert line["response"]["status_code"] == 200, line
+    for custom_id, body in bodies["/v1/embeddings"].items():
+        got = out["/v1/embeddings"][custom_id]["response"]["body"]
+        direct = sdk.embeddings.create(model="embed", input=body["input"], encoding_format="float")
+        assert got["object"] == "list" and got["model"] == "embed" and got["data"][0]["object"] == "embedding"
+        np.testing.assert_allclose(got["data"][0]["embedding"], direct.data[0].embedding, rtol=0, atol=1e-6)
+        assert got["usage"]["prompt_tokens"] == direct.usage.prompt_tokens
+    for custom_id, body in bodies["/v1/responses"].items():
+        # As the SDK reads an answer (construct: the SDK's own types want fields not sent yet, e.g.
+        # usage.input_tokens_details.cache_write_tokens, and never validate what they receive).
+        got = openai.types.responses.Response.construct(**out["/v1/responses"][custom_id]["response"]["body"])
+        direct = sdk.responses.create(**body)
+        assert got.status == direct.status and got.model == "smol-embed" and got.output_text
+        assert got.output_text == direct.output_text and got.usage.output_tokens == direct.usage.output_tokens
