@@ -125,6 +125,7 @@ OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # the openai SDK's type requires it; a prefix cache write is not billed apart
 
 
 class OutputTokensDetails(msgspec.Struct):

@@ -39,6 +39,7 @@ def test_a_plain_response_and_an_incomplete_one(client):
         and reply.usage.input_tokens_details.cached_tokens >= 0
     )
     assert reply.usage.total_tokens == reply.usage.input_tokens + reply.usage.output_tokens
+    type(reply).model_validate(reply.model_dump())  # every field the SDK's type requires is there
     again = client.responses.create(
         model=MODEL, input="Say hello.", instructions=INSTRUCTIONS, max_output_tokens=40, temperature=0
     )
