@@ -149,6 +149,7 @@ def main() -> None:
         help="a checkout of the code before the store (git archive d574bd2); default: this tree, `store: false`",
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", default="chat,responses", help="comma-separated: chat, responses")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=128)
@@ -217,10 +218,11 @@ def main() -> None:
                 (gateways[name],) = [
                     pid for pid in children(gateways[name]) if b"gateway" in Path(f"/proc/{pid}/cmdline").read_bytes()
                 ]
-        runs: dict[str, list[dict]] = {f"{n}/{w}": [] for n in configs for w in ("chat", "responses")}
+        workloads = args.workloads.split(",")
+        runs: dict[str, list[dict]] = {f"{n}/{w}": [] for n in configs for w in workloads}
         for round_ in range(args.rounds):
             for name, (_, _, store) in configs.items():
-                for workload in ("chat", "responses"):
+                for workload in workloads:
                     result = asyncio.run(
                         level(
                             servers[name],

@@ -16,20 +16,21 @@ CHOICES = ("auto", "none", "int8", "q4")
 Q4_GROUP = 32
 
 
-def on_4bit_grid(model: torch.nn.Module, sample: int = 4) -> bool:
-    """Whether the model's first ``sample`` projections hold at most 16 distinct values in every
-    group of 32 inputs: weights de-quantized from a 4-bit file (GGUF Q4_0, Q4_1, Q4_K), which q4
-    stores again without loss, while int8's per-row scale would round them once more."""
+def on_4bit_grid(model: torch.nn.Module, sample: int = 8) -> bool:
+    """Whether most of the model's first ``sample`` projections hold at most 16 distinct values in
+    every group of 32 inputs: weights de-quantized from a 4-bit file (GGUF Q4_0, Q4_1, Q4_K), which q4
+    stores again without loss, while int8's per-row scale would round them once more. Most, not all:
+    a Q4_K_M file keeps its attention values (and some FFN downs) in Q6_K."""
     linears = [
         m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name
     ][:sample]
-    for weight in linears:
-        if weight.shape[1] % Q4_GROUP:
-            return False
-        groups = weight.detach().float().reshape(-1, Q4_GROUP).sort(dim=-1).values
-        if (1 + (groups.diff(dim=-1) != 0).sum(dim=-1)).amax() > 16:
-            return False
-    return bool(linears)
+    on = [not weight.shape[1] % Q4_GROUP and _distinct_at_most_16(weight) for weight in linears]
+    return bool(linears) and 2 * sum(on) > len(on)
+
+
+def _distinct_at_most_16(weight: torch.Tensor) -> bool:
+    groups = weight.detach().float().reshape(-1, Q4_GROUP).sort(dim=-1).values
+    return bool((1 + (groups.diff(dim=-1) != 0).sum(dim=-1)).amax() <= 16)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,11 +67,20 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
 def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` -> (uint8 ``[N, K / 2]``, float16 ``[N, K / 32, 2]`` scale and minimum per group).
 
-    Byte j of a group holds q[j] in its low nibble and q[j + 16] in its high one; w ~ d * q + m.
-    Each group takes whichever of two grids reproduces it better: Q4_1's (its minimum and maximum
-    15 steps apart) or Q4_0's (its value of largest magnitude 8 steps from zero, the grid running
-    7 steps past zero), so that weights de-quantized from either kind of file come back as they
-    were (a Q4_0 group put on Q4_1's grid is rounded again: 0.15 of a step on average).
+    Byte j of a group holds q[j] in its low nibble and q[j + 16] in its high one; w ~ d * q + m."""
+    packed, dm, _ = fit_q4(weight)
+    return packed, dm
+
+
+def fit_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``quantize_q4``'s pair and its largest error, in steps of its group's grid (about 0 when the
+    weights were on a 4-bit grid already: de-quantized from a 4-bit file).
+
+    Each group takes whichever grid reproduces it best: Q4_1's (its minimum and maximum 15 steps
+    apart), Q4_0's (its value of largest magnitude 8 steps from zero, the grid running 7 steps past
+    zero), or, for a group neither reproduces, a grid from its minimum whose span is fewer than 15
+    steps (Q4_K's groups: a 6-bit scale and minimum per 32 weights leave the extreme levels unused
+    at times). Weights de-quantized from any of these files come back as they were.
     """
     n, k = weight.shape
     if k % Q4_GROUP:
@@ -79,24 +89,72 @@ def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     peak = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
     best = None
-    for d, m in (((high - low) / 15, low), (peak.abs() / 8, torch.where(peak < 0, peak, -7 * peak / 8))):
-        d, m = d.half(), m.half()
-        step, base = d.float().unsqueeze(-1), m.float().unsqueeze(-1)
-        q = torch.where(step > 0, (groups - base) / step.clamp(min=1e-30), 0.0).round_().clamp_(0, 15)
-        error = (q * step + base - groups).abs().amax(dim=-1)
+    candidates = [((high - low) / 15, low), (peak.abs() / 8, torch.where(peak < 0, peak, -7 * peak / 8))]
+    for d, m in candidates:
+        q, d, m, error = _on_grid(groups, d, m)
         if best is None:
             best = (q, d, m, error)
             continue
         better = error < best[3] / 2  # clearly better: at the weights' own rounding Q4_1's grid stays
-        best = (
-            torch.where(better.unsqueeze(-1), q, best[0]),
-            torch.where(better, d, best[1]),
-            torch.where(better, m, best[2]),
-            error,
-        )
-    q, d, m = best[0].to(torch.uint8), best[1], best[2]
+        best = _pick(better, (q, d, m, error), best)
+    q, d, m, error = best
+    off = error > _rounding(groups, d, m, weight.dtype)  # not the grid the weights are on, at their precision
+    if off.any() and _spans_help(groups[off][:SAMPLE], low[off][:SAMPLE], high[off][:SAMPLE]):
+        rows = off.nonzero(as_tuple=True)  # groups on a grid spanning fewer than 15 steps
+        part = groups[rows]
+        sub = tuple(t[rows] for t in (q, d, m, error))
+        for span in range(14, 0, -1):
+            got = _on_grid(part, (high[rows] - low[rows]) / span, low[rows])
+            sub = _pick(got[3] < sub[3] / 2, got, sub)
+        for whole, found in zip((q, d, m, error), sub):
+            whole[rows] = found
+    worst = float((error / d.float().clamp(min=1e-30)).amax()) if error.numel() else 0.0
+    q = q.to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)
-    return packed.reshape(n, k // 2).contiguous(), torch.stack([d, m], dim=-1).contiguous()
+    return packed.reshape(n, k // 2).contiguous(), torch.stack([d, m], dim=-1).contiguous(), worst
+
+
+# A group whose largest error is beyond this part of its step is not on that grid. Weights
+# de-quantized from a 4-bit file and held in bf16 sit up to ~0.06 of a step off theirs (bf16 keeps 8
+# bits of a value up to ~30 steps from zero); weights on no 4-bit grid are off by up to half a step.
+OFF_GRID = 0.2
+
+
+SAMPLE = 64  # off-grid groups tried first: float weights never land on a narrower grid, and the search costs 14 fits
+
+
+def _spans_help(groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> bool:
+    """Whether most of these off-grid groups sit exactly on a grid from their minimum spanning
+    fewer than 15 steps (a 4-bit file's), so the search is worth running on every one."""
+    found = torch.zeros(groups.shape[0], dtype=torch.bool)
+    for span in range(14, 0, -1):
+        _, d, _, error = _on_grid(groups, (high - low) / span, low)
+        found |= error <= OFF_GRID * d.float().clamp(min=1e-30)
+    return bool(found.float().mean() > 0.5)
+
+
+def _rounding(groups: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Twice the error a group on grid (d, m) can show from rounding alone: float16's of the step and
+    minimum, and the weights' own dtype's (bf16 keeps 8 bits) of its largest value."""
+    half = 2.0**-11
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return 2 * (half * (15 * d.float().abs() + m.float().abs()) + eps * groups.abs().amax(dim=-1))
+
+
+def _on_grid(groups: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q, d, m as float16, largest error per group) of ``groups`` on the grid ``d * q + m``."""
+    d, m = d.half(), m.half()
+    step, base = d.float().unsqueeze(-1), m.float().unsqueeze(-1)
+    q = torch.where(step > 0, (groups - base) / step.clamp(min=1e-30), 0.0).round_().clamp_(0, 15)
+    return q, d, m, (q * step + base - groups).abs().amax(dim=-1)
+
+
+def _pick(
+    better: torch.Tensor, new: tuple[torch.Tensor, ...], old: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """``new`` where ``better``, else ``old`` (q has one more dimension than the rest)."""
+    q = torch.where(better.unsqueeze(-1), new[0], old[0])
+    return (q, *(torch.where(better, a, b) for a, b in zip(new[1:3], old[1:3])), torch.where(better, new[3], old[3]))
 
 
 def pack_q4(packed: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

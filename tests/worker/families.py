@@ -169,12 +169,46 @@ _GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}  # llama.cpp's name w
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}  # llama.cpp stores Gemma's 1 + w norm scales as they multiply
 
 
+def _gguf_kind(quantize: str, name: str, row: int) -> str:
+    if name.startswith(("token_embd", "output.")):
+        return "Q8_0"
+    if quantize == "Q4_K_M":
+        quantize = "Q8_0" if re.search(r"\.(attn_v|ffn_down)\.", name) else "Q4_K"
+    return "Q8_0" if quantize == "Q4_K" and row % 256 else quantize  # K-quants: rows of 256 (llama.cpp falls back too)
+
+
+def quantize_q4_k(x) -> object:
+    """GGUF Q4_K blocks of ``x`` (rows a multiple of 256; gguf-py reads Q4_K but cannot write it):
+    per 256 weights a float16 scale and minimum, and per 32 a 6-bit scale and minimum of those,
+    w ~ d * sc * q - dmin * m with q in 0..15. Round to nearest, no search: a grid is all a test needs."""
+    import numpy as np
+
+    rows = x.reshape(-1, 256).astype(np.float32)
+    sub = rows.reshape(-1, 8, 32)
+    low = np.minimum(sub.min(-1), 0.0)
+    scale, mins = (sub.max(-1) - low) / 15, -low
+    d, dmin = (scale.max(-1) / 63).astype(np.float16), (mins.max(-1) / 63).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(mins, dminf, out=np.zeros_like(mins), where=dminf > 0)), 0, 63).astype(np.uint8)
+    step, base = (df * sc)[..., None], (dminf * mn)[..., None]
+    q = np.clip(np.round(np.divide(sub + base, step, out=np.zeros_like(sub), where=step > 0)), 0, 15).astype(np.uint8)
+    scales = np.zeros((rows.shape[0], 12), np.uint8)  # llama.cpp's packing of eight 6-bit pairs
+    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mn[:, 4:8] & 0xF) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(rows.shape[0], 128)
+    blocks = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs]
+    return np.concatenate(blocks, axis=1).reshape(*x.shape[:-1], x.shape[-1] // 256 * 144)
+
+
 def write_gguf(model: PreTrainedModel, path: Path, quantize: str | None = None, extra: dict | None = None) -> Path:
     """``model`` as a GGUF file, written the way llama.cpp's convert_hf_to_gguf.py writes it for the
     families in ``GGUF`` (gguf's own tensor map; Llama-arch q/k rows permuted for its rotary, Gemma's
-    norms shifted by 1, a tied head left out). ``quantize`` ("Q4_0", "Q4_1", ...): the projections
-    in that type, quantized by gguf's own quantizer, embeddings and head in Q8_0 (as llama.cpp's
-    4-bit files keep them at 8 bits or more); None: everything float32. ``extra``: more metadata
+    norms shifted by 1, a tied head left out). ``quantize`` ("Q4_0", "Q4_1", "Q4_K", ...): the
+    projections in that type, embeddings and head in Q8_0 (as llama.cpp's 4-bit files keep them at 8
+    bits or more); "Q4_K_M": Q4_K but attention values and FFN downs at 8 bits (llama.cpp's Q4_K_M
+    keeps them in Q6_K, which gguf cannot write either); None: everything float32. ``extra``: more metadata
     fields (name: unsigned int)."""
     import gguf
     import numpy as np
@@ -221,8 +255,12 @@ def write_gguf(model: PreTrainedModel, path: Path, quantize: str | None = None, 
             data = data + 1
         kind = None
         if quantize is not None and data.ndim == 2:
-            kind = gguf.GGMLQuantizationType["Q8_0" if gguf_name.startswith(("token_embd", "output.")) else quantize]
-            data = gguf.quants.quantize(np.ascontiguousarray(data), kind)
+            kind = _gguf_kind(quantize, gguf_name, data.shape[1])
+            if kind == "Q4_K":
+                data = quantize_q4_k(data)
+            else:
+                data = gguf.quants.quantize(np.ascontiguousarray(data), gguf.GGMLQuantizationType[kind])
+            kind = gguf.GGMLQuantizationType[kind]
         writer.add_tensor(gguf_name, data, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

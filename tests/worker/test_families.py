@@ -31,6 +31,7 @@ from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.loader import load_model
 from worker.models import support
+from worker.models.fused_decode import SLOTS
 from worker.runner import ModelRunner
 
 _generator = torch.Generator().manual_seed(0)
@@ -168,11 +169,15 @@ def test_a_gguf_mixture_of_experts_that_loads_as_a_dense_model_is_refused(tmp_pa
 @pytest.mark.skipif(
     DEVICE != "cpu" or not kernels.has_vnni(), reason="the q4 weights are the CPU's C++ step's, with VNNI"
 )
-@pytest.mark.parametrize(("name", "kind"), [("qwen3", "Q4_0"), ("gemma2", "Q4_1")])
+@pytest.mark.parametrize(("name", "kind"), [("qwen3", "Q4_0"), ("gemma2", "Q4_1"), ("qwen3", "Q4_K_M")])
 def test_a_4bit_gguf_file_keeps_its_weights_on_the_q4_path(name, kind, tmp_path):
     """A 4-bit file of a family the C++ step runs: in bf16 its weights go to the step as q4 (auto
-    sees them on a 4-bit grid), and the output is close to generate on the de-quantized weights."""
+    sees them on a 4-bit grid), and the output is close to generate on the de-quantized weights.
+    Q4_K_M (rows of 256): the Q4_K matrices come back on their grids as q4, and the ones the file
+    keeps finer (attention values, FFN downs) stay at int8."""
     model_type, extra = GGUF[name]
+    if kind.startswith("Q4_K"):
+        extra = dict(extra, hidden_size=256, intermediate_size=512, head_dim=64)
     gguf_file = write_gguf(
         build(model_type, extra, tmp_path / "hf"), tmp_path / "gguf" / f"tiny-{name}.{kind}.gguf", kind
     )
@@ -182,6 +187,10 @@ def test_a_4bit_gguf_file_keeps_its_weights_on_the_q4_path(name, kind, tmp_path)
     config = replace(CONFIG, dtype="bfloat16", cache_dir=str(tmp_path / "cache"))
     runner = ModelRunner(resolve_model(str(gguf_file)), config)
     assert runner.quantization == "q4" and runner.paths.fused.any_batch
+    if kind == "Q4_K_M":
+        weights = dict(zip(SLOTS, runner.paths.fused.weights))  # layer 0's
+        kinds = {slot: weights[f"{slot}_w"].dtype for slot in ("qkv", "o", "up", "down")}
+        assert kinds == {"qkv": torch.int8, "o": torch.uint8, "up": torch.uint8, "down": torch.int8}
     got = run(Engine(runner, config), PROMPTS, logprobs=5)
     assert all(check_close(g, r)[0] for g, r in zip(got, reference))
 

@@ -205,6 +205,25 @@ def test_q4_reproduces_a_q4_0_grid():
     torch.testing.assert_close(dequantize_q4(*quantize_q4(w)), w, atol=5e-5, rtol=0)
 
 
+def test_q4_reproduces_q4_k_groups_whose_extreme_levels_are_unused_and_tells_off_grid_weights():
+    """A Q4_K group (w = d * sc * q - dmin * m, 6-bit sc and m per 32) need not use q = 0 or 15:
+    neither Q4_1's grid (min to max in 15 steps) nor Q4_0's fits it, the narrower span does. Float
+    weights on no grid report an error of about half a step (the layout keeps such a matrix of a
+    4-bit file at int8)."""
+    from worker.quantization import OFF_GRID, dequantize_q4, fit_q4
+
+    torch.manual_seed(0)
+    d = (torch.rand(16, 4, 1) * 0.01 + 0.001).half().float() * torch.randint(20, 64, (16, 4, 1))
+    m = -(torch.rand(16, 4, 1) * 12 * d).half().float()  # a group's minimum, a few steps below zero
+    q = torch.randint(2, 13, (16, 4, 32)).float()  # levels 2..12 used: a span of at most 10 steps
+    q[..., 0], q[..., 1] = 2, 12
+    w = (q * d + m).view(16, 128)
+    packed, dm, worst = fit_q4(w)
+    off = (dequantize_q4(packed, dm) - w).view(16, 4, 32).abs().amax(dim=-1) / d.squeeze(-1)
+    assert worst < 0.02 and off.max() < 0.02, "back on their grid, to float16's rounding of step and minimum"
+    assert fit_q4(torch.randn(16, 128))[2] > OFF_GRID
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 6])
 def test_q4_with_int8_activations_stays_within_activation_rounding(rows):
     """K a multiple of 64: the VNNI path multiplies nibbles by int8 activations (per group of 64)."""

@@ -25,7 +25,7 @@ from worker.models import measure, shapes
 from worker.models.family import describe
 from worker.models.measure import halve, rotary_tables
 from worker.models.shapes import QK_NONE, Family, Norm, NotFast
-from worker.quantization import pack_int8, pack_q4, quantize_int8, quantize_q4
+from worker.quantization import OFF_GRID, fit_q4, on_4bit_grid, pack_int8, pack_q4, quantize_int8
 
 # Per-layer slots, in the order of decode_step.cpp's Slot enum.
 SLOTS = (
@@ -178,11 +178,18 @@ def _layout(f: Family, model: torch.nn.Module, quantization: str, packed: bool) 
         q, scale = quantize_int8(weight)
         return pack_int8(q, scale) if packed else (q, scale)
 
+    # A 4-bit file keeps some matrices finer (llama.cpp's Q4_K_M: attention values and some FFN
+    # downs in Q6_K): from such a model those stay at int8 rather than being rounded onto 4 bits.
+    keep_finer = quantization == "q4" and on_4bit_grid(model)
+
     def matrix(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if quantization == "int8":
             return int8(weight)
         if quantization == "q4":
-            return pack_q4(*quantize_q4(weight)) if packed else quantize_q4(weight)
+            q, dm, worst = fit_q4(weight)
+            if keep_finer and worst > OFF_GRID:
+                return int8(weight)
+            return pack_q4(q, dm) if packed else (q, dm)
         return weight.contiguous(), None
 
     out: dict[str, torch.Tensor] = {}
