@@ -224,6 +224,24 @@ def test_q4_reproduces_q4_k_groups_whose_extreme_levels_are_unused_and_tells_off
     assert fit_q4(torch.randn(16, 128))[2] > OFF_GRID
 
 
+def test_the_tests_q4_k_writer_is_what_gguf_reads():
+    """tests/worker/families.py writes Q4_K blocks itself (gguf cannot): gguf's de-quantizer reads
+    them back within half a 4-bit step of the weights, on at most 16 levels per group of 32."""
+    import gguf
+    import numpy as np
+
+    from tests.worker.families import quantize_q4_k
+
+    x = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
+    y = gguf.quants.dequantize(quantize_q4_k(x), gguf.GGMLQuantizationType.Q4_K)
+    groups = x.reshape(-1, 32)
+    assert (
+        np.abs(y - x).reshape(-1, 32).max(axis=1).max()
+        <= 0.55 * (groups.max(1) - np.minimum(groups.min(1), 0)).max() / 15
+    )
+    assert max(len(np.unique(g)) for g in y.reshape(-1, 32)) <= 16
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 6])
 def test_q4_with_int8_activations_stays_within_activation_rounding(rows):
     """K a multiple of 64: the VNNI path multiplies nibbles by int8 activations (per group of 64)."""
