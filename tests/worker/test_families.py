@@ -233,6 +233,31 @@ def test_the_self_check_refuses_a_path_that_drops_the_sliding_window(tmp_path, m
     assert ModelRunner(resolve_model(str(tmp_path)), replace(CONFIG, skip_self_check=True)).num_blocks > 0
 
 
+@pytest.mark.skipif(DEVICE != "cpu" or not kernels.has_vnni(), reason="int8 weights are the CPU's C++ step's")
+def test_auto_int8_weights_that_fail_the_self_check_give_way_to_the_models_own(tmp_path, monkeypatch, caplog):
+    """Where only the rounding of ``--quantization auto``'s int8 weights fails the check (a random
+    Granite of 8 layers, hidden 1,024 and its default attention multiplier of 1 does: its sharp
+    attention flips tokens; here the rounding is made worse by hand), the C++ step serves the bf16
+    weights and the worker starts; an explicit ``--quantization int8`` is still refused."""
+    from worker.models import fused_decode
+
+    def coarse(weight):  # int8 whose scales are 3x off: what a too-coarse rounding does to the logits
+        q, scale = quantize_int8(weight)
+        scale[:, :1] *= 3
+        return q, scale
+
+    quantize_int8 = fused_decode.quantize_int8
+    monkeypatch.setattr(fused_decode, "quantize_int8", coarse)
+    model_type, extra = SERVED["llama"]
+    build(model_type, extra, tmp_path / "model")
+    config = replace(CONFIG, dtype="bfloat16", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(support.UnsupportedModel, match="self-check"):
+        ModelRunner(resolve_model(str(tmp_path / "model")), replace(config, quantization="int8"))
+    runner = ModelRunner(resolve_model(str(tmp_path / "model")), config)
+    assert runner.quantization == "none" and runner.paths.fast, "the C++ step, on the model's own weights"
+    assert "int8 weights fail the self-check" in caplog.text
+
+
 def test_quantized_weights_are_refused_where_the_path_has_none(tmp_path):
     """--quantization int8 on a model the C++ decode step does not run was ignored while the log
     said "weights int8"; now it is refused, naming why."""

@@ -39,10 +39,17 @@ class FusedDecode:
     """``__call__`` runs one step of ``[rows]`` single tokens (each with its own position, block
     table and context length) and returns float32 logits ``[rows, vocab]`` (or of the ``keep`` rows)."""
 
-    def __init__(self, model: torch.nn.Module, quantization: str = "none", cache: Path | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        quantization: str = "none",
+        cache: Path | None = None,
+        family: Family | None = None,
+    ) -> None:
+        """``family``: the model as ``describe`` read it earlier (its layers may have gone to the native forward since)."""
         if not kernels.load():
             raise RuntimeError(f"the fused decode step needs the C++ kernels: {kernels.unavailable_reason()}")
-        self.family = describe(model)
+        self.family = family or describe(model)
         self.decoder = model.model
         self.embed = model.model.embed_tokens
         self.packed = quantization in ("int8", "q4") and kernels.has_vnni()

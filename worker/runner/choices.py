@@ -16,6 +16,7 @@ from worker.attention import DecodeBackend
 from worker.models import fused_decode
 from worker.models.fused_decode import FusedDecode
 from worker.models.llama import LlamaForward, supports
+from worker.models.shapes import Family
 from worker.quantization import CHOICES as QUANTIZATION_CHOICES
 from worker.quantization import on_4bit_grid
 
@@ -90,9 +91,11 @@ def pick_impl(choice: str, model: torch.nn.Module) -> LlamaForward | None:
     return LlamaForward(model)
 
 
-def build_fused(fast: bool, model: torch.nn.Module, quantization: str, cache: Path | None) -> FusedDecode | None:
+def build_fused(
+    fast: bool, model: torch.nn.Module, quantization: str, cache: Path | None, family: Family | None = None
+) -> FusedDecode | None:
     """The C++ decode step's copy of the model when decode steps run there (``pick_decode_path``)."""
-    return FusedDecode(model, quantization, cache) if fast else None
+    return FusedDecode(model, quantization, cache, family) if fast else None
 
 
 def rows_only(wanted: bool, fused: FusedDecode | None) -> bool:

@@ -29,7 +29,9 @@ from worker.guided import GuidedDecoding
 from worker.loader import load_model
 from worker.lora import registry as lora_registry
 from worker.models import support
+from worker.models.family import describe as describe_family
 from worker.models.llama import supports as native_supports
+from worker.models.shapes import Family
 from worker.pooling_spec import PoolingSpec
 from worker.request import Request
 from worker.runner import kv_cache
@@ -89,6 +91,11 @@ class ModelRunner:
         decode_cache = source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}")
         fused = build_fused(fast_decode, model, self.quantization, decode_cache)
         only_rows = rows_only(config.quantized_only, fused)
+        # The model's own weights, described while its layers are still there (the native forward
+        # takes them): where the self-check fails only auto's rounding, the step serves these.
+        own = None
+        if check is not None and config.quantization == "auto" and fused is not None and self.quantization != "none":
+            own = describe_family(model)
         impl = config.model_impl
         if pooling is not None:  # the native forward takes over the layers that a pooling forward runs (wrong vectors)
             if impl == "native" or only_rows:
@@ -150,6 +157,28 @@ class ModelRunner:
             )
         self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, decode_graphs, rows_only=only_rows)
         if check is not None:
+            self._self_check(check, own, decode_graphs)
+
+    def _self_check(self, check: SelfCheck, own: Family | None, graphs: DecodeGraphs | None) -> None:
+        """The start-up self-check. Where ``--quantization auto`` chose int8 or q4 weights for the C++
+        step and only they fail it (a model whose attention is sharp enough that their rounding flips
+        its tokens), the step takes the model's own weights instead, and the check runs again."""
+        try:
+            check.run(self)
+        except support.UnsupportedModel as exc:
+            if own is None or self.paths.rows_only:
+                raise
+            log.warning(
+                "%s weights fail the self-check (%s); the C++ step serves the model's own %s weights instead "
+                "(--quantization none; --quantization %s forces it with --skip-self-check)",
+                self.quantization,
+                str(exc).split(": ", 1)[-1].split(";")[0],
+                str(self.dtype).removeprefix("torch."),
+                self.quantization,
+            )
+            self.quantization = "none"
+            fused = build_fused(True, self.model, "none", None, own)
+            self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, graphs)
             check.run(self)
 
     def drop_float_weights(self) -> None:
