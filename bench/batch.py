@@ -69,6 +69,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2000, help="requests in the batch")
     parser.add_argument("--batch-output-len", type=int, default=32)
+    parser.add_argument(
+        "--finish",
+        action="store_true",
+        help="let the last level's batch run to its end (not cancelled): its wall time and counts",
+    )
     parser.add_argument("--out", default="docs/bench/batch.json")
     parser.add_argument("serve_args", nargs="*", help="more flags for `llmpool serve` (after --)")
     args = parser.parse_args()
@@ -81,7 +86,8 @@ def main() -> None:
     }
     try:
         chat_level(url, args.model, 2, 2, 8)  # warm-up
-        for level in map(int, args.levels.split(",")):
+        levels = list(map(int, args.levels.split(",")))
+        for level in levels:
             requests = level * args.num_prompts
             alone = chat_level(url, args.model, level, requests, args.output_len)
             batch_id = start_batch(url, args.model, args.batch, args.batch_output_len)
@@ -89,9 +95,10 @@ def main() -> None:
                 time.sleep(0.2)
             before, started = batch_state(url, batch_id)["request_counts"]["completed"], time.monotonic()
             loaded = chat_level(url, args.model, level, requests, args.output_len)
-            during_s = time.monotonic() - started
+            during_s, chat_done = time.monotonic() - started, time.time()
             during = batch_state(url, batch_id)["request_counts"]["completed"] - before
-            httpx.post(f"{url}/v1/batches/{batch_id}/cancel", timeout=30)  # the rest would only take time
+            if not (args.finish and level == levels[-1]):
+                httpx.post(f"{url}/v1/batches/{batch_id}/cancel", timeout=30)  # the rest would only take time
             row = {
                 "concurrency": level,
                 "alone": alone,
@@ -100,8 +107,19 @@ def main() -> None:
             }
             results["levels"].append(row)
             print(json.dumps(row), flush=True)
-            while batch_state(url, batch_id)["status"] not in ("cancelled", "completed"):
+            while (state := batch_state(url, batch_id))["status"] not in ("cancelled", "completed", "failed"):
                 time.sleep(0.5)
+            if args.finish and level == levels[-1] and state["status"] == "completed":  # after the chat run, alone
+                results["finished"] = {
+                    "status": state["status"],
+                    "request_counts": state["request_counts"],
+                    "created_to_completed_s": state["completed_at"] - state["created_at"],
+                    "requests_per_s_after_chat": round(
+                        (state["request_counts"]["completed"] - before - during) / (state["completed_at"] - chat_done),
+                        2,
+                    ),
+                }
+                print("finished:", json.dumps(results["finished"]), flush=True)
         # The batch alone: how fast it runs on the whole pool.
         batch_id = start_batch(url, args.model, min(args.batch, 256), args.batch_output_len)
         started = time.monotonic()
