@@ -243,7 +243,10 @@ def test_a_worker_of_the_old_protocol_is_refused_in_words_it_reads(caplog):
         header, payload = await asyncio.wait_for(worker.sock.recv_multipart(), 5)
         assert header == bytes((1, protocol.MsgType.ERROR))
         answer = msgspec.msgpack.decode(payload)
-        assert answer["request_id"] is None and "it speaks protocol 1; this gateway speaks 2" in answer["message"]
+        assert (
+            answer["request_id"] is None
+            and f"it speaks protocol 1; this gateway speaks {protocol.PROTOCOL_VERSION}" in answer["message"]
+        )
         assert not client.workers and client.snapshot()["dropped_frames"] == 1
         assert any("refused worker old: it speaks protocol 1" in r.getMessage() for r in caplog.records)
 
