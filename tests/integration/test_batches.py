@@ -152,10 +152,12 @@ def test_a_cancelled_batch_keeps_what_ran(fleet):
 
 
 def test_two_gateways_share_a_batch_and_it_survives_one_being_killed(fleet):
-    sdk = fleet.sdk(1)
+    # Made through A, which looks at once (B within its next heartbeat): A surely holds claims when
+    # it dies. Made through B, B could claim and finish all 16 before A's first look (it did).
     bodies = {f"s{i}": chat(f"Name a colour, {i}.", max_tokens=6) for i in range(16)}
-    upload = sdk.files.create(file=("s.jsonl", jsonl(bodies)), purpose="batch")
-    batch = sdk.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    upload = fleet.sdk(0).files.create(file=("s.jsonl", jsonl(bodies)), purpose="batch")
+    batch = fleet.sdk(0).batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    sdk = fleet.sdk(1)
 
     def runner(i: int) -> dict:
         return fleet.get(i, "/workers").json()["batch_runner"]
