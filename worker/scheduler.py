@@ -142,9 +142,14 @@ class Scheduler:
         batch = ScheduledBatch()
         if self.kv_store is not None:
             self.kv_store.release_written()
-        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         interactive = (r for queue in (self.running, self.waiting) for r in queue if r.priority < BATCH_PRIORITY)
         self._yield = next(interactive, None) is not None
+        # Streams decoding in this step cap its prompt tokens; batch rows sitting it out do not.
+        decoding = any(
+            r.num_tokens - r.num_computed_tokens == 1
+            for r in self.running
+            if not (self._yield and r.priority >= BATCH_PRIORITY)
+        )
         # A step of batch work alone stays as short as a step beside decoding streams: an
         # interactive request arriving meanwhile waits for it to end.
         batch_only = not self._yield and any(r.priority >= BATCH_PRIORITY for r in self.running)

@@ -107,3 +107,18 @@ def test_batch_work_preempted_by_interactive_requests_is_recomputed_with_the_sam
     assert engine.scheduler.num_preemptions - preemptions == 2, "both batch requests gave way"
     assert running[3] == {"b0", "b1"} and running[4:] and all(ids == {"c0", "c1"} for ids in running[4:]), running
     assert mixed["b0"] == alone["b0"] and mixed["b1"] == alone["b1"]
+
+
+def test_batch_rows_sitting_a_step_out_do_not_cap_its_prompt_tokens():
+    """The prompt-token cap keeps decoding streams' inter-token gaps short; a batch row that sits
+    the step out is no such stream, so an interactive prompt beside it gets the step's whole budget."""
+    from worker.block_manager import BlockManager
+    from worker.scheduler import Scheduler
+
+    scheduler = Scheduler(BlockManager(64, 4), 16, 64, 1024, max_prefill_chunk=8)
+    batch = urgent("batch", 4, BATCH_PRIORITY, 20)
+    scheduler.add(batch)
+    scheduler.update(scheduler.schedule(), {"batch": [1]})  # decoding now
+    scheduler.add(urgent("chat", 40, 0))
+    step = scheduler.schedule()
+    assert [r.request_id for r in step.requests] == ["chat"] and step.num_new_tokens == [40]
