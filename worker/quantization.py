@@ -88,26 +88,18 @@ def fit_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     groups = weight.detach().float().view(n, k // Q4_GROUP, Q4_GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     peak = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-    best = None
-    candidates = [((high - low) / 15, low), (peak.abs() / 8, torch.where(peak < 0, peak, -7 * peak / 8))]
-    for d, m in candidates:
-        q, d, m, error = _on_grid(groups, d, m)
-        if best is None:
-            best = (q, d, m, error)
-            continue
-        better = error < best[3] / 2  # clearly better: at the weights' own rounding Q4_1's grid stays
-        best = _pick(better, (q, d, m, error), best)
+    best = _on_grid(groups, (high - low) / 15, low)  # Q4_1's grid
+    q4_0 = _on_grid(groups, peak.abs() / 8, torch.where(peak < 0, peak, -7 * peak / 8))
+    best = _pick(q4_0[3] < best[3] / 2, q4_0, best)  # clearly better: at the weights' own rounding Q4_1's grid stays
+    off = (best[3] > _rounding(groups, best[1], best[2], weight.dtype)).nonzero(as_tuple=True)
+    if off[0].numel():  # not on the grid the weights are on, at their precision: perhaps a narrower one
+        sample = tuple(i[:SAMPLE] for i in off)
+        tried = _narrower(groups[sample], low[sample], high[sample], tuple(t[sample] for t in best))
+        if (tried[3] <= OFF_GRID * tried[1].float().clamp(min=1e-30)).float().mean() > 0.5:
+            found = _narrower(groups[off], low[off], high[off], tuple(t[off] for t in best))
+            for whole, part in zip(best, found):
+                whole[off] = part
     q, d, m, error = best
-    off = error > _rounding(groups, d, m, weight.dtype)  # not the grid the weights are on, at their precision
-    if off.any() and _spans_help(groups[off][:SAMPLE], low[off][:SAMPLE], high[off][:SAMPLE]):
-        rows = off.nonzero(as_tuple=True)  # groups on a grid spanning fewer than 15 steps
-        part = groups[rows]
-        sub = tuple(t[rows] for t in (q, d, m, error))
-        for span in range(14, 0, -1):
-            got = _on_grid(part, (high[rows] - low[rows]) / span, low[rows])
-            sub = _pick(got[3] < sub[3] / 2, got, sub)
-        for whole, found in zip((q, d, m, error), sub):
-            whole[rows] = found
     worst = float((error / d.float().clamp(min=1e-30)).amax()) if error.numel() else 0.0
     q = q.to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)
@@ -123,14 +115,13 @@ OFF_GRID = 0.2
 SAMPLE = 64  # off-grid groups tried first: float weights never land on a narrower grid, and the search costs 14 fits
 
 
-def _spans_help(groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> bool:
-    """Whether most of these off-grid groups sit exactly on a grid from their minimum spanning
-    fewer than 15 steps (a 4-bit file's), so the search is worth running on every one."""
-    found = torch.zeros(groups.shape[0], dtype=torch.bool)
+def _narrower(groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor, fit: tuple) -> tuple[torch.Tensor, ...]:
+    """``fit``, or where clearly better, a grid from the group's minimum spanning 14 steps or fewer
+    (a Q4_K group that leaves its extreme levels unused)."""
     for span in range(14, 0, -1):
-        _, d, _, error = _on_grid(groups, (high - low) / span, low)
-        found |= error <= OFF_GRID * d.float().clamp(min=1e-30)
-    return bool(found.float().mean() > 0.5)
+        got = _on_grid(groups, (high - low) / span, low)
+        fit = _pick(got[3] < fit[3] / 2, got, fit)
+    return fit
 
 
 def _rounding(groups: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
