@@ -2,11 +2,12 @@
 
 Starts ``llmpool serve`` (or uses ``--url``), then for each level: the chat workload alone, then a
 batch of ``--batch`` chat requests (``--batch-output-len`` tokens each) created through
-``/v1/batches`` and, once its requests run, the same chat workload again beside it. Reports TTFT
-and ITL p50/p99 of both runs, the batch's progress during the loaded run (requests done per second
+``/v1/batches`` and, once its requests run, the same chat workload again beside it; ``--rounds``
+repeats that, in turn in the other order. Reports TTFT and ITL p50/p99 of every run and their
+medians over rounds, the batch's progress during the loaded run (requests done per second
 beside interactive traffic) and on its own afterwards, to ``--out`` (JSON) and stdout.
 
-    python -m bench.batch --batch 2000 --levels 8,32
+    python -m bench.batch --batch 2000 --levels 8,32 --rounds 3
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import io
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -60,6 +62,41 @@ def chat_level(url: str, model: str, level: int, requests: int, output_len: int)
     return {key: row.get(key) for key in (*KEYS, "errors", "completed", "duration")}
 
 
+def wait_ended(url: str, batch_id: str) -> dict:
+    while (state := batch_state(url, batch_id))["status"] not in ("cancelled", "completed", "failed", "expired"):
+        time.sleep(0.5)
+    return state
+
+
+def beside_batch(url: str, args: argparse.Namespace, level: int, requests: int, finish: bool) -> tuple[dict, dict]:
+    """The chat workload beside a fresh ``--batch``-line batch whose requests already run; the
+    batch is then cancelled, or with ``finish`` left to run to its end alone."""
+    batch_id = start_batch(url, args.model, args.batch, args.batch_output_len)
+    while batch_state(url, batch_id)["request_counts"]["completed"] < 1:
+        time.sleep(0.2)
+    before, started = batch_state(url, batch_id)["request_counts"]["completed"], time.monotonic()
+    loaded = chat_level(url, args.model, level, requests, args.output_len)
+    during_s, chat_done = time.monotonic() - started, time.time()
+    during = batch_state(url, batch_id)["request_counts"]["completed"] - before
+    loaded["batch_requests_per_s_beside"] = round(during / during_s, 2)
+    if not finish:
+        httpx.post(f"{url}/v1/batches/{batch_id}/cancel", timeout=30)  # the rest would only take time
+    state = wait_ended(url, batch_id)
+    if not finish or state["status"] != "completed":
+        return loaded, {}
+    after = state["request_counts"]["completed"] - before - during
+    return loaded, {
+        "status": state["status"],
+        "request_counts": state["request_counts"],
+        "created_to_completed_s": state["completed_at"] - state["created_at"],
+        "requests_per_s_after_chat": round(after / (state["completed_at"] - chat_done), 2),
+    }
+
+
+def medians(runs: list[dict]) -> dict:
+    return {key: round(statistics.median(run[key] for run in runs), 2) for key in KEYS}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.batch", description=__doc__)
     parser.add_argument("--url", help="an already running llmpool (default: start `llmpool serve`)")
@@ -70,9 +107,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2000, help="requests in the batch")
     parser.add_argument("--batch-output-len", type=int, default=32)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each level, alone and beside a batch; even rounds run beside the batch first, "
+        "so neither side always has the warmer machine; medians over rounds are reported",
+    )
+    parser.add_argument(
         "--finish",
         action="store_true",
-        help="let the last level's batch run to its end (not cancelled): its wall time and counts",
+        help="let the last run's batch go on to its end (not cancelled): its wall time and counts",
     )
     parser.add_argument("--out", default="docs/bench/batch.json")
     parser.add_argument("serve_args", nargs="*", help="more flags for `llmpool serve` (after --)")
@@ -82,6 +126,7 @@ def main() -> None:
         "levels": [],
         "batch": args.batch,
         "batch_output_len": args.batch_output_len,
+        "rounds": args.rounds,
         "serve": args.serve_args,
     }
     try:
@@ -89,37 +134,31 @@ def main() -> None:
         levels = list(map(int, args.levels.split(",")))
         for level in levels:
             requests = level * args.num_prompts
-            alone = chat_level(url, args.model, level, requests, args.output_len)
-            batch_id = start_batch(url, args.model, args.batch, args.batch_output_len)
-            while batch_state(url, batch_id)["request_counts"]["completed"] < 1:
-                time.sleep(0.2)
-            before, started = batch_state(url, batch_id)["request_counts"]["completed"], time.monotonic()
-            loaded = chat_level(url, args.model, level, requests, args.output_len)
-            during_s, chat_done = time.monotonic() - started, time.time()
-            during = batch_state(url, batch_id)["request_counts"]["completed"] - before
-            if not (args.finish and level == levels[-1]):
-                httpx.post(f"{url}/v1/batches/{batch_id}/cancel", timeout=30)  # the rest would only take time
+            alone, loaded = [], []
+            for round_ in range(args.rounds):
+                finish = args.finish and level == levels[-1] and round_ == args.rounds - 1
+                if round_ % 2:
+                    loaded.append(beside_batch(url, args, level, requests, False)[0])
+                    alone.append(chat_level(url, args.model, level, requests, args.output_len))
+                else:
+                    alone.append(chat_level(url, args.model, level, requests, args.output_len))
+                    run, finished = beside_batch(url, args, level, requests, finish)
+                    loaded.append(run)
+                    if finished:
+                        results["finished"] = finished
+                        print("finished:", json.dumps(finished), flush=True)
+                print(json.dumps({"concurrency": level, "round": round_, "alone": alone[-1], "with_batch": loaded[-1]}))
+            typical = {"alone": medians(alone), "with_batch": medians(loaded)}
             row = {
                 "concurrency": level,
+                "median_of_rounds": typical,
+                "with_over_alone": {key: round(typical["with_batch"][key] / typical["alone"][key], 3) for key in KEYS},
+                "batch_requests_per_s_beside": statistics.median(r["batch_requests_per_s_beside"] for r in loaded),
                 "alone": alone,
                 "with_batch": loaded,
-                "batch_requests_per_s_beside": round(during / during_s, 2),
             }
             results["levels"].append(row)
-            print(json.dumps(row), flush=True)
-            while (state := batch_state(url, batch_id))["status"] not in ("cancelled", "completed", "failed"):
-                time.sleep(0.5)
-            if args.finish and level == levels[-1] and state["status"] == "completed":  # after the chat run, alone
-                results["finished"] = {
-                    "status": state["status"],
-                    "request_counts": state["request_counts"],
-                    "created_to_completed_s": state["completed_at"] - state["created_at"],
-                    "requests_per_s_after_chat": round(
-                        (state["request_counts"]["completed"] - before - during) / (state["completed_at"] - chat_done),
-                        2,
-                    ),
-                }
-                print("finished:", json.dumps(results["finished"]), flush=True)
+            print(json.dumps({k: row[k] for k in ("concurrency", "median_of_rounds", "with_over_alone")}), flush=True)
         # The batch alone: how fast it runs on the whole pool.
         batch_id = start_batch(url, args.model, min(args.batch, 256), args.batch_output_len)
         started = time.monotonic()

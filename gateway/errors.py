@@ -59,6 +59,12 @@ class NotFound(GatewayError):
     error_type = "invalid_request_error"
 
 
+def not_stored(what: str, ident: str, param: str, code: str = "not_found") -> NotFound:
+    """The 404 for a stored object (response, conversation, file, batch) the caller cannot see:
+    absent and another key's answer the same, so ids leak nothing across keys."""
+    return NotFound(f"No {what} with id {ident!r} is stored here", param=param, code=code)
+
+
 class Overloaded(GatewayError):
     status_code = 429
     error_type = "rate_limit_error"

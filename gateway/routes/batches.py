@@ -9,9 +9,9 @@ from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.auth import caller_owner
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, not_stored
 from gateway.routes.common import documented, json_response
-from gateway.routes.files import check_limit, files_of, list_page, missing
+from gateway.routes.files import check_limit, files_of, list_page
 from gateway.routes.response_items import ItemList
 from gateway.state.batches import ENDPOINTS, WINDOWS, Batches
 from gateway.state.limits import check_metadata
@@ -40,10 +40,6 @@ def _batches(request: Request) -> Batches:
     return request.app.state.batches
 
 
-def _missing(batch_id: str) -> NotFound:
-    return NotFound(f"No batch with id {batch_id!r} is stored here", param="batch_id", code="not_found")
-
-
 class BatchesController(Controller):
     path = "/v1/batches"
 
@@ -61,7 +57,7 @@ class BatchesController(Controller):
         owner = caller_owner(request)
         found = await files_of(request).get(data.input_file_id, owner)
         if found is None:
-            raise missing(data.input_file_id, "input_file_id")
+            raise not_stored("file", data.input_file_id, "input_file_id")
         if found["purpose"] != "batch":
             raise InvalidRequest(
                 f"the input file's purpose is {found['purpose']!r}; a batch wants a file uploaded with `purpose: batch`",
@@ -86,14 +82,14 @@ class BatchesController(Controller):
     async def retrieve(self, request: Request, batch_id: FromPath[str]) -> Response:
         found = await _batches(request).get(batch_id, caller_owner(request))
         if found is None:
-            raise _missing(batch_id)
+            raise not_stored("batch", batch_id, "batch_id")
         return json_response(found)
 
     @post("/{batch_id:str}/cancel", status_code=200, responses=documented(BatchObject, "the batch, cancelling"))
     async def cancel(self, request: Request, batch_id: FromPath[str]) -> Response:
         found = await _batches(request).cancel(batch_id, caller_owner(request))
         if found is None:
-            raise _missing(batch_id)
+            raise not_stored("batch", batch_id, "batch_id")
         if found["status"] not in ("cancelling", "cancelled"):
             raise InvalidRequest(f"the batch is {found['status']}: it can no longer be cancelled", param="batch_id")
         request.app.state.batch_runner.wake()

@@ -15,7 +15,7 @@ from litestar import Controller, Request, Response, delete, get, post
 from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.auth import caller_owner
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, NotFound, not_stored
 from gateway.routes.common import documented, json_response
 from gateway.routes.response_items import ItemList, page
 from gateway.routes.response_runs import input_items
@@ -63,12 +63,6 @@ def conversation_id(conversation: str | dict | None) -> str | None:
     return conversation["id"]
 
 
-def _missing(conversation_id: str) -> NotFound:
-    return NotFound(
-        f"No conversation with id {conversation_id!r} is stored here", param="conversation_id", code="not_found"
-    )
-
-
 def _store(request: Request) -> Conversations:
     return request.app.state.state.store.conversations
 
@@ -85,7 +79,7 @@ class ConversationsController(Controller):
     async def retrieve(self, request: Request, conversation_id: FromPath[str]) -> Response:
         found = await _store(request).get(conversation_id, caller_owner(request))
         if found is None:
-            raise _missing(conversation_id)
+            raise not_stored("conversation", conversation_id, "conversation_id")
         return json_response(found)
 
     @post(
@@ -100,7 +94,7 @@ class ConversationsController(Controller):
             conversation_id, caller_owner(request), check_metadata(data.get("metadata"))
         )
         if found is None:
-            raise _missing(conversation_id)
+            raise not_stored("conversation", conversation_id, "conversation_id")
         return json_response(found)
 
     @delete(
@@ -108,14 +102,14 @@ class ConversationsController(Controller):
     )
     async def remove(self, request: Request, conversation_id: FromPath[str]) -> Response:
         if not await _store(request).delete(conversation_id, caller_owner(request)):
-            raise _missing(conversation_id)
+            raise not_stored("conversation", conversation_id, "conversation_id")
         return json_response(DeletedConversation(conversation_id))
 
     @post("/{conversation_id:str}/items", status_code=200, responses=documented(ItemList, "the items added"))
     async def add_items(self, request: Request, conversation_id: FromPath[str], data: JSONBody[ItemsBody]) -> Response:
         added = await _store(request).add(conversation_id, caller_owner(request), _items(data.items))
         if added is None:
-            raise _missing(conversation_id)
+            raise not_stored("conversation", conversation_id, "conversation_id")
         return json_response(page(added, max(1, min(len(added), 100)), "asc", None))
 
     @get("/{conversation_id:str}/items", responses=documented(ItemList, "its items"))
@@ -129,7 +123,7 @@ class ConversationsController(Controller):
     ) -> Response:
         items = await _store(request).items(conversation_id, caller_owner(request))
         if items is None:
-            raise _missing(conversation_id)
+            raise not_stored("conversation", conversation_id, "conversation_id")
         return json_response(page(items, limit, order, after))
 
     @get("/{conversation_id:str}/items/{item_id:str}", responses=documented(None, "the item"))

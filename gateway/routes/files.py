@@ -14,7 +14,7 @@ from litestar.datastructures import UploadFile
 from litestar.params import FromPath, FromQuery
 
 from gateway.auth import caller_owner
-from gateway.errors import GatewayError, InvalidRequest, NotFound
+from gateway.errors import GatewayError, InvalidRequest, not_stored
 from gateway.routes.common import documented, json_response
 from gateway.routes.response_items import ItemList
 from gateway.state.file_store import ContentUnavailable
@@ -41,10 +41,6 @@ class DeletedFile(msgspec.Struct):
 
 def files_of(request: Request) -> Files:
     return request.app.state.files
-
-
-def missing(file_id: str, param: str = "file_id") -> NotFound:
-    return NotFound(f"No file with id {file_id!r} is stored here", param=param, code="not_found")
 
 
 def list_page(data: list[dict], has_more: bool) -> ItemList:
@@ -90,7 +86,7 @@ class FilesController(Controller):
     async def retrieve(self, request: Request, file_id: FromPath[str]) -> Response:
         found = await files_of(request).get(file_id, caller_owner(request))
         if found is None:
-            raise missing(file_id)
+            raise not_stored("file", file_id, "file_id")
         return json_response(found)
 
     @get("/{file_id:str}/content", responses=documented(None, "the file's bytes"))
@@ -100,11 +96,11 @@ class FilesController(Controller):
         except ContentUnavailable as exc:
             raise GatewayError(str(exc), param="file_id", code="file_content_unavailable") from exc
         if found is None:
-            raise missing(file_id)
+            raise not_stored("file", file_id, "file_id")
         return Response(content=found, media_type="application/octet-stream")
 
     @delete("/{file_id:str}", status_code=200, responses=documented(DeletedFile, "the file is gone"))
     async def remove(self, request: Request, file_id: FromPath[str]) -> Response:
         if not await files_of(request).delete(file_id, caller_owner(request)):
-            raise missing(file_id)
+            raise not_stored("file", file_id, "file_id")
         return json_response(DeletedFile(file_id))

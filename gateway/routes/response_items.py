@@ -13,9 +13,8 @@ from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath, FromQuery
 
 from gateway.auth import caller_owner
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, not_stored
 from gateway.routes.common import documented, json_response
-from gateway.routes.response_runs import not_stored
 from gateway.schemas_responses import ResponseObject
 from gateway.state.service import StateService
 
@@ -61,7 +60,7 @@ class ResponseItemsController(Controller):
     ) -> Response:
         items = await request.app.state.state.store.input_items(response_id, caller_owner(request))
         if items is None:
-            raise not_stored(response_id)
+            raise not_stored("response", response_id, "response_id")
         return json_response(page(items, limit, order, after))
 
     @post(
@@ -74,7 +73,7 @@ class ResponseItemsController(Controller):
         state: StateService = request.app.state.state
         found = await state.store.get(response_id, owner)
         if found is None:
-            raise not_stored(response_id)
+            raise not_stored("response", response_id, "response_id")
         if not found.background:
             raise InvalidRequest("Only background responses can be cancelled", param="response_id")
         if found.running:

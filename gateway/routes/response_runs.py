@@ -22,7 +22,6 @@ from litestar import Litestar
 from litestar.response import Stream
 
 from common.protocol import RequestOutput
-from gateway.errors import NotFound
 from gateway.schemas_responses import FunctionCallItem, InputItem, OutputMessage, ResponseObject, ResponsesRequest
 from gateway.state.records import ResponseRecord
 from gateway.state.runs import Event, Run
@@ -33,11 +32,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a stream followed through another gateway reads the log
 _chunk_encoder = msgspec.msgpack.Encoder()
-
-
-def not_stored(response_id: str) -> NotFound:
-    """Absent, or another key's: the same 404."""
-    return NotFound(f"No response with id {response_id!r} is stored here", param="response_id", code="not_found")
 
 
 class _EventType(msgspec.Struct):

@@ -35,7 +35,7 @@ from litestar.params import FromPath, FromQuery, JSONBody
 from common.protocol import RequestOutput
 from gateway import core
 from gateway.auth import caller_owner
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, not_stored
 from gateway.generation import Generator
 from gateway.model_registry import ModelRegistry
 from gateway.routes.common import documented, json_response
@@ -47,7 +47,6 @@ from gateway.routes.response_runs import (
     follow,
     framed,
     input_items,
-    not_stored,
     sse_stream,
     start_run,
 )
@@ -141,7 +140,7 @@ class ResponsesController(Controller):
         state: StateService = request.app.state.state
         state.runs.cancel(response_id, requested=False)
         if not await state.store.delete(response_id, caller_owner(request)):
-            raise not_stored(response_id)
+            raise not_stored("response", response_id, "response_id")
         return json_response(DeletedResponse(response_id))
 
 
@@ -149,7 +148,7 @@ async def _stored(request: Request, response_id: str):  # a StoredResponse
     """The caller's stored response: another key's is a 404, as an absent one."""
     found = await request.app.state.state.store.get(response_id, caller_owner(request))
     if found is None:
-        raise not_stored(response_id)
+        raise not_stored("response", response_id, "response_id")
     return found
 
 
@@ -172,11 +171,7 @@ async def _history(
         return []
     items = await state.store.conversations.items(conversation, owner)
     if items is None:
-        raise NotFound(
-            f"No conversation with id {conversation!r} is stored here",
-            param="conversation",
-            code="conversation_not_found",
-        )
+        raise not_stored("conversation", conversation, "conversation", "conversation_not_found")
     usable = [
         msgspec.convert(item, InputItem)
         for item in items
