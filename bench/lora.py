@@ -3,8 +3,9 @@
 
 Each batch size runs four batches, alternating in rounds so that a busy machine loads them alike:
 ``base`` (the worker's default path: the C++ step with its packed weights), ``base-torch`` (the same
-rows through the torch path, which adapter rows take), ``mixed`` (rows of the base, adapter a and
-adapter b in turn; one row: adapter a) and ``one-adapter`` (every row adapter a). Figures are the
+rows through the torch path), ``mixed`` (rows of the base, adapter a and adapter b in turn; one row:
+adapter a) and ``one-adapter`` (every row adapter a); the adapters' rows take the C++ step too, which
+adds their low-rank products. Figures are the
 median decode step time over each round's steps, then the median over rounds. Check the load first
 (``uptime``).
 """

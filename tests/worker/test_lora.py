@@ -19,8 +19,9 @@ from tests.worker.families import SERVED, build
 from tests.worker.lora_adapters import make_adapter, merged
 from worker.config import WorkerConfig
 from worker.engine import Engine
-from worker.lora.adapter import AdapterError
+from worker.lora.adapter import AdapterError, Dims, load_adapter
 from worker.lora.registry import answer
+from worker.models.fused_decode import FusedDecode
 from worker.runner import ModelRunner
 
 _generator = torch.Generator().manual_seed(1)
@@ -84,6 +85,62 @@ def test_float32_greedy_equals_the_merged_model_alone_and_mixed(family):
     jobs = [(p, name) for name in (None, "a", "b") for p in PROMPTS]
     expected = [reference[name][i] for name in (None, "a", "b") for i in range(len(PROMPTS))]
     assert run(engine, jobs) == expected
+
+
+def test_the_cpp_step_adds_each_rows_adapter(family):
+    """The C++ step (worker/kernels/decode_step.cpp) on float32 weights, every prompt's tokens as
+    rows of one call, under the base, a and b: each prompt's logits are its merged model's."""
+    folder, adapters, _ = family
+    fused = FusedDecode(merged(folder / "model", None), "none")
+    dims, cpu = Dims.of(fused.decoder.config), torch.device("cpu")
+    loaded = {name: load_adapter(name, str(path), dims, 16, torch.float32, cpu) for name, path in adapters.items()}
+    f, block = fused.family, 4
+    rows: list[tuple[int, int, list[int]]] = []  # (token, position, pages)
+    segments, first_page = [], 0
+    for prompt, name in zip(PROMPTS, (None, "a", "b")):
+        pages = list(range(first_page, first_page + -(-len(prompt) // block)))
+        first_page += len(pages)
+        if name is not None:
+            segments.append((loaded[name], len(rows), len(rows) + len(prompt)))
+        rows += [(token, position, pages) for position, token in enumerate(prompt)]
+    caches = [tuple(torch.zeros(first_page, block, f.kv_heads, f.head_dim) for _ in range(2)) for _ in f.layers]
+    width = max(len(pages) for _, _, pages in rows)
+    positions = torch.tensor([position for _, position, _ in rows])
+    got = fused(
+        torch.tensor([token for token, _, _ in rows]),
+        positions,
+        caches,
+        torch.tensor([pages[p // block] * block + p % block for _, p, pages in rows]),
+        torch.tensor([pages + [0] * (width - len(pages)) for _, _, pages in rows]),
+        positions + 1,
+        int(positions.max()) + 1,
+        lora=segments,
+    )
+    start = 0
+    for prompt, name in zip(PROMPTS, (None, "a", "b")):
+        with torch.no_grad():
+            want = merged(folder / "model", adapters.get(name))(torch.tensor([prompt])).logits[0]
+        mine = got[start : start + len(prompt)]
+        assert (mine - want).abs().max().item() < 1e-4 * (1 + want.abs().max().item()), name
+        start += len(prompt)
+
+
+def test_quantized_decodes_carry_adapters_in_the_cpp_step(family):
+    """With int8 weights the adapters' decode rows run in the C++ step (no longer the torch path),
+    and every token is in the merged float32 model's top 5 (vLLM's closeness rule)."""
+    folder, adapters, _ = family
+    engine = engine_for(folder, adapters, quantization="int8")
+    paths, carried = engine.runner.paths, []
+    cpp_step = paths.rows
+    paths.rows = lambda inputs, lora=None: carried.append(bool(lora)) or cpp_step(inputs, lora)
+    jobs = [(p, name) for name in (None, "a", "b") for p in PROMPTS]
+    outputs = run(engine, jobs)
+    assert sum(carried) >= NEW_TOKENS - 1, carried  # every step that decoded adapters' rows
+    for (prompt, name), out in zip(jobs, outputs):
+        with torch.no_grad():
+            logits = merged(folder / "model", adapters.get(name))(torch.tensor([prompt + out])).logits[0]
+        top5 = logits[len(prompt) - 1 : -1].topk(5, dim=-1).indices
+        assert all(token in top for token, top in zip(out, top5.tolist())), (name, prompt)
 
 
 def test_max_loras_1_alternates_two_adapters_exactly(family):

@@ -12,7 +12,8 @@
 // - decoder_step: a whole decode step of a decoder-only model in one call (every family it knows by
 //   their differences: worker/models/family.py): norms, projections, rotary embedding, cache writes,
 //   attention and MLP or experts of every layer, with no Python and no per-op dispatch in between
-//   (that dispatch was ~3 ms of a 13 ms step).
+//   (that dispatch was ~3 ms of a 13 ms step), with LoRA adapters' low-rank products for the rows
+//   that have one.
 // - sample_temperature: plain temperature sampling of each row in one call (the sampler's torch
 //   ops took 0.13-0.6 ms of a batch-1 step).
 //
@@ -30,7 +31,8 @@ TORCH_LIBRARY(llmpool, m) {
   m.def("sample_temperature(Tensor logits, Tensor temperature, Tensor uniform) -> Tensor");
   m.def(
       "decoder_step(Tensor hidden, Tensor rope, Tensor?[] weights, Tensor?[] experts, int[] ints, float[] floats, "
-      "Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor block_tables, Tensor lengths, int max_len) -> Tensor");
+      "Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor block_tables, Tensor lengths, int max_len, "
+      "Tensor?[] lora, int[] lora_segments) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmpool, CPU, m) {

@@ -19,6 +19,7 @@ Tensor sample_temperature(const Tensor& logits, const Tensor& temperature, const
 Tensor decoder_step(const Tensor& hidden, const Tensor& rope, const c10::List<c10::optional<Tensor>>& weights,
                     const c10::List<c10::optional<Tensor>>& experts, at::IntArrayRef ints, at::ArrayRef<double> floats,
                     at::TensorList k_caches, at::TensorList v_caches, const Tensor& slots, const Tensor& block_tables,
-                    const Tensor& lengths, int64_t max_len);
+                    const Tensor& lengths, int64_t max_len, const c10::List<c10::optional<Tensor>>& lora,
+                    at::IntArrayRef lora_segments);
 
 }  // namespace llmpool

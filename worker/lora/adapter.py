@@ -1,8 +1,9 @@
 """One LoRA adapter read from its folder (peft's ``adapter_config.json`` and
 ``adapter_model.safetensors``) into the shape the native forward adds it in: per layer, the A
 matrices of the projections that share an input stacked into one, and their B matrices (times the
-adapter's scale) laid block-diagonally over the fused output (worker/models/llama.py fuses q/k/v and
-gate/up). So each adapted group of projections costs two matmuls per row group, whatever it targets.
+adapter's scale) laid block-diagonally over the fused output (worker/models/llama.py and the C++ step,
+worker/kernels/decode_step.cpp, fuse q/k/v and gate/up). So each adapted group of projections costs
+two matmuls per row group, whatever it targets.
 
 Everything an adapter could hold that this cannot apply exactly (DoRA, trained biases, embedding or
 head adapters, modules saved whole, per-module ranks) is refused by name rather than ignored.
@@ -61,10 +62,10 @@ class Dims:
 
 @dataclass(slots=True)
 class GroupWeights:
-    """One fused group of one layer: ``x @ a.T @ b.T`` is the group's whole delta (scale in ``b``)."""
+    """One fused group of one layer: ``x @ a.T @ bt`` is the group's whole delta (scale in ``bt``)."""
 
     a: torch.Tensor  # [sum of ranks, inputs]
-    b: torch.Tensor  # [fused outputs, sum of ranks], block-diagonal; zero rows for untargeted projections
+    bt: torch.Tensor  # B transposed: [sum of ranks, fused outputs], block-diagonal, zero for untargeted ones
 
 
 @dataclass(slots=True)
@@ -78,7 +79,7 @@ class Adapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(g.a.nbytes + g.b.nbytes for layer in self.layers for g in layer.values())
+        return sum(g.a.nbytes + g.bt.nbytes for layer in self.layers for g in layer.values())
 
 
 def read_config(name: str, path: str, max_rank: int) -> dict:
@@ -185,10 +186,28 @@ def _group(
         row += out
     a_full = torch.cat(a_parts)
     assert a_full.shape == (ranks, inputs)
-    return GroupWeights(a_full.to(device, dtype).contiguous(), b_full.to(device, dtype).contiguous())
+    return GroupWeights(a_full.to(device, dtype).contiguous(), b_full.T.to(device, dtype).contiguous())
 
 
-Segments = list[tuple[Adapter, int, int]]  # (adapter, first row, end row) of a step's flat sequence
+Segments = list[tuple[Adapter, int, int]]  # (adapter, first row, end row) of a step's flat sequence or rows
+
+
+def step_arguments(segments: Segments, num_layers: int) -> tuple[list[torch.Tensor | None], list[int]]:
+    """The C++ step's ``lora`` and ``lora_segments`` (worker/kernels/decode_step.cpp, struct Lora):
+    each distinct adapter's A and B per layer and group (None where it has none), and (first row,
+    end row, adapter index) triples."""
+    order: dict[int, int] = {}
+    weights: list[torch.Tensor | None] = []
+    triples: list[int] = []
+    for adapter, start, end in segments:
+        if id(adapter) not in order:
+            order[id(adapter)] = len(order)
+            for layer in range(num_layers):
+                for group, _ in GROUPS:
+                    found = adapter.layers[layer].get(group)
+                    weights += (None, None) if found is None else (found.a, found.bt)
+        triples += (start, end, order[id(adapter)])
+    return weights, triples
 
 
 def add_delta(segments: Segments, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -198,4 +217,4 @@ def add_delta(segments: Segments, layer: int, group: str, x: torch.Tensor, out: 
     for adapter, start, end in segments:
         weights = adapter.layers[layer].get(group)
         if weights is not None:
-            out[0, start:end].addmm_(x[0, start:end] @ weights.a.T, weights.b.T)
+            out[0, start:end].addmm_(x[0, start:end] @ weights.a.T, weights.bt)

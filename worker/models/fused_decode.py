@@ -20,6 +20,7 @@ import torch
 from worker import kernels
 from worker import quantization as quantization_module
 from worker.loader import cached_tensors
+from worker.lora.adapter import Segments, step_arguments
 from worker.models import family as family_module
 from worker.models import measure, shapes
 from worker.models.family import describe
@@ -65,6 +66,7 @@ class FusedDecode:
         self.experts = [
             tensors.get(f"e.{e}.{part}") for e in range(count) for part in ("up_w", "up_scale", "down_w", "down_scale")
         ]
+        self.takes_lora = not count  # adapters' products go into dense MLPs (worker/lora adapts no experts)
         self.lm_head, self.lm_head_scale = tensors["lm_head"], tensors.get("lm_head_scale")
         self.ints, self.floats = _numbers(self.family)
         self.family = _without_matrices(self.family)
@@ -94,7 +96,9 @@ class FusedDecode:
         lengths: torch.Tensor,
         max_len: int,
         keep: torch.Tensor | None = None,
+        lora: Segments | None = None,
     ) -> torch.Tensor:
+        """``lora``: the rows of LoRA adapters (worker/lora), whose products the step adds."""
         f = self.family
         hidden = self.embed(input_ids)
         if f.embed_multiplier != 1.0:
@@ -104,9 +108,10 @@ class FusedDecode:
         if f.halved:
             tables = [(halve(cos), halve(sin)) for cos, sin in tables]
         rope = torch.stack([torch.stack([cos[0], sin[0]], dim=1) for cos, sin in tables]).float().contiguous()
+        adapters, segments = step_arguments(lora, len(f.layers)) if lora else ([], [])
         normed = torch.ops.llmpool.decoder_step(
             hidden, rope, self.weights, self.experts, self.ints, self.floats, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-            slots, block_tables, lengths, max_len,
+            slots, block_tables, lengths, max_len, adapters, segments,
         )  # fmt: skip
         if keep is not None:
             normed = normed[keep]

@@ -52,6 +52,7 @@ class RowInputs:
     keep: torch.Tensor | None  # the rows whose logits are wanted (None: all): sampled rows, then prompt-logprob rows
     sampled_requests: list[Request]
     prompt_spans: list[tuple[Request, int, int]]  # as FlatInputs'
+    lora_segments: list[tuple[LoraRef, int, int]] = field(default_factory=list)  # as FlatInputs'
 
 
 class InputBuilder:
@@ -187,7 +188,11 @@ class InputBuilder:
         sampled: list[Request] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[Request, int, int]] = []
-        for request, n in zip(batch.requests, batch.num_new_tokens):
+        lora_segments: list[tuple[LoraRef, int, int]] = []
+        rows = list(zip(batch.requests, batch.num_new_tokens))
+        if any(r.lora for r in batch.requests):  # an adapter's rows side by side: one segment each
+            rows.sort(key=lambda row: row[0].lora.key if row[0].lora else "")
+        for request, n in rows:
             start = request.num_computed_tokens
             first = len(ids)
             ids.extend(request.token_ids[start : start + n])
@@ -200,6 +205,8 @@ class InputBuilder:
             if span is not None:
                 prompt_rows.extend(range(first + span[1] - start, first + span[1] - start + span[2]))
                 prompt_spans.append(span)
+            if request.lora is not None:
+                _extend(lora_segments, request.lora, first, first + n)
         keep += prompt_rows
         width = max(len(t) for t in tables)
         return RowInputs(
@@ -212,6 +219,7 @@ class InputBuilder:
             keep=None if not prompt_rows and len(keep) == len(ids) else self.tensor(keep),
             sampled_requests=sampled,
             prompt_spans=prompt_spans,
+            lora_segments=lora_segments,
         )
 
     def verify_rows(self, request: Request) -> RowInputs:

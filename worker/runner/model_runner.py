@@ -237,11 +237,10 @@ class ModelRunner:
             return paths.graph(batch), batch.requests
         if paths.takes_rows(batch):
             inputs = self.inputs.rows(batch)
-            logits = paths.rows(inputs)
+            logits = paths.rows(inputs, self.loras.segments(inputs.lora_segments) if inputs.lora_segments else None)
         else:
             inputs = self.inputs.flat(batch)
-            lora = self.loras.segments(inputs.lora_segments) if inputs.lora_segments else None
-            logits = paths.flat(inputs, lora)
+            logits = paths.flat(inputs, self.loras.segments(inputs.lora_segments) if inputs.lora_segments else None)
         sampled = len(inputs.sampled_requests)
         self._record_prompt_logprobs(logits[sampled:], inputs.prompt_spans)
         return logits[:sampled], inputs.sampled_requests

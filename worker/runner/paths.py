@@ -8,11 +8,12 @@
   each other causally because the kernel writes all rows' keys and values of a layer before that
   layer's attention. With 16 streams decoding (9-11 ms a step) and a 2,000-token prompt arriving,
   the steps that carry its chunks take 44-48 ms (median) and 62-67 ms (p99) this way; 64 ms and
-  74-88 ms with the chunks in the torch path beside the C++ decode rows.
+  74-88 ms with the chunks in the torch path beside the C++ decode rows. A LoRA adapter's rows
+  (worker/lora) get its low-rank products inside the step, so adapters' decodes stay on it.
 - ``flat``: the torch path (the native forward or transformers' classes) over one flat sequence;
-  prefill-only batches (oneDNN's bf16 GEMMs and SDPA do large chunks faster), prompts that want
-  logprobs and every batch with a LoRA adapter's rows (worker/lora) take it, except with
-  ``--quantized-only``, where every batch is rows.
+  prefill-only batches (oneDNN's bf16 GEMMs and SDPA do large chunks faster) and prompts that want
+  logprobs take it (adding adapters' products too), except with ``--quantized-only``, where every
+  batch is rows.
 - ``verify``: a lone request's drafts (worker/speculative.py), as rows on the C++ path, else as a
   prompt chunk.
 """
@@ -79,7 +80,7 @@ class ExecutionPaths:
         """Whether the C++ step takes the batch (see the module docstring)."""
         if self.rows_only:
             return True
-        if not self.fast or any(r.lora for r in batch.requests):  # adapters: only the torch path applies them
+        if not self.fast or (any(r.lora for r in batch.requests) and not self.fused.takes_lora):
             return False
         decodes = sum(map(is_decode_row, batch.requests, batch.num_new_tokens))
         if decodes == len(batch.requests):
@@ -90,7 +91,7 @@ class ExecutionPaths:
             and not any(r.draft_token_ids or r.sampling.prompt_logprobs is not None for r in batch.requests)
         )
 
-    def rows(self, rows: RowInputs) -> torch.Tensor:
+    def rows(self, rows: RowInputs, lora: Segments | None = None) -> torch.Tensor:
         return self.fused(
             rows.ids,
             rows.positions,
@@ -100,6 +101,7 @@ class ExecutionPaths:
             rows.lengths,
             rows.max_len,
             keep=rows.keep,
+            lora=lora,
         )
 
     def flat(self, inputs: FlatInputs, lora: Segments | None = None) -> torch.Tensor:
