@@ -123,6 +123,13 @@ WORKER_FLAGS = [
         "then generates too, chat and embedding rows sharing its steps)",
     ),
     Flag(
+        "pooling-share",
+        0.5,
+        "In a worker that both generates and embeds (a causal LM with --pooling), the most of its step time that pooling rows "
+        "take while chat requests run too (its chat streams then keep at least the rest); 1: a pooling row in every step",
+        float,
+    ),
+    Flag(
         "pooling-normalize",
         True,
         "L2-normalize the vectors of a model pooled by --pooling (a sentence-transformers folder says for itself)",
@@ -186,6 +193,7 @@ class WorkerConfig(SharedConfig):
     max_loras: int = 4
     max_lora_rank: int = 16
     pooling: str = "auto"
+    pooling_share: float = 0.5
     pooling_normalize: bool = True
     drain_timeout: float = 30.0
     curve_client_secret_key: str | None = None

@@ -71,6 +71,7 @@ class Engine:
             config.max_num_batched_tokens,
             self.max_num_seqs,
             config.max_prefill_chunk,
+            config.pooling_share,
         )
         self._rejected: list[RequestOutput] = []
         self._requests: dict[str, Request] = {}
@@ -221,10 +222,13 @@ class Engine:
         pooled_tokens = sum(len(r.prompt_token_ids) for r in rows)
         if not batch:
             if rows:
+                self.pooling.settle(0.0)
                 self._count_step(len(rows), pooled_tokens)
             return StepOutputs(outputs, batch_size=len(rows), num_tokens=pooled_tokens)
         size, num_tokens = len(batch), batch.total_tokens
+        started = time.perf_counter()
         result, culprits = run_isolating(self.runner.execute, batch)
+        self.pooling.settle(time.perf_counter() - started)
         outputs += self._fail_alone(culprits, size)
         batch = batch.without(culprits)
         before = [r.num_tokens for r in batch.requests]

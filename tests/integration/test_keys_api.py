@@ -228,7 +228,14 @@ def test_one_keys_flood_cannot_push_another_keys_requests_out(fleet):
 
     def flood_one() -> None:
         started.set()
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 24}
+        # Long enough that the queue stays full for a while (a CI run with 24 tokens that could end at
+        # an EOS saw it drain between two looks at the metrics, 0.2 s apart).
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell a story"}],
+            "max_tokens": 96,
+            "ignore_eos": True,
+        }
         response = httpx.post(url + "/v1/chat/completions", json=body, headers={"x-api-key": flood}, timeout=120)
         statuses.append(response.status_code)
 

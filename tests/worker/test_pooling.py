@@ -5,6 +5,7 @@ float32, each input alone and all in one step; cosine >= 0.9999 (scores within 1
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.models.support import UnsupportedModel
 from worker.pooling_spec import pooling_spec
+from worker.scheduler import RunOutput, ScheduledBatch
 
 st = pytest.importorskip("sentence_transformers")
 
@@ -239,9 +241,10 @@ def test_pooling_rows_run_beside_generation_in_one_step_and_keep_no_blocks() -> 
 
 
 def test_aborting_a_queued_pooling_request_and_the_budget_a_step_shares_with_its_batch() -> None:
-    engine = Engine(
-        PoolingFakeRunner(), WorkerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_prefill_chunk=8, block_size=4)
+    config = WorkerConfig(
+        max_num_seqs=8, max_num_batched_tokens=8, max_prefill_chunk=8, block_size=4, pooling_share=1.0
     )
+    engine = Engine(PoolingFakeRunner(), config)
     for i in range(4):
         engine.add_request(NewRequest(f"e{i}", [1, 2, 3], 1, pooling=PoolingParams("embed")))
     (aborted,) = engine.abort(["e3"])
@@ -261,3 +264,57 @@ def test_aborting_a_queued_pooling_request_and_the_budget_a_step_shares_with_its
     engine.add_request(NewRequest("long", list(range(1, 2000)), 1, pooling=PoolingParams("embed")))
     (too_long,) = engine.step().outputs
     assert too_long.bad_request and "more than this model's limit" in too_long.error
+
+
+class TimedRunner(PoolingFakeRunner):
+    """Steps that take time on a clock of its own: a pooling call 60 ms, a generation step 10 ms
+    (on 2 CPU cores a 128-token pooling row's torch forward takes 45-85 ms, a decode step 6-10 ms)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def pool(self, rows: list[NewRequest]) -> list[bytes]:
+        self.now += 0.06
+        return super().pool(rows)
+
+    def execute(self, batch: ScheduledBatch) -> RunOutput:
+        self.now += 0.01
+        return super().execute(batch)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25, 1.0])
+def test_pooling_rows_take_their_share_of_the_time_beside_generation_and_all_of_it_alone(monkeypatch, share) -> None:
+    """A steady embedding queue beside a decoding stream: pooling rows take about ``--pooling-share``
+    of the step time (1: a row in every step), never starve, and run in every step once nothing
+    generates."""
+    import time
+    import types
+
+    runner = TimedRunner()
+    fake_time = types.SimpleNamespace(perf_counter=runner.clock, monotonic=time.monotonic, time=time.time)
+    monkeypatch.setattr("worker.pooling.time", fake_time)
+    monkeypatch.setattr("worker.engine.time", fake_time)
+    config = WorkerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=64, block_size=4)
+    engine = Engine(runner, replace(config, pooling_share=share))
+    engine.add_request(NewRequest("gen", [5, 6, 7], 200, ignore_eos=True))
+    for i in range(40):
+        engine.add_request(NewRequest(f"e{i}", [1] * 60, 1, pooling=PoolingParams("embed")))  # one a step
+    beside = []  # per step while generating: whether it carried a pooling row
+    while any(r.request_id == "gen" for r in engine.scheduler.running + list(engine.scheduler.waiting)):
+        before = len(runner.pooled_batches)
+        engine.step()
+        beside.append(len(runner.pooled_batches) > before)
+    pooled_s, steps = 0.06 * sum(beside), len(beside)
+    fraction = pooled_s / (pooled_s + 0.01 * steps)
+    if share == 1.0:
+        assert all(beside[:40])  # a row in every step until the queue ran dry
+    else:
+        assert share - 0.06 <= fraction <= share + 0.02, (fraction, beside[:30])  # within one row's time
+    left = len(engine.pooling.waiting)
+    assert left < 40  # never starved
+    engine.step()
+    assert len(engine.pooling.waiting) < left or not left  # alone: every step
