@@ -2,7 +2,8 @@
 sequences at a time; the default dtype, for speed: tests/worker/test_priority.py checks in float32
 that preempted batch work gives the same tokens), ``--scheduling-policy priority``. The openai SDK uploads, creates,
 polls, lists, cancels and reads the output through either gateway; a batch's requests are shared by
-both gateways' runners and survive one being SIGKILLed, each line written once; and under overload
+both gateways' runners and survive one of them or the worker being SIGKILLed, each line written
+once; and under overload
 an urgent request overtakes less urgent ones at the worker."""
 
 from __future__ import annotations
@@ -149,6 +150,29 @@ def test_a_cancelled_batch_keeps_what_ran(fleet):
     assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
     assert 1 <= done.request_counts.completed < 16
     assert len(lines(sdk, done.output_file_id)) == done.request_counts.completed
+
+
+def test_a_batch_survives_its_worker_being_killed_and_writes_each_line_once(fleet):
+    """The pool's only worker is SIGKILLed while the batch runs and started again: the requests it
+    held run again (or go on from what they had), and every line is written once, whole."""
+    sdk = fleet.sdk(1)
+    bodies = {f"w{i}": chat(f"Count to ten, {i}.", max_tokens=48) | {"ignore_eos": True} for i in range(16)}
+    upload = sdk.files.create(file=("w.jsonl", jsonl(bodies)), purpose="batch")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    wait_until(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 1, 120, "a request done")
+    fleet.worker.send_signal(signal.SIGKILL)
+    fleet.worker.wait()
+    assert sdk.batches.retrieve(batch.id).request_counts.completed < 16, "the batch ended before the kill"
+    fleet.start_worker("batch-worker-restarted")
+    done = finished(sdk, batch.id, timeout=300)
+    assert done.status == "completed" and done.request_counts.completed == 16, done.request_counts
+    assert done.request_counts.failed == 0
+    out = lines(sdk, done.output_file_id)
+    assert sorted(out, key=lambda c: int(c[1:])) == list(bodies)
+    for line in out.values():
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and body["usage"]["completion_tokens"] == 48, line
+        assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"]
 
 
 def test_two_gateways_share_a_batch_and_it_survives_one_being_killed(fleet):

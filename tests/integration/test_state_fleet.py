@@ -28,10 +28,16 @@ class StateFleet:
         self.gateways: list = [None, None]
         self.env = {"LLMPOOL_API_KEY": ",".join(KEYS), "LLMPOOL_ADMIN_KEY": ADMIN, "LLMPOOL_STATE_URL": state_url}
         self.worker = None
+        self.worker_args: list[str] = []
 
     def start_gateway(self, i: int) -> None:
         args = ["gateway", "--port", str(self.http[i]), "--zmq-bind", f"tcp://127.0.0.1:{self.zmq[i]}"]
         self.gateways[i] = spawn(args, f"state-gateway-{'ab'[i]}", self.env)
+
+    def start_worker(self, name: str) -> None:
+        """The one worker, registered with both gateways."""
+        addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in self.zmq)
+        self.worker = spawn(["worker", "--gateway-address", addresses, *self.worker_args], name, self.env)
 
     def url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.http[i]}"
@@ -50,8 +56,8 @@ class StateFleet:
         try:
             self.start_gateway(0)
             self.start_gateway(1)
-            addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in self.zmq)
-            self.worker = spawn(["worker", "--gateway-address", addresses, *worker_args], name, self.env)
+            self.worker_args = worker_args
+            self.start_worker(name)
             for i in (0, 1):
                 wait_until(lambda i=i: self.ready(i), 240, f"gateway {i} ready")
             yield self
