@@ -318,3 +318,9 @@ def test_pooling_rows_take_their_share_of_the_time_beside_generation_and_all_of_
     assert left < 40  # never starved
     engine.step()
     assert len(engine.pooling.waiting) < left or not left  # alone: every step
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_pooling_share_outside_0_to_1_is_refused_at_start(share) -> None:
+    with pytest.raises(ValueError, match="--pooling-share must be in"):
+        Engine(PoolingFakeRunner(), WorkerConfig(pooling_share=share))
