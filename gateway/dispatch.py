@@ -32,7 +32,7 @@ from common.protocol import (
     StepOutputs,
     WorkerError,
 )
-from gateway.errors import BadGeneration, GenerationFailed, NoWorkerAvailable
+from gateway.errors import BadGeneration, GenerationFailed, NoWorkerAvailable, WorkerLost
 from gateway.pool import UNTRACED, PrefixAffinity, RequestStream, Trace, WorkerInfo
 from gateway.recovery import Recovery
 from gateway.roster import GATEWAY_HEARTBEAT, Admitted, Outbox, Roster
@@ -277,7 +277,7 @@ class Dispatcher(Recovery):
         for stream, reason, since in list(self._orphans.values()):
             if stream.finished or now - since > self.interval * self.liveness:
                 del self._orphans[stream.request_id]
-                self.end(stream, GenerationFailed(f"{reason}; no other worker can take the request over"))
+                self.end(stream, WorkerLost(f"{reason}; no other worker can take the request over"))
         self.roster.tend_joiners(now)
         for worker in list(self.roster.workers.values()):
             if now > worker.expiry:

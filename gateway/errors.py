@@ -18,6 +18,7 @@ class GatewayError(Exception):
 
     status_code = 500
     error_type = "server_error"
+    retry = False  # a refusal the client should retry: the answer says Retry-After: 1
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -30,7 +31,7 @@ class GatewayError(Exception):
 
     def headers(self, anthropic: bool) -> dict[str, str] | None:
         """Headers the answer carries (Retry-After on the refusals a client should retry)."""
-        return None
+        return {"Retry-After": "1"} if self.retry else None
 
     def anthropic_body(self) -> dict:
         return {
@@ -68,9 +69,7 @@ def not_stored(what: str, ident: str, param: str, code: str = "not_found") -> No
 class Overloaded(GatewayError):
     status_code = 429
     error_type = "rate_limit_error"
-
-    def headers(self, anthropic: bool) -> dict[str, str] | None:
-        return {"Retry-After": "1"}
+    retry = True
 
 
 class QuotaExceeded(GatewayError):
@@ -83,14 +82,22 @@ class QuotaExceeded(GatewayError):
 class NoWorkerAvailable(GatewayError):
     status_code = 503
     error_type = "service_unavailable"
-
-    def headers(self, anthropic: bool) -> dict[str, str] | None:
-        return {"Retry-After": "1"}
+    retry = True
 
 
 class GenerationFailed(GatewayError):
     status_code = 500
     error_type = "server_error"
+
+
+class WorkerLost(GenerationFailed):
+    """The request's worker died and no worker of its model came within the liveness period to take
+    it over: nothing was wrong with the request, so a 503 to retry (a batch's line runs again later)
+    rather than a 500."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    retry = True
 
 
 class BadGeneration(GenerationFailed):

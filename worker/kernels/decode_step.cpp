@@ -10,7 +10,8 @@
 // after, or both around each block; attention and MLP in parallel), activation, gated or plain MLP,
 // biases, per-head or whole-projection q/k norms, partial rotary and per-layer rotary tables (or
 // none), sliding windows and attention chunks, attention softcaps and scales, residual multipliers,
-// and experts with top-k routing and a gated shared expert.
+// and experts with top-k routing and a gated shared expert. LoRA adapters' rows get their low-rank
+// products after each adapted projection (struct Lora), so they need no other path.
 
 #include "attention.h"
 #include "gemm.h"

@@ -235,12 +235,10 @@ class ModelRunner:
         paths = self.paths
         if paths.takes_graph(batch):
             return paths.graph(batch), batch.requests
-        if paths.takes_rows(batch):
-            inputs = self.inputs.rows(batch)
-            logits = paths.rows(inputs, self.loras.segments(inputs.lora_segments) if inputs.lora_segments else None)
-        else:
-            inputs = self.inputs.flat(batch)
-            logits = paths.flat(inputs, self.loras.segments(inputs.lora_segments) if inputs.lora_segments else None)
+        rows = paths.takes_rows(batch)
+        inputs = self.inputs.rows(batch) if rows else self.inputs.flat(batch)
+        lora = self.loras.segments(inputs.lora_segments) if inputs.lora_segments else None
+        logits = paths.rows(inputs, lora) if rows else paths.flat(inputs, lora)
         sampled = len(inputs.sampled_requests)
         self._record_prompt_logprobs(logits[sampled:], inputs.prompt_spans)
         return logits[:sampled], inputs.sampled_requests
