@@ -51,8 +51,7 @@ class PoolingQueue:
         self.chunk = chunk  # most pooling tokens beside a running batch (--max-prefill-chunk): its streams' pace holds
         self.share = share  # most of the step time pooling rows take beside generation
         self.waiting: deque[NewRequest] = deque()
-        self._credit = 0.0  # seconds pooling rows may still take beside generation
-        self._spent = 0.0  # seconds the last step's pooling rows took
+        self._credit = 0.0  # seconds pooling rows may still take beside generation (their own runs spend it)
 
     def check(self, new: NewRequest) -> str | None:
         """Why this worker cannot run ``new`` (the request's own fault), or None."""
@@ -108,22 +107,20 @@ class PoolingQueue:
         return gone
 
     def settle(self, generation_s: float) -> None:
-        """After a step: its generation earns credit, its pooling rows spend theirs (none when they
-        ran alone: nothing else wanted the time)."""
+        """After a step: its generation earns credit (pooling rows that ran alone owe none: nothing
+        else wanted the time)."""
         if self.share >= 1.0 or generation_s <= 0.0:
-            self._credit, self._spent = 0.0, 0.0
+            self._credit = 0.0
             return
-        earned = generation_s * self.share / (1.0 - self.share)
-        self._credit = min(MAX_CREDIT_S, self._credit + earned - self._spent)
-        self._spent = 0.0
+        self._credit = min(MAX_CREDIT_S, self._credit + generation_s * self.share / (1.0 - self.share))
 
     def run(self, pool: Pool, rows: list[NewRequest]) -> list[RequestOutput]:
-        """Each row's output, its time charged to the step (``settle``)."""
+        """Each row's output, its time spent from the credit."""
         started = time.perf_counter()
         try:
             return self._run(pool, rows)
         finally:
-            self._spent += time.perf_counter() - started
+            self._credit -= time.perf_counter() - started
 
     def _run(self, pool: Pool, rows: list[NewRequest]) -> list[RequestOutput]:
         """Each row's output; when the batch fails, each row runs alone, so only a culprit fails."""
