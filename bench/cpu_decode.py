@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     from common.model_source import resolve_model
+    from worker import kernels
     from worker.build import build_engine
     from worker.config import WorkerConfig
 
@@ -86,7 +87,7 @@ def main() -> None:
         }
         if rows == 1:
             hidden = fused.embed(ids)
-            head = median_s(lambda: torch.ops.llmpool.linear(hidden.float(), fused.lm_head, fused.lm_head_scale, None))
+            head = median_s(lambda: kernels.ops().linear(hidden.float(), fused.lm_head, fused.lm_head_scale, None))
             row["lm_head_ms"] = round(head * 1e3, 3)
             row["lm_head_mb"] = round(tensor_bytes([fused.lm_head, fused.lm_head_scale]) / 1e6, 1)
         report[f"rows_{rows}"] = row

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     config = from_namespace(WorkerConfig, build_parser().parse_args(argv))
     setup_logging("worker", config.log_level, config.log_format)
+    from worker import cpu
+
+    cpu.cap_torch()  # LLMPOOL_CPU_ISA caps torch's kernels too; ATen and oneDNN read theirs once, so before torch
     from worker.build import build_engine  # heavy imports (torch) after argument parsing
     from worker.proc import WorkerProc
     from worker.stepper import StepThread

@@ -68,7 +68,7 @@ class Sampler:
                 uniform[row] = torch.rand(1, generator=generator, device=logits.device)[0]
         if greedy is None and self.fused and all(_plain(p) for p in params):
             # The same inverse CDF in one C++ call (worker/kernels): ~10 torch ops took 0.4-0.6 ms a batch-1 step.
-            return torch.ops.llmpool.sample_temperature(logits.contiguous(), temperature.float(), uniform)
+            return kernels.ops().sample_temperature(logits.contiguous(), temperature.float(), uniform)
         probs = _unnormalized_probs(logits, params, temperature)
         cdf = probs.cumsum_(dim=-1)
         # The first token whose cumulative probability exceeds u; masked tokens add nothing, so never win.

@@ -25,7 +25,7 @@ from bench.accuracy import Generation, check_close
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
 from tests.worker.families import GGUF, REFUSED, SERVED, WINDOW, build, write_gguf
-from worker import kernels
+from worker import cpu, kernels
 from worker.attention.layers import LayerSpec
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -116,6 +116,7 @@ BF16 = (
 )
 
 
+@pytest.mark.skipif(DEVICE == "cpu" and not cpu.native_bf16(), reason="bf16 is served only where the CPU computes it")
 @pytest.mark.parametrize("name", BF16)
 def test_bfloat16_output_is_close_to_generate(name, tmp_path):
     """bf16: where the texts part, each side's token is in the other's top 5 (vLLM's rule)."""
@@ -166,9 +167,7 @@ def test_a_gguf_mixture_of_experts_that_loads_as_a_dense_model_is_refused(tmp_pa
         ModelRunner(resolve_model(str(gguf_file)), replace(CONFIG, cache_dir=str(tmp_path / "cache")))
 
 
-@pytest.mark.skipif(
-    DEVICE != "cpu" or not kernels.has_vnni(), reason="the q4 weights are the CPU's C++ step's, with VNNI"
-)
+@pytest.mark.skipif(DEVICE != "cpu" or not kernels.load(), reason="the q4 weights are the CPU's C++ step's")
 @pytest.mark.parametrize(("name", "kind"), [("qwen3", "Q4_0"), ("gemma2", "Q4_1"), ("qwen3", "Q4_K_M")])
 def test_a_4bit_gguf_file_keeps_its_weights_on_the_q4_path(name, kind, tmp_path):
     """A 4-bit file of a family the C++ step runs: in bf16 its weights go to the step as q4 (auto
@@ -184,7 +183,9 @@ def test_a_4bit_gguf_file_keeps_its_weights_on_the_q4_path(name, kind, tmp_path)
     # transformers' GGUF loading, with the head size it does not read from a Qwen3 file (worker/loader.py)
     dequantized = load_model(resolve_model(str(gguf_file)), torch.bfloat16, str(tmp_path / "reference-cache"))
     reference = generate(dequantized.eval(), PROMPTS)
-    config = replace(CONFIG, dtype="bfloat16", cache_dir=str(tmp_path / "cache"))
+    config = replace(
+        CONFIG, dtype="auto", cache_dir=str(tmp_path / "cache")
+    )  # bf16, or float32 where bf16 is not native
     runner = ModelRunner(resolve_model(str(gguf_file)), config)
     assert runner.quantization == "q4" and runner.paths.fused.any_batch
     if kind == "Q4_K_M":
@@ -233,7 +234,7 @@ def test_the_self_check_refuses_a_path_that_drops_the_sliding_window(tmp_path, m
     assert ModelRunner(resolve_model(str(tmp_path)), replace(CONFIG, skip_self_check=True)).num_blocks > 0
 
 
-@pytest.mark.skipif(DEVICE != "cpu" or not kernels.has_vnni(), reason="int8 weights are the CPU's C++ step's")
+@pytest.mark.skipif(DEVICE != "cpu" or not kernels.load(), reason="int8 weights are the CPU's C++ step's")
 def test_auto_int8_weights_that_fail_the_self_check_give_way_to_the_models_own(tmp_path, monkeypatch, caplog):
     """Where only the rounding of ``--quantization auto``'s int8 weights fails the check (a random
     Granite of 8 layers, hidden 1,024 and its default attention multiplier of 1 does: its sharp
@@ -250,7 +251,9 @@ def test_auto_int8_weights_that_fail_the_self_check_give_way_to_the_models_own(t
     monkeypatch.setattr(fused_decode, "quantize_int8", coarse)
     model_type, extra = SERVED["llama"]
     build(model_type, extra, tmp_path / "model")
-    config = replace(CONFIG, dtype="bfloat16", cache_dir=str(tmp_path / "cache"))
+    config = replace(
+        CONFIG, dtype="auto", cache_dir=str(tmp_path / "cache")
+    )  # bf16, or float32 where bf16 is not native
     with pytest.raises(support.UnsupportedModel, match="self-check"):
         ModelRunner(resolve_model(str(tmp_path / "model")), replace(config, quantization="int8"))
     runner = ModelRunner(resolve_model(str(tmp_path / "model")), config)

@@ -88,9 +88,11 @@ def fused_logits(model: torch.nn.Module, fused: FusedDecode, ids: torch.Tensor, 
 
 
 @pytest.mark.parametrize("kind", sorted(FAST_FAMILIES))
-def test_the_fused_step_computes_what_transformers_computes(kind):
+def test_the_fused_step_computes_what_transformers_computes(ops, kind):
+    """On every kernel variant this CPU executes (``ops``)."""
     model = tiny(kind)
     fused = FusedDecode(model, "none")
+    fused.ops = ops
     ids = torch.randint(1, SIZES["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids[None]).logits[0].float()

@@ -1,10 +1,11 @@
-"""The C++ kernels (worker/kernels) against plain torch arithmetic, and the fused decode step against
-the torch forward of the same model."""
+"""The C++ kernels (worker/kernels) against plain torch arithmetic, once per variant this CPU executes
+(the ``ops`` fixture, tests/worker/conftest.py), and the fused decode step against the torch forward
+of the same model."""
 
 import pytest
 import torch
 
-from worker import kernels
+from worker import cpu, kernels
 from worker.quantization import pack_int8, quantize_int8
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"C++ kernels did not build: {kernels.unavailable_reason()}")
@@ -37,7 +38,9 @@ def reference_attention(q, k_cache, v_cache, tables, lengths, scale):
         (2, 9, 3, 64, [1001, 37], 32),  # two tiles a block
     ],
 )
-def test_paged_decode_attention_matches_gathered_attention(dtype, rows, heads, kv_heads, head_dim, lengths, block_size):
+def test_paged_decode_attention_matches_gathered_attention(
+    ops, dtype, rows, heads, kv_heads, head_dim, lengths, block_size
+):
     torch.manual_seed(0)
     num_blocks = 700
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
@@ -47,7 +50,7 @@ def test_paged_decode_attention_matches_gathered_attention(dtype, rows, heads, k
     lengths_t = torch.tensor(lengths)
     q = torch.randn(rows, heads, head_dim).to(dtype)
     scale = head_dim**-0.5
-    got = torch.ops.llmpool.paged_decode_attention(q, k_cache, v_cache, tables, lengths_t, max(lengths), scale)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, lengths_t, max(lengths), scale)
     want = reference_attention(q, k_cache, v_cache, tables, lengths_t, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
@@ -55,18 +58,18 @@ def test_paged_decode_attention_matches_gathered_attention(dtype, rows, heads, k
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("weights", ["int8", "bfloat16", "float32"])
-def test_linear_matches_torch(rows, weights):
+def test_linear_matches_torch(ops, rows, weights):
     torch.manual_seed(rows)
     w = torch.randn(200, 72) * 0.1  # 72: a tail past the last full 16-wide vector
     x = torch.randn(rows, 72).bfloat16()
     bias = torch.randn(200)
     if weights == "int8":
         q, scale = quantize_int8(w)
-        got = torch.ops.llmpool.linear(x, q, scale, bias)
+        got = ops.linear(x, q, scale, bias)
         want = x.float() @ (q.float() * scale[:, :1]).T + bias
     else:
         wt = w.to(getattr(torch, weights))
-        got = torch.ops.llmpool.linear(x, wt, None, bias)
+        got = ops.linear(x, wt, None, bias)
         want = x.float() @ wt.float().T + bias
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -81,10 +84,11 @@ def test_int8_quantization_error_is_bounded_by_half_a_step():
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 13])
 @pytest.mark.parametrize("layout", ["rows", "packed"])
-def test_int8_with_int8_activations_stays_within_activation_rounding(rows, layout):
-    """K a multiple of 64: the VNNI paths quantize activations per group of 64; the result is the
+def test_int8_with_int8_activations_stays_within_activation_rounding(ops, rows, layout):
+    """K a multiple of 64: the int8 paths quantize activations per group of 64; the result is the
     int8-weight product up to that rounding (half a step of max|x|/127 per input). ``packed``: the
-    VNNI block layout (6 blocks of 16 outputs: tiles of 4 and 2 blocks, or 2 and single ones)."""
+    block layout (6 blocks of 16 outputs: tiles of 4 and 2 blocks, or 2 and single ones), on every
+    variant; ``rows``: VNNI on avx512, float loops elsewhere."""
     torch.manual_seed(rows)
     w = torch.randn(96, 192) * 0.1
     x = torch.randn(rows, 192)
@@ -92,21 +96,20 @@ def test_int8_with_int8_activations_stays_within_activation_rounding(rows, layou
     dense = q.float() * scale[:, :1]
     weight, meta = pack_int8(q, scale) if layout == "packed" else (q, scale)
     assert weight.dim() == (4 if layout == "packed" else 2)
-    got = torch.ops.llmpool.linear(x, weight, meta, None)
+    got = ops.linear(x, weight, meta, None)
     step = x.view(rows, 3, 64).abs().amax(-1, keepdim=True) / 127
     bound = (step.unsqueeze(1) / 2 * dense.view(96, 3, 64).abs().unsqueeze(0)).sum((-1, -2))  # [rows, 96]
     assert ((got - x @ dense.T).abs() <= bound + 1e-4).all()
-    assert (got - x @ dense.T).abs().max() > 0  # activations really were quantized (the VNNI path ran)
+    if layout == "packed" or ops.variant() == "avx512":
+        assert (got - x @ dense.T).abs().max() > 0  # activations really were quantized (the int8 path ran)
 
 
-def test_packed_int8_adds_the_bias_and_keeps_unpackable_shapes():
+def test_packed_int8_adds_the_bias_and_keeps_unpackable_shapes(ops):
     torch.manual_seed(0)
     q, scale = quantize_int8(torch.randn(48, 128) * 0.1)
     weight, meta = pack_int8(q, scale)
     x, bias = torch.randn(2, 128), torch.randn(48)
-    assert torch.allclose(
-        torch.ops.llmpool.linear(x, weight, meta, bias), torch.ops.llmpool.linear(x, q, scale, bias), atol=1e-5
-    )
+    torch.testing.assert_close(ops.linear(x, weight, meta, bias), ops.linear(x, weight, meta, None) + bias)
     odd = quantize_int8(torch.randn(40, 128))  # 40 rows: not whole blocks of 16
     assert pack_int8(*odd)[0] is odd[0]
 
@@ -164,7 +167,7 @@ def test_fused_decode_step_matches_the_torch_forward_of_the_same_weights(monkeyp
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
-def test_q4_linear_matches_its_dequantized_weights(rows):
+def test_q4_linear_matches_its_dequantized_weights(ops, rows):
     from worker.quantization import dequantize_q4, quantize_q4
 
     torch.manual_seed(rows)
@@ -175,7 +178,7 @@ def test_q4_linear_matches_its_dequantized_weights(rows):
     step = dm[..., 0].float().repeat_interleave(32, dim=1)
     assert ((dense - w).abs() <= step / 2 + 1e-3).all()  # within half a step (plus float16 rounding)
     x = torch.randn(rows, 96).bfloat16()
-    torch.testing.assert_close(torch.ops.llmpool.linear(x, packed, dm, None), x.float() @ dense.T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ops.linear(x, packed, dm, None), x.float() @ dense.T, atol=1e-4, rtol=1e-4)
 
 
 def test_q4_reproduces_a_q4_1_grid_exactly():
@@ -243,23 +246,25 @@ def test_the_tests_q4_k_writer_is_what_gguf_reads():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 6])
-def test_q4_with_int8_activations_stays_within_activation_rounding(rows):
-    """K a multiple of 64: the VNNI path multiplies nibbles by int8 activations (per group of 64)."""
+def test_q4_with_int8_activations_stays_within_activation_rounding(ops, rows):
+    """K a multiple of 64: avx512's VNNI path multiplies row-major nibbles by int8 activations (per
+    group of 64); other variants' float loops are within the same bound."""
     from worker.quantization import dequantize_q4, quantize_q4
 
     torch.manual_seed(rows)
     w = torch.randn(40, 192) * 0.1
     x = torch.randn(rows, 192)
     dense = dequantize_q4(*quantize_q4(w))
-    got = torch.ops.llmpool.linear(x, *quantize_q4(w), None)
+    got = ops.linear(x, *quantize_q4(w), None)
     step = x.view(rows, 3, 64).abs().amax(-1, keepdim=True) / 127
     bound = (step.unsqueeze(1) / 2 * dense.view(40, 3, 64).abs().unsqueeze(0)).sum((-1, -2))
     assert ((got - x @ dense.T).abs() <= bound + 1e-4).all()
-    assert (got - x @ dense.T).abs().max() > 0
+    if ops.variant() == "avx512":
+        assert (got - x @ dense.T).abs().max() > 0
 
 
-def test_fused_temperature_sampling_inverts_the_same_cdf_as_torch():
-    """torch.ops.llmpool.sample_temperature at uniform u picks the token torch's cumsum/searchsorted
+def test_fused_temperature_sampling_inverts_the_same_cdf_as_torch(ops):
+    """ops.sample_temperature at uniform u picks the token torch's cumsum/searchsorted
     picks (up to rounding at a boundary), never a masked token, and follows softmax(x / T)."""
     torch.manual_seed(0)
     rows, vocab = 3, 49152
@@ -269,7 +274,7 @@ def test_fused_temperature_sampling_inverts_the_same_cdf_as_torch():
     agree = total = 0
     for _ in range(100):
         u = torch.rand(rows)
-        got = torch.ops.llmpool.sample_temperature(x, temperature, u)
+        got = ops.sample_temperature(x, temperature, u)
         assert (got % 3 != 0).all()
         cdf = ((x - x.amax(-1, keepdim=True)) / temperature.unsqueeze(1)).exp().cumsum(-1)
         want = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
@@ -278,14 +283,11 @@ def test_fused_temperature_sampling_inverts_the_same_cdf_as_torch():
     assert agree >= 0.98 * total
     # The frequencies follow the distribution: a 4-token vocabulary, 4,000 draws.
     small = torch.tensor([[2.0, 1.0, 0.0, float("-inf")]])
-    draws = torch.stack(
-        [torch.ops.llmpool.sample_temperature(small, torch.tensor([1.0]), torch.rand(1)) for _ in range(4000)]
-    )
+    draws = torch.stack([ops.sample_temperature(small, torch.tensor([1.0]), torch.rand(1)) for _ in range(4000)])
     freq = torch.bincount(draws.flatten(), minlength=4).float() / 4000
     torch.testing.assert_close(freq, torch.softmax(small[0], -1), atol=0.03, rtol=0)
 
 
-@pytest.mark.skipif(not kernels.has_vnni(), reason="the packed layouts need a CPU with AVX-512 VNNI")
 @pytest.mark.parametrize(
     "quantization, intermediate, any_batch",
     [("int8", 128, True), ("int8", 40, False), ("int8", 96, False), ("q4", 128, True), ("q4", 96, True)],
@@ -311,9 +313,8 @@ def test_any_batch_decode_needs_every_projection_packed(quantization, intermedia
     assert fused.weights[2].dim() == 4  # the shapes that do block are packed either way (slot 2: QKV)
 
 
-@pytest.mark.skipif(not kernels.has_vnni(), reason="packed q4 needs a CPU with AVX-512 VNNI")
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17])
-def test_packed_q4_stays_within_activation_rounding(rows):
+def test_packed_q4_stays_within_activation_rounding(ops, rows):
     """The packed q4 GEMM (any rows, activations int8 per group of 32) against its de-quantized weights."""
     from worker.quantization import dequantize_q4, pack_q4, quantize_q4
 
@@ -323,7 +324,7 @@ def test_packed_q4_stays_within_activation_rounding(rows):
     dense = dequantize_q4(*quantize_q4(w))
     weight, meta = pack_q4(*quantize_q4(w))
     assert weight.shape == (5, 20, 16, 4) and meta.shape == (5, 5, 2, 16)
-    got = torch.ops.llmpool.linear(x, weight, meta, bias)
+    got = ops.linear(x, weight, meta, bias)
     step = x.view(rows, 5, 32).abs().amax(-1, keepdim=True) / 127
     bound = (step.unsqueeze(1) / 2 * dense.view(80, 5, 32).abs().unsqueeze(0)).sum((-1, -2))  # [rows, 80]
     exact = x @ dense.T + bias
@@ -365,7 +366,7 @@ def test_quantized_decode_weights_are_made_once_then_read_from_the_cache(quantiz
         num_key_value_heads=2,
     )
     model = Qwen2ForCausalLM(config).eval()
-    stale = tmp_path / f"{quantization}-{'packed' if kernels.has_vnni() else 'rows'}-000000000000"
+    stale = tmp_path / f"{quantization}-packed-000000000000"
     stale.mkdir()
     made = fused_decode.FusedDecode(model, quantization=quantization, cache=tmp_path)
     assert not stale.exists()
@@ -398,14 +399,17 @@ def test_a_damaged_tensor_cache_is_rebuilt_and_replaced(tmp_path):
     assert torch.equal(cached_tensors(folder, lambda: {})["w"], want["w"])  # the second read is the new file
 
 
-def test_the_build_folder_is_one_per_source_and_cpu_and_holds_its_own_source(tmp_path, monkeypatch):
+def test_the_build_folder_is_one_per_source_and_variant_and_holds_its_own_source(tmp_path, monkeypatch):
     """Checkouts with the same source share a build (its source copied to one path, so nothing
-    rebuilds after another checkout), and another CPU's build (``-march=native``) is never loaded."""
+    rebuilds after another checkout); each variant has its own, named by its flags, never by the
+    build machine's CPU (no -march=native: a cache moved to another CPU stays valid)."""
+    from worker.kernels import compile as kernel_compile
+
     monkeypatch.setenv("LLMPOOL_KERNEL_DIR", str(tmp_path))
-    here = kernels._build_dir()
-    assert here == kernels._build_dir()
-    for name in (*kernels._SOURCES, *kernels._HEADERS):
-        assert (here / name).read_bytes() == (kernels._FOLDER / name).read_bytes(), name
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : sse2 avx2")
-    other_cpu = kernels._build_dir()
-    assert other_cpu != here and other_cpu.parent == here.parent == tmp_path
+    avx2, portable = (next(v for v in cpu.VARIANTS if v.arch == "x86_64" and v.name == n) for n in ("avx2", "portable"))
+    here = kernel_compile.build_dir(avx2)
+    assert here == kernel_compile.build_dir(avx2) and here.parent == tmp_path
+    assert kernel_compile.build_dir(portable) != here
+    assert all("native" not in flag for v in cpu.VARIANTS for flag in kernel_compile.flags(v))
+    monkeypatch.setattr(cpu, "features", lambda: frozenset({"sse2"}))
+    assert kernel_compile.build_dir(avx2) == here  # another CPU, the same build

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from worker import kernels
 from worker.attention.backend import DecodeBackend
 from worker.attention.metadata import DecodeGroup
 
@@ -20,6 +21,6 @@ class CpuDecode(DecodeBackend):
     def __call__(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
     ) -> torch.Tensor:
-        return torch.ops.llmpool.paged_decode_attention(
+        return kernels.ops().paged_decode_attention(
             query, k_cache, v_cache, group.block_tables, group.lengths, group.max_len, scale
         )

@@ -1,99 +1,71 @@
-"""The worker's C++ CPU kernels, built once into one extension and loaded as ``torch.ops.llmpool``.
+"""The worker's C++ CPU kernels: one library per instruction-set variant (worker/cpu.py), its ops
+registered as ``torch.ops.llmpool_<variant>``; ``ops()`` is the variant this CPU runs (at or under
+``LLMPOOL_CPU_ISA``).
 
-One file per op family: ``attention.cpp`` (paged decode attention), ``gemm.cpp`` (int8/q4/bf16
-projections, packed VNNI GEMMs), ``decode_step.cpp`` (a whole decode step in one call),
-``sampling.cpp``; ``ops.cpp`` registers them, ``vec.h`` holds the 16-float vectors they share.
+One file per op family: ``attention.cpp`` (paged decode attention), ``gemm.cpp`` (row-major
+int8/q4/bf16/fp16/fp32 projections), ``packed.cpp`` (the packed int8 and q4 GEMMs), ``decode_step.cpp``
+(a whole decode step in one call), ``sampling.cpp``; ``ops.cpp`` registers them. ``vec.h`` gives
+them 16-float vectors and int8 dot products from the variant's ``isa_avx512.h``, ``isa_avx2.h``,
+``isa_neon.h`` or ``isa_portable.h``, picked by the target flags the variant is compiled with (no
+``-march=native``: a build, an image or a cache moved to another CPU of the architecture still
+runs). ``compile.py`` builds a variant.
 
 No maintained paged-attention or small-batch quantized kernel installs with this torch on the CPU
 (IPEX and vLLM's CPU build pin other torch versions), so the few kernels the decode path needs are
 a small extension compiled with the C++ compiler inductor needs anyway. ``scripts/setup.sh`` builds
-it (``python -m worker.kernels``); a worker that cannot load it logs why and runs the torch path.
+every variant of the architecture (``python -m worker.kernels --all``); a worker that cannot load
+its variant logs why and runs the torch path.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import shutil
-from pathlib import Path
+from typing import Any
 
 import torch
 
+from worker import cpu
+from worker.kernels.compile import compile_variant, namespace
+
 log = logging.getLogger(__name__)
 
-_FOLDER = Path(__file__).parent
-_SOURCES = ("ops.cpp", "attention.cpp", "gemm.cpp", "decode_step.cpp", "sampling.cpp")
-_HEADERS = ("vec.h", "gemm.h", "attention.h", "ops.h")
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
-_loaded: bool | None = None
-_error: str | None = None
+_loaded: dict[str, bool] = {}
+_errors: dict[str, str] = {}
 
 
-def _cpu_flags() -> str:
-    """The instruction sets ``-march=native`` compiles for (Linux; elsewhere the machine's name)."""
+def load_variant(variant: cpu.Variant) -> bool:
+    """Build (first time) and load one variant's library; True when its ops are usable. A variant the
+    CPU cannot execute is never loaded (its first instruction would be SIGILL)."""
+    if variant.name in _loaded:
+        return _loaded[variant.name]
     try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return os.uname().machine
-
-
-def _build_dir() -> Path:
-    """One folder per sources, flags, torch installation and CPU, holding its own copy of the sources.
-
-    The build's commands name the source and torch's headers: one folder shared by two checkouts or
-    two virtual environments was rebuilt (~30 s) by each after the other. Now checkouts that share
-    an environment share a build, and each environment keeps its own. A cache that moves to another
-    CPU (a worker pod's volume on a new node) never loads code built for other instruction sets
-    (``-march=native``: SIGILL)."""
-    root = os.environ.get("LLMPOOL_KERNEL_DIR") or Path.home() / ".cache" / "llmpool" / "kernels"
-    files = {name: (_FOLDER / name).read_bytes() for name in (*_SOURCES, *_HEADERS)}
-    parts = [
-        *files.values(),
-        " ".join(_CFLAGS).encode(),
-        _cpu_flags().encode(),
-        str(Path(torch.__file__).parent).encode(),
-    ]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
-    path = Path(root) / f"torch-{torch.__version__}-{key}"
-    path.mkdir(parents=True, exist_ok=True)
-    for name, content in files.items():
-        copy = path / name
-        if not copy.is_file() or copy.read_bytes() != content:
-            shutil.copyfile(_FOLDER / name, copy)
-    return path
-
-
-def load(verbose: bool = False) -> bool:
-    """Build (first time, ~40 s) or load the extension; True when ``torch.ops.llmpool`` is usable."""
-    global _loaded, _error
-    if _loaded is not None:
-        return _loaded
-    try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        build = _build_dir()
-        load_extension(
-            name="llmpool_cpu_ops",
-            sources=[str(build / name) for name in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            is_python_module=False,
-            verbose=verbose,
-        )
-        _loaded = True
+        if variant not in cpu.runnable():
+            missing = " ".join(sorted(variant.needs - cpu.features()))
+            raise RuntimeError(f"this CPU cannot run the {variant.name} kernels (it lacks {missing})")
+        torch.ops.load_library(str(compile_variant(variant)))
+        _loaded[variant.name] = True
     except Exception as exc:  # no compiler, no headers: the torch path still works
-        _loaded, _error = False, f"{type(exc).__name__}: {exc}"
-        log.warning("C++ kernels unavailable, using the torch path: %s", _error)
-    return _loaded
+        _loaded[variant.name], _errors[variant.name] = False, f"{type(exc).__name__}: {exc}"
+        log.warning("C++ kernels (%s) unavailable, using the torch path: %s", variant.name, _errors[variant.name])
+    return _loaded[variant.name]
+
+
+def load() -> bool:
+    """Load (building if needed) the variant this CPU runs; True when ``ops()`` is usable."""
+    return load_variant(cpu.chosen())
+
+
+def ops() -> Any:
+    """The chosen variant's ops (``torch.ops.llmpool_<variant>``); call ``load()`` first."""
+    return getattr(torch.ops, namespace(cpu.chosen()))
+
+
+def variant_ops(variant: cpu.Variant) -> Any:
+    """One variant's ops, for tests that compare variants in one process."""
+    if not load_variant(variant):
+        raise RuntimeError(_errors[variant.name])
+    return getattr(torch.ops, namespace(variant))
 
 
 def unavailable_reason() -> str | None:
-    return _error
-
-
-def has_vnni() -> bool:
-    """Whether the loaded kernels have the int8 VNNI paths (AVX512-VNNI at build time)."""
-    return load() and bool(torch.ops.llmpool.has_vnni())
+    return _errors.get(cpu.chosen().name)

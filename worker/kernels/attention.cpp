@@ -1,8 +1,9 @@
-// Paged decode attention, registered as torch.ops.llmpool.paged_decode_attention and used by the
+// Paged decode attention, registered as the paged_decode_attention op and used by the
 // fused decode step: one query token per row attends to its context straight out of the paged KV
 // cache (no copy), each KV head read once for all the query heads that share it (GQA), online
 // softmax, and the context split across threads when there are few rows (flash-decoding); bf16
-// caches use vdpbf16ps for both the scores and the V accumulation (attend_split_bf16).
+// caches use vdpbf16ps for both the scores and the V accumulation (attend_split_bf16) where the
+// avx512 variant runs on a CPU with AVX512-BF16 (compiled for it alone, chosen at run time).
 
 #include "attention.h"
 
@@ -10,6 +11,12 @@
 
 namespace llmpool {
 
+
+#if defined(LLMPOOL_ISA_AVX512)
+// Whether this CPU has AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4; not Cascade or Ice Lake),
+// read once.
+const bool HAS_AVX512_BF16 = __builtin_cpu_supports("avx512bf16");
+#endif
 
 constexpr int MAX_GROUP = 16;   // query heads per KV head
 constexpr int MAX_HEAD_DIM = 256;
@@ -102,7 +109,7 @@ void attend_split(const float* q, const C* k_cache, const C* v_cache, const int6
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(LLMPOOL_ISA_AVX512)
 constexpr int64_t PREFETCH_TILES = 1;  // how far ahead (in tiles of 16 positions) K and V rows are fetched
 
 // The slots of positions [t, t + 16) (a short tile repeats its last position, masked by the caller).
@@ -128,7 +135,7 @@ inline int64_t tile_slots(const int64_t* table, int64_t t, int64_t end, int64_t 
 // lane 4L + e); the output is put back in order at the end. The rows PREFETCH_TILES ahead are asked
 // for while a tile computes, a few lines at a time: this loop is bound by memory latency otherwise
 // (one burst per tile, or the hardware prefetcher alone, left it waiting on loads).
-void attend_split_bf16(const float* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table,
+__attribute__((target("avx512bf16"))) void attend_split_bf16(const float* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table,
                        int64_t begin, int64_t end, const AttnShape& s, float* part) {
   using C = c10::BFloat16;
   const int64_t H = s.heads, KVH = s.kv_heads, G = H / KVH, D = s.head_dim, BS = s.block_size;
@@ -233,9 +240,9 @@ void decode_attention(const float* q, const C* k_cache, const C* v_cache, const 
       const int64_t len = lengths[row], start = begins ? std::min(len, begins[row]) : 0;
       const int64_t chunk = ((len - start + s.splits - 1) / s.splits + s.block_size - 1) / s.block_size * s.block_size;
       const int64_t begin = std::min(len, start + split * chunk), end = std::min(len, begin + chunk);
-#if defined(__AVX512BF16__)
+#if defined(LLMPOOL_ISA_AVX512)
       if constexpr (std::is_same_v<C, c10::BFloat16>) {
-        if (D % 32 == 0) {
+        if (D % 32 == 0 && HAS_AVX512_BF16) {
           attend_split_bf16(q + row * H * D, k_cache, v_cache, tables + row * s.max_blocks, begin, end, s, parts.data() + item * part_size);
           continue;
         }

@@ -1,4 +1,4 @@
-// The fused decode step, registered as torch.ops.llmpool.decoder_step: a whole step of a
+// The fused decode step, registered as the decoder_step op: a whole step of a
 // decoder-only transformer for `rows` single-token rows (decode rows, or a prompt chunk's tokens
 // each with its own context length) in one call: norms, projections, rotary embedding, cache writes,
 // attention and MLP (dense or mixture of experts) of every layer, with no Python and no per-op
@@ -79,12 +79,7 @@ void activate(int64_t act, const float* g, const float* u, float* a, int64_t n) 
     for (; i + 16 <= n; i += 16) {
       const V16 x = load16(g + i);
       const V16 e = exp16(sub(V16::zero(), x));
-#if defined(__AVX512F__)
-      V16 s{_mm512_div_ps(x.v, _mm512_add_ps(_mm512_set1_ps(1.f), e.v))};
-#else
-      V16 s;
-      for (int j = 0; j < 16; ++j) s.v[j] = x.v[j] / (1.f + e.v[j]);
-#endif
+      const V16 s = div(x, add(V16::splat(1.f), e));
       store16(a + i, u ? mul(s, load16(u + i)) : s);
     }
   }

@@ -1,7 +1,6 @@
-// Projections for the decode path, registered as torch.ops.llmpool.linear and used by the fused
-// decode step: int8 or q4 weights packed for a VNNI GEMM (any number of rows; packed_tile,
-// packed_q4_tile), or row-major int8 / q4 / bf16 / fp16 / fp32 weights in matrix-vector loops for a
-// handful of rows.
+// Projections for the decode path, registered as the `linear` op and used by the fused decode
+// step: int8 or q4 weights packed for an int8 GEMM (any number of rows; packed.cpp), or row-major
+// int8 / q4 / bf16 / fp16 / fp32 weights in matrix-vector loops for a handful of rows.
 
 #include "gemm.h"
 
@@ -73,10 +72,13 @@ inline void unpack_q4(const uint8_t* p, V16& lo, V16& hi) {
 }
 #else
 inline void unpack_q4(const uint8_t* p, V16& lo, V16& hi) {
+  alignas(64) float l[16], h[16];
   for (int i = 0; i < 16; ++i) {
-    lo.v[i] = static_cast<float>(p[i] & 0x0F);
-    hi.v[i] = static_cast<float>(p[i] >> 4);
+    l[i] = static_cast<float>(p[i] & 0x0F);
+    h[i] = static_cast<float>(p[i] >> 4);
   }
+  lo = load16(l);
+  hi = load16(h);
 }
 #endif
 
@@ -130,40 +132,10 @@ void q4_range(const float* x, const float* xsum, int64_t rows, int64_t K, const 
 #if defined(__AVX512VNNI__)
 // int8 weights times int8 activations with VNNI (vpdpbusd: 64 byte products a cycle instead of 16
 // float multiplies). Activations are quantized per group of 64 (scale xs = max|x| / 127) and shifted
-// to unsigned (+128), which adds 128 * (sum of the group's weights) to every group's dot product;
-// the quantizer stores those sums next to each row's scale, so the kernel subtracts them exactly.
-// The quantized kernels stream their weights from DRAM once per step; the hardware prefetcher alone
-// left them at about half this machine's read bandwidth. Each tile asks for the same lines of the
-// tile this many tiles further on, one line per weight load, so the requests are spread out.
-constexpr int64_t WEIGHT_PREFETCH_TILES = 1;
-
-// Per row and group of 64 inputs: xs = max|x| / 127, xu = round(x / xs) + 128 (unsigned for
-// vpdpbusd). 16 lanes at a time, rows split across threads when there are many (at 64 rows the
-// scalar loop was a third of the step).
-void quantize_activations(const float* x, int64_t rows, int64_t K, uint8_t* xu, float* xs) {
-  const int64_t groups = K / VNNI_GROUP;
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* src = x + r * K + g * VNNI_GROUP;
-        __m512 v[4];
-        __m512 amax = _mm512_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-          v[i] = _mm512_loadu_ps(src + 16 * i);
-          amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-        }
-        const float m = _mm512_reduce_max_ps(amax);
-        const float scale = m > 0.f ? m / 127.f : 1.f;
-        const __m512 inv = _mm512_set1_ps(1.f / scale);
-        uint8_t* dst = xu + r * K + g * VNNI_GROUP;
-        for (int i = 0; i < 4; ++i) {
-          const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv)), _mm512_set1_epi32(128));  // round to nearest even
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * i), _mm512_cvtepi32_epi8(q));
-        }
-        xs[r * groups + g] = scale;
-      }
-  });
-}
+// to unsigned (+128, quantize_activations in packed.cpp), which adds 128 * (sum of the group's
+// weights) to every group's dot product; the quantizer stores those sums next to each row's scale,
+// so the kernel subtracts them exactly. Row-major int8 and q4 weights (shapes the packers cannot
+// block) use these on the avx512 variant and the float loops above elsewhere.
 
 template <int R, int NR>
 void vnni_tile(const uint8_t* xu, const float* xs, int64_t K, const int8_t* w, const float* scale, int64_t scale_stride,
@@ -211,194 +183,7 @@ void vnni_range(const uint8_t* xu, const float* xs, int64_t rows, int64_t K, con
   const int64_t groups = K / VNNI_GROUP;
   for_row_groups(rows, [&](auto R, int64_t r) { vnni_rows<decltype(R)::value>(xu + r * K, xs + r * groups, K, w, scale, scale_stride, n_begin, n_end, out + r * N, N, bias); });
 }
-// int8 weights packed for VNNI (``worker/quantization.py: pack_int8``): blocks of 16 output
-// columns, [N / 16][K / 4][16][4], so one 64-byte load holds 4 consecutive inputs of 16 columns and
-// feeds one vpdpbusd against those 4 activations broadcast; a tile of R rows and NB blocks keeps
-// R * NB int32 accumulators for a group of 64 inputs, then folds them into float with the group's
-// activation scale and the block's weight sums (the +128 shift): 3 instructions per group per
-// accumulator instead of 3 per 64 products. The scales live beside each block, [N / 16][1 + K / 64][16]:
-// the columns' scales, then each group's weight sums. One layout for every batch size; at large
-// batches a panel of PANEL_BLOCKS blocks is reused from cache by every group of rows.
-constexpr int64_t PANEL_BLOCKS = 4;
-
-// Every accumulator of an R x NB tile set to `value` (zero, at a tile's or a group's start).
-template <int R, int NB, typename T>
-inline void fill_tile(T (&acc)[R][NB], T value) {
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = value;
-}
-
-template <int R, int NB>
-void packed_tile(const uint8_t* xu, const float* xs, int64_t K, const int8_t* w, const float* meta, int64_t b0, float* out,
-                 int64_t out_stride, const float* bias) {
-  const int64_t G = K / VNNI_GROUP, block_bytes = K * 16, meta_block = (1 + G) * 16;
-  __m512 facc[R][NB];
-  fill_tile(facc, _mm512_setzero_ps());
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i iacc[R][NB];
-    fill_tile(iacc, _mm512_setzero_si512());
-    for (int64_t k4 = g * 16; k4 < (g + 1) * 16; ++k4) {
-      __m512i wv[NB];
-      for (int b = 0; b < NB; ++b) {
-        const int8_t* src = w + (b0 + b) * block_bytes + k4 * 64;
-        __builtin_prefetch(src + WEIGHT_PREFETCH_TILES * NB * block_bytes);  // see WEIGHT_PREFETCH_TILES
-        wv[b] = _mm512_loadu_si512(src);
-      }
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xu + r * K + k4 * 4, 4);
-        const __m512i xb = _mm512_set1_epi32(four);
-        for (int b = 0; b < NB; ++b) iacc[r][b] = _mm512_dpbusd_epi32(iacc[r][b], xb, wv[b]);
-      }
-    }
-    for (int b = 0; b < NB; ++b) {
-      const __m512 shift = _mm512_mul_ps(_mm512_loadu_ps(meta + (b0 + b) * meta_block + (1 + g) * 16), _mm512_set1_ps(128.f));
-      for (int r = 0; r < R; ++r)
-        facc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * G + g]), _mm512_sub_ps(_mm512_cvtepi32_ps(iacc[r][b]), shift), facc[r][b]);
-    }
-  }
-  for (int b = 0; b < NB; ++b) {
-    const int64_t n = (b0 + b) * 16;
-    const __m512 scale = _mm512_loadu_ps(meta + (b0 + b) * meta_block);
-    const __m512 add = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + n, _mm512_fmadd_ps(facc[r][b], scale, add));
-  }
-}
-
-// The packed kernels' loop: panels of PANEL_BLOCKS blocks, each swept by every group of up to 4
-// rows in tiles of NB blocks (then single blocks): calls f(integral_constant R, integral_constant
-// NB, first row, first block). One or two rows take one block at a time: a block's weights are
-// contiguous, so each thread reads one sequential stream; a batch-1 step took 0.83x (q4) and
-// 0.89x (int8) the time it took with 4 interleaved blocks. From 3 rows, 2 blocks share the loads
-// of the activations (at 8 rows 1 block was 1.05x slower).
-template <typename F>
-void for_block_tiles(int64_t rows, int64_t b_begin, int64_t b_end, F&& f) {
-  for (int64_t p0 = b_begin; p0 < b_end; p0 += PANEL_BLOCKS) {
-    const int64_t p1 = std::min(b_end, p0 + PANEL_BLOCKS);
-    for_row_groups(rows, [&](auto R, int64_t r) {
-      constexpr int NB = decltype(R)::value <= 2 ? 1 : 2;
-      int64_t b = p0;
-      for (; b + NB <= p1; b += NB) f(R, std::integral_constant<int, NB>{}, r, b);
-      for (; b < p1; ++b) f(R, std::integral_constant<int, 1>{}, r, b);
-    });
-  }
-}
-
-void packed_range(const uint8_t* xu, const float* xs, int64_t rows, int64_t K, const int8_t* w, const float* meta,
-                  int64_t b_begin, int64_t b_end, float* out, int64_t N, const float* bias) {
-  const int64_t G = K / VNNI_GROUP;
-  for_block_tiles(rows, b_begin, b_end, [&](auto R, auto NB, int64_t r, int64_t b) {
-    packed_tile<decltype(R)::value, decltype(NB)::value>(xu + r * K, xs + r * G, K, w, meta, b, out + r * N, N, bias);
-  });
-}
-
-// q4 weights packed for VNNI (``worker/quantization.py: pack_q4``): the int8 block layout at two
-// weights a byte, [N / 16][K / 8][16][4]; byte i of a column's 4 holds input k + i in its low nibble
-// and k + 4 + i in its high one, so one 64-byte load gives two vpdpbusd operands (a mask, a shift
-// and a mask): 0.5 bytes a weight where int8 reads 1. The nibbles are unsigned, the activations
-// signed int8 per group of 32 (xs = max|x| / 127, no +128 shift), so each group of 32 inputs folds
-// its int32 dot products once: acc += d * xs * dot + m * sum(x), with the group's float16 scale d
-// and minimum m read as one 64-byte line per block, [N / 16][K / 32][2][16].
-void quantize_activations_s8(const float* x, int64_t rows, int64_t K, int8_t* xq, float* xs, float* xsum) {
-  const int64_t groups = K / Q4_GROUP;
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* src = x + r * K + g * Q4_GROUP;
-        const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
-        const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float scale = m > 0.f ? m / 127.f : 1.f;
-        const __m512 inv = _mm512_set1_ps(1.f / scale);
-        int8_t* dst = xq + r * K + g * Q4_GROUP;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
-        xs[r * groups + g] = scale;
-        xsum[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-      }
-  });
-}
-
-template <int R, int NB>
-void packed_q4_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* w, const c10::Half* meta,
-                    int64_t b0, float* out, int64_t out_stride, const float* bias) {
-  const int64_t G = K / Q4_GROUP, block_bytes = K * 8;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 facc[R][NB];
-  fill_tile(facc, _mm512_setzero_ps());
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i iacc[R][NB];
-    fill_tile(iacc, _mm512_setzero_si512());
-    for (int64_t k8 = g * 4; k8 < (g + 1) * 4; ++k8) {
-      __m512i lo[NB], hi[NB];
-      for (int b = 0; b < NB; ++b) {
-        const uint8_t* src = w + (b0 + b) * block_bytes + k8 * 64;
-        __builtin_prefetch(src + WEIGHT_PREFETCH_TILES * NB * block_bytes);  // see WEIGHT_PREFETCH_TILES
-        const __m512i v = _mm512_loadu_si512(src);
-        lo[b] = _mm512_and_si512(v, low);
-        hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-      for (int r = 0; r < R; ++r) {
-        int32_t four[2];
-        std::memcpy(four, xq + r * K + k8 * 8, 8);
-        const __m512i x0 = _mm512_set1_epi32(four[0]), x1 = _mm512_set1_epi32(four[1]);
-        for (int b = 0; b < NB; ++b) iacc[r][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[r][b], lo[b], x0), hi[b], x1);
-      }
-    }
-    for (int b = 0; b < NB; ++b) {
-      const __m512i dm = _mm512_loadu_si512(meta + ((b0 + b) * G + g) * 32);
-      const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
-      for (int r = 0; r < R; ++r) {
-        const __m512 scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][b]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r * G + g])), facc[r][b]);
-        facc[r][b] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), scaled);
-      }
-    }
-  }
-  for (int b = 0; b < NB; ++b) {
-    const int64_t n = (b0 + b) * 16;
-    const __m512 add = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + n, _mm512_add_ps(facc[r][b], add));
-  }
-}
-
-void packed_q4_range(const int8_t* xq, const float* xs, const float* xsum, int64_t rows, int64_t K, const uint8_t* w,
-                     const c10::Half* meta, int64_t b_begin, int64_t b_end, float* out, int64_t N, const float* bias) {
-  const int64_t G = K / Q4_GROUP;
-  for_block_tiles(rows, b_begin, b_end, [&](auto R, auto NB, int64_t r, int64_t b) {
-    packed_q4_tile<decltype(R)::value, decltype(NB)::value>(xq + r * K, xs + r * G, xsum + r * G, K, w, meta, b, out + r * N, N, bias);
-  });
-}
 #endif
-
-// The packed int8 layout without VNNI (other CPUs): plain loops, correct but slow.
-void packed_reference(const float* x, int64_t rows, int64_t K, const int8_t* w, const float* meta, int64_t b_begin, int64_t b_end,
-                      float* out, int64_t N, const float* bias) {
-  const int64_t G = K / 64, meta_block = (1 + G) * 16;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = b_begin; b < b_end; ++b)
-      for (int64_t c = 0; c < 16; ++c) {
-        float acc = 0.f;
-        for (int64_t k = 0; k < K; ++k) acc += x[r * K + k] * static_cast<float>(w[b * K * 16 + (k / 4) * 64 + c * 4 + k % 4]);
-        out[r * N + b * 16 + c] = acc * meta[b * meta_block + c] + (bias ? bias[b * 16 + c] : 0.f);
-      }
-}
-
-// The packed q4 layout without VNNI: plain loops over float activations, correct but slow.
-void packed_q4_reference(const float* x, int64_t rows, int64_t K, const uint8_t* w, const c10::Half* meta, int64_t b_begin,
-                         int64_t b_end, float* out, int64_t N, const float* bias) {
-  const int64_t G = K / Q4_GROUP;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = b_begin; b < b_end; ++b)
-      for (int64_t c = 0; c < 16; ++c) {
-        float acc = 0.f;
-        for (int64_t k = 0; k < K; ++k) {
-          const uint8_t byte = w[b * K * 8 + (k / 8) * 64 + c * 4 + k % 4];
-          const int q = k % 8 < 4 ? byte & 0x0F : byte >> 4;
-          const c10::Half* dm = meta + (b * G + k / Q4_GROUP) * 32;
-          acc += x[r * K + k] * (static_cast<float>(dm[c]) * q + static_cast<float>(dm[16 + c]));
-        }
-        out[r * N + b * 16 + c] = acc + (bias ? bias[b * 16 + c] : 0.f);
-      }
-}
 
 #if defined(__AVX512VNNI__)
 // q4 weights with VNNI: the nibbles of two groups (64 weights, 32 bytes) widen to one vector of
@@ -552,44 +337,18 @@ Weight as_weight(const Tensor& w, const c10::optional<Tensor>& scale, const c10:
 // out [rows, N] = x [rows, K] @ w.T, split over output columns across threads.
 void run_linear(const float* x, int64_t rows, const Weight& w, float* out) {
   const int64_t grain = std::max<int64_t>(16, w.N / (4 * at::get_num_threads()));
-  if (w.packed && w.type == at::kByte) {
-    const int64_t blocks = w.N / 16, block_grain = std::max<int64_t>(1, blocks / (4 * at::get_num_threads()));
-    const uint8_t* data = static_cast<const uint8_t*>(w.data);
-#if defined(__AVX512VNNI__)
-    std::vector<int8_t> xq(rows * w.K);
-    std::vector<float> xs(rows * (w.K / Q4_GROUP)), xsum(rows * (w.K / Q4_GROUP));
-    quantize_activations_s8(x, rows, w.K, xq.data(), xs.data(), xsum.data());
-    at::parallel_for(0, blocks, block_grain, [&](int64_t b0, int64_t b1) {
-      packed_q4_range(xq.data(), xs.data(), xsum.data(), rows, w.K, data, w.dm, b0, b1, out, w.N, w.bias);
-    });
-#else
-    at::parallel_for(0, blocks, block_grain, [&](int64_t b0, int64_t b1) { packed_q4_reference(x, rows, w.K, data, w.dm, b0, b1, out, w.N, w.bias); });
-#endif
-    return;
-  }
-  if (w.packed) {
-    const int64_t blocks = w.N / 16, block_grain = std::max<int64_t>(1, blocks / (4 * at::get_num_threads()));
-#if defined(__AVX512VNNI__)
-    std::vector<uint8_t> xu(rows * w.K);
-    std::vector<float> xs(rows * (w.K / VNNI_GROUP));
-    quantize_activations(x, rows, w.K, xu.data(), xs.data());
-    at::parallel_for(0, blocks, block_grain, [&](int64_t b0, int64_t b1) {
-      packed_range(xu.data(), xs.data(), rows, w.K, static_cast<const int8_t*>(w.data), w.scale, b0, b1, out, w.N, w.bias);
-    });
-#else
-    at::parallel_for(0, blocks, block_grain, [&](int64_t b0, int64_t b1) {
-      packed_reference(x, rows, w.K, static_cast<const int8_t*>(w.data), w.scale, b0, b1, out, w.N, w.bias);
-    });
-#endif
+  if (w.packed) {  // packed.cpp, on every variant
+    run_packed(x, rows, w, out);
     return;
   }
 #if defined(__AVX512VNNI__)
   if (w.type == at::kChar && w.K % VNNI_GROUP == 0 && w.scale_stride == 1 + w.K / VNNI_GROUP) {
-    std::vector<uint8_t> xu(rows * w.K);
+    std::vector<int8_t> xq(rows * w.K);
     std::vector<float> xs(rows * (w.K / VNNI_GROUP));
-    quantize_activations(x, rows, w.K, xu.data(), xs.data());
+    quantize_activations(x, rows, w.K, xq.data(), xs.data());
+    const uint8_t* xu = reinterpret_cast<const uint8_t*>(xq.data());  // shifted: unsigned bytes
     at::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
-      vnni_range(xu.data(), xs.data(), rows, w.K, static_cast<const int8_t*>(w.data), w.scale, w.scale_stride, n0, n1, out, w.N, w.bias);
+      vnni_range(xu, xs.data(), rows, w.K, static_cast<const int8_t*>(w.data), w.scale, w.scale_stride, n0, n1, out, w.N, w.bias);
     });
     return;
   }
@@ -639,13 +398,9 @@ Tensor linear(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>
   return out.view(shape);
 }
 
-// Whether the int8 VNNI kernels were compiled in (the packed int8 layout is only worth using then).
-bool has_vnni() {
-#if defined(__AVX512VNNI__)
-  return true;
-#else
-  return false;
-#endif
-}
+#define LLMPOOL_STR2(x) #x
+#define LLMPOOL_STR(x) LLMPOOL_STR2(x)
+// The variant these kernels were compiled as (worker/kernels/variants.py), for logs and checks.
+std::string variant() { return LLMPOOL_STR(LLMPOOL_VARIANT); }
 
 }  // namespace llmpool

@@ -1,7 +1,9 @@
-// The ops this extension registers as torch.ops.llmpool.* (ops.cpp), one file per family.
+// The ops this extension registers as torch.ops.<LLMPOOL_OPS>.* (ops.cpp), one file per family.
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <string>
 
 namespace llmpool {
 
@@ -12,7 +14,7 @@ Tensor paged_decode_attention(const Tensor& query, const Tensor& k_cache, const 
                               const Tensor& lengths, int64_t max_len, double scale);
 // gemm.cpp
 Tensor linear(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& scale, const c10::optional<Tensor>& bias);
-bool has_vnni();
+std::string variant();
 // sampling.cpp
 Tensor sample_temperature(const Tensor& logits, const Tensor& temperature, const Tensor& uniform);
 // decode_step.cpp

@@ -53,7 +53,8 @@ class FusedDecode:
         self.family = family or describe(model)
         self.decoder = model.model
         self.embed = model.model.embed_tokens
-        self.packed = quantization in ("int8", "q4") and kernels.has_vnni()
+        self.ops = kernels.ops()
+        self.packed = quantization in ("int8", "q4")  # every variant has packed int8 GEMMs (worker/kernels/packed.cpp)
         self.quantization = quantization
         tensors = cached_tensors(
             _cache_folder(cache, quantization, self.packed),
@@ -109,13 +110,13 @@ class FusedDecode:
             tables = [(halve(cos), halve(sin)) for cos, sin in tables]
         rope = torch.stack([torch.stack([cos[0], sin[0]], dim=1) for cos, sin in tables]).float().contiguous()
         adapters, segments = step_arguments(lora, len(f.layers)) if lora else ([], [])
-        normed = torch.ops.llmpool.decoder_step(
+        normed = self.ops.decoder_step(
             hidden, rope, self.weights, self.experts, self.ints, self.floats, [k for k, _ in kv_caches], [v for _, v in kv_caches],
             slots, block_tables, lengths, max_len, adapters, segments,
         )  # fmt: skip
         if keep is not None:
             normed = normed[keep]
-        logits = torch.ops.llmpool.linear(normed, self.lm_head, self.lm_head_scale, f.lm_head_bias)
+        logits = self.ops.linear(normed, self.lm_head, self.lm_head_scale, f.lm_head_bias)
         if f.logit_multiplier != 1.0:
             logits = logits * f.logit_multiplier
         if f.final_softcap:

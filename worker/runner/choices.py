@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from worker import kernels
+from worker import cpu, kernels
 from worker.attention import DecodeBackend
 from worker.models import fused_decode
 from worker.models.fused_decode import FusedDecode
@@ -31,20 +31,33 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str) -> torch.dtype:
-    """bfloat16 by default: on this project's CPUs (AVX-512 bf16) it decodes about 2x faster than fp32."""
+def pick_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """``auto``: bfloat16 on a GPU, and on a CPU that computes it natively (AVX512-BF16 or AMX, where it
+    decodes about 2x faster than fp32); elsewhere float32 (torch emulates bf16 there, and oneDNN
+    refuses to pack its weights), with the C++ step's int8/q4 weights (``pick_decode_path``). An
+    explicit bfloat16 or float16 the CPU cannot compute is refused in one sentence."""
+    on_cpu = device is None or device.type == "cpu"
     if name == "auto":
-        return torch.bfloat16
+        return torch.bfloat16 if not on_cpu or cpu.native_bf16() else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    if on_cpu and name != "float32" and not cpu.native_bf16():
+        raise ValueError(
+            f"--dtype {name} needs a CPU that computes it natively (AVX512-BF16 or AMX; this one runs the "
+            f"{cpu.chosen().name} kernels): leave --dtype at auto for float32 with int8/q4 weights, or give float32"
+        )
     return _DTYPES[name]
 
 
-def pick_decode_path(choice: str, device: torch.device, dtype: torch.dtype, model: torch.nn.Module) -> tuple[str, bool]:
+def pick_decode_path(
+    choice: str, device: torch.device, dtype: torch.dtype, model: torch.nn.Module, dtype_flag: str = "auto"
+) -> tuple[str, bool]:
     """(weights, whether the C++ decode step runs): it runs on the CPU in bf16/fp16, or in any dtype
-    once weights are quantized, for the families it knows (worker/models/family.py); float32
-    without quantization keeps the exact torch path (token-identical to ``generate``). Weights that
-    would not be used are refused when asked for, never reported as applied."""
+    once weights are quantized, for the families it knows (worker/models/family.py). An explicit
+    ``--dtype float32`` without quantization keeps the exact torch path (token-identical to
+    ``generate``); float32 chosen by ``--dtype auto`` (a CPU without native bf16) takes int8/q4
+    weights, as bf16 does. Weights that would not be used are refused when asked for, never
+    reported as applied."""
     if choice not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {choice!r}")
     why_not = (
@@ -56,20 +69,24 @@ def pick_decode_path(choice: str, device: torch.device, dtype: torch.dtype, mode
     )
     why_not = why_not or fused_decode.supports(model)
     if choice == "auto":
-        choice = "none" if why_not or dtype == torch.float32 else "int8"
-        if choice == "int8" and kernels.has_vnni() and on_4bit_grid(model):
+        exact = dtype == torch.float32 and dtype_flag != "auto"
+        choice = "none" if why_not or exact else "int8"
+        if choice == "int8" and on_4bit_grid(model):
             choice = "q4"  # the model came as 4-bit weights: q4 keeps them as they are, at 0.6x int8's bytes
     if choice != "none" and why_not:
         raise ValueError(
             f"--quantization {choice} sets the weights of the C++ decode step, which cannot run here: {why_not}"
         )
     fast = why_not is None and (choice != "none" or dtype != torch.float32)
+    where = f"{cpu.describe()}; " if device.type == "cpu" else ""  # the one start-up line that names the path
+    activations = str(dtype).removeprefix("torch.")
     if fast:
-        log.info("decode steps: the C++ step, weights %s", choice)
+        log.info("%s%s activations; decode steps: the C++ step, weights %s", where, activations, choice)
     else:
         log.info(
-            "decode steps: the torch path in %s (the C++ step: %s)",
-            str(dtype).removeprefix("torch."),
+            "%sdecode steps: the torch path in %s (the C++ step: %s)",
+            where,
+            activations,
             why_not or "float32 stays exact",
         )
     return choice, fast
@@ -100,7 +117,7 @@ def build_fused(
 
 def rows_only(wanted: bool, fused: FusedDecode | None) -> bool:
     """``--quantized-only``: every batch, prompts included, runs the C++ step, whose weights must then
-    be packed for its GEMM kernels (int8 or q4 on a CPU with VNNI), else it is refused."""
+    be packed for its GEMM kernels (int8 or q4), else it is refused."""
     if not wanted:
         return False
     if fused is None or not fused.any_batch:
@@ -111,7 +128,7 @@ def rows_only(wanted: bool, fused: FusedDecode | None) -> bool:
         )
         raise ValueError(
             f"--quantized-only runs every batch through the C++ step's quantized weights, which cannot take prompts here: {why} "
-            "(it needs --quantization int8 or q4 on a CPU with VNNI, and matrix sizes that are multiples of 16)"
+            "(it needs --quantization int8 or q4, and matrix sizes that are multiples of 16)"
         )
     return True
 

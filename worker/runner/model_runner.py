@@ -68,7 +68,7 @@ class ModelRunner:
         torch.set_num_threads(self.threads)
         self.device = pick_device(config.device)
         config = config.for_device(self.device.type)  # batch limits left at 0 (the graphs' buckets need them)
-        self.dtype = pick_dtype(config.dtype)
+        self.dtype = pick_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         model = load_model(source, self.dtype, config.cache_dir)
         text = model.config.get_text_config()
@@ -87,7 +87,9 @@ class ModelRunner:
             raise support.UnsupportedModel(f"{self.architecture} is not supported: {exc}.") from None
         # The reference the self-check compares with is computed now: the fused step and the native forward take transformers' layers.
         check = None if config.skip_self_check else SelfCheck(model, self.layers, self.max_model_len, self.block_size)
-        self.quantization, fast_decode = pick_decode_path(config.quantization, self.device, self.dtype, model)
+        self.quantization, fast_decode = pick_decode_path(
+            config.quantization, self.device, self.dtype, model, config.dtype
+        )
         decode_cache = source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}")
         fused = build_fused(fast_decode, model, self.quantization, decode_cache)
         only_rows = rows_only(config.quantized_only, fused)

@@ -47,7 +47,7 @@ class PoolingRunner:
         self.threads = team_size(config.threads)
         torch.set_num_threads(self.threads)
         self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype)
+        self.dtype = pick_dtype(config.dtype, self.device)
         self.quantization = "none"
         self.spec = spec
         hf = AutoConfig.from_pretrained(spec.weights)

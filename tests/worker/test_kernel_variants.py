@@ -1,0 +1,104 @@
+"""The kernel variants against each other (worker/cpu.py, worker/kernels): the packed int8 and q4
+GEMMs give the same bits on avx2 as on avx512 (exact integer sums, the same float folds lane by
+lane), every variant stays within float rounding of the portable one, and a whole quantized decode
+step agrees across variants. The variant choice and its cap (LLMPOOL_CPU_ISA) are checked here too."""
+
+import pytest
+import torch
+
+from worker import cpu, kernels
+from worker.quantization import pack_int8, pack_q4, quantize_int8, quantize_q4
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"C++ kernels did not build: {kernels.unavailable_reason()}")
+RUNNABLE = {v.name: v for v in cpu.runnable()}
+
+
+def every_variant(call):
+    return {name: call(kernels.variant_ops(variant)) for name, variant in RUNNABLE.items()}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 17])
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_packed_gemms_agree_across_variants(rows, weights):
+    torch.manual_seed(rows)
+    w, x, bias = torch.randn(96, 256) * 0.1, torch.randn(rows, 256), torch.randn(96)
+    weight, meta = pack_int8(*quantize_int8(w)) if weights == "int8" else pack_q4(*quantize_q4(w))
+    assert weight.dim() == 4
+    got = every_variant(lambda ops: ops.linear(x, weight, meta, bias))
+    for name, out in got.items():
+        torch.testing.assert_close(out, got["portable"], atol=1e-5, rtol=1e-5, msg=name)
+    if "avx512" in got and "avx2" in got:
+        assert torch.equal(got["avx2"], got["avx512"])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_a_quantized_decode_step_agrees_across_variants(quantization):
+    """A tiny Llama's step, each prompt position as a row over a paged bf16 cache, on every variant:
+    each position's top token in transformers' top 5 (vLLM's closeness rule, as
+    test_fused_families.py holds the chosen variant to) and logits near the portable variant's.
+    Activations are rounded to int8 inside the step, so a last-bit difference upstream (portable's
+    unfused multiply-adds) can move a rounding: near, not equal; int8's step is equal on avx2 and avx512."""
+    from tests.worker.test_fused_families import PROMPT, SIZES, fused_logits, tiny
+    from worker.models.fused_decode import FusedDecode
+
+    model = tiny("llama")
+    fused = FusedDecode(model, quantization)
+    assert fused.packed
+    ids = torch.randint(1, SIZES["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        top5 = model(ids[None]).logits[0].float().topk(5, dim=-1).indices
+
+    def step(ops):
+        fused.ops = ops
+        return fused_logits(model, fused, ids, torch.bfloat16)
+
+    got = every_variant(step)
+    for name, logits in got.items():
+        close = (top5 == logits.argmax(-1, keepdim=True)).any(-1).float().mean().item()
+        assert close >= (1.0 if quantization == "int8" else 0.95), (name, close)
+        torch.testing.assert_close(logits, got["portable"], atol=3e-2, rtol=3e-2, msg=name)
+    if quantization == "int8" and "avx512" in got and "avx2" in got:
+        assert torch.equal(got["avx2"], got["avx512"])
+
+
+def test_the_variant_is_the_best_the_cpu_runs_under_the_cap(monkeypatch):
+    """No cap: the first runnable variant; a cap takes the best at or under it; the portable variant
+    runs anywhere; a cap naming another architecture's set is refused in one sentence."""
+    monkeypatch.delenv(cpu.CAP_VARIABLE, raising=False)
+    assert cpu.chosen() == cpu.runnable()[0]
+    monkeypatch.setenv(cpu.CAP_VARIABLE, "portable")
+    assert cpu.chosen().name == "portable"
+    if cpu.arch() == "x86_64":
+        monkeypatch.setattr(cpu, "features", lambda: frozenset({"avx2", "fma", "f16c", "bmi2"}))
+        monkeypatch.setenv(cpu.CAP_VARIABLE, "avx512")  # a cap above the CPU: its best
+        assert cpu.chosen().name == "avx2"
+        monkeypatch.setattr(cpu, "features", lambda: frozenset({"sse2"}))
+        monkeypatch.delenv(cpu.CAP_VARIABLE)
+        assert cpu.chosen().name == "portable"
+        monkeypatch.setenv(cpu.CAP_VARIABLE, "neon")
+        with pytest.raises(ValueError, match="LLMPOOL_CPU_ISA='neon' is not an instruction set"):
+            cpu.chosen()
+
+
+def test_bf16_is_the_default_only_where_the_cpu_computes_it(monkeypatch):
+    """dtype auto: bf16 with AVX512-BF16 or AMX under the avx512 variant; float32 on an AVX2 CPU, or
+    under a cap (ours or oneDNN's), where an explicit bf16 is refused in one sentence."""
+    from worker.runner.choices import pick_dtype
+
+    monkeypatch.delenv(cpu.CAP_VARIABLE, raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    sapphire = frozenset(RUNNABLE.get("avx512", cpu.VARIANTS[0]).needs | {"avx512_bf16", "amx_bf16"})
+    monkeypatch.setattr(cpu, "arch", lambda: "x86_64")
+    monkeypatch.setattr(cpu, "features", lambda: sapphire)
+    assert pick_dtype("auto") == torch.bfloat16 and pick_dtype("bfloat16") == torch.bfloat16
+    monkeypatch.setenv(cpu.CAP_VARIABLE, "avx2")
+    assert pick_dtype("auto") == torch.float32
+    with pytest.raises(ValueError, match="--dtype bfloat16 needs a CPU that computes it natively"):
+        pick_dtype("bfloat16")
+    monkeypatch.delenv(cpu.CAP_VARIABLE)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert pick_dtype("auto") == torch.float32
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(cpu, "features", lambda: frozenset({"avx2", "fma", "f16c", "bmi2"}))  # Zen 3
+    assert pick_dtype("auto") == torch.float32 and pick_dtype("float32") == torch.float32
+    assert pick_dtype("auto", torch.device("cuda")) == torch.bfloat16

@@ -1,0 +1,168 @@
+"""What this CPU computes, read once at start, and which kernel variant runs on it.
+
+One build of the C++ kernels serves every CPU of an architecture: each variant (``VARIANTS``) is the
+same sources compiled with its own target flags into a library of its own, and the worker loads the
+best one whose instructions the CPU has (ggml's ``GGML_CPU_ALL_VARIANTS`` and ATen's
+``CPU_CAPABILITY`` do the same). ``LLMPOOL_CPU_ISA`` caps the choice (tests, mixed fleets) and the
+worker sets torch's twins of it, ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA``, to match
+(``cap_torch``, before torch is imported). No torch here: ``worker/__main__.py`` reads it first.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+
+CAP_VARIABLE = "LLMPOOL_CPU_ISA"
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One build of the kernels: what it needs of the CPU (Linux cpuinfo flag names) and how it is compiled."""
+
+    name: str
+    arch: str
+    needs: frozenset[str]
+    cflags: tuple[str, ...]
+    aten: str | None  # ATEN_CPU_CAPABILITY under this cap (None: leave torch's own choice)
+    onednn: str | None  # ONEDNN_MAX_CPU_ISA under this cap
+
+
+# Best first, per architecture. avx512 needs VNNI (Cascade Lake, Ice Lake, Sapphire Rapids, Zen 4 and
+# later); AVX-512 without it (Skylake-X) runs avx2. neon needs the dot-product extension (armv8.2:
+# Graviton 2+, Ampere, Apple M1+, Cortex-A76+).
+VARIANTS: tuple[Variant, ...] = (
+    Variant(
+        "avx512",
+        "x86_64",
+        frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"}),
+        ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"),
+        "avx512",
+        None,
+    ),
+    Variant(
+        "avx2",
+        "x86_64",
+        frozenset({"avx2", "fma", "f16c", "bmi2"}),
+        ("-march=x86-64-v3", "-mtune=generic"),
+        "avx2",
+        "AVX2",
+    ),
+    Variant("portable", "x86_64", frozenset(), ("-march=x86-64", "-mtune=generic"), "default", "SSE41"),
+    Variant("neon", "aarch64", frozenset({"asimd", "asimddp"}), ("-march=armv8.2-a+dotprod",), None, None),
+    Variant("portable", "aarch64", frozenset(), ("-march=armv8-a",), None, None),
+)
+NAMES = ("avx512", "avx2", "neon", "portable")
+
+
+def arch() -> str:
+    """x86_64 or aarch64 (macOS calls the latter arm64)."""
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+@functools.cache
+def features() -> frozenset[str]:
+    """The CPU's instruction-set flags as Linux's /proc/cpuinfo names them (macOS: from sysctl)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    if platform.system() == "Darwin" and arch() == "aarch64":  # every Apple-silicon core has these
+        found = {"asimd"}
+        if _sysctl("hw.optional.arm.FEAT_DotProd") == "1":
+            found.add("asimddp")
+        if _sysctl("hw.optional.arm.FEAT_BF16") == "1":
+            found.add("bf16")
+        return frozenset(found)
+    return frozenset()
+
+
+def _sysctl(name: str) -> str:
+    try:
+        return subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def model_name() -> str:
+    """The CPU's name, for the start-up line."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith(("model name", "Model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cap() -> str | None:
+    """``LLMPOOL_CPU_ISA``, checked: a name of ``NAMES`` that this architecture has, or None."""
+    value = os.environ.get(CAP_VARIABLE, "").strip().lower()
+    if not value:
+        return None
+    names = [v.name for v in VARIANTS if v.arch == arch()]
+    if value not in names:
+        raise ValueError(
+            f"{CAP_VARIABLE}={value!r} is not an instruction set of this {arch()} CPU's builds: use one of {', '.join(names)}"
+        )
+    return value
+
+
+def runnable(flags: frozenset[str] | None = None) -> list[Variant]:
+    """The variants this CPU executes, best first (whatever the cap)."""
+    flags = features() if flags is None else flags
+    return [v for v in VARIANTS if v.arch == arch() and v.needs <= flags]
+
+
+def chosen() -> Variant:
+    """The best variant the CPU runs at or under the cap (portable at worst)."""
+    ours = [v for v in VARIANTS if v.arch == arch()]
+    if not ours:
+        raise RuntimeError(f"no C++ kernel variant for the {arch()} architecture")
+    limit = cap()
+    allowed = ours[[v.name for v in ours].index(limit) :] if limit else ours
+    return next(v for v in allowed if v.needs <= features() or v.name == "portable")
+
+
+def native_bf16() -> bool:
+    """Whether bf16 is computed natively under the chosen variant: AVX512-BF16 or AMX on x86. Elsewhere
+    torch emulates it (several times float32's cost, and oneDNN refuses to pack its weights)."""
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()  # capped below bf16: torch's bf16 is emulated
+    uncapped = onednn == "ALL" or any(part in onednn for part in ("BF16", "AMX", "FP16", "AVX10"))
+    return chosen().name == "avx512" and uncapped and bool({"avx512_bf16", "amx_bf16"} & features())
+
+
+def cap_torch() -> None:
+    """Under ``LLMPOOL_CPU_ISA``, cap torch's own kernels to match (unless set already); call before
+    torch is imported: ATen and oneDNN read them once. A cap that names no variant is left to the
+    engine's start, which refuses it in the worker's start-up report."""
+    try:
+        if cap() is None:
+            return
+    except ValueError:
+        return
+    variant = chosen()
+    if variant.aten:
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", variant.aten)
+    if variant.onednn:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", variant.onednn)
+
+
+def describe() -> str:
+    """One line for the start-up log: the CPU, the instruction sets that matter here, and the variant."""
+    interesting = (
+        "avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve",
+    )  # fmt: skip
+    present = [flag for flag in interesting if flag in features()]
+    limit = cap()
+    return f"CPU {model_name()} ({arch()}: {' '.join(present) or 'baseline only'}); kernels {chosen().name}" + (
+        f" ({CAP_VARIABLE}={limit})" if limit else ""
+    )
