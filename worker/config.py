@@ -21,7 +21,9 @@ WORKER_FLAGS = [
     Flag(
         "dtype",
         "auto",
-        "auto (bfloat16: 2x fp32's speed on an AVX-512-bf16 CPU and on GPUs), bfloat16, float16, float32",
+        "auto (bfloat16 on GPUs and on CPUs that compute it natively, AVX512-BF16 or AMX: 2x fp32's speed there; "
+        "elsewhere float32 with int8/q4 weights in the C++ step), bfloat16, float16, float32 (an explicit bf16/fp16 "
+        "a CPU does not compute is refused)",
     ),
     Flag(
         "kv-cache-memory",
@@ -91,12 +93,12 @@ WORKER_FLAGS = [
         "quantization",
         "auto",
         "Weights of the C++ decode kernel: int8 (weight-only, a scale per output row), q4 (4 bits, a scale and minimum per 32 inputs), none (the model's dtype), "
-        "or auto (on the CPU unless --dtype float32: q4 for a model that came as 4-bit weights, like the default Q4_1 GGUF, on a CPU with VNNI; else int8)",
+        "or auto (on the CPU unless an explicit --dtype float32: q4 for a model that came as 4-bit weights, like the default Q4_1 GGUF; else int8)",
     ),
     Flag(
         "quantized-only",
         False,
-        "Keep only the C++ step's quantized weights (int8/q4, packed for VNNI): prompts run through that step too, and the model's "
+        "Keep only the C++ step's quantized weights (int8/q4, packed): prompts run through that step too, and the model's "
         "float copy (bf16: 2 bytes a parameter) is freed after the start-up self-check; refused where the step cannot take every batch",
         bool,
     ),

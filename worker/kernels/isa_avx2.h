@@ -80,10 +80,26 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)));
 }
 inline V16 exp16(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
+// out[i] = sum of the lanes of r[i], for 16 vectors at once: the avx512 variant's transpose-and-add
+// tree, step for step on two 8-float halves (the same pairs added, so the same sums to the bit).
+inline __m256 pair_sums(__m256 a, __m256 b, __m256 c, __m256 d) {  // per 128-bit lane: the 4 sums of a, b, c, d
+  const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))),
+                       _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))));
+}
+inline __m256 lane_pairs(__m256 lo, __m256 hi) {  // [lo.L0 + lo.L1, hi.L0 + hi.L1]
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
 inline V16 reduce16(const V16* r) {
-  alignas(32) float out[16];
-  for (int i = 0; i < 16; ++i) out[i] = hsum(r[i]);
-  return load16(out);
+  V16 u[4];
+  for (int q = 0; q < 4; ++q) {
+    const V16 &a = r[4 * q], &b = r[4 * q + 1], &c = r[4 * q + 2], &d = r[4 * q + 3];
+    u[q] = {pair_sums(a.lo, b.lo, c.lo, d.lo), pair_sums(a.hi, b.hi, c.hi, d.hi)};
+  }
+  const V16 x01{lane_pairs(u[0].lo, u[0].hi), lane_pairs(u[1].lo, u[1].hi)};
+  const V16 x23{lane_pairs(u[2].lo, u[2].hi), lane_pairs(u[3].lo, u[3].hi)};
+  return {lane_pairs(x01.lo, x01.hi), lane_pairs(x23.lo, x23.hi)};
 }
 
 // ---------------------------------------------------------------------------------------------

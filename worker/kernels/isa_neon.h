@@ -71,9 +71,19 @@ inline float32x4_t exp4(float32x4_t x) {
   return vmulq_f32(p, vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(e, vdupq_n_s32(127)), 23)));
 }
 inline V16 exp16(V16 x) { LLMPOOL_LANES4(exp4(x.v[i])); }
+// out[i] = sum of the lanes of r[i], added in the avx512 variant's transpose-and-add tree: per
+// 4-lane quarter L, s_L = (x[4L] + x[4L + 2]) + (x[4L + 1] + x[4L + 3]), then (s_0 + s_1) + (s_2 + s_3).
+inline float tree16(const float* x) {
+  float s[4];
+  for (int L = 0; L < 4; ++L) s[L] = (x[4 * L] + x[4 * L + 2]) + (x[4 * L + 1] + x[4 * L + 3]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
 inline V16 reduce16(const V16* r) {
-  alignas(16) float out[16];
-  for (int i = 0; i < 16; ++i) out[i] = hsum(r[i]);
+  alignas(16) float in[16], out[16];
+  for (int i = 0; i < 16; ++i) {
+    store16(in, r[i]);
+    out[i] = tree16(in);
+  }
   return load16(out);
 }
 #undef LLMPOOL_LANES4

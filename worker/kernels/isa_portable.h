@@ -32,7 +32,14 @@ inline V16 load16(const T* p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = sta
 inline void store16(float* p, V16 a) { for (int i = 0; i < 16; ++i) p[i] = a.v[i]; }
 inline void store_i8(int8_t* p, V16 a) { for (int i = 0; i < 16; ++i) p[i] = static_cast<int8_t>(std::nearbyint(a.v[i])); }
 inline V16 exp16(V16 x) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::exp(x.v[i]); return r; }
-inline V16 reduce16(const V16* r) { V16 o; for (int i = 0; i < 16; ++i) o.v[i] = hsum(r[i]); return o; }
+// out[i] = sum of the lanes of r[i], added in the avx512 variant's transpose-and-add tree: per
+// 4-lane quarter L, s_L = (x[4L] + x[4L + 2]) + (x[4L + 1] + x[4L + 3]), then (s_0 + s_1) + (s_2 + s_3).
+inline float tree16(const float* x) {
+  float s[4];
+  for (int L = 0; L < 4; ++L) s[L] = (x[4 * L] + x[4 * L + 2]) + (x[4 * L + 1] + x[4 * L + 3]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+inline V16 reduce16(const V16* r) { V16 o; for (int i = 0; i < 16; ++i) o.v[i] = tree16(r[i].v); return o; }
 
 // int8 dot products for the packed layouts: 64 bytes hold 4 consecutive inputs of 16 columns
 // ([16][4]); 16 int32 sums. Signed activations (no shift).
