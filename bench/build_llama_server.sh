@@ -7,6 +7,8 @@
 #
 #   bench/build_llama_server.sh            # -> .llama.cpp/build/bin/llama-server
 #   JOBS=4 bench/build_llama_server.sh     # more compile jobs (default 2, niced: the cores are shared)
+#   ISA=avx2 bench/build_llama_server.sh   # -> .llama.cpp/build-avx2/bin/llama-server: AVX2 + FMA + F16C only,
+#                                          # the peer for llmpool under LLMPOOL_CPU_ISA=avx2 on a newer CPU
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -29,8 +31,15 @@ SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 # general-protection fault in ggml_backend_amx_mul_mat at warm-up (Sapphire Rapids, 2026-11-26), so
 # it is left out; llama.cpp then runs its AVX-512 VNNI/BF16 kernels, as on CPUs without AMX.
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON \
-  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+BUILD="$DIR/build"
+ISA_FLAGS=(-DGGML_NATIVE=ON)
+if [ "${ISA:-native}" = avx2 ]; then  # x86-64-v3 as an AVX2-only server (Zen 3, Haswell) has it, nothing newer
+  BUILD="$DIR/build-avx2"
+  ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+    -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_INT8=OFF)
+fi
+cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON \
+  "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX"
-nice -n 10 cmake --build "$DIR/build" --target llama-server llama-quantize -j "$JOBS"
-echo "built $DIR/build/bin/llama-server and llama-quantize"
+nice -n 10 cmake --build "$BUILD" --target llama-server llama-quantize -j "$JOBS"
+echo "built $BUILD/bin/llama-server and llama-quantize"

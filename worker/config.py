@@ -97,9 +97,11 @@ WORKER_FLAGS = [
     ),
     Flag(
         "quantized-only",
-        False,
+        None,
         "Keep only the C++ step's quantized weights (int8/q4, packed): prompts run through that step too, and the model's "
-        "float copy (bf16: 2 bytes a parameter) is freed after the start-up self-check; refused where the step cannot take every batch",
+        "float copy is freed after the start-up self-check; refused where the step cannot take every batch. Unset (auto): "
+        "on for a GGUF on the CPU with --dtype auto where the step takes every batch, as llama.cpp runs it (its answers are "
+        "then the same on every instruction set: worker/cpu.py); --no-quantized-only keeps prompts on the torch path",
         bool,
     ),
     Flag(
@@ -185,7 +187,7 @@ class WorkerConfig(SharedConfig):
     model_impl: str = "auto"
     skip_self_check: bool = False
     quantization: str = "auto"
-    quantized_only: bool = False
+    quantized_only: bool | None = None  # None: auto (see the flag)
     cuda_graphs: str = "auto"
     cuda_attention: str = "auto"
     threads: int = 0

@@ -189,7 +189,7 @@ def test_workers_keep_their_kv_store_on_a_volume(overlay):
 
 
 def test_kernel_dir_is_read_by_the_worker():
-    assert '"LLMPOOL_KERNEL_DIR"' in (REPO / "worker" / "kernels" / "__init__.py").read_text()
+    assert '"LLMPOOL_KERNEL_DIR"' in (REPO / "worker" / "kernels" / "compile.py").read_text()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -146,7 +146,7 @@ def test_prompt_chunks_computed_beside_decodes_give_the_prefills_distribution():
     other causally, or saw later ones, would give a different distribution."""
     engine = build_engine(
         resolve_model("SmolLM2-135M-Instruct"),
-        WorkerConfig(kv_cache_memory="64MiB", max_prefill_chunk=16, prefix_caching=False),
+        WorkerConfig(kv_cache_memory="64MiB", max_prefill_chunk=16, prefix_caching=False, quantized_only=False),
     )
     if not (engine.runner.paths.fast and engine.runner.paths.fused.any_batch):
         pytest.skip("needs the C++ kernels with packed weights (a CPU with VNNI)")

@@ -37,7 +37,7 @@ def test_a_quantized_decode_step_agrees_across_variants(quantization):
     each position's top token in transformers' top 5 (vLLM's closeness rule, as
     test_fused_families.py holds the chosen variant to) and logits near the portable variant's.
     Activations are rounded to int8 inside the step, so a last-bit difference upstream (portable's
-    unfused multiply-adds) can move a rounding: near, not equal; int8's step is equal on avx2 and avx512."""
+    unfused multiply-adds) can move a rounding: near, not equal; on avx2 and avx512 the step is equal."""
     from tests.worker.test_fused_families import PROMPT, SIZES, fused_logits, tiny
     from worker.models.fused_decode import FusedDecode
 
@@ -57,7 +57,7 @@ def test_a_quantized_decode_step_agrees_across_variants(quantization):
         close = (top5 == logits.argmax(-1, keepdim=True)).any(-1).float().mean().item()
         assert close >= (1.0 if quantization == "int8" else 0.95), (name, close)
         torch.testing.assert_close(logits, got["portable"], atol=3e-2, rtol=3e-2, msg=name)
-    if quantization == "int8" and "avx512" in got and "avx2" in got:
+    if "avx512" in got and "avx2" in got:
         assert torch.equal(got["avx2"], got["avx512"])
 
 
@@ -102,3 +102,27 @@ def test_bf16_is_the_default_only_where_the_cpu_computes_it(monkeypatch):
     monkeypatch.setattr(cpu, "features", lambda: frozenset({"avx2", "fma", "f16c", "bmi2"}))  # Zen 3
     assert pick_dtype("auto") == torch.float32 and pick_dtype("float32") == torch.float32
     assert pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_the_default_engine_answers_alike_on_avx2_and_avx512():
+    """The default model with no flags (every batch through the C++ step, float32): the same greedy
+    tokens with the avx2 kernels swapped in as with the avx512 ones (the held-out check serves it
+    again under LLMPOOL_CPU_ISA=avx2 and expects the same text)."""
+    if not {"avx512", "avx2"} <= RUNNABLE.keys():
+        pytest.skip("needs a CPU that runs both the avx512 and the avx2 kernels")
+    from common.model_source import resolve_model
+    from common.protocol import NewRequest, SamplingParams
+    from tests.worker.factories import drain, tokens
+    from tests.worker.test_engine import PROMPTS
+    from worker.build import build_engine
+    from worker.config import WorkerConfig
+
+    engine = build_engine(resolve_model("SmolLM2-135M-Instruct"), WorkerConfig(kv_cache_memory="64MiB"))
+    assert engine.runner.paths.rows_only
+    answers = {}
+    for name in ("avx512", "avx2"):
+        engine.runner.paths.fused.ops = kernels.variant_ops(RUNNABLE[name])
+        news = [NewRequest(f"{name}{i}", ids, 24, SamplingParams(temperature=0)) for i, ids in enumerate(PROMPTS)]
+        out = drain(engine, news)
+        answers[name] = [tokens(out[f"{name}{i}"]) for i in range(len(PROMPTS))]
+    assert answers["avx2"] == answers["avx512"]

@@ -1,5 +1,6 @@
 """``--quantized-only``: every batch, prompts included, runs the C++ step on its quantized weights, and
-the model's float copy is freed. Answers must stay close to the default mode's (prompts in bf16):
+the model's float copy is freed (the default for a GGUF on the CPU). Answers must stay close to those
+with prompts on the torch path (``--no-quantized-only``):
 vLLM's closeness rule on greedy answers, and prompt logprobs within quantization noise."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def engines() -> tuple[Engine, Engine]:
     only = engine_for(quantized_only=True)
     if not only.runner.paths.rows_only:  # pragma: no cover - built only where it can run
         pytest.skip("needs the C++ kernels with packed weights")
-    return engine_for(), only
+    return engine_for(quantized_only=False), only  # prompts on the torch path, as for a model not a GGUF
 
 
 def answers(engine: Engine) -> dict[str, list]:
@@ -43,6 +44,16 @@ def answers(engine: Engine) -> dict[str, list]:
 def test_refused_where_the_step_cannot_take_prompts():
     with pytest.raises(ValueError, match=re.escape("--quantized-only runs every batch through the C++ step")):
         engine_for(dtype="float32", quantization="none", quantized_only=True, skip_self_check=True)
+
+
+def test_it_is_the_default_for_a_gguf_on_the_cpu_in_float32():
+    """No flags: the default model (a Q4_1 GGUF) runs every batch through the C++ step in float32,
+    its float copy freed; --no-quantized-only keeps prompts on the torch path."""
+    default = engine_for(skip_self_check=True)
+    assert default.runner.paths.rows_only and str(default.runner.dtype) == "torch.float32"
+    assert default.runner.native is None
+    off = engine_for(quantized_only=False, skip_self_check=True)
+    assert not off.runner.paths.rows_only and off.runner.native is not None
 
 
 def test_the_float_weights_are_freed(engines):

@@ -109,6 +109,8 @@ inline V16 reduce16(const V16* r) {
 // signed one (vpsignb), so no pair sum reaches int16's limit (2 * 127 * 128 < 32768).
 // ---------------------------------------------------------------------------------------------
 constexpr int ACTIVATION_SHIFT = 0;
+// Blocks of 16 columns a packed tile of 3 or 4 rows takes at once (16 registers: one block's 4 weight registers and 4 rows' 8 accumulators fit, two spilled).
+constexpr int TILE_BLOCKS = 1;
 struct Acc16 {
   __m256i lo, hi;
 };

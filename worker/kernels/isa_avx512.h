@@ -75,6 +75,8 @@ inline V16 reduce16(const V16* r) {
 // activations are stored shifted (+128, ACTIVATION_SHIFT) and the GEMM subtracts 128 * the weight sums.
 // ---------------------------------------------------------------------------------------------
 constexpr int ACTIVATION_SHIFT = 128;
+// Blocks of 16 columns a packed tile of 3 or 4 rows takes at once (32 registers: 2 blocks' weights beside 4 rows' accumulators).
+constexpr int TILE_BLOCKS = 2;
 struct Acc16 {
   __m512i v;
 };

@@ -94,6 +94,8 @@ inline V16 reduce16(const V16* r) {
 // lane. Signed activations (no shift); q4's nibbles (0-15) are valid signed bytes as they are.
 // ---------------------------------------------------------------------------------------------
 constexpr int ACTIVATION_SHIFT = 0;
+// Blocks of 16 columns a packed tile of 3 or 4 rows takes at once (32 registers).
+constexpr int TILE_BLOCKS = 2;
 struct Acc16 {
   int32x4_t v[4];
 };

@@ -44,6 +44,8 @@ inline V16 reduce16(const V16* r) { V16 o; for (int i = 0; i < 16; ++i) o.v[i] =
 // int8 dot products for the packed layouts: 64 bytes hold 4 consecutive inputs of 16 columns
 // ([16][4]); 16 int32 sums. Signed activations (no shift).
 constexpr int ACTIVATION_SHIFT = 0;
+// Blocks of 16 columns a packed tile of 3 or 4 rows takes at once (arrays: no registers to share).
+constexpr int TILE_BLOCKS = 1;
 struct Acc16 {
   int32_t v[16];
 };

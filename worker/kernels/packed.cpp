@@ -100,14 +100,15 @@ void packed_tile(const int8_t* xq, const float* xs, int64_t K, const int8_t* w, 
 // rows in tiles of NB blocks (then single blocks): calls f(integral_constant R, integral_constant
 // NB, first row, first block). One or two rows take one block at a time: a block's weights are
 // contiguous, so each thread reads one sequential stream; a batch-1 step took 0.83x (q4) and
-// 0.89x (int8) the time it took with 4 interleaved blocks. From 3 rows, 2 blocks share the loads
-// of the activations (at 8 rows 1 block was 1.05x slower).
+// 0.89x (int8) the time it took with 4 interleaved blocks. From 3 rows, TILE_BLOCKS blocks share the
+// loads of the activations (avx512: 2; at 8 rows 1 block was 1.05x slower; avx2's 16 registers
+// hold one block's tile).
 template <typename F>
 void for_block_tiles(int64_t rows, int64_t b_begin, int64_t b_end, F&& f) {
   for (int64_t p0 = b_begin; p0 < b_end; p0 += PANEL_BLOCKS) {
     const int64_t p1 = std::min(b_end, p0 + PANEL_BLOCKS);
     for_row_groups(rows, [&](auto R, int64_t r) {
-      constexpr int NB = decltype(R)::value <= 2 ? 1 : 2;
+      constexpr int NB = decltype(R)::value <= 2 ? 1 : TILE_BLOCKS;
       int64_t b = p0;
       for (; b + NB <= p1; b += NB) f(R, std::integral_constant<int, NB>{}, r, b);
       for (; b < p1; ++b) f(R, std::integral_constant<int, 1>{}, r, b);

@@ -31,13 +31,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+def pick_dtype(name: str, device: torch.device | None = None, quantized_at_rest: bool = False) -> torch.dtype:
     """``auto``: bfloat16 on a GPU, and on a CPU that computes it natively (AVX512-BF16 or AMX, where it
     decodes about 2x faster than fp32); elsewhere float32 (torch emulates bf16 there, and oneDNN
-    refuses to pack its weights), with the C++ step's int8/q4 weights (``pick_decode_path``). An
-    explicit bfloat16 or float16 the CPU cannot compute is refused in one sentence."""
+    refuses to pack its weights), with the C++ step's int8/q4 weights (``pick_decode_path``). A model
+    quantized at rest (a GGUF) on the CPU: float32, its weights de-quantized exactly, for the C++ step
+    that then runs every batch (``rows_only``) on every CPU alike. An explicit bfloat16 or float16
+    the CPU cannot compute is refused in one sentence."""
     on_cpu = device is None or device.type == "cpu"
     if name == "auto":
+        if on_cpu and quantized_at_rest:
+            return torch.float32
         return torch.bfloat16 if not on_cpu or cpu.native_bf16() else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
@@ -115,9 +119,18 @@ def build_fused(
     return FusedDecode(model, quantization, cache, family) if fast else None
 
 
-def rows_only(wanted: bool, fused: FusedDecode | None) -> bool:
+def rows_only(wanted: bool | None, fused: FusedDecode | None, by_default: bool = False) -> bool:
     """``--quantized-only``: every batch, prompts included, runs the C++ step, whose weights must then
-    be packed for its GEMM kernels (int8 or q4), else it is refused."""
+    be packed for its GEMM kernels (int8 or q4), else it is refused. Unset (None), it is on where
+    ``by_default`` (a GGUF on the CPU in float32) and the step takes every batch: the answers are then
+    the C++ step's alone, the same bits on avx2 as on avx512 (worker/kernels/packed.cpp), where a
+    torch prompt path's would follow the CPU's own matmuls."""
+    if wanted is None:
+        wanted = by_default and fused is not None and fused.any_batch
+        if wanted:
+            log.info(
+                "prompts run through the C++ step too (a GGUF on the CPU; --no-quantized-only keeps them on torch)"
+            )
     if not wanted:
         return False
     if fused is None or not fused.any_batch:

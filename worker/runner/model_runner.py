@@ -68,7 +68,7 @@ class ModelRunner:
         torch.set_num_threads(self.threads)
         self.device = pick_device(config.device)
         config = config.for_device(self.device.type)  # batch limits left at 0 (the graphs' buckets need them)
-        self.dtype = pick_dtype(config.dtype, self.device)
+        self.dtype = pick_dtype(config.dtype, self.device, quantized_at_rest=source.gguf_file is not None)
         self.block_size = config.block_size
         model = load_model(source, self.dtype, config.cache_dir)
         text = model.config.get_text_config()
@@ -92,7 +92,9 @@ class ModelRunner:
         )
         decode_cache = source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}")
         fused = build_fused(fast_decode, model, self.quantization, decode_cache)
-        only_rows = rows_only(config.quantized_only, fused)
+        by_default = self.device.type == "cpu" and source.gguf_file is not None and config.dtype == "auto"
+        only_rows = rows_only(config.quantized_only, fused, by_default)
+        self.rows_by_default = only_rows and config.quantized_only is None
         # The model's own weights, described while its layers are still there (the native forward
         # takes them): where the self-check fails only auto's rounding, the step serves these.
         own = None
@@ -168,7 +170,7 @@ class ModelRunner:
         try:
             check.run(self)
         except support.UnsupportedModel as exc:
-            if own is None or self.paths.rows_only:
+            if own is None or (self.paths.rows_only and not self.rows_by_default):
                 raise
             log.warning(
                 "%s weights fail the self-check (%s); the C++ step serves the model's own %s weights instead "
@@ -180,6 +182,8 @@ class ModelRunner:
             )
             self.quantization = "none"
             fused = build_fused(True, self.model, "none", None, own)
+            if self.native is None and self.rows_by_default:  # prompts go back to the torch path
+                self.native = pick_impl("auto", self.model)
             self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, graphs)
             check.run(self)
 
