@@ -1,5 +1,5 @@
 """The LoRA adapters loaded and unloaded at runtime, per model: the fleet's one record of them, so
-that every gateway hands a joining worker the same set (gateway/lora.py ``LoraSync``) and learns
+that every gateway hands a joining worker the same set (gateway/fleet/lora.py ``LoraSync``) and learns
 of a load made through another gateway at its next heartbeat.
 
 A row per adapter name a runtime command touched: its folder, or NULL once unloaded. An unloaded

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.admission import Admission
-from gateway.core import admit
 from gateway.errors import InvalidRequest, Overloaded, RequestTimeout
+from gateway.generate.core import admit
+from gateway.policy.admission import Admission
 
 
 async def queued(admission: Admission, count: int, key: str | None = None) -> None:

@@ -16,10 +16,10 @@ from openai._models import construct_type_unchecked
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
-from gateway.events import END, Finish, Text, ToolCallDelta, Usage
-from gateway.routes.response_output import Output
-from gateway.routes.responses import ResponsesRequest, _envelope
-from gateway.tools import CallDelta
+from gateway.generate.events import END, Finish, Text, ToolCallDelta, Usage
+from gateway.generate.tools import CallDelta
+from gateway.http.routes.response_output import Output
+from gateway.http.routes.responses import ResponsesRequest, _envelope
 
 
 class _Generation:

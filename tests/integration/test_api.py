@@ -286,7 +286,7 @@ def test_the_request_id_comes_back_and_is_logged_on_both_sides(server):
 
     def logged() -> bool:
         log = (ARTIFACTS / "serve-session.log").read_text()
-        return f"worker.engine: request {rid} queued" in log and f"gateway.metrics: request {rid} " in log
+        return f"worker.engine: request {rid} queued" in log and f"gateway.ops.metrics: request {rid} " in log
 
     wait_until(logged, 10, "the request id in the gateway's and the worker's logs")
 

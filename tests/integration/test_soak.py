@@ -150,7 +150,7 @@ def answer(http: httpx.Client, base: str, path: str, body: dict) -> list[str]:
 
 
 def hostile(port: int, kind: str) -> bytes:
-    """A client the HTTP layer must turn away (gateway/http_server.py): what the gateway answered
+    """A client the HTTP layer must turn away (gateway/http/server.py): what the gateway answered
     before it closed the connection."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         try:

@@ -22,9 +22,9 @@ from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import protocol
-from gateway import tracing
-from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.http.app import create_app
+from gateway.ops import tracing
 from tests.conftest import MODEL, STATE_DIR, free_port, spawn, stop, wait_until
 from tests.gateway.test_tracing import Collector
 
