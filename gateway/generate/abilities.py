@@ -14,9 +14,9 @@ ENDPOINTS = {
 }
 
 
-def abilities(generator: ServedModel) -> PoolingInfo | None:
+def abilities(served: ServedModel) -> PoolingInfo | None:
     """What the model's workers said they can pool (None: a generation model)."""
-    pool = generator.client.models.get(generator.model_name)
+    pool = served.client.models.get(served.model_name)
     return next((w.ready.pooling for w in pool.workers.values()), None) if pool is not None else None
 
 
@@ -24,9 +24,9 @@ def tasks(info: PoolingInfo | None) -> list[str]:
     return list(info.tasks) if info is not None else [PoolingTask.GENERATE]
 
 
-def require(generator: ServedModel, task: str) -> PoolingInfo | None:
+def require(served: ServedModel, task: str) -> PoolingInfo | None:
     """A 400 that says what the model does when it does not do ``task``."""
-    info = abilities(generator)
+    info = abilities(served)
     if task not in tasks(info):
         what = (
             "a generation model"
@@ -37,7 +37,7 @@ def require(generator: ServedModel, task: str) -> PoolingInfo | None:
         )
         serves = " and ".join(ENDPOINTS[t] for t in tasks(info))
         raise InvalidRequest(
-            f"the model `{generator.model_name}` is {what}: it serves {serves}, not {ENDPOINTS[task]}",
+            f"the model `{served.model_name}` is {what}: it serves {serves}, not {ENDPOINTS[task]}",
             param="model",
             code="model_not_supported",
         )

@@ -47,43 +47,43 @@ from gateway.policy.priority import request_priority
 from gateway.policy.quotas import enforce
 
 
-async def start(generator: ServedModel, req: CoreRequest, request: Request | None = None) -> Generation:
+async def start(served: ServedModel, req: CoreRequest, request: Request | None = None) -> Generation:
     """Check the request, tokenize its prompt and admit it: errors (400, 429, 503, 504) come now,
     before a response starts. One wire request per choice, ``n`` per prompt, admitted all together
     or not at all. The admission wait counts toward ``--request-timeout`` and ends when
     ``request``'s client hangs up."""
-    deadline = asyncio.get_running_loop().time() + generator.timeout_s
-    require(generator, PoolingTask.GENERATE)  # an embedding model's is a 400 that says what it serves
+    deadline = asyncio.get_running_loop().time() + served.timeout_s
+    require(served, PoolingTask.GENERATE)  # an embedding model's is a 400 that says what it serves
     if req.request_id is None:
         req.request_id = request_id(request.headers.get("x-request-id") if request is not None else None)
     if request is not None and req.meter is None:
         req.meter = getattr(request.app.state, "usage", None)
         req.owner = caller_owner(request)
     req.priority = request_priority(request, req.sampling.priority)
-    prepared = await prepare(generator, req, request)
-    await enforce(request, generator.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
-    tracing.describe_request(lambda: req.span_attributes(generator.model_name, prepared.prompts))
+    prepared = await prepare(served, req, request)
+    await enforce(request, served.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
+    tracing.describe_request(lambda: req.span_attributes(served.model_name, prepared.prompts))
     with tracing.span("queue"):
-        slots = await admit(generator, len(prepared.news), deadline, request, req.priority)
-    return Generation(generator, req, prepared, slots, deadline)
+        slots = await admit(served, len(prepared.news), deadline, request, req.priority)
+    return Generation(served, req, prepared, slots, deadline)
 
 
-async def prompt_ids(generator: ServedModel, req: CoreRequest, request: Request | None = None) -> list[list[int]]:
+async def prompt_ids(served: ServedModel, req: CoreRequest, request: Request | None = None) -> list[list[int]]:
     """The prompts as token ids, after the same checks as ``start`` (for counting tokens)."""
-    return (await prepare(generator, req, request, admit=False)).prompts
+    return (await prepare(served, req, request, admit=False)).prompts
 
 
 async def admit(
-    generator: ServedModel, count: int, deadline: float, request: Request | None, priority: int = 0
+    served: ServedModel, count: int, deadline: float, request: Request | None, priority: int = 0
 ) -> list[Slot]:
     async def wait() -> list[Slot]:
         try:
             async with asyncio.timeout_at(deadline):
                 key = caller_owner(request) if request is not None else ""
-                return await generator.admission.acquire(count, key, priority)
+                return await served.admission.acquire(count, key, priority)
         except TimeoutError:
             raise RequestTimeout(
-                f"the request waited longer than --request-timeout ({generator.timeout_s:g} s) for the server to take it"
+                f"the request waited longer than --request-timeout ({served.timeout_s:g} s) for the server to take it"
             ) from None
 
     if request is None:
@@ -95,9 +95,9 @@ class Generation:
     """An admitted request: its events as they come, or its choices once all are done."""
 
     def __init__(
-        self, generator: ServedModel, req: CoreRequest, prepared: Prepared, slots: list[Slot], deadline: float
+        self, served: ServedModel, req: CoreRequest, prepared: Prepared, slots: list[Slot], deadline: float
     ) -> None:
-        self.generator = generator
+        self.served = served
         self.deadline = deadline  # the event loop's clock: --request-timeout from the request's start
         self.req = req
         self.prompts = prepared.prompts  # token ids, one list per prompt
@@ -154,7 +154,7 @@ class Generation:
         prompt, cached = (usage.prompt_tokens, usage.cached_tokens) if first else (0, 0)
         self.req.meter.record(
             self.req.owner or "",
-            self.generator.model_name,
+            self.served.model_name,
             prompt,
             cached,
             usage.completion_tokens,
@@ -188,9 +188,9 @@ class Generation:
 
     async def _merged(self) -> AsyncIterator[tuple[int, TextDelta]]:
         """The deltas of every choice as (choice index, delta), in arrival order."""
-        generator, stops, skip = self.generator, self.stops, self.req.sampling.skip_special_tokens
+        served, stops, skip = self.served, self.stops, self.req.sampling.skip_special_tokens
         if len(self.news) == 1:
-            async for delta in generator.stream(
+            async for delta in served.stream(
                 self.news[0], self.slots[0], self.deadline, stops, skip, self.req.replay, self.req.on_output
             ):
                 yield 0, delta
@@ -199,7 +199,7 @@ class Generation:
 
         async def pump(index: int) -> None:
             try:
-                async for delta in generator.stream(self.news[index], self.slots[index], self.deadline, stops, skip):
+                async for delta in served.stream(self.news[index], self.slots[index], self.deadline, stops, skip):
                     queue.put_nowait((index, delta))
             except GatewayError as exc:
                 queue.put_nowait((index, exc))

@@ -48,7 +48,7 @@ class ModelRegistry:
         self.lanes = lanes
         self.timeout_s = timeout_s
         self.reasoning_parser = reasoning_parser
-        self.generators: dict[str, ServedModel] = {}
+        self.served_models: dict[str, ServedModel] = {}
         self.first_seen: dict[str, int] = {}  # model -> unix time it was learned (``created`` in /v1/models)
 
     async def learn(self, info: ModelInfo) -> None:
@@ -57,7 +57,7 @@ class ModelRegistry:
         source = read_chat_template(None, info.chat_template or getattr(tokenizer, "chat_template", None))
         template = ChatTemplate(source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token})
         markers = await asyncio.to_thread(model_markers, self.reasoning_parser, tokenizer, source)
-        self.generators[info.model] = ServedModel(
+        self.served_models[info.model] = ServedModel(
             self.client,
             tokenizer,
             template,
@@ -71,33 +71,31 @@ class ModelRegistry:
         self.first_seen.setdefault(info.model, int(time.time()))
 
     def get(self, name: str | None) -> ServedModel:
-        """The generator of the model a request names (None, where the field is optional: the only
+        """The served model a request names (None, where the field is optional: the only
         model, if there is one); 404 if never seen, 503 if it has no live worker."""
-        if name is None and len(self.generators) == 1:
-            name = next(iter(self.generators))
-        generator = self.generators.get(name or "")
-        base = find(self.client.models, name) if generator is None and name else None
-        if base in self.generators:  # a LoRA adapter: its base model's generator, each request with the adapter
-            generator = copy.copy(self.generators[base])
-            generator.client = AdapterClient(self.client, name)
-            generator.served_name = name
-        if generator is None:
+        if name is None and len(self.served_models) == 1:
+            name = next(iter(self.served_models))
+        served = self.served_models.get(name or "")
+        base = find(self.client.models, name) if served is None and name else None
+        if base in self.served_models:  # a LoRA adapter: its base model's, each request with the adapter
+            served = copy.copy(self.served_models[base])
+            served.client = AdapterClient(self.client, name)
+            served.served_name = name
+        if served is None:
             if name in self.client.models:
                 raise NoWorkerAvailable(f"the model `{name}` is starting (its tokenizer is loading); retry shortly")
-            served = ", ".join(f"`{m}`" for m in sorted(self.generators)) or "none yet (no worker has registered)"
+            served = ", ".join(f"`{m}`" for m in sorted(self.served_models)) or "none yet (no worker has registered)"
             raise NotFound(
                 f"the model `{name}` does not exist; this server serves {served}", param="model", code="model_not_found"
             )
-        if not self.client.available(generator.model_name):
-            raise NoWorkerAvailable(
-                f"no worker of `{generator.model_name}` is taking requests right now; retry shortly"
-            )
-        return generator
+        if not self.client.available(served.model_name):
+            raise NoWorkerAvailable(f"no worker of `{served.model_name}` is taking requests right now; retry shortly")
+        return served
 
     def cards(self) -> list[dict]:
         """One OpenAI model object per served model, with its context length and live workers;
         then its LoRA adapters, with ``parent`` (the base model) and ``root`` (their folder), as vLLM lists them."""
-        cards = [self.card(name) for name in sorted(self.generators)]
+        cards = [self.card(name) for name in sorted(self.served_models)]
         return cards + [self.adapter_card(name) for card in cards for name in sorted(self.adapters(card["id"]))]
 
     def adapters(self, model: str) -> dict[str, str]:
@@ -111,8 +109,8 @@ class ModelRegistry:
         return {"id": name, "object": "model", "created": created, "owned_by": "llmpool", "root": root, "parent": base}
 
     def card(self, name: str) -> dict:
-        if name not in self.generators:
-            if find(self.client.models, name) in self.generators:
+        if name not in self.served_models:
+            if find(self.client.models, name) in self.served_models:
                 return self.adapter_card(name)
             self.get(name)  # the 404
         pool = self.client.models.get(name)
@@ -139,7 +137,7 @@ class ModelRegistry:
 
 
 class AdapterClient:
-    """The worker client as a generator of the adapter ``name`` sees it: every request it submits
+    """The worker client as the served model of the adapter ``name`` sees it: every request it submits
     runs with the adapter (``NewRequest.lora``); everything else is the base model's client."""
 
     def __init__(self, client: WorkerClient, name: str) -> None:

@@ -73,16 +73,16 @@ def inputs_of(value: object, param: str, vocab_size: int) -> list[Input]:
 
 
 async def pool(
-    generator: ServedModel, inputs: list[Input], task: str, request: Request, dimensions: int | None = None
+    served: ServedModel, inputs: list[Input], task: str, request: Request, dimensions: int | None = None
 ) -> list[Pooled]:
     """Every input's vector (a cross-encoder's: its one score), in order; 400s before any work."""
-    deadline = asyncio.get_running_loop().time() + generator.timeout_s
-    generator.check_prompt_size(max((len(x.text or "") + len(x.pair or "") for x in inputs), default=0), param="input")
+    deadline = asyncio.get_running_loop().time() + served.timeout_s
+    served.check_prompt_size(max((len(x.text or "") + len(x.pair or "") for x in inputs), default=0), param="input")
     with tracing.span("tokenize"):
-        encoded = await generator.run_in_pool(
-            _tokenize, generator, inputs, size=sum(len(x.text or "") + len(x.pair or "") for x in inputs)
+        encoded = await served.run_in_pool(
+            _tokenize, served, inputs, size=sum(len(x.text or "") + len(x.pair or "") for x in inputs)
         )
-    limit = generator.max_model_len()
+    limit = served.max_model_len()
     for i, (ids, _) in enumerate(encoded):
         if limit is not None and len(ids) > limit:
             raise InvalidRequest(
@@ -96,35 +96,33 @@ async def pool(
         NewRequest(f"{rid}-{i}", ids, 1, pooling=PoolingParams(task, types, dimensions), priority=priority)
         for i, (ids, types) in enumerate(encoded)
     ]
-    wave = generator.admission.max_concurrent
-    await enforce(request, generator.served_name, sum(len(ids) for ids, _ in encoded), min(len(news), wave))
+    wave = served.admission.max_concurrent
+    await enforce(request, served.served_name, sum(len(ids) for ids, _ in encoded), min(len(news), wave))
     outputs: list[RequestOutput] = []
     for start in range(0, len(news), wave):
         part = news[start : start + wave]
-        slots = await admit(generator, len(part), deadline, request, priority)
-        outputs += await unless_disconnected(request, _wave(generator, part, slots, deadline))
+        slots = await admit(served, len(part), deadline, request, priority)
+        outputs += await unless_disconnected(request, _wave(served, part, slots, deadline))
     return [Pooled(array("f", out.pooled or b""), out.num_prompt_tokens) for out in outputs]
 
 
-def _tokenize(generator: ServedModel, inputs: list[Input]) -> list[tuple[list[int], list[int]]]:
+def _tokenize(served: ServedModel, inputs: list[Input]) -> list[tuple[list[int], list[int]]]:
     """(token ids, token types) per input: a pair as the tokenizer joins two segments."""
     out = []
     for x in inputs:
         if x.text is None:
             out.append((x.ids, []))
         elif x.pair is None:
-            out.append((generator.tokenizer.encode(x.text, add_special_tokens=True), []))
+            out.append((served.tokenizer.encode(x.text, add_special_tokens=True), []))
         else:
-            encoded = generator.tokenizer(x.text, x.pair, add_special_tokens=True)
+            encoded = served.tokenizer(x.text, x.pair, add_special_tokens=True)
             out.append((encoded["input_ids"], encoded.get("token_type_ids") or []))
     return out
 
 
-async def _wave(
-    generator: ServedModel, news: list[NewRequest], slots: list[Slot], deadline: float
-) -> list[RequestOutput]:
+async def _wave(served: ServedModel, news: list[NewRequest], slots: list[Slot], deadline: float) -> list[RequestOutput]:
     """Every request's output; the first failure ends the others (they are aborted on their workers)."""
-    tasks = [asyncio.ensure_future(_one(generator, new, slot, deadline)) for new, slot in zip(news, slots)]
+    tasks = [asyncio.ensure_future(_one(served, new, slot, deadline)) for new, slot in zip(news, slots)]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -133,13 +131,13 @@ async def _wave(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _one(generator: ServedModel, new: NewRequest, slot: Slot, deadline: float) -> RequestOutput:
+async def _one(served: ServedModel, new: NewRequest, slot: Slot, deadline: float) -> RequestOutput:
     """One wire request to its end: its output, or the error that ended it (worker, timeout)."""
     trace = tracing.generation(new)
-    clock = RequestClock(generator.metrics, new.request_id, generator.model_name)
+    clock = RequestClock(served.metrics, new.request_id, served.model_name)
     stream = None
     try:
-        stream = generator.client.submit(new, generator.model_name, trace)
+        stream = served.client.submit(new, served.model_name, trace)
         async with asyncio.timeout_at(deadline):
             item = await stream.queue.get()
         trace.output(item)
@@ -151,10 +149,10 @@ async def _one(generator: ServedModel, new: NewRequest, slot: Slot, deadline: fl
         return item
     except TimeoutError:
         clock.outcome = "timeout"
-        raise RequestTimeout(f"the request took longer than --request-timeout ({generator.timeout_s:g} s)") from None
+        raise RequestTimeout(f"the request took longer than --request-timeout ({served.timeout_s:g} s)") from None
     finally:
         slot.release()
         clock.done()
         trace.end(clock.outcome)
         if stream is not None and not stream.finished:
-            generator.client.abort(new.request_id)
+            served.client.abort(new.request_id)

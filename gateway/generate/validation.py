@@ -54,17 +54,17 @@ class Prepared:
 
 
 async def prepare(
-    generator: ServedModel, req: CoreRequest, request: Request | None = None, admit: bool = True
+    served: ServedModel, req: CoreRequest, request: Request | None = None, admit: bool = True
 ) -> Prepared:
     """Check ``req`` and tokenize its prompt; with ``admit``, also check each prompt's budget and
     build the wire requests. ``request`` (the HTTP request) says whether a request's own template
     is allowed, and its client's hanging up stops that template's render."""
-    checked = _check(generator, req, request)
+    checked = _check(served, req, request)
     if checked.messages is not None:  # a request's own template renders under a budget
         budget = Budget() if req.template is not None else None
         with tracing.span("template+tokenize"):
-            ids = await generator.run_in_pool(
-                generator.chat_prompt_ids,
+            ids = await served.run_in_pool(
+                served.chat_prompt_ids,
                 checked.messages,
                 req.template,
                 checked.variables,
@@ -77,14 +77,14 @@ async def prepare(
         prompts = [ids]
     else:
         with tracing.span("tokenize"):
-            prompts = await generator.run_in_pool(
-                generator.prompt_ids, req.prompts, req.add_special_tokens, size=checked.chars
+            prompts = await served.run_in_pool(
+                served.prompt_ids, req.prompts, req.add_special_tokens, size=checked.chars
             )
     if not admit:
         return Prepared(prompts, [], checked.plan, checked.parsers, checked.stops)
-    max_model_len, kv_capacity = generator.client.limits(generator.model_name)
+    max_model_len, kv_capacity = served.client.limits(served.model_name)
     sampling, news, thinkers = checked.sampling, [], []
-    markers = generator.reasoning if checked.messages is not None else None  # a chat's thinking, not a raw prompt's
+    markers = served.reasoning if checked.messages is not None else None  # a chat's thinking, not a raw prompt's
     for p, ids in enumerate(prompts):
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -133,7 +133,7 @@ class _Checked:
     budget: int | None  # thinking tokens before the worker ends the thinking (None: no bound)
 
 
-def _check(generator: ServedModel, req: CoreRequest, request: Request | None) -> _Checked:
+def _check(served: ServedModel, req: CoreRequest, request: Request | None) -> _Checked:
     """Every check that needs no tokens, cheapest first; the tools last, and with them the
     conversation as the template will read it."""
     if not 1 <= req.n <= MAX_N:
@@ -143,9 +143,9 @@ def _check(generator: ServedModel, req: CoreRequest, request: Request | None) ->
             f"`{req.logprobs_param}` must be between 0 and {MAX_LOGPROBS}; got {req.logprobs}", param=req.logprobs_param
         )
     stops = stop_strings(req.stop, req.stop_param)
-    sampling = sampling_params(req.sampling, generator.vocab_size, req.logprobs)
+    sampling = sampling_params(req.sampling, served.vocab_size, req.logprobs)
     sampling.prompt_logprobs = req.prompt_logprobs
-    stop_token_ids = check_token_ids(list(req.sampling.stop_token_ids or []), generator.vocab_size, "stop_token_ids")
+    stop_token_ids = check_token_ids(list(req.sampling.stop_token_ids or []), served.vocab_size, "stop_token_ids")
     fmt = format_guide(req.response_format, req.format_param)
     budget = thinking_budget(req.reasoning_effort, req.reasoning_budget, req.effort_param, req.budget_param)
     if req.template is not None and not (request is not None and request.app.state.allow_request_chat_template):
@@ -158,8 +158,8 @@ def _check(generator: ServedModel, req: CoreRequest, request: Request | None) ->
     what = (
         f"{len(req.prompts)} prompts × `{req.n_param}` {req.n}" if len(req.prompts) > 1 else f"`{req.n_param}` {req.n}"
     )
-    generator.admission.check_fits(count, req.n_param if req.n > 1 else "prompt", what)
-    chars = _prompt_size(generator, req)
+    served.admission.check_fits(count, req.n_param if req.n > 1 else "prompt", what)
+    chars = _prompt_size(served, req)
     plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_name_param)
     forced = plan.guide()  # a forced call's grammar; the tools the model may call must compile too
     guides = [
@@ -174,7 +174,7 @@ def _check(generator: ServedModel, req: CoreRequest, request: Request | None) ->
     parsers = [plan.parser() for _ in range(count)]
     messages, variables = None, {}
     if req.messages is not None:
-        source = req.template or generator.template.source
+        source = req.template or served.template.source
         messages = plan.prompt_messages(req.messages, source)
         variables = {**(req.template_kwargs or {}), **plan.template_variables(source)}
         if budget == 0:  # no thinking: a template that can leave it out (Qwen3's enable_thinking) does
@@ -182,7 +182,7 @@ def _check(generator: ServedModel, req: CoreRequest, request: Request | None) ->
     return _Checked(sampling, stop_token_ids, stops, forced or fmt, plan, parsers, chars, messages, variables, budget)
 
 
-def _prompt_size(generator: ServedModel, req: CoreRequest) -> int:
+def _prompt_size(served: ServedModel, req: CoreRequest) -> int:
     """The characters to tokenize, once the cheap bounds hold (characters and messages the context
     could never hold, prompts per request) and token ids and earlier tool calls are well formed."""
     if req.messages is None:
@@ -192,9 +192,9 @@ def _prompt_size(generator: ServedModel, req: CoreRequest) -> int:
             )
         for prompt in req.prompts:
             if not isinstance(prompt, str):
-                check_token_ids(prompt, generator.vocab_size, "prompt")
+                check_token_ids(prompt, served.vocab_size, "prompt")
         chars = [len(p) for p in req.prompts if isinstance(p, str)]
-        generator.check_prompt_size(max(chars, default=0), param="prompt")
+        served.check_prompt_size(max(chars, default=0), param="prompt")
         return sum(chars)
     total = 0
     for i, message in enumerate(req.messages):
@@ -205,7 +205,7 @@ def _prompt_size(generator: ServedModel, req: CoreRequest) -> int:
         ):
             arguments = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
             total += len(arguments) if isinstance(arguments, str) else 0  # earlier calls' arguments count too
-    generator.check_prompt_size(total, len(req.messages))
+    served.check_prompt_size(total, len(req.messages))
     return total
 
 

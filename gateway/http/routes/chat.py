@@ -127,7 +127,7 @@ class ChatController(Controller):
 
 
 def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list[events.Choice]) -> ChatCompletion:
-    generator, with_logprobs = generation.generator, req.logprobs
+    served, with_logprobs = generation.served, req.logprobs
     out = []
     for choice in choices:
         message = AssistantMessage(content=choice.content)
@@ -143,12 +143,12 @@ def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list
                 index=choice.index,
                 message=message,
                 finish_reason=finish_reason(choice.finish, generation),  # type: ignore[arg-type]
-                logprobs=chat_logprobs(generator.token_texts, choice.logprobs) if with_logprobs else None,
+                logprobs=chat_logprobs(served.token_texts, choice.logprobs) if with_logprobs else None,
             )
         )
     usage = events.total_usage([c.finish for c in choices], req.n)  # type: ignore[misc]
     return ChatCompletion(
-        id=_completion_id(), created=now_s(), model=generator.served_name, choices=out, usage=openai_usage(usage)
+        id=_completion_id(), created=now_s(), model=served.served_name, choices=out, usage=openai_usage(usage)
     )
 
 
@@ -168,7 +168,7 @@ def _tool_chunk(call: CallDelta) -> ToolCallChunk:
 
 
 async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
-    generator, completion_id, created = generation.generator, _completion_id(), now_s()
+    served, completion_id, created = generation.served, _completion_id(), now_s()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with_logprobs = req.logprobs
 
@@ -176,7 +176,7 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
         return ChatCompletionChunk(
             id=completion_id,
             created=created,
-            model=generator.served_name,
+            model=served.served_name,
             choices=choices,
             usage=None if include_usage else msgspec.UNSET,
         )
@@ -186,7 +186,7 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
     finishes: dict[int, Finish] = {}
     async for event in generation.events():
         if isinstance(event, Text):
-            logprobs = chat_logprobs(generator.token_texts, event.logprobs) if with_logprobs else None
+            logprobs = chat_logprobs(served.token_texts, event.logprobs) if with_logprobs else None
             yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text), logprobs=logprobs)])
         elif isinstance(event, Thinking):
             yield chunk(
@@ -206,5 +206,5 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
     if include_usage and len(finishes) == generation.choices:
         usage = events.total_usage([finishes[i] for i in range(generation.choices)], req.n)
         yield ChatCompletionChunk(
-            id=completion_id, created=created, model=generator.served_name, choices=[], usage=openai_usage(usage)
+            id=completion_id, created=created, model=served.served_name, choices=[], usage=openai_usage(usage)
         )

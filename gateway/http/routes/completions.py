@@ -73,7 +73,7 @@ class CompletionsController(Controller):
         self, request: Request, data: JSONBody[CompletionRequest], models: NamedDependency[ModelRegistry]
     ) -> Response:
         generation = await core.start(models.get(data.model), core_request(data), request)
-        echoes = await generation.generator.run_in_pool(_echo_texts, generation, data.prompt) if data.echo else None
+        echoes = await generation.served.run_in_pool(_echo_texts, generation, data.prompt) if data.echo else None
         return await answer(
             request,
             generation,
@@ -109,7 +109,7 @@ def _copies(req: CompletionRequest) -> int:
 
 def _echo_texts(generation: core.Generation, prompt: object) -> list[str]:
     """Each prompt as the client gave it: its own string, or its token ids decoded."""
-    decode = generation.generator.tokenizer.decode
+    decode = generation.served.tokenizer.decode
     return [p if isinstance(p, str) else decode(ids) for p, ids in zip(_prompts(prompt), generation.prompts)]
 
 
@@ -131,7 +131,7 @@ def _finish_reason(finish: Finish) -> str:
 def _body(
     generation: core.Generation, req: CompletionRequest, echoes: list[str] | None, choices: list[events.Choice]
 ) -> Completion:
-    generator, with_logprobs = generation.generator, req.logprobs is not None
+    served, with_logprobs = generation.served, req.logprobs is not None
     copies = _copies(req)
     finishes: list[Finish] = [c.finish for c in choices]  # type: ignore[misc]
     chosen = _best(choices, copies, req.n)
@@ -145,7 +145,7 @@ def _body(
         CompletionChoice(
             index=index,
             text=(echoes[index // req.n] if echoes else "") + choice.text,
-            logprobs=completion_logprobs(generator.token_texts, choice.prompt_logprobs + choice.logprobs)
+            logprobs=completion_logprobs(served.token_texts, choice.prompt_logprobs + choice.logprobs)
             if with_logprobs
             else None,
             finish_reason=_finish_reason(choice.finish),  # type: ignore[arg-type]
@@ -156,7 +156,7 @@ def _body(
     return Completion(
         id=f"cmpl-{uuid.uuid4().hex}",
         created=now_s(),
-        model=generator.served_name,
+        model=served.served_name,
         choices=out,
         usage=openai_usage(usage),
     )
@@ -165,7 +165,7 @@ def _body(
 async def _chunks(
     generation: core.Generation, req: CompletionRequest, echoes: list[str] | None
 ) -> AsyncIterator[Completion]:
-    generator, completion_id, created = generation.generator, f"cmpl-{uuid.uuid4().hex}", now_s()
+    served, completion_id, created = generation.served, f"cmpl-{uuid.uuid4().hex}", now_s()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with_logprobs = req.logprobs is not None
     offsets = [0] * generation.choices  # where each choice's next text starts, for text_offset
@@ -175,7 +175,7 @@ async def _chunks(
         return Completion(
             id=completion_id,
             created=created,
-            model=generator.served_name,
+            model=served.served_name,
             choices=[choice],
             usage=None if include_usage else msgspec.UNSET,
         )
@@ -183,9 +183,7 @@ async def _chunks(
     def echo(index: int, prompt_logprobs: list) -> Completion:
         text = echoes[index // req.n]  # type: ignore[index]
         offsets[index] = len(text)
-        return chunk(
-            index, text, completion_logprobs(generator.token_texts, prompt_logprobs) if with_logprobs else None
-        )
+        return chunk(index, text, completion_logprobs(served.token_texts, prompt_logprobs) if with_logprobs else None)
 
     # The echo goes first; with logprobs it waits for them (they come with the first token).
     for index in range(generation.choices if echoes and not with_logprobs else 0):
@@ -197,9 +195,7 @@ async def _chunks(
                 yield echo(event.index, event.logprobs)
         elif isinstance(event, Text):
             logprobs = (
-                completion_logprobs(generator.token_texts, event.logprobs, offsets[event.index])
-                if with_logprobs
-                else None
+                completion_logprobs(served.token_texts, event.logprobs, offsets[event.index]) if with_logprobs else None
             )
             offsets[event.index] += len(event.text)
             yield chunk(event.index, event.text, logprobs)
@@ -209,5 +205,5 @@ async def _chunks(
     if include_usage and len(finishes) == generation.choices:
         usage = events.total_usage([finishes[i] for i in range(generation.choices)], req.n)
         yield Completion(
-            id=completion_id, created=created, model=generator.served_name, choices=[], usage=openai_usage(usage)
+            id=completion_id, created=created, model=served.served_name, choices=[], usage=openai_usage(usage)
         )

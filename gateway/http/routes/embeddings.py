@@ -24,13 +24,13 @@ class EmbeddingsController(Controller):
     async def create(
         self, request: Request, data: JSONBody[EmbeddingRequest], models: NamedDependency[ModelRegistry]
     ) -> Response:
-        generator = models.get(data.model)
-        info = require(generator, PoolingTask.EMBED)
+        served = models.get(data.model)
+        info = require(served, PoolingTask.EMBED)
         if data.dimensions is not None and info is not None:
             sizes = info.matryoshka_dimensions
             if not info.matryoshka:
                 raise InvalidRequest(
-                    f"the model `{generator.model_name}` does not take `dimensions` (it is not a Matryoshka model)",
+                    f"the model `{served.model_name}` does not take `dimensions` (it is not a Matryoshka model)",
                     param="dimensions",
                 )
             if not 0 < data.dimensions <= info.dimensions or (sizes and data.dimensions not in sizes):
@@ -38,8 +38,8 @@ class EmbeddingsController(Controller):
                 raise InvalidRequest(
                     f"`dimensions` must be one of {allowed}; got {data.dimensions}", param="dimensions"
                 )
-        inputs = pooling.inputs_of(data.input, "input", generator.vocab_size)
-        pooled = await pooling.pool(generator, inputs, PoolingTask.EMBED, request, data.dimensions)
+        inputs = pooling.inputs_of(data.input, "input", served.vocab_size)
+        pooled = await pooling.pool(served, inputs, PoolingTask.EMBED, request, data.dimensions)
         as_base64 = data.encoding_format == "base64"
         data_out = [
             Embedding(
@@ -51,7 +51,7 @@ class EmbeddingsController(Controller):
         return json_response(
             EmbeddingList(
                 data=data_out,
-                model=generator.served_name,
+                model=served.served_name,
                 usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
             )
         )

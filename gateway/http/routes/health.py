@@ -25,7 +25,7 @@ async def ready(models: NamedDependency[ModelRegistry]) -> Response:
     """200 when at least one worker takes requests and makes progress on those it holds, and
     admission makes progress: 503 while requests wait and no slot was granted or released for
     --hung-timeout seconds."""
-    workers = len([w for w in models.client.ready_workers() if w.ready.model in models.generators])
+    workers = len([w for w in models.client.ready_workers() if w.ready.model in models.served_models])
     stalled = models.admission.stalled()
     status = "admission stalled" if stalled else "ready" if workers else "no worker ready"
     response = json_response({"status": status, "workers": workers, "waiting": models.admission.waiting})

@@ -41,10 +41,10 @@ class LoraController(Controller):
         name, path = data.lora_name.strip(), data.lora_path.strip()
         if not name or not path:
             raise InvalidRequest("`lora_name` and `lora_path` must both be given", param="lora_name")
-        if name in models.generators or find(models.client.models, name) is not None:
+        if name in models.served_models or find(models.client.models, name) is not None:
             raise InvalidRequest(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-        if data.base_model_name is None and len(models.generators) > 1:
-            served = ", ".join(f"`{m}`" for m in sorted(models.generators))
+        if data.base_model_name is None and len(models.served_models) > 1:
+            served = ", ".join(f"`{m}`" for m in sorted(models.served_models))
             raise InvalidRequest(f"`base_model_name` must say which model it adapts: {served}", param="base_model_name")
         base = models.get(data.base_model_name)  # the only model when none is named; 404 for an unknown one
         await models.client.loras.load(base.model_name, models.client.available(base.model_name), name, path)

@@ -113,7 +113,7 @@ def _message(generation: core.Generation, choices: list[events.Choice]) -> Messa
     finish: Finish = choice.finish  # type: ignore[assignment]
     return MessageResponse(
         id=f"msg_{uuid.uuid4().hex}",
-        model=generation.generator.served_name,
+        model=generation.served.served_name,
         content=content,
         stop_reason=STOP_REASONS[finish.reason],
         stop_sequence=finish.stop_sequence,
@@ -134,7 +134,7 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
             "id": f"msg_{uuid.uuid4().hex}",
             "type": "message",
             "role": "assistant",
-            "model": generation.generator.served_name,
+            "model": generation.served.served_name,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,

@@ -33,14 +33,14 @@ from gateway.schemas.pooling import (
 )
 
 
-async def scores(generator: ServedModel, request: Request, pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
+async def scores(served: ServedModel, request: Request, pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
     """Each pair's score and the prompt tokens read; 400 for a generation model."""
-    info = require(generator, PoolingTask.SCORE)
+    info = require(served, PoolingTask.SCORE)
     if info is not None and PoolingTask.EMBED not in info.tasks:  # a cross-encoder: both texts in one sequence
-        pooled = await pooling.pool(generator, [pooling.Input(q, d) for q, d in pairs], PoolingTask.SCORE, request)
+        pooled = await pooling.pool(served, [pooling.Input(q, d) for q, d in pairs], PoolingTask.SCORE, request)
         return [p.vector[0] for p in pooled], sum(p.prompt_tokens for p in pooled)
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
-    pooled = await pooling.pool(generator, [pooling.Input(t) for t in texts], PoolingTask.EMBED, request)
+    pooled = await pooling.pool(served, [pooling.Input(t) for t in texts], PoolingTask.EMBED, request)
     vectors = dict(zip(texts, (p.vector for p in pooled)))
     return [cosine(vectors[q], vectors[d]) for q, d in pairs], sum(p.prompt_tokens for p in pooled)
 
@@ -65,13 +65,13 @@ def _texts(value: str | list[str] | None, param: str) -> list[str]:
     responses=documented(RerankResponse, "the documents by relevance, best first"),
 )
 async def rerank(request: Request, data: JSONBody[RerankRequest], models: NamedDependency[ModelRegistry]) -> Response:
-    generator = models.get(data.model)
+    served = models.get(data.model)
     documents = [d.text if isinstance(d, RerankDocumentObject) else d for d in data.documents]
     _texts(data.query, "query")
     _texts(documents, "documents")
     if data.top_n is not None and data.top_n < 0:
         raise InvalidRequest(f"`top_n` must be 0 (all) or more; got {data.top_n}", param="top_n")
-    found, tokens = await scores(generator, request, [(data.query, d) for d in documents])
+    found, tokens = await scores(served, request, [(data.query, d) for d in documents])
     order = sorted(range(len(documents)), key=lambda i: -found[i])[: data.top_n or None]
     results = [
         RerankResult(
@@ -83,7 +83,7 @@ async def rerank(request: Request, data: JSONBody[RerankRequest], models: NamedD
     ]
     body = RerankResponse(
         id=f"rerank-{uuid.uuid4().hex}",
-        model=generator.served_name,
+        model=served.served_name,
         results=results,
         usage=RerankUsage(total_tokens=tokens),
     )
@@ -92,7 +92,7 @@ async def rerank(request: Request, data: JSONBody[RerankRequest], models: NamedD
 
 @post(["/v1/score", "/score"], status_code=200, responses=documented(ScoreResponse, "one score per pair"))
 async def score(request: Request, data: JSONBody[ScoreRequest], models: NamedDependency[ModelRegistry]) -> Response:
-    generator = models.get(data.model)
+    served = models.get(data.model)
     first_param, second_param = ("queries", "documents") if data.queries is not None else ("text_1", "text_2")
     first = _texts(data.queries if data.queries is not None else data.text_1, first_param)
     second = _texts(data.documents if data.documents is not None else data.text_2, second_param)
@@ -103,14 +103,14 @@ async def score(request: Request, data: JSONBody[ScoreRequest], models: NamedDep
             f"`{first_param}` must hold one text or as many as `{second_param}` ({len(second)}); got {len(first)}",
             param=first_param,
         )
-    found, tokens = await scores(generator, request, list(zip(first, second)))
+    found, tokens = await scores(served, request, list(zip(first, second)))
     data_out = [ScoreData(index=i, score=s) for i, s in enumerate(found)]
     usage = ScoreUsage(prompt_tokens=tokens, total_tokens=tokens)
     return json_response(
         ScoreResponse(
             id=f"score-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=generator.served_name,
+            model=served.served_name,
             data=data_out,
             usage=usage,
         )

@@ -41,8 +41,8 @@ class Output:
     """Builds the output items from the core's events, as the stream's events (the non-streamed
     answer is the same walk over the collected choice, its events dropped)."""
 
-    def __init__(self, generator: ServedModel, response: ResponseObject, with_logprobs: bool) -> None:
-        self.generator = generator
+    def __init__(self, served: ServedModel, response: ResponseObject, with_logprobs: bool) -> None:
+        self.served = served
         self.response = response
         self.with_logprobs = with_logprobs
         self._sequence = itertools.count()
@@ -152,7 +152,7 @@ class Output:
             return []
         return [
             msgspec.convert(entry, Logprob)
-            for entry in chat_logprobs(self.generator.token_texts, event.logprobs)["content"]
+            for entry in chat_logprobs(self.served.token_texts, event.logprobs)["content"]
         ]
 
     def _call(self, event: ToolCallDelta) -> list[Event]:

@@ -81,20 +81,20 @@ class ResponsesController(Controller):
         req = data
         state: StateService = request.app.state.state
         owner = caller_owner(request)
-        generator = models.get(req.model)
+        served = models.get(req.model)
         refuse_unsupported(req)
         conversation = conversation_id(req.conversation)
         history = await _history(state, req, conversation, owner)
         turn_messages = input_messages(req.input, history)
         greq = core_request(req, history + turn_messages)
-        response = _envelope(generator, req)
+        response = _envelope(served, req)
         response.conversation = {"id": conversation} if conversation else None
         turn = Turn(owner, msgspec.json.encode(input_items(req.input)), turn_messages, req, [], conversation)
         if req.store:
             check_budget(turn.size(response), state.store.limits.max_response_bytes)
-        generation = await core.start(generator, greq, request)
+        generation = await core.start(served, greq, request)
         turn.prompt = generation.prompts[0]  # what a gateway taking it over runs again
-        builder = Output(generator, response, req.top_logprobs is not None)
+        builder = Output(served, response, req.top_logprobs is not None)
         if req.store and (req.stream or req.background):
             run = start_run(state, response, turn, lambda run: _logged(builder, generation, run))
             if req.background:  # its row is committed before its id goes out: any gateway can be asked about it
@@ -199,22 +199,22 @@ async def resume(
     as the token ids it ran, its logged chunks replayed before the worker continues."""
     state: StateService = app.state.state
     req = turn.request
-    generator = app.state.models.get(req.model)
+    served = app.state.models.get(req.model)
     greq = core_request(req, [])
     greq.messages, greq.prompts = None, [turn.prompt]
     greq.replay, greq.owner, greq.meter = chunks, turn.owner, state.usage
-    generation = await core.start(generator, greq)
-    builder = Output(generator, response, req.top_logprobs is not None)
+    generation = await core.start(served, greq)
+    builder = Output(served, response, req.top_logprobs is not None)
     start_run(state, response, turn, lambda run: _logged(builder, generation, run), logged)
 
 
-def _envelope(generator: ServedModel, req: ResponsesRequest) -> ResponseObject:
+def _envelope(served: ServedModel, req: ResponsesRequest) -> ResponseObject:
     """The response as it starts: in progress, no output yet, the request's settings echoed."""
     choice = req.tool_choice if req.tool_choice is not None else "auto"  # OpenAI echoes auto, tools or not
     return ResponseObject(
         id=f"resp_{uuid.uuid4().hex}",
         created_at=int(time.time()),
-        model=generator.served_name,
+        model=served.served_name,
         status="in_progress",
         output=[],
         usage=None,

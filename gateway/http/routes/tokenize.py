@@ -41,21 +41,21 @@ class TokenizeController(Controller):
         self, request: Request, data: JSONBody[TokenizeRequest], models: NamedDependency[ModelRegistry]
     ) -> Response:
         req = data
-        generator = models.get(req.model)
-        (ids,) = await core.prompt_ids(generator, core_request(req), request)
+        served = models.get(req.model)
+        (ids,) = await core.prompt_ids(served, core_request(req), request)
         if req.messages is not None and req.add_special_tokens:  # on top of the template's own
-            ids = generator.tokenizer.build_inputs_with_special_tokens(ids)
-        body: dict = {"count": len(ids), "max_model_len": generator.max_model_len(), "tokens": ids}
+            ids = served.tokenizer.build_inputs_with_special_tokens(ids)
+        body: dict = {"count": len(ids), "max_model_len": served.max_model_len(), "tokens": ids}
         if req.return_token_strs:
-            body["token_strs"] = generator.tokenizer.convert_ids_to_tokens(ids)
+            body["token_strs"] = served.tokenizer.convert_ids_to_tokens(ids)
         return json_response(body)
 
     @post("/detokenize", status_code=200, responses=documented(None))
     async def detokenize(self, data: JSONBody[DetokenizeRequest], models: NamedDependency[ModelRegistry]) -> Response:
         req = data
-        generator = models.get(req.model)
-        check_token_ids(req.tokens, generator.vocab_size, "tokens")
-        text = await generator.run_in_pool(generator.tokenizer.decode, req.tokens, size=len(req.tokens))
+        served = models.get(req.model)
+        check_token_ids(req.tokens, served.vocab_size, "tokens")
+        text = await served.run_in_pool(served.tokenizer.decode, req.tokens, size=len(req.tokens))
         return json_response({"prompt": text})
 
     @get("/tokenizer_info", responses=documented(None))
@@ -64,8 +64,8 @@ class TokenizeController(Controller):
     ) -> Response:
         """vLLM's: the tokenizer's class and settings, its special tokens and chat template, so a client
         (lm-eval's remote tokenizer) need not download the tokenizer to count or render."""
-        generator = models.get(model)
-        tokenizer = generator.tokenizer
+        served = models.get(model)
+        tokenizer = served.tokenizer
         info = {
             k: v
             for k, v in tokenizer.init_kwargs.items()
@@ -74,10 +74,10 @@ class TokenizeController(Controller):
         info |= {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
         info |= {
             "tokenizer_class": type(tokenizer).__name__,
-            "vocab_size": generator.vocab_size,
-            "chat_template": generator.template.source,
+            "vocab_size": served.vocab_size,
+            "chat_template": served.template.source,
         }
-        info["model_max_length"] = generator.max_model_len() or info.get("model_max_length")
+        info["model_max_length"] = served.max_model_len() or info.get("model_max_length")
         return json_response(info)
 
 
