@@ -138,3 +138,14 @@ def test_gateway_is_rooms():
         if path.name != "__init__.py" and path.name not in (ast.get_docstring(ast.parse(init.read_text())) or "")
     )
     assert not unmapped, f"name these in their folder's __init__ docstring: {unmapped}"
+
+
+@pytest.mark.parametrize("room", ["generate", "fleet", "policy"])
+def test_the_core_does_not_know_the_web_framework(room):
+    """The routes hand the core a ``Caller`` (gateway/policy/caller.py), not Litestar's request."""
+    users = sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "gateway" / room).rglob("*.py")
+        if "litestar" in imported_modules(path)
+    )
+    assert not users, users

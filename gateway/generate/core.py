@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from litestar import Request
-
 from common.pooling import PoolingTask
 from gateway.errors import GatewayError, RequestTimeout
 from gateway.generate.abilities import require
@@ -42,53 +40,51 @@ from gateway.generate.tools import ToolCall
 from gateway.generate.validation import Prepared, prepare, request_id
 from gateway.ops import tracing
 from gateway.policy.admission import Slot
-from gateway.policy.auth import caller_owner
+from gateway.policy.caller import Caller
 from gateway.policy.priority import request_priority
-from gateway.policy.quotas import enforce
 
 
-async def start(served: ServedModel, req: CoreRequest, request: Request | None = None) -> Generation:
+async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = None) -> Generation:
     """Check the request, tokenize its prompt and admit it: errors (400, 429, 503, 504) come now,
     before a response starts. One wire request per choice, ``n`` per prompt, admitted all together
-    or not at all. The admission wait counts toward ``--request-timeout`` and ends when
-    ``request``'s client hangs up."""
+    or not at all. The admission wait counts toward ``--request-timeout`` and ends when ``caller``
+    hangs up. No caller: the gateway's own request (a response taken over), billed to nobody."""
     deadline = asyncio.get_running_loop().time() + served.timeout_s
     require(served, PoolingTask.GENERATE)  # an embedding model's is a 400 that says what it serves
+    rules = served.rules
     if req.request_id is None:
-        req.request_id = request_id(request.headers.get("x-request-id") if request is not None else None)
-    if request is not None and req.meter is None:
-        req.meter = getattr(request.app.state, "usage", None)
-        req.owner = caller_owner(request)
-    req.priority = request_priority(request, req.sampling.priority)
-    prepared = await prepare(served, req, request)
-    await enforce(request, served.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
+        req.request_id = request_id(caller.request_id if caller is not None else None)
+    if caller is not None and req.meter is None:
+        req.meter = rules.usage
+        req.owner = caller.owner
+    req.priority = request_priority(caller, rules.scheduling_policy, req.sampling.priority)
+    prepared = await prepare(served, req, caller)
+    if rules.quotas is not None:
+        await rules.quotas.enforce(caller, served.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
     tracing.describe_request(lambda: req.span_attributes(served.model_name, prepared.prompts))
     with tracing.span("queue"):
-        slots = await admit(served, len(prepared.news), deadline, request, req.priority)
+        slots = await admit(served, len(prepared.news), deadline, caller, req.priority)
     return Generation(served, req, prepared, slots, deadline)
 
 
-async def prompt_ids(served: ServedModel, req: CoreRequest, request: Request | None = None) -> list[list[int]]:
+async def prompt_ids(served: ServedModel, req: CoreRequest, caller: Caller | None = None) -> list[list[int]]:
     """The prompts as token ids, after the same checks as ``start`` (for counting tokens)."""
-    return (await prepare(served, req, request, admit=False)).prompts
+    return (await prepare(served, req, caller, admit=False)).prompts
 
 
 async def admit(
-    served: ServedModel, count: int, deadline: float, request: Request | None, priority: int = 0
+    served: ServedModel, count: int, deadline: float, caller: Caller | None, priority: int = 0
 ) -> list[Slot]:
     async def wait() -> list[Slot]:
         try:
             async with asyncio.timeout_at(deadline):
-                key = caller_owner(request) if request is not None else ""
-                return await served.admission.acquire(count, key, priority)
+                return await served.admission.acquire(count, caller.owner if caller is not None else "", priority)
         except TimeoutError:
             raise RequestTimeout(
                 f"the request waited longer than --request-timeout ({served.timeout_s:g} s) for the server to take it"
             ) from None
 
-    if request is None:
-        return await wait()
-    return await unless_disconnected(request, wait())
+    return await unless_disconnected(caller, wait())
 
 
 class Generation:
@@ -161,9 +157,9 @@ class Generation:
             requests=int(index == 0),
         )
 
-    async def collect(self, request: Request) -> list[Choice]:
-        """All choices whole; the generation is aborted if the client hangs up first."""
-        return await unless_disconnected(request, self._collect())
+    async def collect(self, caller: Caller | None) -> list[Choice]:
+        """All choices whole; the generation is aborted if the caller hangs up first."""
+        return await unless_disconnected(caller, self._collect())
 
     async def _collect(self) -> list[Choice]:
         choices = [Choice(i) for i in range(self.choices)]

@@ -13,9 +13,8 @@ from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from litestar import Request
-
 from gateway.errors import ClientGone
+from gateway.policy.caller import Caller
 
 T = TypeVar("T")
 
@@ -35,17 +34,14 @@ class Lanes:
         self.big.shutdown(wait=False, cancel_futures=True)
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` but cancel it, which aborts it on the worker, as soon as the client hangs up
+async def unless_disconnected(caller: Caller | None, work: Awaitable[T]) -> T:
+    """Run ``work`` but cancel it, which aborts it on the worker, as soon as the caller hangs up
     (a non-streamed generation, an admission wait, a request's own template); streams get this
-    from Litestar, everything else needs it here."""
+    from Litestar, everything else needs it here. Without a caller's signal it just runs."""
+    if caller is None or caller.disconnected is None:
+        return await work
     task = asyncio.ensure_future(work)
-
-    async def hang_up() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(hang_up())
+    watcher = asyncio.ensure_future(caller.disconnected())
     gone = False
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)

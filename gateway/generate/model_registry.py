@@ -26,6 +26,7 @@ from gateway.generate.served_model import ServedModel
 from gateway.generate.templates import ChatTemplate
 from gateway.ops.metrics import Metrics
 from gateway.policy.admission import Admission
+from gateway.policy.rules import Rules
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class ModelRegistry:
         lanes: Lanes,
         timeout_s: float,
         reasoning_parser: str = "auto",
+        rules: Rules | None = None,
     ) -> None:
         self.client = client
         self.metrics = metrics
@@ -48,6 +50,7 @@ class ModelRegistry:
         self.lanes = lanes
         self.timeout_s = timeout_s
         self.reasoning_parser = reasoning_parser
+        self.rules = rules if rules is not None else Rules()  # every served model's (gateway/policy/rules.py)
         self.served_models: dict[str, ServedModel] = {}
         self.first_seen: dict[str, int] = {}  # model -> unix time it was learned (``created`` in /v1/models)
 
@@ -67,6 +70,7 @@ class ModelRegistry:
             self.admission,
             self.timeout_s,
             markers,
+            self.rules,
         )
         self.first_seen.setdefault(info.model, int(time.time()))
 

@@ -14,8 +14,6 @@ import asyncio
 from array import array
 from dataclasses import dataclass, field
 
-from litestar import Request
-
 from common.pooling import PoolingParams
 from common.protocol import NewRequest, RequestOutput
 from gateway.errors import GenerationFailed, InvalidRequest, RequestTimeout
@@ -26,8 +24,8 @@ from gateway.generate.validation import check_token_ids, request_id
 from gateway.ops import tracing
 from gateway.ops.metrics import RequestClock
 from gateway.policy.admission import Slot
+from gateway.policy.caller import Caller
 from gateway.policy.priority import request_priority
-from gateway.policy.quotas import enforce
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
 
@@ -73,7 +71,7 @@ def inputs_of(value: object, param: str, vocab_size: int) -> list[Input]:
 
 
 async def pool(
-    served: ServedModel, inputs: list[Input], task: str, request: Request, dimensions: int | None = None
+    served: ServedModel, inputs: list[Input], task: str, caller: Caller, dimensions: int | None = None
 ) -> list[Pooled]:
     """Every input's vector (a cross-encoder's: its one score), in order; 400s before any work."""
     deadline = asyncio.get_running_loop().time() + served.timeout_s
@@ -90,19 +88,22 @@ async def pool(
                 param="input",
                 code="context_length_exceeded",
             )
-    rid = request_id(request.headers.get("x-request-id"))
-    priority = request_priority(request, None)
+    rid = request_id(caller.request_id)
+    priority = request_priority(caller, served.rules.scheduling_policy, None)
     news = [
         NewRequest(f"{rid}-{i}", ids, 1, pooling=PoolingParams(task, types, dimensions), priority=priority)
         for i, (ids, types) in enumerate(encoded)
     ]
     wave = served.admission.max_concurrent
-    await enforce(request, served.served_name, sum(len(ids) for ids, _ in encoded), min(len(news), wave))
+    if served.rules.quotas is not None:
+        await served.rules.quotas.enforce(
+            caller, served.served_name, sum(len(ids) for ids, _ in encoded), min(len(news), wave)
+        )
     outputs: list[RequestOutput] = []
     for start in range(0, len(news), wave):
         part = news[start : start + wave]
-        slots = await admit(served, len(part), deadline, request, priority)
-        outputs += await unless_disconnected(request, _wave(served, part, slots, deadline))
+        slots = await admit(served, len(part), deadline, caller, priority)
+        outputs += await unless_disconnected(caller, _wave(served, part, slots, deadline))
     return [Pooled(array("f", out.pooled or b""), out.num_prompt_tokens) for out in outputs]
 
 

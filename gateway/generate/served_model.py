@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from litestar import Request
-
 from common.protocol import FinishReason, NewRequest, RequestOutput, TokenLogprobs
 from common.reasoning import ThinkTracker
 from gateway.errors import ClientGone, GenerationFailed, InvalidRequest, NoWorkerAvailable, RequestTimeout
@@ -31,6 +29,8 @@ from gateway.generate.tokenizer import IncrementalDetokenizer
 from gateway.ops import tracing
 from gateway.ops.metrics import Metrics, RequestClock
 from gateway.policy.admission import Admission, Slot
+from gateway.policy.caller import Caller
+from gateway.policy.rules import Rules
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,6 +68,7 @@ class ServedModel:
         admission: Admission,
         timeout_s: float,
         reasoning: Markers | None = None,
+        rules: Rules | None = None,
     ) -> None:
         self.client = client
         self.vocab_size = len(tokenizer)
@@ -81,6 +82,7 @@ class ServedModel:
         self.served_name = model_name  # what answers echo as `model`: a LoRA adapter's name where one was asked for
         self.lanes = lanes
         self.reasoning = reasoning  # a reasoning model's thinking markers (gateway/generate/reasoning.py)
+        self.rules = rules if rules is not None else Rules()  # the server's rules (gateway/policy/rules.py)
 
     def chat_prompt_ids(
         self,
@@ -137,18 +139,17 @@ class ServedModel:
         *args: Any,
         size: int = 0,
         budget: Budget | None = None,
-        request: Request | None = None,
+        caller: Caller | None = None,
     ) -> Any:
         """Tokenizing and template rendering take milliseconds: keep them off the event loop. Inputs
         over SMALL_JOB_CHARS characters and requests' own templates (``budget``) go to their own
-        lane; a budgeted render stops when its caller is cancelled, or when ``request``'s client
-        hangs up."""
+        lane; a budgeted render stops when its task is cancelled, or when ``caller`` hangs up."""
         lane = "big" if size > SMALL_JOB_CHARS or budget is not None else "small"
         job = (self.lanes.big if lane == "big" else self.lanes.small).submit(fn, *args)
         self.metrics.track_job(lane, job, lambda: budget.stopped if budget is not None else None)
         work = asyncio.wrap_future(job)
         try:
-            return await (unless_disconnected(request, work) if budget is not None and request is not None else work)
+            return await (unless_disconnected(caller, work) if budget is not None else work)
         except (asyncio.CancelledError, ClientGone):
             if budget is not None:
                 budget.cancelled.set()

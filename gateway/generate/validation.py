@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import orjson
-from litestar import Request
 
 from common.grammar import GrammarError, check_guide, closed_objects
 from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
@@ -28,6 +27,7 @@ from gateway.generate.served_model import ServedModel
 from gateway.generate.templates import Budget
 from gateway.generate.tools import ToolOutputParser, ToolPlan, check_tool_calls, tool_plan
 from gateway.ops import tracing
+from gateway.policy.caller import Caller
 from gateway.schemas.chat import MAX_LOGPROBS, SamplingOptions
 
 if TYPE_CHECKING:
@@ -53,13 +53,11 @@ class Prepared:
     )  # each choice's splitter of thinking (None: none)
 
 
-async def prepare(
-    served: ServedModel, req: CoreRequest, request: Request | None = None, admit: bool = True
-) -> Prepared:
+async def prepare(served: ServedModel, req: CoreRequest, caller: Caller | None = None, admit: bool = True) -> Prepared:
     """Check ``req`` and tokenize its prompt; with ``admit``, also check each prompt's budget and
-    build the wire requests. ``request`` (the HTTP request) says whether a request's own template
-    is allowed, and its client's hanging up stops that template's render."""
-    checked = _check(served, req, request)
+    build the wire requests. Only a caller's request may bring its own template (where the server
+    allows them), and the caller's hanging up stops that template's render."""
+    checked = _check(served, req, caller)
     if checked.messages is not None:  # a request's own template renders under a budget
         budget = Budget() if req.template is not None else None
         with tracing.span("template+tokenize"):
@@ -72,7 +70,7 @@ async def prepare(
                 budget,
                 size=checked.chars,
                 budget=budget,
-                request=request,
+                caller=caller,
             )
         prompts = [ids]
     else:
@@ -133,7 +131,7 @@ class _Checked:
     budget: int | None  # thinking tokens before the worker ends the thinking (None: no bound)
 
 
-def _check(served: ServedModel, req: CoreRequest, request: Request | None) -> _Checked:
+def _check(served: ServedModel, req: CoreRequest, caller: Caller | None) -> _Checked:
     """Every check that needs no tokens, cheapest first; the tools last, and with them the
     conversation as the template will read it."""
     if not 1 <= req.n <= MAX_N:
@@ -148,7 +146,7 @@ def _check(served: ServedModel, req: CoreRequest, request: Request | None) -> _C
     stop_token_ids = check_token_ids(list(req.sampling.stop_token_ids or []), served.vocab_size, "stop_token_ids")
     fmt = format_guide(req.response_format, req.format_param)
     budget = thinking_budget(req.reasoning_effort, req.reasoning_budget, req.effort_param, req.budget_param)
-    if req.template is not None and not (request is not None and request.app.state.allow_request_chat_template):
+    if req.template is not None and not (caller is not None and served.rules.allow_request_chat_template):
         raise InvalidRequest(
             "`chat_template` in a request is refused on this server (templates come from the server side; "
             "start it with --allow-request-chat-template to allow them)",

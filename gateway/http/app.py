@@ -26,6 +26,7 @@ from gateway.generate.lanes import Lanes
 from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.reasoning import PARSERS as REASONING_PARSERS
 from gateway.generate.tools import PARSERS
+from gateway.http.auth import admin_guard, api_key_guard, caller_of, rate_headers
 from gateway.http.request_body import GatewayRequest
 from gateway.http.routes.admin_keys import KeysController
 from gateway.http.routes.batches import BatchesController
@@ -47,9 +48,10 @@ from gateway.http.routes.usage import usage
 from gateway.ops import tracing
 from gateway.ops.metrics import Metrics, http_metrics_middleware
 from gateway.policy.admission import Admission
-from gateway.policy.auth import admin_guard, api_key_guard, parse_keys
+from gateway.policy.auth import parse_keys
 from gateway.policy.priority import POLICIES
-from gateway.policy.quotas import Quotas, rate_headers
+from gateway.policy.quotas import Quotas
+from gateway.policy.rules import Rules
 from gateway.state.batches import Batches
 from gateway.state.file_store import check_files_url, open_file_store
 from gateway.state.files import Files
@@ -65,6 +67,20 @@ log = logging.getLogger(__name__)
 
 def provide_models(state: State) -> ModelRegistry:
     return state.models
+
+
+def provide_stored(state: State) -> StateService:
+    return state.state
+
+
+# The services the routes take as parameters (Litestar's dependency injection), instead of reading
+# the application's state: the models, the caller of the request (gateway/policy/caller.py), and the
+# state store. tests/gateway/test_dialects.py provides its own.
+DEPENDENCIES = {
+    "models": Provide(provide_models, sync_to_thread=False),
+    "caller": Provide(caller_of, sync_to_thread=False),
+    "stored": Provide(provide_stored, sync_to_thread=False),
+}
 
 
 def openapi_config(guards: list) -> OpenAPIConfig:
@@ -124,6 +140,10 @@ def create_app(config: GatewayConfig) -> Litestar:
             config.curve_server_secret_key,
             config.curve_authorized_keys,
         )
+        rules = Rules(
+            scheduling_policy=config.scheduling_policy,
+            allow_request_chat_template=config.allow_request_chat_template,
+        )
         admission = Admission(config.max_concurrent_requests, config.max_waiting_requests, stall_s=config.hung_timeout)
         models = ModelRegistry(
             client,
@@ -132,11 +152,10 @@ def create_app(config: GatewayConfig) -> Litestar:
             Lanes(config.tokenizer_threads),
             config.request_timeout,
             config.reasoning_parser,
+            rules,
         )
         client.learn_model = models.learn
-        app.state.allow_request_chat_template = config.allow_request_chat_template
         app.state.api_keys = keys
-        app.state.scheduling_policy = config.scheduling_policy
         app.state.models = models
         limits = Limits(
             config.state_max_age,
@@ -145,7 +164,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             config.state_max_key_bytes,
             config.state_log_interval,
         )
-        app.state.usage = UsageMeter(models.metrics.registry)
+        app.state.usage = rules.usage = UsageMeter(models.metrics.registry)
         lease_s = config.heartbeat_interval * config.heartbeat_liveness
         state = await StateService.open(
             config.state_url or default_state_url(),
@@ -158,7 +177,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         app.state.state = state
         db, heartbeat = state.store.db, config.heartbeat_interval
         windows = Windows(db, state.store.gateway_id, lease_s, heartbeat)
-        app.state.quotas = Quotas(KeyStore(db), windows, admission, app.state.usage, heartbeat)
+        app.state.quotas = rules.quotas = Quotas(KeyStore(db), windows, admission, app.state.usage, heartbeat)
         state.hooks.append(app.state.quotas.sync)
         client.loras.table = LoraTable(db)  # runtime LoRA adapters are the fleet's (gateway/fleet/lora.py)
         state.hooks.append(partial(client.loras.sync, client.models))
@@ -229,7 +248,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         )
         if origins
         else None,
-        dependencies={"models": Provide(provide_models, sync_to_thread=False)},
+        dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,
         request_class=GatewayRequest,
         middleware=[

@@ -12,45 +12,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
-from litestar import Request
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
-
-from gateway.errors import ANTHROPIC_PATH, Overloaded, PermissionDenied, QuotaExceeded
+from gateway.errors import Overloaded, PermissionDenied, QuotaExceeded
 from gateway.policy.admission import Admission
-from gateway.policy.auth import caller_key
+from gateway.policy.caller import Caller, RateInfo
 from gateway.state.keys import KeyCache, KeyRecord, KeyStore
 from gateway.state.usage import UsageMeter
-from gateway.state.windows import Window, Windows
-
-
-@dataclass(slots=True)
-class RateInfo:
-    """A key's per-minute limits and what is left of them, for the headers."""
-
-    key: KeyRecord
-    window: Window
-
-    def headers(self, anthropic: bool) -> dict[str, str]:
-        """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` (reset as ``12s``), or
-        Anthropic's ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`` (reset as RFC 3339)."""
-        if anthropic:
-            name = "anthropic-ratelimit-{what}-{field}"
-            reset = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.window.reset_at))
-        else:
-            name = "x-ratelimit-{field}-{what}"
-            reset = f"{max(0, math.ceil(self.window.reset_at - time.time()))}s"
-        out = {}
-        for what, limit, used in (
-            ("requests", self.key.rpm, self.window.requests),
-            ("tokens", self.key.tpm, self.window.tokens),
-        ):
-            if limit is not None:
-                out[name.format(what=what, field="limit")] = str(limit)
-                out[name.format(what=what, field="remaining")] = str(max(0, limit - used))
-                out[name.format(what=what, field="reset")] = reset
-        return out
+from gateway.state.windows import Windows
 
 
 class RateLimited(Overloaded):
@@ -125,39 +93,16 @@ class Quotas:
         if key_id is not None:
             self.windows.add_output(key_id, tokens)
 
+    async def enforce(self, caller: Caller | None, model: str, tokens: int, count: int) -> None:
+        """``check`` for a request made with a managed key (nothing for other requests); the limits
+        left go on the caller, for its answer's headers (gateway/http/auth.py's ``rate_headers``)."""
+        if caller is None or caller.key is None:
+            return
+        rate = await self.check(caller.key, model, tokens, count)
+        if rate is not None:
+            caller.rate = rate
+
     async def sync(self) -> None:
         """The heartbeat's part (gateway/state/windows.py)."""
         inflight = {key_id: self.admission.held[owner] for owner, key_id in self._ids.items()}
         await self.windows.sync(inflight)
-
-
-async def enforce(request: Request | None, model: str, tokens: int, count: int) -> None:
-    """``Quotas.check`` for a request made with a managed key (nothing for other requests); the
-    limits left go on the answer's headers (gateway/http/app.py's ``rate_headers``)."""
-    key = caller_key(request) if request is not None else None
-    if key is None:
-        return
-    rate = await request.app.state.quotas.check(key, model, tokens, count)
-    if rate is not None:
-        request.scope.setdefault("state", {})["rate"] = rate
-
-
-def rate_headers(app: ASGIApp) -> ASGIApp:
-    """ASGI middleware: an admitted request's answer carries its key's rate headers too, as OpenAI's
-    and Anthropic's do (the refusals carry them through ``RateLimited``)."""
-
-    async def handle(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await app(scope, receive, send)
-
-        async def sending(message: Message) -> None:
-            rate = scope.get("state", {}).get("rate") if message["type"] == "http.response.start" else None
-            if rate is not None and message["status"] < 400:
-                anthropic = scope["path"].startswith(ANTHROPIC_PATH)
-                extra = [(k.encode(), v.encode()) for k, v in rate.headers(anthropic).items()]
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
-            await send(message)
-
-        await app(scope, receive, sending)
-
-    return handle

@@ -9,10 +9,10 @@ from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.errors import InvalidRequest, not_stored
+from gateway.http.auth import caller_owner
 from gateway.http.routes.common import documented, json_response
 from gateway.http.routes.files import check_limit, files_of, list_page
 from gateway.http.routes.response_items import ItemList
-from gateway.policy.auth import caller_owner
 from gateway.state.batches import ENDPOINTS, WINDOWS, Batches
 from gateway.state.limits import check_metadata
 

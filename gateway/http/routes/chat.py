@@ -8,7 +8,7 @@ from functools import partial
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
@@ -22,6 +22,7 @@ from gateway.generate.served_model import now_s
 from gateway.generate.structured_outputs import format_param, output_format
 from gateway.generate.tools import CallDelta
 from gateway.http.routes.common import answer, documented, openai_usage
+from gateway.policy.caller import Caller
 from gateway.schemas.chat import (
     AssistantMessage,
     ChatChoice,
@@ -118,11 +119,14 @@ class ChatController(Controller):
         responses=documented(ChatCompletion, "the completion (with `stream`: chat.completion.chunk events)"),
     )
     async def create(
-        self, request: Request, data: JSONBody[ChatCompletionRequest], models: NamedDependency[ModelRegistry]
+        self,
+        data: JSONBody[ChatCompletionRequest],
+        models: NamedDependency[ModelRegistry],
+        caller: NamedDependency[Caller],
     ) -> Response:
-        generation = await core.start(models.get(data.model), core_request(data), request)
+        generation = await core.start(models.get(data.model), core_request(data), caller)
         return await answer(
-            request, generation, data.stream, partial(_chunks, generation, data), partial(_body, generation, data)
+            caller, generation, data.stream, partial(_chunks, generation, data), partial(_body, generation, data)
         )
 
 

@@ -6,13 +6,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
-from litestar import Request, Response
+from litestar import Response
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
 from gateway.generate.core import Generation
 from gateway.generate.events import Choice, Usage
 from gateway.http.streaming import SSE_HEADERS, sse_events
+from gateway.policy.caller import Caller
 from gateway.schemas.chat import CompletionTokensDetails, ErrorBody, PromptTokensDetails
 from gateway.schemas.chat import Usage as OpenAIUsage
 
@@ -33,7 +34,7 @@ def event_stream(chunks: AsyncIterator[Any], request_id: str, named: bool = Fals
 
 
 async def answer(
-    request: Request,
+    caller: Caller,
     generation: Generation,
     stream: bool,
     events: Callable[[], AsyncIterator[Any]],
@@ -44,7 +45,7 @@ async def answer(
     (the generation is aborted if the client hangs up first)."""
     if stream:
         return event_stream(events(), generation.request_id, named)
-    return json_response(body(await generation.collect(request)), generation.request_id)
+    return json_response(body(await generation.collect(caller)), generation.request_id)
 
 
 ERROR_STATUSES = {

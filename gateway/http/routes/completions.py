@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 import msgspec
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
@@ -21,6 +21,7 @@ from gateway.generate.request import CoreRequest
 from gateway.generate.served_model import now_s
 from gateway.generate.structured_outputs import format_param, output_format
 from gateway.http.routes.common import answer, documented, openai_usage
+from gateway.policy.caller import Caller
 from gateway.schemas.chat import Completion, CompletionChoice, CompletionRequest
 
 MAX_BEST_OF = 16
@@ -70,12 +71,12 @@ class CompletionsController(Controller):
         "/", status_code=200, responses=documented(Completion, "the completion (with `stream`: text_completion chunks)")
     )
     async def create(
-        self, request: Request, data: JSONBody[CompletionRequest], models: NamedDependency[ModelRegistry]
+        self, data: JSONBody[CompletionRequest], models: NamedDependency[ModelRegistry], caller: NamedDependency[Caller]
     ) -> Response:
-        generation = await core.start(models.get(data.model), core_request(data), request)
+        generation = await core.start(models.get(data.model), core_request(data), caller)
         echoes = await generation.served.run_in_pool(_echo_texts, generation, data.prompt) if data.echo else None
         return await answer(
-            request,
+            caller,
             generation,
             data.stream,
             partial(_chunks, generation, data, echoes),

@@ -15,10 +15,10 @@ from litestar import Controller, Request, Response, delete, get, post
 from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.errors import InvalidRequest, NotFound, not_stored
+from gateway.http.auth import caller_owner
 from gateway.http.routes.common import documented, json_response
 from gateway.http.routes.response_items import ItemList, page
 from gateway.http.routes.response_runs import input_items
-from gateway.policy.auth import caller_owner
 from gateway.schemas.responses import InputItem
 from gateway.state.conversations import MAX_ITEMS_AT_ONCE, Conversations
 from gateway.state.limits import check_metadata

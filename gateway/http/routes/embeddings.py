@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
@@ -14,6 +14,7 @@ from gateway.generate import pooling
 from gateway.generate.abilities import require
 from gateway.generate.model_registry import ModelRegistry
 from gateway.http.routes.common import documented, json_response
+from gateway.policy.caller import Caller
 from gateway.schemas.pooling import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
 
@@ -22,7 +23,7 @@ class EmbeddingsController(Controller):
 
     @post("/", status_code=200, responses=documented(EmbeddingList, "one vector per input, in order"))
     async def create(
-        self, request: Request, data: JSONBody[EmbeddingRequest], models: NamedDependency[ModelRegistry]
+        self, data: JSONBody[EmbeddingRequest], models: NamedDependency[ModelRegistry], caller: NamedDependency[Caller]
     ) -> Response:
         served = models.get(data.model)
         info = require(served, PoolingTask.EMBED)
@@ -39,7 +40,7 @@ class EmbeddingsController(Controller):
                     f"`dimensions` must be one of {allowed}; got {data.dimensions}", param="dimensions"
                 )
         inputs = pooling.inputs_of(data.input, "input", served.vocab_size)
-        pooled = await pooling.pool(served, inputs, PoolingTask.EMBED, request, data.dimensions)
+        pooled = await pooling.pool(served, inputs, PoolingTask.EMBED, caller, data.dimensions)
         as_base64 = data.encoding_format == "base64"
         data_out = [
             Embedding(

@@ -14,9 +14,9 @@ from litestar.datastructures import UploadFile
 from litestar.params import FromPath, FromQuery
 
 from gateway.errors import GatewayError, InvalidRequest, not_stored
+from gateway.http.auth import caller_owner
 from gateway.http.routes.common import documented, json_response
 from gateway.http.routes.response_items import ItemList
-from gateway.policy.auth import caller_owner
 from gateway.state.file_store import ContentUnavailable
 from gateway.state.files import Files
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 import orjson
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
@@ -26,6 +26,7 @@ from gateway.generate.events import LENGTH, STOP_SEQUENCE, TOOL_CALLS, Finish, T
 from gateway.generate.model_registry import ModelRegistry
 from gateway.http.routes.common import answer, documented, json_response
 from gateway.http.routes.messages_input import core_request
+from gateway.policy.caller import Caller
 from gateway.schemas.anthropic import (
     AnthropicErrorBody,
     AnthropicUsage,
@@ -84,11 +85,11 @@ class MessagesController(Controller):
         responses=documented(MessageResponse, "the message (with `stream`: Anthropic's events)", AnthropicErrorBody),
     )
     async def create(
-        self, request: Request, data: JSONBody[MessagesRequest], models: NamedDependency[ModelRegistry]
+        self, data: JSONBody[MessagesRequest], models: NamedDependency[ModelRegistry], caller: NamedDependency[Caller]
     ) -> Response:
-        generation = await core.start(models.get(data.model), core_request(data), request)
+        generation = await core.start(models.get(data.model), core_request(data), caller)
         return await answer(
-            request, generation, data.stream, partial(_events, generation), partial(_message, generation), named=True
+            caller, generation, data.stream, partial(_events, generation), partial(_message, generation), named=True
         )
 
     @post(
@@ -97,9 +98,12 @@ class MessagesController(Controller):
         responses=documented(CountTokensResponse, "the prompt's length in tokens", AnthropicErrorBody),
     )
     async def count_tokens(
-        self, request: Request, data: JSONBody[CountTokensRequest], models: NamedDependency[ModelRegistry]
+        self,
+        data: JSONBody[CountTokensRequest],
+        models: NamedDependency[ModelRegistry],
+        caller: NamedDependency[Caller],
     ) -> Response:
-        (prompt,) = await core.prompt_ids(models.get(data.model), core_request(data), request)
+        (prompt,) = await core.prompt_ids(models.get(data.model), core_request(data), caller)
         return json_response(CountTokensResponse(len(prompt)))
 
 

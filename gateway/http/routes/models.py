@@ -15,8 +15,8 @@ from litestar.params import FromPath, FromQuery
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.generate.model_registry import ModelRegistry
+from gateway.http.auth import caller_key
 from gateway.http.routes.common import documented, json_response
-from gateway.policy.auth import caller_key
 
 
 def anthropic_model(card: dict) -> dict:

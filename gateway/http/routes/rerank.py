@@ -9,7 +9,7 @@ import time
 import uuid
 from array import array
 
-from litestar import Request, Response, post
+from litestar import Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
@@ -20,6 +20,7 @@ from gateway.generate.abilities import require
 from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.served_model import ServedModel
 from gateway.http.routes.common import documented, json_response
+from gateway.policy.caller import Caller
 from gateway.schemas.pooling import (
     RerankDocumentObject,
     RerankRequest,
@@ -33,14 +34,14 @@ from gateway.schemas.pooling import (
 )
 
 
-async def scores(served: ServedModel, request: Request, pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
+async def scores(served: ServedModel, caller: Caller, pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
     """Each pair's score and the prompt tokens read; 400 for a generation model."""
     info = require(served, PoolingTask.SCORE)
     if info is not None and PoolingTask.EMBED not in info.tasks:  # a cross-encoder: both texts in one sequence
-        pooled = await pooling.pool(served, [pooling.Input(q, d) for q, d in pairs], PoolingTask.SCORE, request)
+        pooled = await pooling.pool(served, [pooling.Input(q, d) for q, d in pairs], PoolingTask.SCORE, caller)
         return [p.vector[0] for p in pooled], sum(p.prompt_tokens for p in pooled)
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
-    pooled = await pooling.pool(served, [pooling.Input(t) for t in texts], PoolingTask.EMBED, request)
+    pooled = await pooling.pool(served, [pooling.Input(t) for t in texts], PoolingTask.EMBED, caller)
     vectors = dict(zip(texts, (p.vector for p in pooled)))
     return [cosine(vectors[q], vectors[d]) for q, d in pairs], sum(p.prompt_tokens for p in pooled)
 
@@ -64,14 +65,16 @@ def _texts(value: str | list[str] | None, param: str) -> list[str]:
     status_code=200,
     responses=documented(RerankResponse, "the documents by relevance, best first"),
 )
-async def rerank(request: Request, data: JSONBody[RerankRequest], models: NamedDependency[ModelRegistry]) -> Response:
+async def rerank(
+    data: JSONBody[RerankRequest], models: NamedDependency[ModelRegistry], caller: NamedDependency[Caller]
+) -> Response:
     served = models.get(data.model)
     documents = [d.text if isinstance(d, RerankDocumentObject) else d for d in data.documents]
     _texts(data.query, "query")
     _texts(documents, "documents")
     if data.top_n is not None and data.top_n < 0:
         raise InvalidRequest(f"`top_n` must be 0 (all) or more; got {data.top_n}", param="top_n")
-    found, tokens = await scores(served, request, [(data.query, d) for d in documents])
+    found, tokens = await scores(served, caller, [(data.query, d) for d in documents])
     order = sorted(range(len(documents)), key=lambda i: -found[i])[: data.top_n or None]
     results = [
         RerankResult(
@@ -91,7 +94,9 @@ async def rerank(request: Request, data: JSONBody[RerankRequest], models: NamedD
 
 
 @post(["/v1/score", "/score"], status_code=200, responses=documented(ScoreResponse, "one score per pair"))
-async def score(request: Request, data: JSONBody[ScoreRequest], models: NamedDependency[ModelRegistry]) -> Response:
+async def score(
+    data: JSONBody[ScoreRequest], models: NamedDependency[ModelRegistry], caller: NamedDependency[Caller]
+) -> Response:
     served = models.get(data.model)
     first_param, second_param = ("queries", "documents") if data.queries is not None else ("text_1", "text_2")
     first = _texts(data.queries if data.queries is not None else data.text_1, first_param)
@@ -103,7 +108,7 @@ async def score(request: Request, data: JSONBody[ScoreRequest], models: NamedDep
             f"`{first_param}` must hold one text or as many as `{second_param}` ({len(second)}); got {len(first)}",
             param=first_param,
         )
-    found, tokens = await scores(served, request, list(zip(first, second)))
+    found, tokens = await scores(served, caller, list(zip(first, second)))
     data_out = [ScoreData(index=i, score=s) for i, s in enumerate(found)]
     usage = ScoreUsage(prompt_tokens=tokens, total_tokens=tokens)
     return json_response(

@@ -13,8 +13,8 @@ from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath, FromQuery
 
 from gateway.errors import InvalidRequest, not_stored
+from gateway.http.auth import caller_owner
 from gateway.http.routes.common import documented, json_response
-from gateway.policy.auth import caller_owner
 from gateway.schemas.responses import ResponseObject
 from gateway.state.service import StateService
 

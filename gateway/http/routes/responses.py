@@ -37,6 +37,7 @@ from gateway.errors import InvalidRequest, not_stored
 from gateway.generate import core
 from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.served_model import ServedModel
+from gateway.http.auth import caller_owner
 from gateway.http.routes.common import documented, json_response
 from gateway.http.routes.conversations import conversation_id
 from gateway.http.routes.response_output import Output
@@ -51,7 +52,7 @@ from gateway.http.routes.response_runs import (
     start_run,
 )
 from gateway.http.routes.responses_input import core_request, input_messages, refuse_unsupported
-from gateway.policy.auth import caller_owner
+from gateway.policy.caller import Caller
 from gateway.schemas.responses import (
     DeletedResponse,
     InputItem,
@@ -76,11 +77,13 @@ class ResponsesController(Controller):
         responses=documented(ResponseObject, "the response (with `stream`: typed events)"),
     )
     async def create(
-        self, request: Request, data: JSONBody[ResponsesRequest], models: NamedDependency[ModelRegistry]
+        self,
+        data: JSONBody[ResponsesRequest],
+        models: NamedDependency[ModelRegistry],
+        caller: NamedDependency[Caller],
+        stored: NamedDependency[StateService],
     ) -> Response:
-        req = data
-        state: StateService = request.app.state.state
-        owner = caller_owner(request)
+        req, state, owner = data, stored, caller.owner
         served = models.get(req.model)
         refuse_unsupported(req)
         conversation = conversation_id(req.conversation)
@@ -92,7 +95,7 @@ class ResponsesController(Controller):
         turn = Turn(owner, msgspec.json.encode(input_items(req.input)), turn_messages, req, [], conversation)
         if req.store:
             check_budget(turn.size(response), state.store.limits.max_response_bytes)
-        generation = await core.start(served, greq, request)
+        generation = await core.start(served, greq, caller)
         turn.prompt = generation.prompts[0]  # what a gateway taking it over runs again
         builder = Output(served, response, req.top_logprobs is not None)
         if req.store and (req.stream or req.background):
@@ -104,7 +107,7 @@ class ResponsesController(Controller):
             return json_response(response, generation.request_id)
         if req.stream:
             return sse_stream(_framed(builder.stream(generation)), generation.request_id)
-        async for _ in builder.events(generation, await generation.collect(request)):
+        async for _ in builder.events(generation, await generation.collect(caller)):
             pass
         if req.store:
             try:

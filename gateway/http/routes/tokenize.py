@@ -3,7 +3,7 @@ exactly what prompt a chat request becomes (the same template, tools and bounds 
 
 from __future__ import annotations
 
-from litestar import Controller, Request, Response, get, post
+from litestar import Controller, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromQuery, JSONBody
 
@@ -14,6 +14,7 @@ from gateway.generate.request import CoreRequest
 from gateway.generate.validation import check_token_ids
 from gateway.http.routes.chat import message_dicts
 from gateway.http.routes.common import documented, json_response
+from gateway.policy.caller import Caller
 from gateway.schemas.chat import DetokenizeRequest, TokenizeRequest
 
 
@@ -38,11 +39,11 @@ class TokenizeController(Controller):
 
     @post("/tokenize", status_code=200, responses=documented(None))
     async def tokenize(
-        self, request: Request, data: JSONBody[TokenizeRequest], models: NamedDependency[ModelRegistry]
+        self, data: JSONBody[TokenizeRequest], models: NamedDependency[ModelRegistry], caller: NamedDependency[Caller]
     ) -> Response:
         req = data
         served = models.get(req.model)
-        (ids,) = await core.prompt_ids(served, core_request(req), request)
+        (ids,) = await core.prompt_ids(served, core_request(req), caller)
         if req.messages is not None and req.add_special_tokens:  # on top of the template's own
             ids = served.tokenizer.build_inputs_with_special_tokens(ids)
         body: dict = {"count": len(ids), "max_model_len": served.max_model_len(), "tokens": ids}
