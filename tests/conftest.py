@@ -167,7 +167,7 @@ def postgres():  # a tests.postgres.Postgres
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A redis-server of the tests' own on loopback (scripts/setup.sh --test installs it), with a
-    memory bound and LRU eviction as the KV store's README asks of a shared Redis."""
+    memory bound and LRU eviction as docs/kv-store.md asks of a shared Redis."""
     import shutil
 
     if shutil.which("redis-server") is None:

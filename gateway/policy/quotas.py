@@ -5,7 +5,7 @@ tokens per minute (429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` heade
 ``anthropic-ratelimit-*`` under /v1/messages). Keys of ``--api-key`` and open servers have no limits.
 
 The counts every gateway shares live in the state database (gateway/state/windows.py says how);
-the README's "Keys, quotas and fairness" says why the database rather than Redis.
+docs/keys-and-quotas.md says why the database rather than Redis.
 """
 
 from __future__ import annotations

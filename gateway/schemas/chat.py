@@ -79,7 +79,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    reasoning_effort: str | None = None  # a reasoning model's thinking budget by name (README: Reasoning models)
+    reasoning_effort: str | None = None  # a reasoning model's thinking budget by name (docs/reasoning.md)
     thinking_token_budget: int | None = None  # ... or in tokens (vLLM's name)
 
 

@@ -64,7 +64,7 @@ class ResponsesRequest(SamplingOptions, kw_only=True):
     top_logprobs: int | None = None
     metadata: dict | None = None
     user: str | None = None
-    # ``effort`` bounds a reasoning model's thinking (README: Reasoning models); truncation is always
+    # ``effort`` bounds a reasoning model's thinking (docs/reasoning.md); truncation is always
     # "disabled" (a prompt too long is a 400); include asks for extra fields we never have.
     reasoning: Reasoning | None = None
     thinking_token_budget: int | None = None  # vLLM's budget in tokens, as chat's (wins over reasoning.effort)
