@@ -32,7 +32,7 @@ from common.protocol import (
     StepOutputs,
     WorkerError,
 )
-from gateway.errors import BadGeneration, GenerationFailed, NoWorkerAvailable, WorkerLost
+from gateway.errors import BadGeneration, GenerationFailed, NoWorkerAvailable
 from gateway.fleet.lora import preferring
 from gateway.fleet.recovery import Recovery
 from gateway.fleet.roster import GATEWAY_HEARTBEAT, Admitted, Outbox, Roster
@@ -41,7 +41,10 @@ from gateway.fleet.workers import UNTRACED, PrefixAffinity, RequestStream, Trace
 log = logging.getLogger(__name__)
 
 
-class Dispatcher(Recovery):
+class Dispatcher:
+    """Where each request goes, and the workers' messages about it; a request whose worker fails
+    moves through ``recovery`` (gateway/fleet/recovery.py)."""
+
     def __init__(
         self,
         interval: float,
@@ -63,14 +66,17 @@ class Dispatcher(Recovery):
         self.roster = Roster(interval, liveness, learns, reachable, self.outbox)
         self.affinity = PrefixAffinity(affinity_slack) if affinity_slack is not None else None
         self.streams: dict[str, RequestStream] = {}
-        self.resumed = 0  # requests moved to another worker after theirs died
         self.add_messages_sent = 0
-        self._attempts: dict[str, RequestStream] = {}  # resumed requests by their current wire id
-        # Requests whose worker died when no other was there: they wait a liveness period for one
-        # to (re)register (workers reconnect after a gateway pause or restart) before failing.
-        self._orphans: dict[str, tuple[RequestStream, str, float]] = {}
+        self.recovery = Recovery(
+            self.roster, self.outbox, self.streams, clock, liveness, max_retries, self._assign, self.end
+        )
         self._with_pending: dict[bytes, WorkerInfo] = {}  # workers with requests to send at the next flush
         self._last_tick = clock()
+
+    @property
+    def resumed(self) -> int:
+        """Requests moved to another worker after theirs died."""
+        return self.recovery.resumed
 
     # ---- what the HTTP side asks -------------------------------------------------------------
 
@@ -108,7 +114,7 @@ class Dispatcher(Recovery):
             stream.generated, stream.offset = list(delivered), len(delivered)
             request = stream.resumed_request()
             if request.max_new_tokens <= 0:
-                self._finish_delivered(stream)
+                self.recovery.finish_delivered(stream)
                 return stream
         self._assign(stream, request)
         return stream
@@ -185,7 +191,7 @@ class Dispatcher(Recovery):
             worker.load = msg
             worker.heartbeats += 1
             if worker.inflight and not (msg.running or msg.waiting):
-                self._recover_unheld(worker)
+                self.recovery.recover_unheld(worker)
         elif isinstance(msg, Goodbye):
             self._purge(worker, f"worker {worker.ready.worker_name} left: {msg.reason}")
         elif isinstance(msg, WorkerError):
@@ -216,9 +222,7 @@ class Dispatcher(Recovery):
                 admitted.stale,
                 f"worker {admitted.worker.ready.worker_name} registered again (restarted or reconnected)",
             )
-        for stream, reason, _ in list(self._orphans.values()):
-            if stream.model == admitted.worker.ready.model:
-                self._resume(stream, reason)
+        self.recovery.adopt(admitted.worker.ready.model)
 
     def unreachable(self, identity: bytes, reason: str) -> None:
         """A send to this worker failed (EHOSTUNREACH under ROUTER_MANDATORY, or its queue is full)."""
@@ -237,7 +241,7 @@ class Dispatcher(Recovery):
             if stream is None:
                 continue  # aborted by us already, or from an attempt that was moved on
             if output.seq != stream.next_seq:
-                self._lost_output(worker, stream, output.seq)
+                self.recovery.lost_output(worker, stream, output.seq)
                 continue
             stream.next_seq += 1
             if output.events:  # only a traced request brings any
@@ -253,7 +257,7 @@ class Dispatcher(Recovery):
     def _stream_of(self, wire_id: str | None) -> RequestStream | None:
         """The open stream whose current attempt has this wire id (None for a stale attempt's)."""
         stream = self.streams.get(wire_id) if wire_id is not None else None
-        stream = stream or self._attempts.get(wire_id or "")
+        stream = stream or self.recovery.attempts.get(wire_id or "")
         return stream if stream is not None and stream.wire_id == wire_id else None
 
     # ---- endings and moves -------------------------------------------------------------------
@@ -261,7 +265,7 @@ class Dispatcher(Recovery):
     def end(self, stream: RequestStream, error: GenerationFailed | None = None) -> None:
         """Close a stream (with an error to deliver, or after its final output)."""
         self.streams.pop(stream.request_id, None)
-        self._attempts.pop(stream.wire_id, None)
+        self.recovery.attempts.pop(stream.wire_id, None)
         worker = self.roster.workers.get(stream.worker)
         if worker is not None:
             worker.release(stream)
@@ -269,16 +273,20 @@ class Dispatcher(Recovery):
             stream.queue.put_nowait(error)
         stream.finished = True
 
+    def _purge(self, worker: WorkerInfo, reason: str) -> None:
+        if not self.roster.remove(worker, reason):
+            return
+        self._with_pending.pop(worker.identity, None)
+        log.warning("%s; resuming its %d in-flight requests elsewhere", reason, len(worker.inflight))
+        self.recovery.worker_lost(worker, reason)
+
     def tick(self) -> None:
         """Every heartbeat interval: judge the workers (expired, hung), end orphans that waited too
         long, tend the joiners, and heartbeat every worker still registered."""
         now = self.clock()
         self.roster.forgive(now - self._last_tick - self.interval)
         self._last_tick = now
-        for stream, reason, since in list(self._orphans.values()):
-            if stream.finished or now - since > self.interval * self.liveness:
-                del self._orphans[stream.request_id]
-                self.end(stream, WorkerLost(f"{reason}; no other worker can take the request over"))
+        self.recovery.expire(now, self.interval * self.liveness)
         self.roster.tend_joiners(now)
         for worker in list(self.roster.workers.values()):
             if now > worker.expiry:

@@ -1,4 +1,5 @@
-"""create_app(config) -> Litestar: routes, the worker client and the models it learns on app.state, OpenAI errors."""
+"""create_app(config) -> Litestar: the routes behind their guards, the services they take as
+dependencies, and the lifespan that starts those services in order and stops them in reverse."""
 
 from __future__ import annotations
 
@@ -115,85 +116,104 @@ def head_as_get(handler: ASGIApp) -> ASGIApp:
     return handle
 
 
-def create_app(config: GatewayConfig) -> Litestar:
-    if config.tool_call_parser not in PARSERS:
-        raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}; got {config.tool_call_parser!r}")
-    if config.reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(
-            f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; got {config.reasoning_parser!r}"
-        )
-    if config.scheduling_policy not in POLICIES:
-        raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}; got {config.scheduling_policy!r}")
+def check_choices(config: GatewayConfig) -> None:
+    """Flags that name one of a few choices, refused at start when they name another."""
+    for flag, value, choices in (
+        ("--tool-call-parser", config.tool_call_parser, PARSERS),
+        ("--reasoning-parser", config.reasoning_parser, REASONING_PARSERS),
+        ("--scheduling-policy", config.scheduling_policy, POLICIES),
+    ):
+        if value not in choices:
+            raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
     check_files_url(config.files_url)
+
+
+def start_fleet(config: GatewayConfig, rules: Rules) -> tuple[WorkerClient, ModelRegistry]:
+    """The worker client (the ROUTER socket, not yet bound) and the models it will learn."""
+    client = WorkerClient(
+        config.zmq_bind,
+        config.heartbeat_interval,
+        config.heartbeat_liveness,
+        config.max_retries,
+        config.hung_timeout,
+        config.prefix_affinity_slack if config.prefix_affinity_slack >= 0 else None,
+        config.curve_server_secret_key,
+        config.curve_authorized_keys,
+    )
+    admission = Admission(config.max_concurrent_requests, config.max_waiting_requests, stall_s=config.hung_timeout)
+    models = ModelRegistry(
+        client,
+        Metrics(client.snapshot, admission),
+        admission,
+        Lanes(config.tokenizer_threads),
+        config.request_timeout,
+        config.reasoning_parser,
+        rules,
+    )
+    client.learn_model = models.learn
+    return client, models
+
+
+async def open_state(app: Litestar, config: GatewayConfig, client: WorkerClient, models: ModelRegistry) -> StateService:
+    """The state store and what lives on it: usage, managed keys' quotas, runtime LoRA adapters,
+    files and batches; its heartbeat started (which also takes over dead gateways' responses)."""
+    rules = models.rules
+    app.state.usage = rules.usage = UsageMeter(models.metrics.registry)
+    limits = Limits(
+        config.state_max_age,
+        config.state_max_bytes,
+        config.state_max_response_bytes,
+        config.state_max_key_bytes,
+        config.state_log_interval,
+    )
+    heartbeat = config.heartbeat_interval
+    lease_s = heartbeat * config.heartbeat_liveness
+    url = config.state_url or default_state_url()
+    state = await StateService.open(url, limits, rules.usage, heartbeat, lease_s, config.state_purge_interval)
+    app.state.state = state
+    db = state.store.db
+    windows = Windows(db, state.store.gateway_id, lease_s, heartbeat)
+    app.state.quotas = rules.quotas = Quotas(KeyStore(db), windows, models.admission, rules.usage, heartbeat)
+    state.hooks.append(rules.quotas.sync)
+    client.loras.table = LoraTable(db)  # runtime LoRA adapters are the fleet's (gateway/fleet/lora.py)
+    state.hooks.append(partial(client.loras.sync, client.models))
+    state.start(lambda response_id, gateway: take_over(app, response_id, gateway))
+    return state
+
+
+async def open_batches(app: Litestar, config: GatewayConfig, client: WorkerClient, file_store, state: StateService):
+    """Files and batches on the state store, and the runner that fills idle capacity with them."""
+    app.state.files = Files(state.store.db, file_store)
+    app.state.batches = Batches(state.store.db, app.state.files, state.store.gateway_id)
+    return BatchRunner(
+        app,
+        app.state.batches,
+        app.state.files,
+        app.state.models.admission,
+        lambda: client.dispatch.roster.workers.values(),
+        config.heartbeat_interval,
+        config.heartbeat_interval * config.heartbeat_liveness,
+        config.batch_max_inflight,
+    )
+
+
+def lifespan_of(config: GatewayConfig, keys: frozenset[str]):
+    """Start the services in order (files' bucket, tracing, the fleet, the state store, batches),
+    then the socket and the runner; stop them in the reverse order."""
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         file_store = await open_file_store(config.files_url, config.files_s3_endpoint)  # a bad bucket: refused now
         tracing.setup(config.otlp_endpoint, config.otlp_service_name)
-        client = WorkerClient(
-            config.zmq_bind,
-            config.heartbeat_interval,
-            config.heartbeat_liveness,
-            config.max_retries,
-            config.hung_timeout,
-            config.prefix_affinity_slack if config.prefix_affinity_slack >= 0 else None,
-            config.curve_server_secret_key,
-            config.curve_authorized_keys,
-        )
         rules = Rules(
             scheduling_policy=config.scheduling_policy,
             allow_request_chat_template=config.allow_request_chat_template,
         )
-        admission = Admission(config.max_concurrent_requests, config.max_waiting_requests, stall_s=config.hung_timeout)
-        models = ModelRegistry(
-            client,
-            Metrics(client.snapshot, admission),
-            admission,
-            Lanes(config.tokenizer_threads),
-            config.request_timeout,
-            config.reasoning_parser,
-            rules,
-        )
-        client.learn_model = models.learn
+        client, models = start_fleet(config, rules)
         app.state.api_keys = keys
         app.state.models = models
-        limits = Limits(
-            config.state_max_age,
-            config.state_max_bytes,
-            config.state_max_response_bytes,
-            config.state_max_key_bytes,
-            config.state_log_interval,
-        )
-        app.state.usage = rules.usage = UsageMeter(models.metrics.registry)
-        lease_s = config.heartbeat_interval * config.heartbeat_liveness
-        state = await StateService.open(
-            config.state_url or default_state_url(),
-            limits,
-            app.state.usage,
-            config.heartbeat_interval,
-            lease_s,
-            config.state_purge_interval,
-        )
-        app.state.state = state
-        db, heartbeat = state.store.db, config.heartbeat_interval
-        windows = Windows(db, state.store.gateway_id, lease_s, heartbeat)
-        app.state.quotas = rules.quotas = Quotas(KeyStore(db), windows, admission, app.state.usage, heartbeat)
-        state.hooks.append(app.state.quotas.sync)
-        client.loras.table = LoraTable(db)  # runtime LoRA adapters are the fleet's (gateway/fleet/lora.py)
-        state.hooks.append(partial(client.loras.sync, client.models))
-        state.start(lambda response_id, gateway: take_over(app, response_id, gateway))
-        app.state.files = Files(state.store.db, file_store)
-        app.state.batches = Batches(state.store.db, app.state.files, state.store.gateway_id)
-        runner = app.state.batch_runner = BatchRunner(
-            app,
-            app.state.batches,
-            app.state.files,
-            admission,
-            lambda: client.dispatch.roster.workers.values(),
-            config.heartbeat_interval,
-            lease_s,
-            config.batch_max_inflight,
-        )
+        state = await open_state(app, config, client, models)
+        runner = app.state.batch_runner = await open_batches(app, config, client, file_store, state)
         await client.start()
         runner.start()
         threading.Thread(target=_import_tokenizers, daemon=True).start()
@@ -212,8 +232,13 @@ def create_app(config: GatewayConfig) -> Litestar:
             await client.stop()
             tracing.shutdown()
 
-    keys, admin_keys = parse_keys(config.api_key), parse_keys(config.admin_key)
+    return lifespan
+
+
+def routers(config: GatewayConfig, keys: frozenset[str], admin_keys: frozenset[str]) -> list[Router]:
+    """The API behind the API key (when there is one) and the operator's routes behind the admin key."""
     guards = [api_key_guard(keys, managed=bool(admin_keys))] if keys or admin_keys else []
+    files = type("FilesController", (FilesController,), {"request_max_body_size": parse_size(config.max_file_size)})
     api = Router(
         path="/",
         route_handlers=[
@@ -222,7 +247,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             ResponsesController,
             ResponseItemsController,
             ConversationsController,
-            type("FilesController", (FilesController,), {"request_max_body_size": parse_size(config.max_file_size)}),
+            files,
             BatchesController,
             MessagesController,
             ModelsController,
@@ -237,10 +262,17 @@ def create_app(config: GatewayConfig) -> Litestar:
         ],
         guards=guards,
     )
-    origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]
     admin = Router(path="/", route_handlers=[usage, KeysController], guards=[admin_guard(admin_keys)])
+    return [api, admin]
+
+
+def create_app(config: GatewayConfig) -> Litestar:
+    check_choices(config)
+    keys, admin_keys = parse_keys(config.api_key), parse_keys(config.admin_key)
+    guards = [api_key_guard(keys, managed=bool(admin_keys))] if keys or admin_keys else []
+    origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]
     app = Litestar(
-        route_handlers=[api, admin, health, *(UI_ROUTES if config.ui else [])],
+        route_handlers=[*routers(config, keys, admin_keys), health, *(UI_ROUTES if config.ui else [])],
         request_max_body_size=parse_size(config.max_body_size),
         cors_config=CORSConfig(
             allow_origins=origins,
@@ -256,7 +288,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             rate_headers,
             http_metrics_middleware(lambda: getattr(getattr(app.state, "models", None), "metrics", None)),
         ],
-        lifespan=[lifespan],
+        lifespan=[lifespan_of(config, keys)],
         logging_config=None,  # common.logs configures logging, the same way in every process
         openapi_config=openapi_config(guards),
     )
