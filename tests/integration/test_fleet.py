@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from launcher.cli import make_keys
-from tests.conftest import MODEL, Server, free_port, spawn, start_serve, stop, wait_until
+from tests.conftest import MODEL, Server, free_port, spawn, start_serve, stop, wait_until, worker_argv
 
 API_KEY = "fleet-key"
 # Default heartbeats (1 s, 5 missed): three model workers share two cores here, and a step may take seconds.
@@ -80,15 +80,7 @@ class Fleet:
         self.gateways[i] = spawn(args, name, ENV)
 
     def start_worker(self, n: int, served: str, *extra: str) -> None:
-        args = [
-            "worker",
-            "--gateway-address",
-            f"{self.address(0)},{self.address(1)}",
-            "--served-model-name",
-            served,
-            "--worker-name",
-            served,
-        ]
+        args = worker_argv(f"{self.address(0)},{self.address(1)}", served, "--served-model-name", served)
         args += [
             "--curve-client-secret-key",
             str(self.keys / f"worker-{n}.key_secret"),

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, wait_until
+from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, wait_until, worker_argv
 
 FAST = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 ROUNDS = 6
@@ -193,19 +193,7 @@ def cancel(http: httpx.Client, url: str) -> None:
 
 
 def start_worker(server: Server, name: str):  # a Popen
-    args = [
-        "worker",
-        "--gateway-address",
-        server.zmq_address,
-        "--worker-name",
-        name,
-        "--dtype",
-        "float32",
-        "--threads",
-        "1",
-        "--kv-cache-memory",
-        "256MiB",
-    ]
+    args = worker_argv(server.zmq_address, name, "--dtype", "float32", "--threads", "1", "--kv-cache-memory", "256MiB")
     return spawn(args, f"soak-{name}", FAST)
 
 

@@ -10,7 +10,7 @@ from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.errors import InvalidRequest, not_stored
 from gateway.http.auth import caller_owner
-from gateway.http.routes.common import documented, json_response
+from gateway.http.routes.common import BATCH, documented, json_response
 from gateway.http.routes.files import check_limit, files_of, list_page
 from gateway.http.routes.response_items import ItemList
 from gateway.state.batches import ENDPOINTS, WINDOWS, Batches
@@ -80,16 +80,12 @@ class BatchesController(Controller):
 
     @get("/{batch_id:str}", responses=documented(BatchObject, "the batch"))
     async def retrieve(self, request: Request, batch_id: FromPath[str]) -> Response:
-        found = await _batches(request).get(batch_id, caller_owner(request))
-        if found is None:
-            raise not_stored("batch", batch_id, "batch_id")
+        found = BATCH.found(await _batches(request).get(batch_id, caller_owner(request)), batch_id)
         return json_response(found)
 
     @post("/{batch_id:str}/cancel", status_code=200, responses=documented(BatchObject, "the batch, cancelling"))
     async def cancel(self, request: Request, batch_id: FromPath[str]) -> Response:
-        found = await _batches(request).cancel(batch_id, caller_owner(request))
-        if found is None:
-            raise not_stored("batch", batch_id, "batch_id")
+        found = BATCH.found(await _batches(request).cancel(batch_id, caller_owner(request)), batch_id)
         if found["status"] not in ("cancelling", "cancelled"):
             raise InvalidRequest(f"the batch is {found['status']}: it can no longer be cancelled", param="batch_id")
         request.app.state.batch_runner.wake()

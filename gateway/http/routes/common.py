@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Response
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
+from gateway.errors import not_stored
 from gateway.generate.core import Generation
 from gateway.generate.events import Choice, Usage
 from gateway.http.streaming import SSE_HEADERS, sse_events
@@ -18,6 +19,7 @@ from gateway.schemas.chat import CompletionTokensDetails, ErrorBody, PromptToken
 from gateway.schemas.chat import Usage as OpenAIUsage
 
 _encoder = msgspec.json.Encoder()
+T = TypeVar("T")
 
 
 def json_response(payload: Any, request_id: str | None = None) -> Response:
@@ -81,3 +83,24 @@ def openai_usage(usage: Usage) -> OpenAIUsage:
         if usage.reasoning_tokens
         else msgspec.UNSET,
     )
+
+
+class Stored:
+    """One kind of stored object (conversation, file, batch, response) as its routes look it up:
+    what a lookup found, or the 404 that names the id; another key's objects are as absent, so
+    ids leak nothing across keys."""
+
+    def __init__(self, what: str, param: str) -> None:
+        self.what, self.param = what, param
+
+    def found(self, value: T | None, ident: str) -> T:
+        """``value`` (a lookup's result: None, or False from a delete, when there is none)."""
+        if value is None or value is False:
+            raise not_stored(self.what, ident, self.param)
+        return value
+
+
+CONVERSATION = Stored("conversation", "conversation_id")
+FILE = Stored("file", "file_id")
+BATCH = Stored("batch", "batch_id")
+RESPONSE = Stored("response", "response_id")

@@ -14,9 +14,9 @@ import msgspec
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.params import FromPath, FromQuery, JSONBody
 
-from gateway.errors import InvalidRequest, NotFound, not_stored
+from gateway.errors import InvalidRequest, NotFound
 from gateway.http.auth import caller_owner
-from gateway.http.routes.common import documented, json_response
+from gateway.http.routes.common import CONVERSATION, documented, json_response
 from gateway.http.routes.response_items import ItemList, page
 from gateway.http.routes.response_runs import input_items
 from gateway.schemas.responses import InputItem
@@ -77,9 +77,7 @@ class ConversationsController(Controller):
 
     @get("/{conversation_id:str}", responses=documented(Conversation, "the conversation"))
     async def retrieve(self, request: Request, conversation_id: FromPath[str]) -> Response:
-        found = await _store(request).get(conversation_id, caller_owner(request))
-        if found is None:
-            raise not_stored("conversation", conversation_id, "conversation_id")
+        found = CONVERSATION.found(await _store(request).get(conversation_id, caller_owner(request)), conversation_id)
         return json_response(found)
 
     @post(
@@ -90,26 +88,22 @@ class ConversationsController(Controller):
     async def update(
         self, request: Request, conversation_id: FromPath[str], data: JSONBody[dict[str, Any]]
     ) -> Response:
-        found = await _store(request).update(
-            conversation_id, caller_owner(request), check_metadata(data.get("metadata"))
-        )
-        if found is None:
-            raise not_stored("conversation", conversation_id, "conversation_id")
-        return json_response(found)
+        metadata = check_metadata(data.get("metadata"))
+        found = await _store(request).update(conversation_id, caller_owner(request), metadata)
+        return json_response(CONVERSATION.found(found, conversation_id))
 
     @delete(
         "/{conversation_id:str}", status_code=200, responses=documented(DeletedConversation, "the conversation is gone")
     )
     async def remove(self, request: Request, conversation_id: FromPath[str]) -> Response:
-        if not await _store(request).delete(conversation_id, caller_owner(request)):
-            raise not_stored("conversation", conversation_id, "conversation_id")
+        CONVERSATION.found(await _store(request).delete(conversation_id, caller_owner(request)), conversation_id)
         return json_response(DeletedConversation(conversation_id))
 
     @post("/{conversation_id:str}/items", status_code=200, responses=documented(ItemList, "the items added"))
     async def add_items(self, request: Request, conversation_id: FromPath[str], data: JSONBody[ItemsBody]) -> Response:
-        added = await _store(request).add(conversation_id, caller_owner(request), _items(data.items))
-        if added is None:
-            raise not_stored("conversation", conversation_id, "conversation_id")
+        added = CONVERSATION.found(
+            await _store(request).add(conversation_id, caller_owner(request), _items(data.items)), conversation_id
+        )
         return json_response(page(added, max(1, min(len(added), 100)), "asc", None))
 
     @get("/{conversation_id:str}/items", responses=documented(ItemList, "its items"))
@@ -121,9 +115,7 @@ class ConversationsController(Controller):
         order: FromQuery[Literal["asc", "desc"]] = "desc",
         after: FromQuery[str | None] = None,
     ) -> Response:
-        items = await _store(request).items(conversation_id, caller_owner(request))
-        if items is None:
-            raise not_stored("conversation", conversation_id, "conversation_id")
+        items = CONVERSATION.found(await _store(request).items(conversation_id, caller_owner(request)), conversation_id)
         return json_response(page(items, limit, order, after))
 
     @get("/{conversation_id:str}/items/{item_id:str}", responses=documented(None, "the item"))

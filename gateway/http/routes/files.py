@@ -13,9 +13,9 @@ from litestar import Controller, Request, Response, delete, get, post
 from litestar.datastructures import UploadFile
 from litestar.params import FromPath, FromQuery
 
-from gateway.errors import GatewayError, InvalidRequest, not_stored
+from gateway.errors import GatewayError, InvalidRequest
 from gateway.http.auth import caller_owner
-from gateway.http.routes.common import documented, json_response
+from gateway.http.routes.common import FILE, documented, json_response
 from gateway.http.routes.response_items import ItemList
 from gateway.state.file_store import ContentUnavailable
 from gateway.state.files import Files
@@ -84,9 +84,7 @@ class FilesController(Controller):
 
     @get("/{file_id:str}", responses=documented(FileObject, "the file"))
     async def retrieve(self, request: Request, file_id: FromPath[str]) -> Response:
-        found = await files_of(request).get(file_id, caller_owner(request))
-        if found is None:
-            raise not_stored("file", file_id, "file_id")
+        found = FILE.found(await files_of(request).get(file_id, caller_owner(request)), file_id)
         return json_response(found)
 
     @get("/{file_id:str}/content", responses=documented(None, "the file's bytes"))
@@ -95,12 +93,9 @@ class FilesController(Controller):
             found = await files_of(request).content(file_id, caller_owner(request))
         except ContentUnavailable as exc:
             raise GatewayError(str(exc), param="file_id", code="file_content_unavailable") from exc
-        if found is None:
-            raise not_stored("file", file_id, "file_id")
-        return Response(content=found, media_type="application/octet-stream")
+        return Response(content=FILE.found(found, file_id), media_type="application/octet-stream")
 
     @delete("/{file_id:str}", status_code=200, responses=documented(DeletedFile, "the file is gone"))
     async def remove(self, request: Request, file_id: FromPath[str]) -> Response:
-        if not await files_of(request).delete(file_id, caller_owner(request)):
-            raise not_stored("file", file_id, "file_id")
+        FILE.found(await files_of(request).delete(file_id, caller_owner(request)), file_id)
         return json_response(DeletedFile(file_id))

@@ -12,9 +12,9 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath, FromQuery
 
-from gateway.errors import InvalidRequest, not_stored
+from gateway.errors import InvalidRequest
 from gateway.http.auth import caller_owner
-from gateway.http.routes.common import documented, json_response
+from gateway.http.routes.common import RESPONSE, documented, json_response
 from gateway.schemas.responses import ResponseObject
 from gateway.state.service import StateService
 
@@ -58,9 +58,9 @@ class ResponseItemsController(Controller):
         order: FromQuery[Literal["asc", "desc"]] = "desc",
         after: FromQuery[str | None] = None,
     ) -> Response:
-        items = await request.app.state.state.store.input_items(response_id, caller_owner(request))
-        if items is None:
-            raise not_stored("response", response_id, "response_id")
+        items = RESPONSE.found(
+            await request.app.state.state.store.input_items(response_id, caller_owner(request)), response_id
+        )
         return json_response(page(items, limit, order, after))
 
     @post(
@@ -71,9 +71,7 @@ class ResponseItemsController(Controller):
     async def cancel(self, request: Request, response_id: FromPath[str]) -> Response:
         owner = caller_owner(request)
         state: StateService = request.app.state.state
-        found = await state.store.get(response_id, owner)
-        if found is None:
-            raise not_stored("response", response_id, "response_id")
+        found = RESPONSE.found(await state.store.get(response_id, owner), response_id)
         if not found.background:
             raise InvalidRequest("Only background responses can be cancelled", param="response_id")
         if found.running:

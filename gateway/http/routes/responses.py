@@ -38,7 +38,7 @@ from gateway.generate import core
 from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.served_model import ServedModel
 from gateway.http.auth import caller_owner
-from gateway.http.routes.common import documented, json_response
+from gateway.http.routes.common import RESPONSE, documented, json_response
 from gateway.http.routes.conversations import conversation_id
 from gateway.http.routes.response_output import Output
 from gateway.http.routes.response_runs import (
@@ -143,16 +143,13 @@ class ResponsesController(Controller):
     async def remove(self, request: Request, response_id: FromPath[str]) -> Response:
         state: StateService = request.app.state.state
         state.runs.cancel(response_id, requested=False)
-        if not await state.store.delete(response_id, caller_owner(request)):
-            raise not_stored("response", response_id, "response_id")
+        RESPONSE.found(await state.store.delete(response_id, caller_owner(request)), response_id)
         return json_response(DeletedResponse(response_id))
 
 
 async def _stored(request: Request, response_id: str):  # a StoredResponse
     """The caller's stored response: another key's is a 404, as an absent one."""
-    found = await request.app.state.state.store.get(response_id, caller_owner(request))
-    if found is None:
-        raise not_stored("response", response_id, "response_id")
+    found = RESPONSE.found(await request.app.state.state.store.get(response_id, caller_owner(request)), response_id)
     return found
 
 
