@@ -53,6 +53,18 @@ class TextDelta:
     reasoning_tokens: int = 0  # of the completion tokens so far, those of a reasoning model's thinking
 
 
+@dataclass(slots=True)
+class _Text:
+    """One request's text so far: its detokenizer, stop strings and thinking count, and the
+    characters sent and covered by the logprobs sent."""
+
+    detokenizer: IncrementalDetokenizer
+    stop: StopChecker
+    thinking: ThinkTracker | None
+    sent: int = 0
+    covered: int = 0
+
+
 class ServedModel:
     """Everything a route needs to run a prompt on one model: its tokenizer and template (used off
     the event loop), and the workers (of that model) behind the worker client."""
@@ -190,11 +202,14 @@ class ServedModel:
         replay: list[RequestOutput],
         on_output: Callable[[RequestOutput], None] | None,
     ) -> AsyncIterator[TextDelta]:
-        stop = StopChecker(stops)
         keep = (
             self.reasoning.special_ids if self.reasoning is not None and request.reasoning is not None else frozenset()
         )
-        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes, keep)
+        text = _Text(
+            IncrementalDetokenizer(self.tokenizer, skip_special_tokens, self.token_texts.bytes, keep),
+            StopChecker(stops),
+            ThinkTracker(request.reasoning) if request.reasoning is not None else None,  # counts reasoning tokens
+        )
         trace = tracing.generation(request)  # before the submit: it puts the trace context in the request
         pending = deque(replay)
         stream = None
@@ -205,8 +220,6 @@ class ServedModel:
                 trace.end("error")
                 raise
         clock = RequestClock(self.metrics, request.request_id, self.model_name)
-        thinking = ThinkTracker(request.reasoning) if request.reasoning is not None else None  # counts reasoning tokens
-        sent = covered = 0  # characters of text sent, and of the tokens whose logprobs were sent
         try:
             while True:
                 if pending:
@@ -225,41 +238,47 @@ class ServedModel:
                 if isinstance(item, GenerationFailed):
                     clock.outcome = "error"
                     raise item
-                text = detokenizer.push(item.new_token_ids)
-                for token in item.new_token_ids if thinking is not None else ():
-                    thinking.push(token)
-                finish = item.finish_reason
-                if finish is not None:
-                    text += detokenizer.flush()
-                text, stopped = stop.push(text)
-                if stopped:  # the stop text is cut; the worker is told to stop in the finally
-                    finish = FinishReason.STOP
-                elif finish is not None:
-                    text += stop.flush()
-                if finish is not None:
-                    if finish == FinishReason.ABORT:
-                        finish = FinishReason.STOP
-                    clock.outcome = finish
-                logprobs = self._visible_logprobs(item, skip_special_tokens)
-                if logprobs:  # entries past a stop string go with the cut text
-                    logprobs, covered = self._within(logprobs, covered, sent + len(text) if stopped else None)
-                sent += len(text)
-                delta = TextDelta(
-                    text, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs
-                )
-                delta.stop_sequence = stop.matched if stopped else None
-                delta.reasoning_tokens = thinking.reasoning_tokens if thinking is not None else 0
-                if item.prompt_logprobs is not None:
-                    ids = request.prompt_token_ids
-                    delta.prompt_logprobs = [(ids[0], None), *zip(ids[1:], item.prompt_logprobs)]
+                delta = self._delta(item, request, text, skip_special_tokens)
+                if delta.finish_reason is not None:
+                    clock.outcome = delta.finish_reason
                 yield delta
-                if finish is not None:
+                if delta.finish_reason is not None:
                     return
         finally:
             clock.done()
             trace.end(clock.outcome)
             if stream is not None and not stream.finished:
                 self.client.abort(request.request_id)
+
+    def _delta(self, item: RequestOutput, request: NewRequest, text: _Text, skip_special_tokens: bool) -> TextDelta:
+        """One output as a text delta: detokenized, cut at a stop string (whose text is never
+        sent), its thinking counted, and its logprobs kept to the text sent."""
+        chars = text.detokenizer.push(item.new_token_ids)
+        for token in item.new_token_ids if text.thinking is not None else ():
+            text.thinking.push(token)
+        finish = item.finish_reason
+        if finish is not None:
+            chars += text.detokenizer.flush()
+        chars, stopped = text.stop.push(chars)
+        if stopped:  # the stop text is cut; the worker is told to stop in the finally
+            finish = FinishReason.STOP
+        elif finish is not None:
+            chars += text.stop.flush()
+        if finish == FinishReason.ABORT:
+            finish = FinishReason.STOP
+        logprobs = self._visible_logprobs(item, skip_special_tokens)
+        if logprobs:  # entries past a stop string go with the cut text
+            logprobs, text.covered = self._within(logprobs, text.covered, text.sent + len(chars) if stopped else None)
+        text.sent += len(chars)
+        delta = TextDelta(
+            chars, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs
+        )
+        delta.stop_sequence = text.stop.matched if stopped else None
+        delta.reasoning_tokens = text.thinking.reasoning_tokens if text.thinking is not None else 0
+        if item.prompt_logprobs is not None:
+            ids = request.prompt_token_ids
+            delta.prompt_logprobs = [(ids[0], None), *zip(ids[1:], item.prompt_logprobs)]
+        return delta
 
     async def _next(
         self, stream: RequestStream, deadline: float, clock: RequestClock, trace: Trace

@@ -24,6 +24,7 @@ from gateway.errors import GatewayError
 from gateway.generate import core, events
 from gateway.generate.events import LENGTH, STOP_SEQUENCE, TOOL_CALLS, Finish, Text, Thinking, ToolCallDelta, Usage
 from gateway.generate.model_registry import ModelRegistry
+from gateway.generate.tools import CallDelta
 from gateway.http.routes.common import answer, documented, json_response
 from gateway.http.routes.messages_input import core_request
 from gateway.policy.caller import Caller
@@ -125,6 +126,49 @@ def _message(generation: core.Generation, choices: list[events.Choice]) -> Messa
     )
 
 
+class _Blocks:
+    """The content blocks of Anthropic's stream: which one is open, and the events that open, fill
+    and close them (text, thinking, tool_use)."""
+
+    def __init__(self) -> None:
+        self.index = -1  # of the open block
+        self.kind: str | None = None  # its type
+
+    def open(self, kind: str, block: dict) -> list[dict]:
+        events = [*self.close(), {"type": "content_block_start", "index": self.index + 1, "content_block": block}]
+        self.index, self.kind = self.index + 1, kind
+        return events
+
+    def close(self) -> list[dict]:
+        return list(_close_block(self.kind, self.index))
+
+    def text(self, event: Text | Thinking) -> list[dict]:
+        kind = "text" if isinstance(event, Text) else "thinking"
+        events = []
+        if self.kind != kind:
+            empty = (
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {"type": "thinking", "thinking": "", "signature": ""}
+            )
+            events = self.open(kind, empty)
+        events.append(
+            {"type": "content_block_delta", "index": self.index, "delta": {"type": f"{kind}_delta", kind: event.text}}
+        )
+        return events
+
+    def tool(self, call: CallDelta) -> list[dict]:
+        events = []
+        if call.id is not None:
+            events = self.open(
+                "tool_use", {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
+            )
+        if call.arguments:
+            delta = {"type": "input_json_delta", "partial_json": call.arguments}
+            events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
+        return events
+
+
 async def _events(generation: core.Generation) -> AsyncIterator[dict]:
     """Anthropic's stream: message_start, ping, per block content_block_start / _delta / _stop,
     then message_delta (stop reason, final usage) and message_stop; an error is an ``error`` event.
@@ -147,8 +191,7 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
     started = False
-    blocks = -1  # index of the open block
-    kind = None  # its type
+    blocks = _Blocks()
     finish: Finish | None = None
     try:
         async for event in generation.events():
@@ -157,36 +200,11 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
                 for opening in start():
                     yield opening
             if isinstance(event, (Text, Thinking)) and event.text:
-                block_type, field = ("text", "text") if isinstance(event, Text) else ("thinking", "thinking")
-                if kind != block_type:
-                    for closing in _close_block(kind, blocks):
-                        yield closing
-                    blocks, kind = blocks + 1, block_type
-                    opened = (
-                        {"type": "text", "text": ""}
-                        if block_type == "text"
-                        else {"type": "thinking", "thinking": "", "signature": ""}
-                    )
-                    yield {"type": "content_block_start", "index": blocks, "content_block": opened}
-                yield {
-                    "type": "content_block_delta",
-                    "index": blocks,
-                    "delta": {"type": f"{field}_delta", field: event.text},
-                }
+                for out in blocks.text(event):
+                    yield out
             elif isinstance(event, ToolCallDelta):
-                call = event.call
-                if call.id is not None:
-                    for closing in _close_block(kind, blocks):
-                        yield closing
-                    blocks, kind = blocks + 1, "tool_use"
-                    block = {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}}
-                    yield {"type": "content_block_start", "index": blocks, "content_block": block}
-                if call.arguments:
-                    yield {
-                        "type": "content_block_delta",
-                        "index": blocks,
-                        "delta": {"type": "input_json_delta", "partial_json": call.arguments},
-                    }
+                for out in blocks.tool(event.call):
+                    yield out
             elif isinstance(event, Finish):
                 finish = event
     except GatewayError as exc:
@@ -195,7 +213,7 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
                 yield opening
         yield exc.anthropic_body()
         return
-    for closing in _close_block(kind, blocks):
+    for closing in blocks.close():
         yield closing
     assert finish is not None
     delta = {"stop_reason": STOP_REASONS[finish.reason], "stop_sequence": finish.stop_sequence}

@@ -59,24 +59,9 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
             elif block.type == "thinking":  # earlier thinking: for the templates that keep it
                 thinking += block.thinking or ""
             elif block.type == "tool_use" and message.role == "assistant":
-                calls.call(block.id, f"{param}.id")
-                arguments = orjson.dumps(block.input or {}).decode()
-                tool_calls.append(
-                    {
-                        "id": block.id,
-                        "type": "function",
-                        "function": {"name": required_text(block.name, f"{param}.name"), "arguments": arguments},
-                    }
-                )
+                tool_calls.append(_tool_call(block, param, calls))
             elif block.type == "tool_result" and message.role == "user":
-                calls.result(block.tool_use_id, f"{param}.tool_use_id", "tool_use")
-                out.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": block.tool_use_id,
-                        "content": _text(block.content, f"{param}.content"),
-                    }
-                )
+                out.append(_tool_message(block, param, calls))
             elif block.type not in _SKIPPED:
                 raise InvalidRequest(
                     f"`{param}`: {block.type} blocks are not supported in a {message.role} message on this server",
@@ -93,6 +78,20 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
                 }
             )
     return out
+
+
+def _tool_call(block: ContentBlock, param: str, calls: ToolCallLedger) -> dict[str, Any]:
+    """An assistant's ``tool_use`` block as a chat tool call."""
+    calls.call(block.id, f"{param}.id")
+    arguments = orjson.dumps(block.input or {}).decode()
+    function = {"name": required_text(block.name, f"{param}.name"), "arguments": arguments}
+    return {"id": block.id, "type": "function", "function": function}
+
+
+def _tool_message(block: ContentBlock, param: str, calls: ToolCallLedger) -> dict[str, Any]:
+    """A user's ``tool_result`` block as a tool message, answering an earlier ``tool_use``."""
+    calls.result(block.tool_use_id, f"{param}.tool_use_id", "tool_use")
+    return {"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content, f"{param}.content")}
 
 
 def _system_text(blocks: list[SystemBlock]) -> str:
