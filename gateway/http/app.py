@@ -57,7 +57,7 @@ from gateway.state.batches import Batches
 from gateway.state.file_store import check_files_url, open_file_store
 from gateway.state.files import Files
 from gateway.state.keys import KeyStore
-from gateway.state.loras import LoraTable
+from gateway.state.lora import LoraTable
 from gateway.state.service import StateService
 from gateway.state.store import Limits
 from gateway.state.usage import UsageMeter

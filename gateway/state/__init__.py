@@ -15,6 +15,6 @@ conversations.py  the Conversations API's storage
 files.py          files' rows; file_store.py: where their bytes live (database, directory, S3)
 batches.py        batches and their requests
 keys.py           managed API keys; windows.py: what they used per minute and month, fleet-wide
-loras.py          the runtime LoRA adapters per model, the fleet's one record
+lora.py           the runtime LoRA adapters per model, the fleet's one record
 usage.py          tokens per key, model and day
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from gateway.state.db import connect
-from gateway.state.loras import LoraTable
+from gateway.state.lora import LoraTable
 from gateway.state.migrations import migrate
 
 
