@@ -33,24 +33,18 @@ def build_tiny_qwen(folder: Path, extend: Callable[[Any], None] | None = None) -
     """A 2-layer Qwen2 with random weights and the default model's tokenizer (so it needs nothing
     online), which ``extend`` may change first (tokens added, another chat template)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     from common.config import CACHE_DIR
     from common.model_source import load_tokenizer, resolve_model
+    from tests.worker.families import family_config
 
     tokenizer = load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())
     if extend is not None:
         extend(tokenizer)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+    sizes = dict(vocab_size=len(tokenizer), max_position_embeddings=2048, pad_token_id=None)
+    config = family_config(
+        "qwen2", sizes | dict(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
