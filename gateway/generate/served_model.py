@@ -1,4 +1,5 @@
-"""One generation as the routes see it: submit, then text deltas until the finish, aborting on exit.
+"""A served model (``ServedModel``): its tokenizer, template and workers, and one wire request's
+stream as the core sees it: submit, then text deltas until the finish, aborting on exit.
 
 The ``finally`` is the cancellation story: when a streaming client disconnects, Litestar cancels the
 response, the cancellation reaches the ``await`` below, and the worker is told to stop the request
