@@ -87,7 +87,7 @@ async def routing_cost(
     """CPU µs per request of ``submit`` + ``_flush`` with ``workers`` registered, ``batch`` submits per
     loop tick, and of the HTTP side's ``limits()``; CPU µs to handle one worker heartbeat (receive,
     decode, dispatch) and to send one."""
-    from gateway.worker_client import WorkerClient
+    from gateway.fleet.worker_client import WorkerClient
 
     address = f"ipc://{tempfile.gettempdir()}/llmpool-fleet-{uuid.uuid4().hex[:8]}"
     # Single-model gateways take the model at construction, multi-model ones with each submit.

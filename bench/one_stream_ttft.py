@@ -2,7 +2,7 @@
 requests one after another (the chat workload's bodies, 128 out) against a fresh `llmpool serve`,
 each request's TTFT as the gateway logs it ("first token"), and how many Triton kernels the
 server compiled so far (its TRITON_CACHE_DIR). It tells a stall in the worker from a kernel
-compiled mid-request (README "A second GPU run"). MODEL is a folder (served by its name, the
+compiled mid-request (docs/gpu.md, "A second GPU run"). MODEL is a folder (served by its name, the
 server running from its parent) or a model name.
 """
 

@@ -1,5 +1,5 @@
 """The printed results: one markdown table per run, each level's servers side by side, and the
-ratios of the first server (ours) to each peer, so the table pastes into the README as it is."""
+ratios of the first server (ours) to each peer, so the table pastes into docs/benchmarks/ as it is."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ import uvicorn
 
 from common.config import add_flags, from_namespace, parse_size
 from common.logs import setup_logging
-from gateway.app import create_app
 from gateway.config import ALL_GATEWAY_FLAGS, GatewayConfig
-from gateway.http_server import HttpLimits, uvicorn_config
+from gateway.http.app import create_app
+from gateway.http.server import HttpLimits, uvicorn_config
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from bench.accuracy import Generation
 
 def reference_reply(model: torch.nn.Module, tokenizer, messages: list[dict], max_tokens: int) -> Generation:
     """``model``'s greedy reply to the chat, as token texts, with its top 5 at each position."""
-    from gateway.logprobs import TokenTexts
+    from gateway.generate.logprobs import TokenTexts
 
     texts = TokenTexts(tokenizer)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -99,9 +99,32 @@ class Server:
     def wait_for_workers(self, count: int, timeout: float = 180) -> None:
         wait_until(lambda: len(self.workers()) == count, timeout, f"{count} registered workers")
 
+    def wait_idle(self, timeout: float, what: str) -> None:
+        """Every worker idle (nothing in flight, running or waiting) and every KV block back, as
+        load reports sent after this call say (two more heartbeats, so a whole interval)."""
+        seen = {w["name"]: w["heartbeats"] for w in self.workers()}
+
+        def idle() -> bool:
+            return all(
+                w["heartbeats"] >= seen[w["name"]] + 2
+                and w["inflight"] == 0
+                and w["running"] == 0
+                and w["waiting"] == 0
+                and w["free_blocks"] == w["total_blocks"]
+                for w in self.workers()
+            )
+
+        wait_until(idle, timeout, what)
+
     def stop(self) -> None:
         for process in reversed(self.processes):
             stop(process)
+
+
+def worker_argv(gateway: str, name: str | None = None, *extra: str) -> list[str]:
+    """``llmpool worker`` arguments: a worker (of the default model unless ``extra`` says otherwise)
+    dialing ``gateway`` (one address or several, comma-separated), named ``name``, with ``extra``."""
+    return ["worker", "--gateway-address", gateway, *(["--worker-name", name] if name else []), *extra]
 
 
 def start_serve(name: str, workers: int, *extra: str, env: dict[str, str] | None = None) -> Server:
@@ -167,7 +190,7 @@ def postgres():  # a tests.postgres.Postgres
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A redis-server of the tests' own on loopback (scripts/setup.sh --test installs it), with a
-    memory bound and LRU eviction as the KV store's README asks of a shared Redis."""
+    memory bound and LRU eviction as docs/kv-store.md asks of a shared Redis."""
     import shutil
 
     if shutil.which("redis-server") is None:

@@ -1,6 +1,7 @@
 """The architecture rule, checked: imports flow gateway -> common <- worker, never gateway <-> worker."""
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def test_zmq_is_confined_to_the_socket_modules():
         for p in (REPO / pkg).rglob("*.py")
         if "zmq" in imported_modules(p)
     }
-    assert users == {"gateway/worker_client.py", "worker/proc.py", "worker/gateways.py", "worker/handshake.py"}
+    assert users == {"gateway/fleet/worker_client.py", "worker/proc.py", "worker/gateways.py", "worker/handshake.py"}
 
 
 MAX_LINES = 350
@@ -63,3 +64,88 @@ def test_modules_stay_small():
     }
     over = {name: lines for name, lines in sizes.items() if lines > OVER_THE_BOUND.get(name, MAX_LINES)}
     assert not over, f"split these modules (at most {MAX_LINES} lines): {over}"
+
+
+def gateway_imports() -> dict[str, set[str]]:
+    """Each gateway module's gateway imports, by dotted name: every import statement, those under
+    ``if TYPE_CHECKING:`` and inside functions included (a type-only circle is a circle too)."""
+    modules = {}
+    for path in (REPO / "gateway").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                found.add(source)
+                found.update(f"{source}.{alias.name}" for alias in node.names)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def room(module: str) -> str:
+    """The folder a gateway module lives in ('' for the few flat ones)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (REPO / "gateway" / parts[1]).is_dir()) else ""
+
+
+# Who may import whom among the gateway's rooms: http -> generate -> fleet, with policy, state,
+# schemas and ops beside them; the flat modules (config, errors) are for everyone.
+ROOM_IMPORTS = {
+    "http": {"generate", "fleet", "policy", "state", "schemas", "ops", "batch"},
+    "batch": {"policy", "state"},
+    "generate": {"fleet", "policy", "state", "schemas", "ops"},
+    "ops": {"fleet", "policy"},
+    "fleet": {"state"},
+    "policy": {"state"},
+    "schemas": set(),
+    "state": set(),
+    "": {"http"},  # __main__ starts the app
+}
+
+
+def test_gateway_modules_import_no_circle():
+    try:
+        TopologicalSorter(gateway_imports()).prepare()
+    except CycleError as exc:
+        pytest.fail(f"gateway modules import each other in a circle: {exc.args[1]}")
+
+
+def test_gateway_rooms_import_one_way():
+    offenders = sorted(
+        f"{module} imports {imported}"
+        for module, imports in gateway_imports().items()
+        for imported in imports
+        if room(imported) not in ROOM_IMPORTS[room(module)] | {room(module), ""}
+    )
+    assert not offenders, offenders
+
+
+def test_gateway_is_rooms():
+    """At most ten modules flat in gateway/, and each folder's __init__ docstring maps its modules."""
+    flat = sorted(p.name for p in (REPO / "gateway").glob("*.py"))
+    assert len(flat) <= 10, flat
+    unmapped = sorted(
+        str(path.relative_to(REPO))
+        for init in (REPO / "gateway").rglob("__init__.py")
+        for path in init.parent.glob("*.py")
+        if path.name != "__init__.py" and path.name not in (ast.get_docstring(ast.parse(init.read_text())) or "")
+    )
+    assert not unmapped, f"name these in their folder's __init__ docstring: {unmapped}"
+
+
+@pytest.mark.parametrize("room", ["generate", "fleet", "policy"])
+def test_the_core_does_not_know_the_web_framework(room):
+    """The routes hand the core a ``Caller`` (gateway/policy/caller.py), not Litestar's request."""
+    users = sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "gateway" / room).rglob("*.py")
+        if "litestar" in imported_modules(path)
+    )
+    assert not users, users

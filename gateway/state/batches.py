@@ -1,7 +1,7 @@
 """Batches (OpenAI's ``/v1/batches``) and their requests, as rows every gateway of a fleet shares.
 
 A batch's lines become rows of ``batch_requests`` when it leaves ``validating``. A gateway's batch
-runner (gateway/batch_runner.py) claims waiting rows in one statement: ``UPDATE ... RETURNING`` over
+runner (gateway/batch/runner.py) claims waiting rows in one statement: ``UPDATE ... RETURNING`` over
 a ``SELECT ... FOR UPDATE SKIP LOCKED`` on PostgreSQL, so two gateways never claim one row and never
 wait on each other's claims; on SQLite the one UPDATE is atomic under the file's write lock. A
 result is written only by the gateway that still holds the claim, in the same transaction that

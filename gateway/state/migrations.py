@@ -185,7 +185,7 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     ),
     (
         5,
-        "LoRA adapters loaded and unloaded at runtime, per model (gateway/state/loras.py)",
+        "LoRA adapters loaded and unloaded at runtime, per model (gateway/state/lora.py)",
         [
             # path NULL: unloaded (kept, so a worker that rejoins with it is told to drop it)
             """CREATE TABLE lora_adapters (

@@ -4,7 +4,7 @@ A ``Run`` drives its events (each already encoded, with its sequence number) int
 log and into memory, where any number of clients follow it: the one that created it, and any that
 reconnect with ``starting_after``. When it ends, its final row is committed before the last event
 goes out, so whoever reads that event finds the response stored. A run that another gateway started
-and lost (it died) is continued here from its log (``gateway.routes.response_resume``).
+and lost (it died) is continued here from its log (``take_over`` in gateway/http/routes/responses.py).
 """
 
 from __future__ import annotations

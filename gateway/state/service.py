@@ -31,7 +31,7 @@ class StateService:
         self.interval = interval
         self.purge_interval = purge_interval
         self.take_over: TakeOver | None = None
-        self.hooks: list[Callable[[], Awaitable[None]]] = []  # more work of each beat (gateway.quotas' sync)
+        self.hooks: list[Callable[[], Awaitable[None]]] = []  # more work of each beat (gateway.policy.quotas' sync)
         self._task: asyncio.Task | None = None
 
     @classmethod

@@ -36,7 +36,7 @@ def month_start(at: float) -> str:
 class UsageMeter:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._pending: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0] * len(FIELDS))
-        self.on_output: Callable[[str, int], None] | None = None  # (owner, output tokens): gateway.quotas
+        self.on_output: Callable[[str, int], None] | None = None  # (owner, output tokens): gateway.policy.quotas
         self.requests = Counter(
             "llmpool_key_requests",
             "Finished generations by API key (hashed) and model",

@@ -62,7 +62,7 @@ class Writer:
         self._urgent = asyncio.Event()  # a final row or a sync waits: commit now, not after the interval
         self._everything = False  # a sync waits: commit every pending row, not only the finals'
         self._task: asyncio.Task | None = None
-        self.commits = 0  # transactions committed (the figures in the README come from these)
+        self.commits = 0  # transactions committed (the figures in docs/state.md come from these)
         self.rows = 0
         self.busy_s = 0.0  # time spent committing
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, start_serve, wait_until
+from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, start_serve, wait_until, worker_argv
 from tests.integration.test_batches import chat, jsonl
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -100,18 +100,7 @@ def test_stop_ends_the_generation_and_the_worker_frees_it(server: Server, page):
     page.click("#stop")
     page.wait_for_selector(".msg.assistant[data-finish='stopped']", timeout=10000)
     assert "stopped" in page.inner_text(".msg.assistant .stats")
-    seen = {w["name"]: w["heartbeats"] for w in server.workers()}
-    wait_until(
-        lambda: all(
-            w["heartbeats"] >= seen[w["name"]] + 2
-            and w["inflight"] == 0
-            and w["running"] == 0
-            and w["free_blocks"] == w["total_blocks"]
-            for w in server.workers()
-        ),
-        15,
-        "the worker to abort the stopped generation and free its blocks",
-    )
+    server.wait_idle(15, "the worker to abort the stopped generation and free its blocks")
     assert page.is_visible("#send") and not page.is_visible("#stop")
 
 
@@ -125,9 +114,7 @@ def test_operator_view_shows_a_worker_appear(page):
         page.goto(server.base_url + "/dashboard")
         page.wait_for_function("document.getElementById('stat-workers').textContent === '0'", timeout=20000)
         assert page.query_selector("#workers tbody tr") is None
-        server.processes.append(
-            spawn(["worker", "--gateway-address", server.zmq_address, "--worker-name", "joiner"], "ui-worker")
-        )
+        server.processes.append(spawn(worker_argv(server.zmq_address, "joiner"), "ui-worker"))
         page.wait_for_selector("#workers tbody tr[data-worker='joiner']", timeout=90000)
         assert page.inner_text("#workers tr[data-worker='joiner'] .state") == "ready"
         assert page.inner_text("#stat-workers") == "1"

@@ -50,7 +50,7 @@ def test_json_logs_carry_extra_fields():
 
     from common.logs import JsonFormatter
 
-    record = logging.LogRecord("gateway.generation", logging.INFO, "", 0, "request %s done", ("r1",), None)
+    record = logging.LogRecord("gateway.generate.served_model", logging.INFO, "", 0, "request %s done", ("r1",), None)
     record.request_id = "r1"
     entry = json.loads(JsonFormatter("gateway").format(record))
     assert entry["message"] == "request r1 done" and entry["request_id"] == "r1" and entry["component"] == "gateway"

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.admission import Admission
-from gateway.core import admit
 from gateway.errors import InvalidRequest, Overloaded, RequestTimeout
+from gateway.generate.core import admit
+from gateway.policy.admission import Admission
 
 
 async def queued(admission: Admission, count: int, key: str | None = None) -> None:
@@ -160,14 +160,14 @@ def test_random_mixes_all_end_and_every_slot_comes_back():
 def test_the_admission_wait_counts_toward_the_request_timeout():
     async def scenario():
         admission = Admission(max_concurrent=1, max_waiting=8)
-        generator = SimpleNamespace(admission=admission, timeout_s=0.05)
+        served = SimpleNamespace(admission=admission, timeout_s=0.05)
         held = await admission.acquire()
         deadline = asyncio.get_running_loop().time() + 0.05
         with pytest.raises(RequestTimeout):
-            await asyncio.wait_for(admit(generator, 1, deadline, None), 5)
+            await asyncio.wait_for(admit(served, 1, deadline, None), 5)
         assert admission.waiting == 0
         held[0].release()
-        assert len(await admit(generator, 1, asyncio.get_running_loop().time() + 5, None)) == 1
+        assert len(await admit(served, 1, asyncio.get_running_loop().time() + 5, None)) == 1
 
     asyncio.run(scenario())
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.tokenizer import IncrementalDetokenizer
+from gateway.generate.tokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -38,7 +38,7 @@ def test_special_tokens_are_skipped(tokenizer):
 
 
 def test_an_unfinished_character_at_the_end_is_dropped_not_sent_as_replacement(tokenizer):
-    from gateway.logprobs import TokenTexts
+    from gateway.generate.logprobs import TokenTexts
 
     ids = tokenizer.encode("ok 😀", add_special_tokens=False)
     assert tokenizer.decode(ids[:-1]).endswith("\ufffd"), "the emoji's last byte should be a token of its own"
@@ -48,7 +48,7 @@ def test_an_unfinished_character_at_the_end_is_dropped_not_sent_as_replacement(t
 
 
 def test_a_real_replacement_character_at_the_end_is_kept(tokenizer):
-    from gateway.logprobs import TokenTexts
+    from gateway.generate.logprobs import TokenTexts
 
     ids = tokenizer.encode("a \ufffd", add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(tokenizer, token_bytes=TokenTexts(tokenizer).bytes)

@@ -19,10 +19,10 @@ from common.protocol import (
     StepOutputs,
     WorkerError,
 )
-from gateway.dispatch import Dispatcher
 from gateway.errors import GenerationFailed, NoWorkerAvailable
-from gateway.pool import PrefixAffinity, RequestStream, WorkerInfo
-from gateway.roster import GATEWAY_HEARTBEAT
+from gateway.fleet.dispatch import Dispatcher
+from gateway.fleet.roster import GATEWAY_HEARTBEAT
+from gateway.fleet.workers import PrefixAffinity, RequestStream, WorkerInfo
 
 
 class Clock:

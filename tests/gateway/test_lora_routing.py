@@ -1,4 +1,4 @@
-"""Where an adapter's requests go (gateway/lora.py ``prefer``, through ``ModelPool.choose``): only to
+"""Where an adapter's requests go (gateway/fleet/lora.py ``prefer``, through ``ModelPool.choose``): only to
 workers that serve the adapter, and to one holding it resident unless it is much busier; and the
 commands that bring each worker to the fleet's runtime adapters."""
 
@@ -8,8 +8,8 @@ import asyncio
 
 from common.lora import LoraCommand, LoraInfo, LoraLoad, LoraResult
 from common.protocol import Heartbeat, Ready
-from gateway.lora import RESIDENT_SLACK_TOKENS, LoraCommands
-from gateway.pool import ModelPool, WorkerInfo
+from gateway.fleet.lora import RESIDENT_SLACK_TOKENS, LoraCommands, preferring
+from gateway.fleet.workers import ModelPool, WorkerInfo
 
 
 def worker(name: str, adapters: list[str], resident: list[str], outstanding: int = 0) -> WorkerInfo:
@@ -30,13 +30,13 @@ def test_an_adapters_request_goes_where_the_adapter_is_resident_unless_that_work
     warm = worker("warm", ["a"], ["a"], outstanding=RESIDENT_SLACK_TOKENS)
     stranger = worker("stranger", [], [])  # does not serve `a` at all
     pool = pool_of(cold, warm, stranger)
-    assert pool.choose(10, 0.0, "a") is warm
+    assert pool.choose(10, 0.0, preferring("a")) is warm
     assert pool.choose(10, 0.0) is not warm  # the base model's requests: the least busy
     warm.outstanding_tokens = RESIDENT_SLACK_TOKENS + 1
-    assert pool.choose(10, 0.0, "a") is cold  # too busy: the adapter is read again elsewhere
+    assert pool.choose(10, 0.0, preferring("a")) is cold  # too busy: the adapter is read again elsewhere
     cold.outstanding_tokens = 10**6
     warm.outstanding_tokens = 10**6
-    assert pool.choose(10, 0.0, "a") in (cold, warm)  # never the worker that does not serve it
+    assert pool.choose(10, 0.0, preferring("a")) in (cold, warm)  # never the worker that does not serve it
 
 
 def test_sync_brings_each_worker_to_the_fleets_runtime_adapters_once():

@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.protocol import Goodbye, Heartbeat, Ready
-from gateway.admission import Admission
-from gateway.dispatch import Dispatcher
-from gateway.metrics import Metrics
+from gateway.fleet.dispatch import Dispatcher
+from gateway.ops.metrics import Metrics
+from gateway.policy.admission import Admission
 from tests.conftest import wait_until
 from tests.gateway.test_worker_client import READY, FakeWorker, eventually, run
 

@@ -40,8 +40,8 @@ def test_the_routes_declare_bodies_dependencies_and_path_parameters_as_litestar_
     from litestar.exceptions import LitestarWarning
     from litestar.utils.deprecation import LitestarDeprecationWarning
 
-    from gateway.app import create_app
     from gateway.config import GatewayConfig
+    from gateway.http.app import create_app
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

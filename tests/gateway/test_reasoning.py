@@ -5,7 +5,7 @@ import pytest
 
 from common.reasoning import ThinkState
 from gateway.errors import InvalidRequest
-from gateway.reasoning import EFFORT_BUDGETS, Markers, ReasoningParser, model_markers, thinking_budget
+from gateway.generate.reasoning import EFFORT_BUDGETS, Markers, ReasoningParser, model_markers, thinking_budget
 
 MARKERS = Markers("<think>", "</think>", [7], [8], assume_thinking=False)
 
@@ -61,7 +61,7 @@ def test_markers_come_from_the_template_and_the_vocabulary():
     that decoding then keeps in the text the split reads."""
     from common.config import CACHE_DIR
     from common.model_source import load_tokenizer, resolve_model
-    from gateway.tokenizer import IncrementalDetokenizer
+    from gateway.generate.tokenizer import IncrementalDetokenizer
 
     tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"), CACHE_DIR.env_default())
     several = model_markers("qwen3", tokenizer, "")  # SmolLM2 has no <think> token: "<", "think", ">"
@@ -95,8 +95,8 @@ def split_with(markers: Markers, text: str) -> tuple[str, str]:
 
 
 def test_earlier_thinking_reaches_the_template_as_reasoning_content():
-    from gateway.routes.chat import message_dicts
-    from gateway.schemas import ChatMessage
+    from gateway.http.routes.chat import message_dicts
+    from gateway.schemas.chat import ChatMessage
 
     turns = message_dicts(
         [
@@ -108,8 +108,8 @@ def test_earlier_thinking_reaches_the_template_as_reasoning_content():
 
 
 def test_earlier_thinking_blocks_reach_the_template_as_reasoning_content():
-    from gateway.routes.messages_input import chat_messages
-    from gateway.schemas_anthropic import AnthropicMessage, ContentBlock
+    from gateway.http.routes.messages_input import chat_messages
+    from gateway.schemas.anthropic import AnthropicMessage, ContentBlock
 
     history = [
         AnthropicMessage(role="user", content="2+2?"),

@@ -2,7 +2,7 @@
 
 import json
 
-from gateway.request_body import MAX_JSON_DEPTH, deep_field, too_deep
+from gateway.http.request_body import MAX_JSON_DEPTH, deep_field, too_deep
 
 
 def nested(depth: int) -> object:

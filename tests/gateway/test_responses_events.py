@@ -16,10 +16,10 @@ from openai._models import construct_type_unchecked
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
-from gateway.events import END, Finish, Text, ToolCallDelta, Usage
-from gateway.routes.response_output import Output
-from gateway.routes.responses import ResponsesRequest, _envelope
-from gateway.tools import CallDelta
+from gateway.generate.events import END, Finish, Text, ToolCallDelta, Usage
+from gateway.generate.tools import CallDelta
+from gateway.http.routes.response_output import Output
+from gateway.http.routes.responses import ResponsesRequest, _envelope
 
 
 class _Generation:
@@ -57,9 +57,9 @@ def _texts(response) -> list[str]:
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_the_sdks_snapshot_is_the_final_response_at_every_event(script):
-    generator = SimpleNamespace(model_name="m", served_name="m", token_texts=None)
-    response = _envelope(generator, msgspec.convert({"model": "m", "input": "Hi"}, ResponsesRequest))
-    builder = Output(generator, response, False)
+    served = SimpleNamespace(model_name="m", served_name="m", token_texts=None)
+    response = _envelope(served, msgspec.convert({"model": "m", "input": "Hi"}, ResponsesRequest))
+    builder = Output(served, response, False)
 
     async def collect() -> list:
         return [event async for event in builder.stream(_Generation(SCRIPTS[script]))]

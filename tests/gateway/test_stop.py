@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.stop import StopChecker
+from gateway.generate.stop import StopChecker
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:

@@ -4,7 +4,7 @@ import pytest
 
 from common.model_source import bundled_templates, read_chat_template
 from gateway.errors import InvalidRequest
-from gateway.templates import ChatTemplate
+from gateway.generate.templates import ChatTemplate
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
@@ -96,7 +96,7 @@ def test_a_request_template_that_loops_without_output_stops_at_its_deadline():
     import threading
     import time
 
-    from gateway.templates import Budget
+    from gateway.generate.templates import Budget
 
     source = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     template = ChatTemplate("x", {}).with_source(source)

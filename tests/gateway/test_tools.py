@@ -6,7 +6,7 @@ import pytest
 
 from common.protocol import GuideKind
 from gateway.errors import InvalidRequest
-from gateway.tools import tool_plan
+from gateway.generate.tools import tool_plan
 
 WEATHER = {
     "type": "function",

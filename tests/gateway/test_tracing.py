@@ -1,4 +1,4 @@
-"""gateway.tracing on its own: the OTLP/HTTP export (to a real local HTTP server that records what it
+"""gateway.ops.tracing on its own: the OTLP/HTTP export (to a real local HTTP server that records what it
 gets), the flags, the off path, and the span helpers' shape (parentage, worker events, resumes)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from opentelemetry.trace import SpanKind
 
 from common.config import add_flags, from_namespace
 from common.protocol import NewRequest, RequestOutput, WorkerEvent
-from gateway import tracing
 from gateway.config import ALL_GATEWAY_FLAGS, GatewayConfig
+from gateway.ops import tracing
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"

@@ -23,7 +23,7 @@ from common.protocol import (
     WorkerError,
 )
 from gateway.errors import GenerationFailed, NoWorkerAvailable
-from gateway.worker_client import WorkerClient
+from gateway.fleet.worker_client import WorkerClient
 from tests.conftest import free_port
 
 READY = Ready("fake", "m", 1024, 4096, 16, 8, "cpu", "float32")

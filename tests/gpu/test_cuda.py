@@ -19,7 +19,7 @@ import torch
 from common.config import CACHE_DIR
 from common.model_source import DEFAULT_MODEL, resolve_model
 from common.protocol import NewRequest, SamplingParams, TokenLogprobs
-from tests.conftest import MODEL, Server, free_port, spawn
+from tests.conftest import MODEL, Server, free_port, spawn, worker_argv
 from worker.attention import flashinfer_decode
 from worker.build import build_engine
 from worker.config import WorkerConfig
@@ -208,17 +208,7 @@ def test_a_sigkilled_cuda_worker_stream_resumes_on_the_other_worker(model_path):
     )
     workers = {}
     for name in ("g-a", "g-b"):
-        args = [
-            "worker",
-            "--gateway-address",
-            server.zmq_address,
-            "--worker-name",
-            name,
-            "--device",
-            "cuda",
-            "--dtype",
-            "float32",
-        ]
+        args = worker_argv(server.zmq_address, name, "--device", "cuda", "--dtype", "float32")
         workers[name] = spawn(args, f"gpu-{name}", env)
         server.processes.append(workers[name])
     try:

@@ -16,7 +16,7 @@ import openai
 import pytest
 import zmq
 
-from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, start_serve, wait_until
+from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, start_serve, wait_until, worker_argv
 from tests.gateway.test_worker_client import eventually
 
 FAST = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
@@ -37,17 +37,7 @@ def pool() -> Iterator[tuple[Server, dict]]:
     workers = {}
     for name in ("w-a", "w-b"):
         workers[name] = spawn(
-            [
-                "worker",
-                "--gateway-address",
-                server.zmq_address,
-                "--worker-name",
-                name,
-                "--dtype",
-                "float32",
-                "--threads",
-                "1",
-            ],
+            worker_argv(server.zmq_address, name, "--dtype", "float32", "--threads", "1"),
             f"faults-{name}",
             FAST,
         )
@@ -294,19 +284,7 @@ def test_200_streaming_clients_with_random_disconnects(server):
 
     outcomes = asyncio.run(everyone())
     assert outcomes.count("completed") == plan.count(False)
-    seen = {w["name"]: w["heartbeats"] for w in server.workers()}
-    wait_until(
-        lambda: all(
-            w["heartbeats"] >= seen[w["name"]] + 2
-            and w["inflight"] == 0
-            and w["running"] == 0
-            and w["waiting"] == 0
-            and w["free_blocks"] == w["total_blocks"]
-            for w in server.workers()
-        ),
-        30,
-        "every KV block back after the storm",
-    )
+    server.wait_idle(30, "every KV block back after the storm")
     assert server.get("/workers").json()["inflight"] == 0
     report(
         test="200-clients",

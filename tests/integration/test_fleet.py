@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from launcher.cli import make_keys
-from tests.conftest import MODEL, Server, free_port, spawn, start_serve, stop, wait_until
+from tests.conftest import MODEL, Server, free_port, spawn, start_serve, stop, wait_until, worker_argv
 
 API_KEY = "fleet-key"
 # Default heartbeats (1 s, 5 missed): three model workers share two cores here, and a step may take seconds.
@@ -33,24 +33,18 @@ def build_tiny_qwen(folder: Path, extend: Callable[[Any], None] | None = None) -
     """A 2-layer Qwen2 with random weights and the default model's tokenizer (so it needs nothing
     online), which ``extend`` may change first (tokens added, another chat template)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     from common.config import CACHE_DIR
     from common.model_source import load_tokenizer, resolve_model
+    from tests.worker.families import family_config
 
     tokenizer = load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())
     if extend is not None:
         extend(tokenizer)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+    sizes = dict(vocab_size=len(tokenizer), max_position_embeddings=2048, pad_token_id=None)
+    config = family_config(
+        "qwen2", sizes | dict(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -80,15 +74,7 @@ class Fleet:
         self.gateways[i] = spawn(args, name, ENV)
 
     def start_worker(self, n: int, served: str, *extra: str) -> None:
-        args = [
-            "worker",
-            "--gateway-address",
-            f"{self.address(0)},{self.address(1)}",
-            "--served-model-name",
-            served,
-            "--worker-name",
-            served,
-        ]
+        args = worker_argv(f"{self.address(0)},{self.address(1)}", served, "--served-model-name", served)
         args += [
             "--curve-client-secret-key",
             str(self.keys / f"worker-{n}.key_secret"),

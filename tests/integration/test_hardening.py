@@ -25,7 +25,7 @@ TOOLS = [
 
 
 def lane_jobs(server, lane: str) -> Counter[str]:
-    """The gateway's tokenize and template jobs in ``lane`` (gateway/metrics.py): ``in_flight``
+    """The gateway's tokenize and template jobs in ``lane`` (gateway/ops/metrics.py): ``in_flight``
     (queued or running), and those ended by outcome (``done``, ``error``, ``deadline``, ``cancelled``)."""
     jobs: Counter[str] = Counter()
     for family in text_string_to_metric_families(server.get("/metrics").text):

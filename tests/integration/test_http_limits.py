@@ -1,4 +1,4 @@
-"""The HTTP layer's limits (gateway/http_server.py) against a real gateway process, with raw sockets:
+"""The HTTP layer's limits (gateway/http/server.py) against a real gateway process, with raw sockets:
 oversized and overlong heads are 431s, slow and silent clients are closed on time, a body shorter
 than its Content-Length ends in a 408, connections over the cap get a 503, and none of it stalls a
 stream in flight. Also HEAD wherever GET, and /static's malformed paths as 404s.

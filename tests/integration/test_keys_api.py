@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, free_port, spawn, stop, wait_until
+from tests.conftest import MODEL, free_port, spawn, stop, wait_until, worker_argv
 from tests.integration.test_operations import sample
 
 ADMIN = "keys-admin"
@@ -43,7 +43,7 @@ class Fleet:
             for i in (0, 1)
         ]
         addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in self.zmq)
-        self.processes.append(spawn(["worker", "--gateway-address", addresses, "--model", MODEL], "keys-worker", env))
+        self.processes.append(spawn(worker_argv(addresses, None, "--model", MODEL), "keys-worker", env))
 
     def url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.http[i]}"
@@ -273,7 +273,7 @@ def test_usage_per_key_in_the_usage_report_and_the_keys_list(fleet):
     assert listed[made["id"]]["usage_this_month"]["requests"] == 1
 
 
-# ---- runtime LoRA adapters: the fleet's, as keys are (gateway/lora.py, gateway/state/loras.py) ----
+# ---- runtime LoRA adapters: the fleet's, as keys are (gateway/fleet/lora.py, gateway/state/lora.py) ----
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +335,7 @@ def test_runtime_adapters_reach_the_other_gateway_and_workers_that_join_later(fl
     wait_until(lambda: "gone" not in listed(fleet, 0), 20, "gateway 0 to drop the adapter unloaded through 1")
 
     addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in fleet.zmq)
-    args = ["worker", "--gateway-address", addresses, "--model", MODEL, "--worker-name", "keys-joiner"]
+    args = worker_argv(addresses, "keys-joiner", "--model", MODEL)
     fleet.processes.append(spawn([*args, "--lora", f"gone={adapters['gone']}"], "keys-worker-2", fleet.env))
     for i in (0, 1):  # it came with `gone` (its --lora); each gateway brings it to the fleet's set
         wait_until(

@@ -9,7 +9,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import MODEL, spawn, start_serve
+from tests.conftest import MODEL, spawn, start_serve, worker_argv
 from tests.integration.test_batches import finished, jsonl, lines
 from tests.worker import pooling_models
 
@@ -30,20 +30,10 @@ def pooling_server(tmp_path_factory):  # (Server, folders)
     )
     try:
         # A third model: the chat model that also embeds (--pooling last), its own worker on the same gateway.
-        args = [
-            "worker",
-            "--gateway-address",
-            server.zmq_address,
-            "--model",
-            MODEL,
-            "--served-model-name",
-            "smol-embed",
-            "--pooling",
-            "last",
-        ]
-        server.processes.append(
-            spawn([*args, "--worker-name", "smol-embed", "--dtype", "float32"], "serve-pooling-smol-embed")
+        args = worker_argv(
+            server.zmq_address, "smol-embed", "--model", MODEL, "--served-model-name", "smol-embed", "--pooling", "last"
         )
+        server.processes.append(spawn([*args, "--dtype", "float32"], "serve-pooling-smol-embed"))
         server.wait_for_workers(3)
         yield server, {"embed": embed, "rerank": rerank}
     finally:

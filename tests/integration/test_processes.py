@@ -16,7 +16,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import ARTIFACTS, MODEL, REPO, Server, free_port, spawn, start_serve, stop, wait_until
+from tests.conftest import ARTIFACTS, MODEL, REPO, Server, free_port, spawn, start_serve, stop, wait_until, worker_argv
 
 FAST_HEARTBEAT = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 
@@ -30,7 +30,7 @@ def test_sigkilled_worker_fails_its_requests_and_the_gateway_stays_up():
     gateway = spawn(
         ["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "kill-gateway", FAST_HEARTBEAT
     )
-    worker = spawn(["worker", "--gateway-address", server.zmq_address], "kill-worker", FAST_HEARTBEAT)
+    worker = spawn(worker_argv(server.zmq_address), "kill-worker", FAST_HEARTBEAT)
     server.processes += [gateway, worker]
     try:
         server.wait_for_workers(1)
@@ -67,9 +67,7 @@ def test_sigkilled_worker_fails_its_requests_and_the_gateway_stays_up():
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         assert info.value.status_code == 503
         # A new worker joins the running gateway and serving resumes.
-        server.processes.append(
-            spawn(["worker", "--gateway-address", server.zmq_address], "kill-worker-2", FAST_HEARTBEAT)
-        )
+        server.processes.append(spawn(worker_argv(server.zmq_address), "kill-worker-2", FAST_HEARTBEAT))
         server.wait_for_workers(1)
         assert client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
@@ -217,18 +215,18 @@ def test_compose_services_run_as_plain_processes(postgres):
             stop(process)
 
 
+def make_keys(folder: Path, *args: str) -> None:
+    """``llmpool keys FOLDER ARGS``: CURVE key pairs for a gateway and its workers."""
+    subprocess.run(
+        [sys.executable, "-m", "launcher", "keys", str(folder), *args], cwd=REPO, check=True, capture_output=True
+    )
+
+
 def test_curve_lets_only_authorized_workers_in(tmp_path):
     keys = tmp_path / "keys"
-    subprocess.run(
-        [sys.executable, "-m", "launcher", "keys", str(keys), "--workers", "1"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
+    make_keys(keys, "--workers", "1")
     strangers = tmp_path / "strangers"
-    subprocess.run(
-        [sys.executable, "-m", "launcher", "keys", str(strangers)], cwd=REPO, check=True, capture_output=True
-    )
+    make_keys(strangers)
     server = Server(free_port(), free_port())
     gateway_args = [
         "gateway",
@@ -245,17 +243,14 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
     try:
         server.processes.append(
             spawn(
-                [
-                    "worker",
-                    "--gateway-address",
+                worker_argv(
                     server.zmq_address,
-                    "--worker-name",
                     "trusted",
                     "--curve-client-secret-key",
                     str(keys / "worker-0.key_secret"),
                     "--curve-server-public-key",
                     str(keys / "gateway.key"),
-                ],
+                ),
                 "curve-trusted",
                 FAST_HEARTBEAT,
             )
@@ -269,24 +264,21 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
 
         server.processes.append(
             spawn(
-                ["worker", "--gateway-address", server.zmq_address, "--worker-name", "no-keys"],
+                worker_argv(server.zmq_address, "no-keys"),
                 "curve-nokeys",
                 FAST_HEARTBEAT,
             )
         )
         server.processes.append(
             spawn(
-                [
-                    "worker",
-                    "--gateway-address",
+                worker_argv(
                     server.zmq_address,
-                    "--worker-name",
                     "unknown-key",
                     "--curve-client-secret-key",
                     str(strangers / "worker-0.key_secret"),
                     "--curve-server-public-key",
                     str(keys / "gateway.key"),
-                ],
+                ),
                 "curve-stranger",
                 FAST_HEARTBEAT,
             )
@@ -320,12 +312,7 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
 
 def test_llmpool_keys_writes_secret_keys_owner_only(tmp_path):
     keys = tmp_path / "keys"
-    subprocess.run(
-        [sys.executable, "-m", "launcher", "keys", str(keys), "--workers", "2"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
+    make_keys(keys, "--workers", "2")
     secrets = sorted(p.name for p in keys.glob("*.key_secret"))
     assert secrets == ["gateway.key_secret", "worker-0.key_secret", "worker-1.key_secret"]
     for path in keys.glob("*.key_secret"):

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, wait_until
+from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, wait_until, worker_argv
 
 FAST = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 ROUNDS = 6
@@ -150,7 +150,7 @@ def answer(http: httpx.Client, base: str, path: str, body: dict) -> list[str]:
 
 
 def hostile(port: int, kind: str) -> bytes:
-    """A client the HTTP layer must turn away (gateway/http_server.py): what the gateway answered
+    """A client the HTTP layer must turn away (gateway/http/server.py): what the gateway answered
     before it closed the connection."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         try:
@@ -193,19 +193,7 @@ def cancel(http: httpx.Client, url: str) -> None:
 
 
 def start_worker(server: Server, name: str):  # a Popen
-    args = [
-        "worker",
-        "--gateway-address",
-        server.zmq_address,
-        "--worker-name",
-        name,
-        "--dtype",
-        "float32",
-        "--threads",
-        "1",
-        "--kv-cache-memory",
-        "256MiB",
-    ]
+    args = worker_argv(server.zmq_address, name, "--dtype", "float32", "--threads", "1", "--kv-cache-memory", "256MiB")
     return spawn(args, f"soak-{name}", FAST)
 
 

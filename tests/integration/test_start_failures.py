@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from launcher.cli import Child, Supervisor, build_parser
-from tests.conftest import ARTIFACTS, free_port, spawn, stop, wait_until
+from tests.conftest import ARTIFACTS, free_port, spawn, stop, wait_until, worker_argv
 from tests.worker.families import REFUSED, build
 from worker.config import EXIT_UNSUPPORTED
 
@@ -52,7 +52,7 @@ def test_the_launcher_gives_up_on_a_refused_model_with_its_reason(mamba):
 
 def test_health_says_which_worker_cannot_start_and_why(server, mamba):
     worker = spawn(
-        ["worker", "--model", mamba, "--gateway-address", server.zmq_address, "--worker-name", "mamba-worker"],
+        worker_argv(server.zmq_address, "mamba-worker", "--model", mamba),
         "start-failure-worker",
     )
     assert worker.wait(timeout=180) == EXIT_UNSUPPORTED

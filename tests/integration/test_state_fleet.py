@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, free_port, spawn, stop, wait_until
+from tests.conftest import MODEL, free_port, spawn, stop, wait_until, worker_argv
 
 KEYS = ("fleet-k1", "fleet-k2")
 ADMIN = "fleet-admin"
@@ -37,7 +37,7 @@ class StateFleet:
     def start_worker(self, name: str) -> None:
         """The one worker, registered with both gateways."""
         addresses = ",".join(f"tcp://127.0.0.1:{port}" for port in self.zmq)
-        self.worker = spawn(["worker", "--gateway-address", addresses, *self.worker_args], name, self.env)
+        self.worker = spawn(worker_argv(addresses, None, *self.worker_args), name, self.env)
 
     def url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.http[i]}"

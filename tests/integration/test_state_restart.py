@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, free_port, spawn, stop, wait_until
+from tests.conftest import MODEL, free_port, spawn, stop, wait_until, worker_argv
 
 
 class Gateway:
@@ -34,7 +34,7 @@ class Gateway:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     gateway = Gateway(str(tmp_path_factory.mktemp("state") / "state.db"))
-    worker = spawn(["worker", "--gateway-address", f"tcp://127.0.0.1:{gateway.zmq}"], "state-restart-worker")
+    worker = spawn(worker_argv(f"tcp://127.0.0.1:{gateway.zmq}"), "state-restart-worker")
     try:
         gateway.start()
         yield gateway

@@ -22,10 +22,10 @@ from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import protocol
-from gateway import tracing
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from tests.conftest import MODEL, STATE_DIR, free_port, spawn, stop, wait_until
+from gateway.http.app import create_app
+from gateway.ops import tracing
+from tests.conftest import MODEL, STATE_DIR, free_port, spawn, stop, wait_until, worker_argv
 from tests.gateway.test_tracing import Collector
 
 WORKER = "trace-w"
@@ -63,7 +63,7 @@ def gateway() -> Iterator[Gateway]:
     """This process serves the app (uvicorn in a thread, tracing to a local collector); one worker process."""
     collector = Collector()
     port, zmq = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    workers = {WORKER: spawn(["worker", "--gateway-address", zmq, "--worker-name", WORKER], "tracing-worker", PATIENT)}
+    workers = {WORKER: spawn(worker_argv(zmq, WORKER), "tracing-worker", PATIENT)}
     config = GatewayConfig(
         heartbeat_liveness=20,
         port=port,
@@ -272,9 +272,7 @@ def test_a_refused_request_is_a_span_with_its_status(gateway: Gateway, wire: lis
 def test_a_request_resumed_on_another_worker_stays_one_generate_span(gateway: Gateway, wire: list):
     """SIGKILL the worker serving a stream: the generate span records the move and both workers' events."""
     other = "trace-w2"
-    gateway.workers[other] = spawn(
-        ["worker", "--gateway-address", gateway.zmq, "--worker-name", other], "tracing-worker-2", PATIENT
-    )
+    gateway.workers[other] = spawn(worker_argv(gateway.zmq, other), "tracing-worker-2", PATIENT)
     wait_until(
         lambda: len(httpx.get(gateway.url + "/workers", timeout=5).json()["workers"]) == 2, 180, "the second worker"
     )

@@ -10,7 +10,7 @@ import time
 
 import msgspec
 
-from gateway.batch_io import parse_input
+from gateway.batch.lines import parse_input
 from gateway.state.batches import EXPIRED, Batches
 from gateway.state.db import connect
 from gateway.state.files import Files

@@ -150,7 +150,7 @@ def answer(registry: LoraRegistry | None, command: LoraCommand, ready: Ready) ->
     """Carry out a gateway's load or unload (between two steps) and keep ``ready`` current, so a
     gateway that connects later learns the adapters served now. Loading the same folder under the
     same name again is a success, and so is unloading a name it does not serve: each gateway of a
-    fleet may send the same command (gateway/lora.py brings every worker to the fleet's set)."""
+    fleet may send the same command (gateway/fleet/lora.py brings every worker to the fleet's set)."""
     name, path = command.name, command.path
     try:
         if registry is None:

@@ -1,0 +1,227 @@
+"""The one generation core every API dialect speaks through.
+
+A dialect (OpenAI chat, OpenAI completions, OpenAI responses, Anthropic messages: one module each under
+``gateway/http/routes``) translates its body into one ``CoreRequest``, checking nothing but its own shapes, and
+calls ``start``: every check (gateway/generate/validation.py's ``prepare``: limits, tools, grammars, token ids, templates),
+the tokenizing and the admission happen there, so a 400 or a 429 comes before any response starts. It then
+translates the ``Generation``'s events back: streamed as they come (``events``), or folded into one ``Choice`` per
+generation (``collect``). Stop strings, tool-call parsing, grammars, logprobs, the detokenizer, admission and errors
+all live below this line, written once. Events of one choice come in this order: ``PromptLogprobs`` (echo only),
+then a reasoning model's ``Thinking``, then ``Text`` and ``ToolCallDelta`` as the text grows, then one ``Finish``.
+Choices (``n``, several prompts) interleave, each naming its ``index``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from common.pooling import PoolingTask
+from gateway.errors import GatewayError, RequestTimeout
+from gateway.generate.abilities import require
+from gateway.generate.events import (
+    END,
+    LENGTH,
+    STOP_SEQUENCE,
+    TOOL_CALLS,
+    Choice,
+    Event,
+    Finish,
+    PromptLogprobs,
+    Text,
+    Thinking,
+    ToolCallDelta,
+    Usage,
+)
+from gateway.generate.lanes import unless_disconnected
+from gateway.generate.request import CoreRequest
+from gateway.generate.served_model import ServedModel, TextDelta
+from gateway.generate.tools import ToolCall
+from gateway.generate.validation import Prepared, prepare, request_id
+from gateway.ops import tracing
+from gateway.policy.admission import Slot
+from gateway.policy.caller import Caller
+from gateway.policy.priority import request_priority
+
+
+async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = None) -> Generation:
+    """Check the request, tokenize its prompt and admit it: errors (400, 429, 503, 504) come now,
+    before a response starts. One wire request per choice, ``n`` per prompt, admitted all together
+    or not at all. The admission wait counts toward ``--request-timeout`` and ends when ``caller``
+    hangs up. No caller: the gateway's own request (a response taken over), billed to nobody."""
+    deadline = asyncio.get_running_loop().time() + served.timeout_s
+    require(served, PoolingTask.GENERATE)  # an embedding model's is a 400 that says what it serves
+    rules = served.rules
+    if req.request_id is None:
+        req.request_id = request_id(caller.request_id if caller is not None else None)
+    if caller is not None and req.meter is None:
+        req.meter = rules.usage
+        req.owner = caller.owner
+    req.priority = request_priority(caller, rules.scheduling_policy, req.sampling.priority)
+    prepared = await prepare(served, req, caller)
+    if rules.quotas is not None:
+        await rules.quotas.enforce(caller, served.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
+    tracing.describe_request(lambda: req.span_attributes(served.model_name, prepared.prompts))
+    with tracing.span("queue"):
+        slots = await admit(served, len(prepared.news), deadline, caller, req.priority)
+    return Generation(served, req, prepared, slots, deadline)
+
+
+async def prompt_ids(served: ServedModel, req: CoreRequest, caller: Caller | None = None) -> list[list[int]]:
+    """The prompts as token ids, after the same checks as ``start`` (for counting tokens)."""
+    return (await prepare(served, req, caller, admit=False)).prompts
+
+
+async def admit(
+    served: ServedModel, count: int, deadline: float, caller: Caller | None, priority: int = 0
+) -> list[Slot]:
+    async def wait() -> list[Slot]:
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await served.admission.acquire(count, caller.owner if caller is not None else "", priority)
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request waited longer than --request-timeout ({served.timeout_s:g} s) for the server to take it"
+            ) from None
+
+    return await unless_disconnected(caller, wait())
+
+
+class Generation:
+    """An admitted request: its events as they come, or its choices once all are done."""
+
+    def __init__(
+        self, served: ServedModel, req: CoreRequest, prepared: Prepared, slots: list[Slot], deadline: float
+    ) -> None:
+        self.served = served
+        self.deadline = deadline  # the event loop's clock: --request-timeout from the request's start
+        self.req = req
+        self.prompts = prepared.prompts  # token ids, one list per prompt
+        self.tools = prepared.tools
+        self.parsers = prepared.parsers
+        self.thinkers = prepared.thinkers
+        self.stops = prepared.stops
+        self.news = prepared.news
+        self.slots = slots
+        self.request_id = self.news[0].request_id
+        self.first_usage: Usage | None = None  # prompt and cached tokens, from the first output of choice 0
+
+    @property
+    def choices(self) -> int:
+        return len(self.news)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every choice's events, in arrival order."""
+        parsers = self.parsers
+        async for index, delta in self._merged():
+            if delta.prompt_logprobs:
+                yield PromptLogprobs(index, delta.prompt_logprobs)
+            if self.first_usage is None and index == 0:
+                self.first_usage = Usage(delta.prompt_tokens, 0, delta.cached_tokens)
+            thinker, text = self.thinkers[index] if self.thinkers else None, delta.text
+            if thinker is not None:  # the thinking first: the tool calls and the answer come after it
+                thinking, text = thinker.push(text)
+                if delta.finish_reason is not None:
+                    more, rest = thinker.finish()
+                    thinking, text = thinking + more, text + rest
+                if thinking:
+                    yield Thinking(index, thinking)
+            parser = parsers[index]
+            text, calls = (text, []) if parser is None else parser.push(text)
+            if delta.finish_reason is not None and parser is not None:
+                rest, more = parser.finish()
+                text, calls = text + rest, calls + more
+            if text or delta.logprobs:
+                yield Text(index, text, delta.logprobs)
+            for call in calls:
+                yield ToolCallDelta(index, call)
+            if delta.finish_reason is not None:
+                usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens, delta.reasoning_tokens)
+                self._meter(index, usage)
+                yield Finish(
+                    index, _reason(delta, parser is not None and bool(parser.calls)), usage, delta.stop_sequence
+                )
+
+    def _meter(self, index: int, usage: Usage) -> None:
+        """Bill a finished choice to its key: its output, and its prompt once per prompt (``n`` share one)."""
+        if self.req.meter is None:
+            return
+        first = index % self.req.n == 0
+        prompt, cached = (usage.prompt_tokens, usage.cached_tokens) if first else (0, 0)
+        self.req.meter.record(
+            self.req.owner or "",
+            self.served.model_name,
+            prompt,
+            cached,
+            usage.completion_tokens,
+            requests=int(index == 0),
+        )
+
+    async def collect(self, caller: Caller | None) -> list[Choice]:
+        """All choices whole; the generation is aborted if the caller hangs up first."""
+        return await unless_disconnected(caller, self._collect())
+
+    async def _collect(self) -> list[Choice]:
+        choices = [Choice(i) for i in range(self.choices)]
+        async for event in self.events():
+            choice = choices[event.index]
+            if isinstance(event, Text):
+                choice.text += event.text
+                choice.logprobs.extend(event.logprobs)
+            elif isinstance(event, ToolCallDelta):
+                call = event.call
+                if call.id is not None:
+                    choice.tool_calls.append(ToolCall(call.name or "", call.arguments, call.id))
+                else:
+                    choice.tool_calls[call.index].arguments += call.arguments
+            elif isinstance(event, Thinking):
+                choice.reasoning += event.text
+            elif isinstance(event, PromptLogprobs):
+                choice.prompt_logprobs.extend(event.logprobs)
+            else:
+                choice.finish = event
+        return choices
+
+    async def _merged(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        """The deltas of every choice as (choice index, delta), in arrival order."""
+        served, stops, skip = self.served, self.stops, self.req.sampling.skip_special_tokens
+        if len(self.news) == 1:
+            async for delta in served.stream(
+                self.news[0], self.slots[0], self.deadline, stops, skip, self.req.replay, self.req.on_output
+            ):
+                yield 0, delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for delta in served.stream(self.news[index], self.slots[index], self.deadline, stops, skip):
+                    queue.put_nowait((index, delta))
+            except GatewayError as exc:
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.news))]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, GatewayError):
+                    raise item
+                else:
+                    yield index, item
+        finally:  # the client left or one choice failed: stop the others (which aborts them on the worker)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _reason(delta: TextDelta, called: bool) -> str:
+    if delta.stop_sequence is not None:
+        return STOP_SEQUENCE
+    if called and delta.finish_reason == END:
+        return TOOL_CALLS
+    return LENGTH if delta.finish_reason == LENGTH else END
