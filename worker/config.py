@@ -100,8 +100,9 @@ WORKER_FLAGS = [
         None,
         "Keep only the C++ step's quantized weights (int8/q4, packed): prompts run through that step too, and the model's "
         "float copy is freed after the start-up self-check; refused where the step cannot take every batch. Unset (auto): "
-        "on for a GGUF on the CPU with --dtype auto where the step takes every batch, as llama.cpp runs it (its answers are "
-        "then the same on every instruction set: worker/cpu.py); --no-quantized-only keeps prompts on the torch path",
+        "prompts through the step, float copy kept (runtime LoRA adapters use it), for a GGUF on the CPU with --dtype auto "
+        "where the step takes every batch, as llama.cpp runs it (its answers are then the same on every instruction set: "
+        "worker/cpu.py); --no-quantized-only keeps prompts on the torch path",
         bool,
     ),
     Flag(

@@ -22,7 +22,7 @@ def engine() -> Engine:
     """Prompts prefilled in chunks of at most 7 tokens, and so few blocks that requests get preempted."""
     return build_engine(
         resolve_model("SmolLM2-135M-Instruct"),
-        WorkerConfig(kv_cache_memory="2MiB", block_size=4, max_num_batched_tokens=7),
+        WorkerConfig(kv_cache_memory="4MiB", block_size=4, max_num_batched_tokens=7),  # 22 float32 blocks
     )
 
 

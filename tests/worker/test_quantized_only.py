@@ -48,10 +48,13 @@ def test_refused_where_the_step_cannot_take_prompts():
 
 def test_it_is_the_default_for_a_gguf_on_the_cpu_in_float32():
     """No flags: the default model (a Q4_1 GGUF) runs every batch through the C++ step in float32,
-    its float copy freed; --no-quantized-only keeps prompts on the torch path."""
+    its float copy and native forward kept (runtime adapters are applied through it); --no-quantized-only
+    keeps prompts on the torch path."""
     default = engine_for(skip_self_check=True)
     assert default.runner.paths.rows_only and str(default.runner.dtype) == "torch.float32"
-    assert default.runner.native is None
+    assert default.runner.native is not None
+    default.runner.drop_float_weights()
+    assert sum(p.numel() for p in default.runner.model.parameters()) > 0
     off = engine_for(quantized_only=False, skip_self_check=True)
     assert not off.runner.paths.rows_only and off.runner.native is not None
 

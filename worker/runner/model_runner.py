@@ -92,7 +92,9 @@ class ModelRunner:
         )
         decode_cache = source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}")
         fused = build_fused(fast_decode, model, self.quantization, decode_cache)
-        by_default = self.device.type == "cpu" and source.gguf_file is not None and config.dtype == "auto"
+        by_default = (
+            self.device.type == "cpu" and source.gguf_file is not None and config.dtype == "auto" and pooling is None
+        )
         only_rows = rows_only(config.quantized_only, fused, by_default)
         self.rows_by_default = only_rows and config.quantized_only is None
         # The model's own weights, described while its layers are still there (the native forward
@@ -108,7 +110,8 @@ class ModelRunner:
                     f"--pooling on a generating model runs transformers' classes on its float weights: {flag} cannot be used with it"
                 )
             impl = "transformers"
-        self.native = None if only_rows else pick_impl(impl, model)
+        # auto's rows keep the native forward: runtime LoRA adapters are applied through it
+        self.native = None if only_rows and not self.rows_by_default else pick_impl(impl, model)
         why_not = (
             None
             if self.native is not None
@@ -182,15 +185,13 @@ class ModelRunner:
             )
             self.quantization = "none"
             fused = build_fused(True, self.model, "none", None, own)
-            if self.native is None and self.rows_by_default:  # prompts go back to the torch path
-                self.native = pick_impl("auto", self.model)
             self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, graphs)
             check.run(self)
 
     def drop_float_weights(self) -> None:
         """With ``--quantized-only``, free the model's float weights once nothing needs them (after
         the self-check and the KV store's weights digest; worker/build.py calls it last)."""
-        if self.paths.rows_only:
+        if self.paths.rows_only and not self.rows_by_default:  # auto's rows keep them for adapters
             free_float_weights(self.model, self.paths.fused)
 
     @property
