@@ -55,7 +55,6 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("neon", "aarch64", frozenset({"asimd", "asimddp"}), ("-march=armv8.2-a+dotprod",), None, None),
     Variant("portable", "aarch64", frozenset(), ("-march=armv8-a",), None, None),
 )
-NAMES = ("avx512", "avx2", "neon", "portable")
 
 
 def arch() -> str:
@@ -104,7 +103,7 @@ def model_name() -> str:
 
 
 def cap() -> str | None:
-    """``LLMPOOL_CPU_ISA``, checked: a name of ``NAMES`` that this architecture has, or None."""
+    """``LLMPOOL_CPU_ISA``, checked: the name of one of this architecture's ``VARIANTS``, or None."""
     value = os.environ.get(CAP_VARIABLE, "").strip().lower()
     if not value:
         return None
