@@ -84,7 +84,7 @@ def fused_logits(model: torch.nn.Module, fused: FusedDecode, ids: torch.Tensor, 
     positions = torch.arange(n)
     slots = torch.tensor([order[p // block] * block + p % block for p in range(n)])
     tables = torch.tensor([order] * n)
-    return fused(ids, positions, caches, slots, tables, positions + 1, n)
+    return fused(ids, positions, caches, slots, tables, positions + 1)
 
 
 @pytest.mark.parametrize("kind", sorted(FAST_FAMILIES))

@@ -21,6 +21,4 @@ class CpuDecode(DecodeBackend):
     def __call__(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
     ) -> torch.Tensor:
-        return kernels.ops().paged_decode_attention(
-            query, k_cache, v_cache, group.block_tables, group.lengths, group.max_len, scale
-        )
+        return kernels.ops().paged_decode_attention(query, k_cache, v_cache, group.block_tables, group.lengths, scale)

@@ -215,16 +215,14 @@ __attribute__((target("avx512bf16"))) void attend_split_bf16(const float* q, con
 }
 #endif
 
-// The fewest context splits that give every thread as many (row, split) items as the others: a
-// thread streams long runs of the cache best (a lone row on 2 threads: 2 splits took 0.95-0.99x the
-// step time of 8), and equal shares keep any thread from waiting. From 4 rows a thread on, rows are
-// not split (evening out one row more took 1.02-1.05x at 33 rows). At least 8 blocks a split.
-int64_t pick_splits(int64_t rows, int64_t max_len, int64_t block_size) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t wanted = rows >= 4 * threads ? 1 : threads / std::gcd(rows, threads);
-  const int64_t most = std::max<int64_t>(1, max_len / (8 * block_size));
-  return std::max<int64_t>(1, std::min(wanted, most));
-}
+// A row's context splits come from its own length alone, never from the thread count or the batch:
+// then a row's scores and sums run in one order wherever it lands, and a seeded answer does not change
+// with the load (activations are quantized to int8 in the step, so a change in the last bit of an
+// attention output could flip a rounding and move the logits by a whole unit). One split per 256
+// positions, at most 16 (on 2 threads a lone row took about as long with 8 splits as with 2).
+constexpr int64_t SPLIT_POSITIONS = 256, MAX_SPLITS = 16;
+
+inline int64_t splits_for(int64_t n) { return std::clamp<int64_t>((n + SPLIT_POSITIONS - 1) / SPLIT_POSITIONS, 1, MAX_SPLITS); }
 
 
 // q [rows, heads, D] float32 -> out [rows, heads, D] float32.
@@ -233,13 +231,24 @@ void decode_attention(const float* q, const C* k_cache, const C* v_cache, const 
                       const int64_t* begins, const AttnShape& s, float* out) {
   const int64_t H = s.heads, D = s.head_dim;
   const int64_t part_size = H * (D + 2);
-  std::vector<float> parts(s.rows * s.splits * part_size);
-  at::parallel_for(0, s.rows * s.splits, 1, [&](int64_t i0, int64_t i1) {
+  int64_t most = 1;  // the most splits of any row: each row has that many parts, its own first and empty ones after
+  for (int64_t row = 0; row < s.rows; ++row) {
+    const int64_t len = lengths[row], start = begins ? std::min(len, begins[row]) : 0;
+    most = std::max(most, splits_for(len - start));
+  }
+  std::vector<float> parts(s.rows * most * part_size);
+  at::parallel_for(0, s.rows * most, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t split = item % s.splits, row = item / s.splits;
+      const int64_t split = item % most, row = item / most;
       const int64_t len = lengths[row], start = begins ? std::min(len, begins[row]) : 0;
-      const int64_t chunk = ((len - start + s.splits - 1) / s.splits + s.block_size - 1) / s.block_size * s.block_size;
+      const int64_t n = len - start, splits = splits_for(n);
+      const int64_t chunk = ((n + splits - 1) / splits + 15) / 16 * 16;  // whole tiles of 16 positions
       const int64_t begin = std::min(len, start + split * chunk), end = std::min(len, begin + chunk);
+      if (split >= splits || begin >= end) {  // nothing here: an empty part, skipped when the parts are combined
+        float* part = parts.data() + item * part_size;
+        for (int64_t h = 0; h < H; ++h) part[h * (D + 2) + D] = NEG_INF, part[h * (D + 2) + D + 1] = 0.f;
+        continue;
+      }
 #if defined(LLMPOOL_ISA_AVX512)
       if constexpr (std::is_same_v<C, c10::BFloat16>) {
         if (D % 32 == 0 && HAS_AVX512_BF16) {
@@ -252,14 +261,14 @@ void decode_attention(const float* q, const C* k_cache, const C* v_cache, const 
     }
   });
   for (int64_t row = 0; row < s.rows; ++row) {
-    const float* base = parts.data() + row * s.splits * part_size;
+    const float* base = parts.data() + row * most * part_size;
     for (int64_t h = 0; h < H; ++h) {
       float M = NEG_INF;
-      for (int64_t sp = 0; sp < s.splits; ++sp) M = std::max(M, base[sp * part_size + h * (D + 2) + D]);
+      for (int64_t sp = 0; sp < most; ++sp) M = std::max(M, base[sp * part_size + h * (D + 2) + D]);
       float* o = out + (row * H + h) * D;
       std::fill(o, o + D, 0.f);
       float L = 0.f;
-      for (int64_t sp = 0; sp < s.splits; ++sp) {
+      for (int64_t sp = 0; sp < most; ++sp) {
         const float* p = base + sp * part_size + h * (D + 2);
         if (p[D + 1] == 0.f) continue;
         const float w = std::exp(p[D] - M);
@@ -279,11 +288,10 @@ template void decode_attention<c10::Half>(const float*, const c10::Half*, const 
 template void decode_attention<float>(const float*, const float*, const float*, const int64_t*, const int64_t*, const int64_t*,
                                       const AttnShape&, float*);
 
-AttnShape attn_shape(const Tensor& k_cache, const Tensor& tables, int64_t rows, int64_t heads, int64_t max_len, double scale) {
-  AttnShape s{rows, heads, k_cache.size(2), k_cache.size(3), k_cache.size(1), tables.size(1), 1, static_cast<float>(scale)};
+AttnShape attn_shape(const Tensor& k_cache, const Tensor& tables, int64_t rows, int64_t heads, double scale) {
+  AttnShape s{rows, heads, k_cache.size(2), k_cache.size(3), k_cache.size(1), tables.size(1), static_cast<float>(scale)};
   TORCH_CHECK(heads % s.kv_heads == 0 && heads / s.kv_heads <= MAX_GROUP, "unsupported head grouping");
   TORCH_CHECK(s.head_dim % 16 == 0 && s.head_dim <= MAX_HEAD_DIM, "head_dim must be a multiple of 16, at most 256");
-  s.splits = pick_splits(rows, max_len, s.block_size);
   return s;
 }
 
@@ -293,11 +301,11 @@ void check_tables(const Tensor& tables, const Tensor& lengths, int64_t rows) {
 }
 
 Tensor paged_decode_attention(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
-                              const Tensor& lengths, int64_t max_len, double scale) {
+                              const Tensor& lengths, double scale) {
   const int64_t rows = query.size(0), heads = query.size(1);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(), "caches");
   check_tables(block_tables, lengths, rows);
-  const AttnShape s = attn_shape(k_cache, block_tables, rows, heads, max_len, scale);
+  const AttnShape s = attn_shape(k_cache, block_tables, rows, heads, scale);
   TORCH_CHECK(query.size(2) == s.head_dim, "query head_dim");
   Tensor q = query.to(at::kFloat).contiguous();
   Tensor out = at::empty({rows, heads, s.head_dim}, q.options());

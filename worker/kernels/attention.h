@@ -7,7 +7,7 @@
 namespace llmpool {
 
 struct AttnShape {
-  int64_t rows, heads, kv_heads, head_dim, block_size, max_blocks, splits;
+  int64_t rows, heads, kv_heads, head_dim, block_size, max_blocks;
   float scale;
   float softcap = 0.f;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
 };
@@ -35,7 +35,7 @@ void dispatch_cache(at::ScalarType type, F&& f) {
   }
 }
 
-AttnShape attn_shape(const Tensor& k_cache, const Tensor& tables, int64_t rows, int64_t heads, int64_t max_len, double scale);
+AttnShape attn_shape(const Tensor& k_cache, const Tensor& tables, int64_t rows, int64_t heads, double scale);
 void check_tables(const Tensor& tables, const Tensor& lengths, int64_t rows);
 
 }  // namespace llmpool

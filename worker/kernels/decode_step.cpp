@@ -252,7 +252,7 @@ void moe(const float* in, int64_t rows, int64_t H, const Weights& w, int64_t bas
 // adapters of the rows that have one (struct Lora; both empty when none has).
 Tensor decoder_step(const Tensor& hidden, const Tensor& rope, const Weights& weights, const Weights& experts, at::IntArrayRef ints,
                     at::ArrayRef<double> floats, at::TensorList k_caches, at::TensorList v_caches, const Tensor& slots,
-                    const Tensor& block_tables, const Tensor& lengths, int64_t max_len, const Weights& lora,
+                    const Tensor& block_tables, const Tensor& lengths, const Weights& lora,
                     at::IntArrayRef lora_segments) {
   const int64_t rows = hidden.size(0), H = hidden.size(1), layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * SLOTS + 2, "decoder_step: ", SLOTS, " weight slots a layer, then the final norm");
@@ -325,7 +325,7 @@ Tensor decoder_step(const Tensor& hidden, const Tensor& rope, const Weights& wei
       const int64_t q_pos = len[r] - 1;
       begins[r] = li[WINDOW] > 0 ? std::max<int64_t>(0, q_pos + 1 - li[WINDOW]) : li[CHUNK] > 0 ? q_pos / li[CHUNK] * li[CHUNK] : 0;
     }
-    AttnShape shape_l = attn_shape(k_caches[layer], block_tables, rows, heads, max_len, lf[SCALE]);
+    AttnShape shape_l = attn_shape(k_caches[layer], block_tables, rows, heads, lf[SCALE]);
     shape_l.softcap = static_cast<float>(lf[SOFTCAP]);
     const Tensor& kc = k_caches[layer];
     const Tensor& vc = v_caches[layer];

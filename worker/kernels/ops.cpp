@@ -31,12 +31,12 @@
 
 LLMPOOL_LIBRARY(LLMPOOL_OPS, m) {
   m.def("variant() -> str", &llmpool::variant);
-  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, int max_len, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, float scale) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("sample_temperature(Tensor logits, Tensor temperature, Tensor uniform) -> Tensor");
   m.def(
       "decoder_step(Tensor hidden, Tensor rope, Tensor?[] weights, Tensor?[] experts, int[] ints, float[] floats, "
-      "Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor block_tables, Tensor lengths, int max_len, "
+      "Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor block_tables, Tensor lengths, "
       "Tensor?[] lora, int[] lora_segments) -> Tensor");
 }
 

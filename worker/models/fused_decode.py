@@ -95,7 +95,6 @@ class FusedDecode:
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         lengths: torch.Tensor,
-        max_len: int,
         keep: torch.Tensor | None = None,
         lora: Segments | None = None,
     ) -> torch.Tensor:
@@ -112,7 +111,7 @@ class FusedDecode:
         adapters, segments = step_arguments(lora, len(f.layers)) if lora else ([], [])
         normed = self.ops.decoder_step(
             hidden, rope, self.weights, self.experts, self.ints, self.floats, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-            slots, block_tables, lengths, max_len, adapters, segments,
+            slots, block_tables, lengths, adapters, segments,
         )  # fmt: skip
         if keep is not None:
             normed = normed[keep]

@@ -48,7 +48,6 @@ class RowInputs:
     slots: torch.Tensor
     tables: torch.Tensor  # [rows, widest table]
     lengths: torch.Tensor
-    max_len: int
     keep: torch.Tensor | None  # the rows whose logits are wanted (None: all): sampled rows, then prompt-logprob rows
     sampled_requests: list[Request]
     prompt_spans: list[tuple[Request, int, int]]  # as FlatInputs'
@@ -215,7 +214,6 @@ class InputBuilder:
             slots=self.tensor([self.slot(t, p) for t, p in zip(tables, positions)]),
             tables=self.tensor([t + [0] * (width - len(t)) for t in tables]),
             lengths=self.tensor([p + 1 for p in positions]),
-            max_len=max(positions) + 1,
             keep=None if not prompt_rows and len(keep) == len(ids) else self.tensor(keep),
             sampled_requests=sampled,
             prompt_spans=prompt_spans,
@@ -234,7 +232,6 @@ class InputBuilder:
             slots=self.tensor([self.slot(request.block_ids, p) for p in positions]),
             tables=self.tensor([request.block_ids] * n),
             lengths=self.tensor([p + 1 for p in positions]),
-            max_len=start + n,
             keep=None,
             sampled_requests=[request],
             prompt_spans=[],

@@ -99,7 +99,6 @@ class ExecutionPaths:
             rows.slots,
             rows.tables,
             rows.lengths,
-            rows.max_len,
             keep=rows.keep,
             lora=lora,
         )
