@@ -19,12 +19,15 @@ from gateway.state.writer import Writer
 
 log = logging.getLogger(__name__)
 
-TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+FRAME = "frame"  # an event of another dialect's stream (chat, completions, Messages): its data is its SSE frame
+STREAM_END = "stream.end"  # after such a stream's last frame: nothing goes out, its final row is committed
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", STREAM_END)
 
 
 @dataclass(slots=True)
 class Event:
-    """One event of a Responses stream: its type, number, and the whole event as JSON."""
+    """One event of a stream: its type, number, and the whole event as JSON (a Responses event) or
+    as its SSE frame (``FRAME``: another dialect's)."""
 
     type: str
     seq: int
@@ -34,8 +37,14 @@ class Event:
     def terminal(self) -> bool:
         return self.type in TERMINAL_EVENTS
 
-    def sse(self) -> bytes:
-        return b"event: " + self.type.encode() + b"\ndata: " + self.data + b"\n\n"
+    def sse(self, stream: str) -> bytes:
+        """As a server-sent event whose ``id:`` names its stream and number (what ``Last-Event-ID`` resumes after)."""
+        if self.type == STREAM_END:
+            return b""
+        head = b"id: %s/%d\n" % (stream.encode(), self.seq)
+        if self.type == FRAME:
+            return head + self.data
+        return head + b"event: " + self.type.encode() + b"\ndata: " + self.data + b"\n\n"
 
 
 # The final row as the route builds it, from the state its events left (status: how it ended).
