@@ -30,12 +30,10 @@ async def _turn(ws, **body) -> list[dict]:
             return events
 
 
-def _http_turns(client, store: bool = True) -> list[list[dict]]:
+def _http_turns(client) -> list[list[dict]]:
     turns, previous = [], None
     for text in TURNS:
-        stream = client.responses.create(
-            input=text, stream=True, previous_response_id=previous, store=store, **SETTINGS
-        )
+        stream = client.responses.create(input=text, stream=True, previous_response_id=previous, **SETTINGS)
         events = [event.model_dump(mode="json", exclude_none=True) for event in stream]
         turns.append(events)
         previous = events[-1]["response"]["id"]
@@ -71,7 +69,7 @@ def test_two_turns_over_a_socket_equal_the_http_path(server, client):
 
 
 def test_the_sdk_helper_runs_a_conversation(client):
-    reference = [_final(turn)["output"][0]["content"][0]["text"] for turn in _http_turns(client, store=False)]
+    reference = [_final(turn)["output"][0]["content"][0]["text"] for turn in _http_turns(client)]
     texts, previous = [], None
     with client.responses.connect() as connection:
         for text in TURNS:
