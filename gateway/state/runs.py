@@ -14,12 +14,17 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from gateway.state.records import ResponseRecord
 from gateway.state.writer import Writer
 
 log = logging.getLogger(__name__)
+_decode_str = msgspec.json.Decoder(str).decode
 
-FRAME = "frame"  # an event of another dialect's stream (chat, completions, Messages): its data is its SSE frame
+# An event of another dialect's stream (chat, completions, Messages): its data is its SSE frame as a
+# JSON string (the log keeps one event a line: the frame's own newlines are escaped).
+FRAME = "frame"
 STREAM_END = "stream.end"  # after such a stream's last frame: nothing goes out, its final row is committed
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", STREAM_END)
 
@@ -43,7 +48,7 @@ class Event:
             return b""
         head = b"id: %s/%d\n" % (stream.encode(), self.seq)
         if self.type == FRAME:
-            return head + self.data
+            return head + _decode_str(self.data).encode()
         return head + b"event: " + self.type.encode() + b"\ndata: " + self.data + b"\n\n"
 
 

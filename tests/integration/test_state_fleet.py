@@ -285,6 +285,9 @@ def test_every_dialects_stream_resumes_on_the_other_gateway_with_last_event_id(f
         text, ids = "", []
         try:
             with _post(fleet, 0, dialect) as response:
+                if response.status_code != 200:
+                    seen.abort()  # fail now, not at the barrier's timeout
+                    raise AssertionError(response.read())
                 for event in _sse(response):
                     ids.append(event["id"])
                     text += _delta(dialect, event)

@@ -191,7 +191,7 @@ def logged_event(seq: int, data: bytes) -> Event:
     """An event as the store's log holds it: a Responses event's JSON, or another dialect's frame."""
     if not data:
         return Event(STREAM_END, seq, data)
-    if data[:1] != b"{":
+    if data[:1] == b'"':
         return Event(FRAME, seq, data)
     return Event(msgspec.json.decode(data, type=EventType).type, seq, data)
 

@@ -34,6 +34,8 @@ from gateway.state.records import ResponseRecord
 from gateway.state.runs import FRAME, STREAM_END, Event, Run
 from gateway.state.service import StateService
 
+_encode_str = msgspec.json.Encoder().encode
+
 
 @dataclass(frozen=True, slots=True)
 class StreamId:
@@ -69,7 +71,7 @@ def loggable(store: bool | None, generation: core.Generation) -> bool:
 async def _frames(chunks: AsyncIterator[Any], named: bool) -> AsyncIterator[Event]:
     seq = 0
     async for frame in sse_events(chunks, named):
-        yield Event(FRAME, seq, frame)
+        yield Event(FRAME, seq, _encode_str(frame.decode()))
         seq += 1
     yield Event(STREAM_END, seq, b"")
 
