@@ -79,6 +79,7 @@ async def one(port: int, path: bytes, data: bytes) -> dict:
         *events, pending = pending.split(b"\n\n")
         for event in events:
             now = time.perf_counter()
+            event = event.split(b"\n", 1)[1] if event.startswith(b"id: ") else event
             if b'"delta":{"content":"' in event or b"response.output_text.delta" in event[:40]:
                 first = first or now
                 last_delta = now
