@@ -136,6 +136,8 @@ class ResponsesController(Controller):
     )
     async def remove(self, request: Request, response_id: FromPath[str]) -> Response:
         state: StateService = request.app.state.state
+        if not response_id.startswith("resp_"):  # another dialect's stream (stream_runs.py) is not a response
+            raise not_stored("response", response_id, "response_id")
         state.runs.cancel(response_id, requested=False)
         RESPONSE.found(await state.store.delete(response_id, caller_owner(request)), response_id)
         return json_response(DeletedResponse(response_id))
