@@ -41,3 +41,40 @@ def test_a_busy_socket_gets_the_limit_error_event_at_its_age_limit_then_a_close(
         with pytest.raises(WebSocketDisconnect) as closed:
             ws.receive_text()
         assert closed.value.code == 1000
+
+
+def test_a_draining_gateway_closes_its_sockets_with_service_restart():
+    """Through the gateway's own HTTP server (its httptools protocol hands the upgrade to uvicorn's
+    WebSocket side): the server's shutdown closes an open socket with 1012, cleanly."""
+    import asyncio
+    import threading
+
+    import uvicorn
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    from gateway.http.server import HttpLimits, uvicorn_config
+    from tests.conftest import free_port
+
+    app = Litestar(route_handlers=[responses_socket])
+    app.state.websocket_limits = SocketLimits()
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, HttpLimits(), 5.0))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    async def session() -> int:
+        for _ in range(100):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        async with connect(f"ws://127.0.0.1:{port}/v1/responses") as ws:
+            await ws.send("not json")
+            assert json.loads(await ws.recv())["error"]["code"] == "invalid_json"
+            server.should_exit = True  # what SIGTERM does
+            with pytest.raises(ConnectionClosed) as closed:
+                await asyncio.wait_for(ws.recv(), 10)
+            return closed.value.rcvd.code
+
+    assert asyncio.run(session()) == 1012
+    thread.join(10)
