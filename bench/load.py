@@ -71,6 +71,7 @@ async def one_request(host: str, port: int, body: bytes) -> RequestTiming:
             pending += data
             *events, pending = pending.split(b"\n\n")
             for event in events:
+                event = event.split(b"\n", 1)[1] if event.startswith(b"id: ") else event
                 last = event if event != b"data: [DONE]" else last
                 if b'"delta":{"content":"' in event and b'"delta":{"content":""' not in event:
                     now = time.perf_counter()

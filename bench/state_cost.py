@@ -8,7 +8,8 @@ server, fsync on), the configurations alternating round by round on the same mac
 
 Without ``--baseline-tree``, "no store" is this code on SQLite with Responses sent ``store: false``
 (nothing written for them): with a real model that keeps every other difference between the trees,
-the worker's above all, out of the comparison; chat then differs only by the usage rows.
+the worker's above all, out of the comparison; chat streams are sent ``store: false`` there too, and
+are logged (events and token chunks, to resume on another gateway) in the stored configurations.
 
 Per run: output tokens/s, TTFT p50, the gap between a Responses stream's last delta and its
 ``response.completed`` (where the final row is committed: the write the client waits for, after the
@@ -46,6 +47,7 @@ def body(workload: str, prompt: str, tokens: int, store: bool) -> tuple[bytes, b
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": tokens,
             "stream": True,
+            "store": store,  # a chat stream is logged (it can resume on another gateway) unless store: false
         }
         payload |= {"stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.8}
         return b"/v1/chat/completions", orjson.dumps(payload)
@@ -77,6 +79,7 @@ async def one(port: int, path: bytes, data: bytes) -> dict:
         *events, pending = pending.split(b"\n\n")
         for event in events:
             now = time.perf_counter()
+            event = event.split(b"\n", 1)[1] if event.startswith(b"id: ") else event
             if b'"delta":{"content":"' in event or b"response.output_text.delta" in event[:40]:
                 first = first or now
                 last_delta = now

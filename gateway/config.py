@@ -63,6 +63,18 @@ GATEWAY_FLAGS = [
         float,
     ),
     Flag(
+        "websocket-idle-timeout",
+        600.0,
+        "Seconds a Responses WebSocket may sit with no response in flight and no event from its client; then it is closed",
+        float,
+    ),
+    Flag(
+        "websocket-max-age",
+        3600.0,
+        "Seconds a Responses WebSocket may stay open (OpenAI's limit is 60 minutes); then an error event and a close",
+        float,
+    ),
+    Flag(
         "hung-timeout",
         60.0,
         "Seconds a worker holding requests may go without producing anything before it counts as hung",
@@ -187,6 +199,8 @@ class GatewayConfig(SharedConfig):
     allow_request_chat_template: bool = False
     max_retries: int = 2
     shutdown_grace: float = 30.0
+    websocket_idle_timeout: float = 600.0
+    websocket_max_age: float = 3600.0
     hung_timeout: float = 60.0
     prefix_affinity_slack: int = 2048
     curve_server_secret_key: str | None = None

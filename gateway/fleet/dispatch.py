@@ -3,7 +3,7 @@ sockets: the ROUTER side (gateway/fleet/worker_client.py) feeds it decoded messa
 submits and aborts, a clock says the time, and its decisions come out as messages in ``outbox``
 (and as outputs or errors on each request's stream).
 
-Requests go only to workers of their model (``ModelPool.choose``, or prefix affinity). Any message
+Requests go only to workers of their model (``ModelPool.choose``, or prefix affinity, or a ``Pin``). Any message
 from a worker counts as its heartbeat; a worker silent for ``liveness`` intervals, one that says
 ``Goodbye``, one the ROUTER can no longer reach, or one that holds requests and makes no progress
 for ``hung_timeout`` is purged. Each of its in-flight requests is then resumed on another worker
@@ -18,6 +18,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from common.protocol import (
     Abort,
@@ -39,6 +40,17 @@ from gateway.fleet.roster import GATEWAY_HEARTBEAT, Admitted, Outbox, Roster
 from gateway.fleet.workers import UNTRACED, PrefixAffinity, RequestStream, Trace, WorkerInfo
 
 log = logging.getLogger(__name__)
+
+
+class Pin:
+    """The worker a client's requests stay on while it can take them (a Responses WebSocket: its KV
+    stays warm); the first request's worker is chosen as any other's."""
+
+    identity: bytes | None = None
+
+
+# The pin of the task submitting (set by the WebSocket route; tasks it starts inherit it).
+PINNED: ContextVar[Pin | None] = ContextVar("llmpool_pinned_worker", default=None)
 
 
 class Dispatcher:
@@ -150,10 +162,16 @@ class Dispatcher:
         pool = self.roster.models[stream.model]
         stream.cost = len(request.prompt_token_ids) + request.max_new_tokens
         worker = pool.choose(stream.cost, self.clock(), None if request.lora is None else preferring(request.lora))
-        if self.affinity is not None and request.lora is None:  # an adapter's request: where the adapter is
+        pin = PINNED.get()
+        pinned = pool.taking(pin.identity) if pin is not None and pin.identity is not None else None
+        if pinned is not None:
+            worker = pinned
+        elif self.affinity is not None and request.lora is None:  # an adapter's request: where the adapter is
             worker = self.affinity.choose(
                 stream.model, request.prompt_token_ids, lambda identity: pool.taking(identity), worker
             )
+        if pin is not None:
+            pin.identity = worker.identity
         worker.outstanding_tokens += stream.cost
         if not worker.inflight:
             worker.last_progress = self.clock()  # the progress clock starts with the work

@@ -43,6 +43,7 @@ from gateway.http.routes.models import ModelsController
 from gateway.http.routes.rerank import rerank, score
 from gateway.http.routes.response_items import ResponseItemsController
 from gateway.http.routes.responses import ResponsesController, take_over
+from gateway.http.routes.responses_ws import SocketLimits, responses_socket
 from gateway.http.routes.tokenize import TokenizeController
 from gateway.http.routes.ui import UI_ROUTES
 from gateway.http.routes.usage import usage
@@ -245,6 +246,7 @@ def routers(config: GatewayConfig, keys: frozenset[str], admin_keys: frozenset[s
             ChatController,
             CompletionsController,
             ResponsesController,
+            responses_socket,
             ResponseItemsController,
             ConversationsController,
             files,
@@ -292,5 +294,6 @@ def create_app(config: GatewayConfig) -> Litestar:
         logging_config=None,  # common.logs configures logging, the same way in every process
         openapi_config=openapi_config(guards),
     )
+    app.state.websocket_limits = SocketLimits(config.websocket_idle_timeout, config.websocket_max_age)
     app.asgi_handler = head_as_get(app.asgi_handler)  # routing happens inside it: HEAD must become GET first
     return app

@@ -29,15 +29,21 @@ def event_type(payload: Any) -> str:
     return payload["type"] if isinstance(payload, dict) else payload.type
 
 
-async def sse_events(chunks: AsyncIterator[Any], named: bool = False) -> AsyncIterator[bytes]:
+async def sse_events(chunks: AsyncIterator[Any], named: bool = False, stream_id: str = "") -> AsyncIterator[bytes]:
     """Frame chunks as events (``named``: with their type as the event name, and no [DONE]); an
-    error after the stream started becomes a last ``error`` event, unless the dialect made its own."""
+    error after the stream started becomes a last ``error`` event, unless the dialect made its own.
+    With a ``stream_id``, each event has ``id: <stream_id>/<n>`` (what ``Last-Event-ID`` names)."""
+    ids = iter(range(1 << 62))
+
+    def framed(frame: bytes) -> bytes:
+        return b"id: %s/%d\n%s" % (stream_id.encode(), next(ids), frame) if stream_id else frame
+
     try:
         async for chunk in chunks:
-            yield sse(chunk, event_type(chunk) if named else None)
+            yield framed(sse(chunk, event_type(chunk) if named else None))
     except GatewayError as exc:
         log.warning("stream ended with an error: %s", exc.message)
-        yield sse(exc.body(), "error" if named else None)
+        yield framed(sse(exc.body(), "error" if named else None))
         return
     if not named:
-        yield DONE
+        yield framed(DONE)

@@ -73,6 +73,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     stop_sequences: list[str] | None = None
     stream: bool = False
     metadata: dict | None = None
+    store: bool | None = None  # ours: false and the stream is not logged, so it cannot resume (stream_runs.py)
 
 
 # ---- responses ----------------------------------------------------------------------------------

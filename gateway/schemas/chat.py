@@ -81,6 +81,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     reasoning_effort: str | None = None  # a reasoning model's thinking budget by name (docs/reasoning.md)
     thinking_token_budget: int | None = None  # ... or in tokens (vLLM's name)
+    store: bool | None = None  # false: the stream is not logged, so it cannot resume (stream_runs.py)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -89,6 +90,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
+    store: bool | None = None  # false: the stream is not logged, so it cannot resume (stream_runs.py)
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -14,17 +14,25 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from gateway.state.records import ResponseRecord
 from gateway.state.writer import Writer
 
 log = logging.getLogger(__name__)
+_decode_str = msgspec.json.Decoder(str).decode
 
-TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+# An event of another dialect's stream (chat, completions, Messages): its data is its SSE frame as a
+# JSON string (the log keeps one event a line: the frame's own newlines are escaped).
+FRAME = "frame"
+STREAM_END = "stream.end"  # after such a stream's last frame: nothing goes out, its final row is committed
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", STREAM_END)
 
 
 @dataclass(slots=True)
 class Event:
-    """One event of a Responses stream: its type, number, and the whole event as JSON."""
+    """One event of a stream: its type, number, and the whole event as JSON (a Responses event) or
+    as its SSE frame (``FRAME``: another dialect's)."""
 
     type: str
     seq: int
@@ -34,8 +42,14 @@ class Event:
     def terminal(self) -> bool:
         return self.type in TERMINAL_EVENTS
 
-    def sse(self) -> bytes:
-        return b"event: " + self.type.encode() + b"\ndata: " + self.data + b"\n\n"
+    def sse(self, stream: str) -> bytes:
+        """As a server-sent event whose ``id:`` names its stream and number (what ``Last-Event-ID`` resumes after)."""
+        if self.type == STREAM_END:
+            return b""
+        head = b"id: %s/%d\n" % (stream.encode(), self.seq)
+        if self.type == FRAME:
+            return head + _decode_str(self.data).encode()
+        return head + b"event: " + self.type.encode() + b"\ndata: " + self.data + b"\n\n"
 
 
 # The final row as the route builds it, from the state its events left (status: how it ended).

@@ -9,6 +9,7 @@ import pytest
 from litestar import Litestar
 from litestar.di import Provide
 from litestar.testing import TestClient
+from prometheus_client import CollectorRegistry
 
 from common.protocol import FinishReason, NewRequest, RequestOutput
 from gateway.errors import EXCEPTION_HANDLERS
@@ -26,6 +27,8 @@ from gateway.http.routes.responses import ResponsesController
 from gateway.ops.metrics import Metrics
 from gateway.policy.admission import Admission
 from gateway.state.service import StateService
+from gateway.state.store import Limits
+from gateway.state.usage import UsageMeter
 
 REPLY = " Hello there, friend"
 
@@ -67,8 +70,9 @@ def fake_fleet(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def inproc(tokenizer, fake_fleet):
-    """Litestar's test client on the four dialects' routes over ``fake_fleet``."""
+def inproc(tokenizer, fake_fleet, tmp_path_factory):
+    """Litestar's test client on the four dialects' routes over ``fake_fleet``, with a state store
+    in a SQLite file (streams are logged there, gateway/http/routes/stream_runs.py)."""
     fleet = fake_fleet
     admission = Admission(8, 8)
     lanes = Lanes(1)
@@ -79,13 +83,23 @@ def inproc(tokenizer, fake_fleet):
     registry.served_models["m"] = ServedModel(
         fleet, tokenizer, template, "m", lanes, registry.metrics, admission, 30.0, rules=registry.rules
     )
-    stored = StateService.__new__(StateService)  # unstored responses only: the store is never read
+    stored: list[StateService] = []
+    url = f"sqlite:///{tmp_path_factory.mktemp('inproc')}/state.db"
+
+    async def open_store() -> None:
+        stored.append(await StateService.open(url, Limits(), UsageMeter(CollectorRegistry()), 1.0, 3.0, 60.0))
+
+    async def close_store() -> None:
+        await stored[0].close()
+
     app = Litestar(
+        on_startup=[open_store],
+        on_shutdown=[close_store],
         route_handlers=[ChatController, CompletionsController, ResponsesController, MessagesController],
         dependencies={
             **DEPENDENCIES,
             "models": Provide(lambda: registry, sync_to_thread=False),
-            "stored": Provide(lambda: stored, sync_to_thread=False),
+            "stored": Provide(lambda: stored[0], sync_to_thread=False),
         },
         exception_handlers=EXCEPTION_HANDLERS,
         request_class=GatewayRequest,

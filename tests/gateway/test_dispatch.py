@@ -460,3 +460,27 @@ def test_prefix_affinity_lets_workers_sharing_a_kv_store_take_each_others_prefix
     b.outstanding_tokens = 600  # b holds it now; c does not share the store: the slack applies as before
     assert affinity.choose("m", system + [4], workers.get, best=c) is b
     assert affinity.store_routed == 1 and affinity.hits == 2
+
+
+def test_a_pinned_client_stays_on_its_first_worker_while_it_takes_requests():
+    """A Responses WebSocket's pin: its requests follow the first one's worker, however busy, until
+    that worker drains; then the pin moves to the next one chosen."""
+    import contextvars
+
+    from gateway.fleet.dispatch import PINNED, Pin
+
+    pool = Pool(affinity_slack=None)
+    pool.join("a"), pool.join("b")
+    pin = Pin()
+
+    def submit(i: int) -> bytes:
+        return (
+            contextvars.copy_context().run(lambda: (PINNED.set(pin), pool.dispatch.submit(request(i), "m"))[1]).worker
+        )
+
+    first = submit(0)
+    assert {submit(i) for i in range(1, 6)} == {first}, "without the pin, load would spread them"
+    assert pool.dispatch.submit(request(6), "m").worker != first, "unpinned requests spread as before"
+    pool.dispatch.on_message(first, Heartbeat(draining=True))
+    other = submit(7)
+    assert other != first and pin.identity == other

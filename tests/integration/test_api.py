@@ -63,7 +63,9 @@ def test_curl_stream_framing(server):
         check=True,
     ).stdout
     assert raw.endswith("data: [DONE]\n\n")
-    events = raw.split("\n\n")[:-1]
+    ids, events = zip(*(e.split("\n", 1) for e in raw.split("\n\n")[:-1]))  # each event: its id, then its data
+    stream = ids[0].removeprefix("id: ").rpartition("/")[0]
+    assert stream.startswith("chatcmpl-") and list(ids) == [f"id: {stream}/{n}" for n in range(len(ids))]
     assert all(e.startswith("data: ") for e in events)
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)

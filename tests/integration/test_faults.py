@@ -272,7 +272,7 @@ def test_200_streaming_clients_with_random_disconnects(server):
             writer.close()
         head, _, body_bytes = raw.partition(b"\r\n\r\n")
         assert b" 200 " in head.split(b"\r\n")[0], head[:100]
-        events = decode_chunked(body_bytes).decode().split("\n\n")
+        events = [e.split("\n", 1)[-1] for e in decode_chunked(body_bytes).decode().split("\n\n")]  # ids dropped
         assert events[-1] == "" and events[-2] == "data: [DONE]", events[-3:]
         chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"

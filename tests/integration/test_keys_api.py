@@ -203,7 +203,7 @@ def test_models_budget_and_concurrency_limits(fleet):
     ) as running:
         assert running.status_code == 200
         lines = running.iter_lines()  # kept: an iterator collected would close the stream
-        assert next(lines).startswith("data: ")  # it runs
+        assert next(lines).startswith("id: ") and next(lines).startswith("data: ")  # it runs
         with pytest.raises(openai.RateLimitError) as busy:
             fleet.chat(capped, 0)
         assert "1 at a time" in busy.value.body["message"]

@@ -5,6 +5,7 @@ token the same as an uninterrupted run."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from collections.abc import Iterator
@@ -225,3 +226,93 @@ def _final_text(stream) -> str:
     events = list(stream)
     assert events[-1].type == "response.incomplete"
     return events[-1].response.output_text
+
+
+STORY = "Write a long story about a cat who sails."
+STREAMS = {  # dialect: (path, streamed body); Messages has no ignore_eos, its greedy story runs past 20 tokens
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": STORY}], "ignore_eos": True}),
+    "completions": ("/v1/completions", {"prompt": STORY, "ignore_eos": True}),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": STORY}]}),
+}
+
+
+def _sse(response: httpx.Response) -> Iterator[dict]:
+    """Server-sent events as dicts of their fields (id, event, data)."""
+    event: dict = {}
+    for line in response.iter_lines():
+        if not line:
+            if event:
+                yield event
+            event = {}
+            continue
+        name, _, value = line.partition(": ")
+        event[name] = value
+
+
+def _delta(dialect: str, event: dict) -> str:
+    if event["data"] == "[DONE]":
+        return ""
+    data = json.loads(event["data"])
+    if dialect == "messages":
+        return data.get("delta", {}).get("text", "") if data["type"] == "content_block_delta" else ""
+    choice = data["choices"][0] if data.get("choices") else {}
+    return (choice.get("delta", {}).get("content") or "") if dialect == "chat" else choice.get("text", "")
+
+
+def _post(fleet: StateFleet, i: int, dialect: str, last_id: str | None = None, **extra):
+    path, body = STREAMS[dialect]
+    headers = {"Authorization": f"Bearer {KEYS[0]}", **({"Last-Event-ID": last_id} if last_id else {})}
+    body = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "stream": True, **body, **extra}
+    return httpx.stream("POST", fleet.url(i) + path, json=body, headers=headers, timeout=120)
+
+
+def test_every_dialects_stream_resumes_on_the_other_gateway_with_last_event_id(fleet):
+    """Chat, completions and Messages streams through A (restarted if an earlier test killed it); A is
+    SIGKILLed mid-stream; each client sends its request again to B with Last-Event-ID and the text is
+    the uninterrupted run's; a ``store: false`` stream cannot be resumed."""
+    if fleet.gateways[0].poll() is not None:
+        fleet.start_gateway(0)
+        wait_until(lambda: fleet.ready(0), 240, "gateway A back")
+    reference = {}
+    for dialect in STREAMS:
+        with _post(fleet, 1, dialect) as response:
+            events = list(_sse(response))
+        assert all(e["id"] == f"{events[0]['id'].rpartition('/')[0]}/{n}" for n, e in enumerate(events)), events
+        reference[dialect] = "".join(_delta(dialect, e) for e in events)
+    seen = threading.Barrier(len(STREAMS) + 1, timeout=120)
+
+    def client(dialect: str) -> tuple[str, list[str]]:
+        text, ids = "", []
+        try:
+            with _post(fleet, 0, dialect) as response:
+                if response.status_code != 200:
+                    seen.abort()  # fail now, not at the barrier's timeout
+                    raise AssertionError(response.read())
+                for event in _sse(response):
+                    ids.append(event["id"])
+                    text += _delta(dialect, event)
+                    if len(ids) == 4:
+                        seen.wait()  # every stream is mid-way: now A dies
+        except httpx.HTTPError:
+            pass
+        with _post(fleet, 1, dialect, last_id=ids[-1]) as response:
+            assert response.status_code == 200, response.read()
+            for event in _sse(response):
+                ids.append(event["id"])
+                text += _delta(dialect, event)
+        return text, ids
+
+    with ThreadPoolExecutor(len(STREAMS)) as pool:
+        futures = {dialect: pool.submit(client, dialect) for dialect in STREAMS}
+        seen.wait()
+        fleet.gateways[0].send_signal(signal.SIGKILL)
+        fleet.gateways[0].wait()
+        results = {dialect: future.result(timeout=180) for dialect, future in futures.items()}
+    for dialect, (text, ids) in results.items():
+        stream = ids[0].rpartition("/")[0]
+        assert ids == [f"{stream}/{n}" for n in range(len(ids))], f"{dialect}: every event once, in order"
+        assert text == reference[dialect], dialect
+    with _post(fleet, 1, "chat", store=False) as response:
+        first = next(_sse(response))["id"]
+    with _post(fleet, 1, "chat", last_id=first) as response:
+        assert response.status_code == 404, "store: false streams are not logged"

@@ -4,7 +4,9 @@
 chat.py, completions.py       OpenAI's chat and legacy completions dialects
 responses.py                  OpenAI's Responses API; responses_input.py (its body into the core's request),
                               response_output.py (the core's events into its items), response_runs.py (stored
-                              runs, streams that resume on any gateway), response_items.py (input items, cancel)
+                              runs, streams that resume on any gateway), response_items.py (input items, cancel),
+                              responses_ws.py (its WebSocket mode)
+stream_runs.py                chat, completions and Messages streams that resume on any gateway (Last-Event-ID)
 messages.py                   Anthropic's Messages API; messages_input.py (its body into the core's request)
 conversation_checks.py        what Responses and Messages refuse in a conversation (400 naming the field)
 embeddings.py, rerank.py      the pooling dialects (embeddings; rerank and score)

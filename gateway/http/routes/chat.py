@@ -8,7 +8,7 @@ from functools import partial
 from typing import Any
 
 import msgspec
-from litestar import Controller, Response, post
+from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
@@ -22,6 +22,8 @@ from gateway.generate.served_model import now_s
 from gateway.generate.structured_outputs import format_param, output_format
 from gateway.generate.tools import CallDelta
 from gateway.http.routes.common import answer, documented, openai_usage
+from gateway.http.routes.response_runs import resume_stream
+from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, loggable, logged_stream
 from gateway.policy.caller import Caller
 from gateway.schemas.chat import (
     AssistantMessage,
@@ -37,6 +39,7 @@ from gateway.schemas.chat import (
     ToolCallChunk,
     ToolCallOut,
 )
+from gateway.state.service import StateService
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -120,13 +123,25 @@ class ChatController(Controller):
     )
     async def create(
         self,
+        request: Request,
         data: JSONBody[ChatCompletionRequest],
         models: NamedDependency[ModelRegistry],
         caller: NamedDependency[Caller],
+        stored: NamedDependency[StateService],
     ) -> Response:
+        if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
+            return resumed
         generation = await core.start(models.get(data.model), core_request(data), caller)
+        ident = StreamId.new("chatcmpl-")
+        if data.stream and loggable(data.store, generation):
+            return logged_stream(stored, caller.owner, "chat", generation, data, ident)
         return await answer(
-            caller, generation, data.stream, partial(_chunks, generation, data), partial(_body, generation, data)
+            caller,
+            generation,
+            data.stream,
+            partial(_chunks, generation, data, ident),
+            partial(_body, generation, data),
+            ident.id,
         )
 
 
@@ -171,8 +186,10 @@ def _tool_chunk(call: CallDelta) -> ToolCallChunk:
     )
 
 
-async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
-    served, completion_id, created = generation.served, _completion_id(), now_s()
+async def _chunks(
+    generation: core.Generation, req: ChatCompletionRequest, ident: StreamId
+) -> AsyncIterator[ChatCompletionChunk]:
+    served, completion_id, created = generation.served, ident.id, ident.created
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with_logprobs = req.logprobs
 
@@ -212,3 +229,6 @@ async def _chunks(generation: core.Generation, req: ChatCompletionRequest) -> As
         yield ChatCompletionChunk(
             id=completion_id, created=created, model=served.served_name, choices=[], usage=openai_usage(usage)
         )
+
+
+DIALECTS["chat"] = Dialect(ChatCompletionRequest, core_request, _chunks)

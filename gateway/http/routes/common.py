@@ -28,10 +28,12 @@ def json_response(payload: Any, request_id: str | None = None) -> Response:
     return Response(content=_encoder.encode(payload), media_type="application/json", headers=headers)
 
 
-def event_stream(chunks: AsyncIterator[Any], request_id: str, named: bool = False) -> Stream:
+def event_stream(chunks: AsyncIterator[Any], request_id: str, named: bool = False, stream_id: str = "") -> Stream:
     """An SSE response (see ``gateway.http.streaming`` for the two framings)."""
     return Stream(
-        sse_events(chunks, named), media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": request_id}
+        sse_events(chunks, named, stream_id),
+        media_type="text/event-stream",
+        headers={**SSE_HEADERS, "X-Request-Id": request_id},
     )
 
 
@@ -41,12 +43,13 @@ async def answer(
     stream: bool,
     events: Callable[[], AsyncIterator[Any]],
     body: Callable[[list[Choice]], Any],
+    stream_id: str = "",
     named: bool = False,
 ) -> Response:
-    """A dialect's answer: its ``events`` as a stream, or its ``body`` once every choice is whole
-    (the generation is aborted if the client hangs up first)."""
+    """A dialect's answer: its ``events`` as a stream (each with an ``id:`` after ``stream_id``), or
+    its ``body`` once every choice is whole (the generation is aborted if the client hangs up first)."""
     if stream:
-        return event_stream(events(), generation.request_id, named)
+        return event_stream(events(), generation.request_id, named, stream_id)
     return json_response(body(await generation.collect(caller)), generation.request_id)
 
 

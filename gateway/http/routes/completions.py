@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 import msgspec
-from litestar import Controller, Response, post
+from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
@@ -21,8 +21,11 @@ from gateway.generate.request import CoreRequest
 from gateway.generate.served_model import now_s
 from gateway.generate.structured_outputs import format_param, output_format
 from gateway.http.routes.common import answer, documented, openai_usage
+from gateway.http.routes.response_runs import resume_stream
+from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, loggable, logged_stream
 from gateway.policy.caller import Caller
 from gateway.schemas.chat import Completion, CompletionChoice, CompletionRequest
+from gateway.state.service import StateService
 
 MAX_BEST_OF = 16
 
@@ -71,16 +74,27 @@ class CompletionsController(Controller):
         "/", status_code=200, responses=documented(Completion, "the completion (with `stream`: text_completion chunks)")
     )
     async def create(
-        self, data: JSONBody[CompletionRequest], models: NamedDependency[ModelRegistry], caller: NamedDependency[Caller]
+        self,
+        request: Request,
+        data: JSONBody[CompletionRequest],
+        models: NamedDependency[ModelRegistry],
+        caller: NamedDependency[Caller],
+        stored: NamedDependency[StateService],
     ) -> Response:
+        if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
+            return resumed
         generation = await core.start(models.get(data.model), core_request(data), caller)
+        ident = StreamId.new("cmpl-")
+        if data.stream and loggable(data.store, generation):
+            return logged_stream(stored, caller.owner, "completions", generation, data, ident)
         echoes = await generation.served.run_in_pool(_echo_texts, generation, data.prompt) if data.echo else None
         return await answer(
             caller,
             generation,
             data.stream,
-            partial(_chunks, generation, data, echoes),
+            partial(_chunks, generation, data, ident, echoes),
             partial(_body, generation, data, echoes),
+            ident.id,
         )
 
 
@@ -163,10 +177,18 @@ def _body(
     )
 
 
-async def _chunks(
-    generation: core.Generation, req: CompletionRequest, echoes: list[str] | None
+async def _logged_chunks(
+    generation: core.Generation, req: CompletionRequest, ident: StreamId
 ) -> AsyncIterator[Completion]:
-    served, completion_id, created = generation.served, f"cmpl-{uuid.uuid4().hex}", now_s()
+    echoes = await generation.served.run_in_pool(_echo_texts, generation, req.prompt) if req.echo else None
+    async for chunk in _chunks(generation, req, ident, echoes):
+        yield chunk
+
+
+async def _chunks(
+    generation: core.Generation, req: CompletionRequest, ident: StreamId, echoes: list[str] | None
+) -> AsyncIterator[Completion]:
+    served, completion_id, created = generation.served, ident.id, ident.created
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with_logprobs = req.logprobs is not None
     offsets = [0] * generation.choices  # where each choice's next text starts, for text_offset
@@ -208,3 +230,6 @@ async def _chunks(
         yield Completion(
             id=completion_id, created=created, model=served.served_name, choices=[], usage=openai_usage(usage)
         )
+
+
+DIALECTS["completions"] = Dialect(CompletionRequest, core_request, _logged_chunks)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 import orjson
-from litestar import Controller, Response, post
+from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
@@ -27,6 +27,8 @@ from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.tools import CallDelta
 from gateway.http.routes.common import answer, documented, json_response
 from gateway.http.routes.messages_input import core_request
+from gateway.http.routes.response_runs import resume_stream
+from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, loggable, logged_stream
 from gateway.policy.caller import Caller
 from gateway.schemas.anthropic import (
     AnthropicErrorBody,
@@ -39,6 +41,7 @@ from gateway.schemas.anthropic import (
     ThinkingBlock,
     ToolUseBlock,
 )
+from gateway.state.service import StateService
 
 STOP_REASONS = {events.END: "end_turn", STOP_SEQUENCE: "stop_sequence", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
 
@@ -86,12 +89,21 @@ class MessagesController(Controller):
         responses=documented(MessageResponse, "the message (with `stream`: Anthropic's events)", AnthropicErrorBody),
     )
     async def create(
-        self, data: JSONBody[MessagesRequest], models: NamedDependency[ModelRegistry], caller: NamedDependency[Caller]
+        self,
+        request: Request,
+        data: JSONBody[MessagesRequest],
+        models: NamedDependency[ModelRegistry],
+        caller: NamedDependency[Caller],
+        stored: NamedDependency[StateService],
     ) -> Response:
+        if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
+            return resumed
         generation = await core.start(models.get(data.model), core_request(data), caller)
-        return await answer(
-            caller, generation, data.stream, partial(_events, generation), partial(_message, generation), named=True
-        )
+        ident = StreamId.new("msg_")
+        if data.stream and loggable(data.store, generation):
+            return logged_stream(stored, caller.owner, "messages", generation, data, ident)
+        events = partial(_events, generation, data, ident)
+        return await answer(caller, generation, data.stream, events, partial(_message, generation), ident.id, True)
 
     @post(
         "/count_tokens",
@@ -169,7 +181,7 @@ class _Blocks:
         return events
 
 
-async def _events(generation: core.Generation) -> AsyncIterator[dict]:
+async def _events(generation: core.Generation, _: MessagesRequest, ident: StreamId) -> AsyncIterator[dict]:
     """Anthropic's stream: message_start, ping, per block content_block_start / _delta / _stop,
     then message_delta (stop reason, final usage) and message_stop; an error is an ``error`` event.
     message_start waits for the first output: only then is it known how much of the prompt the
@@ -179,7 +191,7 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
     def start() -> list[dict]:
         first = generation.first_usage or Usage(prompt_tokens)
         message = {
-            "id": f"msg_{uuid.uuid4().hex}",
+            "id": ident.id,
             "type": "message",
             "role": "assistant",
             "model": generation.served.served_name,
@@ -219,3 +231,6 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
     delta = {"stop_reason": STOP_REASONS[finish.reason], "stop_sequence": finish.stop_sequence}
     yield {"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}
     yield {"type": "message_stop"}
+
+
+DIALECTS["messages"] = Dialect(MessagesRequest, core_request, _events, named=True)

@@ -58,9 +58,9 @@ class ResponseItemsController(Controller):
         order: FromQuery[Literal["asc", "desc"]] = "desc",
         after: FromQuery[str | None] = None,
     ) -> Response:
-        items = RESPONSE.found(
-            await request.app.state.state.store.input_items(response_id, caller_owner(request)), response_id
-        )
+        store = request.app.state.state.store
+        found = await store.input_items(response_id, caller_owner(request)) if response_id.startswith("resp_") else None
+        items = RESPONSE.found(found, response_id)  # another dialect's logged stream (stream_runs.py) is not a response
         return json_response(page(items, limit, order, after))
 
     @post(
@@ -71,7 +71,9 @@ class ResponseItemsController(Controller):
     async def cancel(self, request: Request, response_id: FromPath[str]) -> Response:
         owner = caller_owner(request)
         state: StateService = request.app.state.state
-        found = RESPONSE.found(await state.store.get(response_id, owner), response_id)
+        found = RESPONSE.found(
+            await state.store.get(response_id, owner) if response_id.startswith("resp_") else None, response_id
+        )
         if not found.background:
             raise InvalidRequest("Only background responses can be cancelled", param="response_id")
         if found.running:

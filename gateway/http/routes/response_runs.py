@@ -19,13 +19,15 @@ from typing import Any
 
 import msgspec
 from litestar import Litestar
+from litestar.connection import ASGIConnection
 from litestar.response import Stream
 
 from common.protocol import RequestOutput
+from gateway.errors import InvalidRequest, not_stored
 from gateway.http.streaming import SSE_HEADERS
 from gateway.schemas.responses import FunctionCallItem, InputItem, OutputMessage, ResponseObject, ResponsesRequest
 from gateway.state.records import ResponseRecord
-from gateway.state.runs import Event, Run
+from gateway.state.runs import FRAME, STREAM_END, Event, Run
 from gateway.state.service import StateService
 
 log = logging.getLogger(__name__)
@@ -169,18 +171,48 @@ def sse_stream(events: AsyncIterator[bytes], request_id: str | None = None) -> S
     return Stream(events, media_type="text/event-stream", headers=headers)
 
 
-async def framed(run: Run, after: int = -1, cancel_on_exit: bool = False) -> AsyncIterator[bytes]:
-    """A run's events as SSE; a plain stream's run ends when its client leaves."""
+async def followed(run: Run, after: int = -1, cancel_on_exit: bool = False) -> AsyncIterator[Event]:
+    """A run's events; a plain stream's run ends when its client leaves."""
     try:
         async for event in run.follow(after):
-            yield event.sse()
+            yield event
     finally:
         if cancel_on_exit and not run.done and run.task is not None:
             run.task.cancel()
 
 
+async def with_ids(events: AsyncIterator[Event], stream: str) -> AsyncIterator[bytes]:
+    """Events as SSE, each with its ``id:``."""
+    async for event in events:
+        yield event.sse(stream)
+
+
+def logged_event(seq: int, data: bytes) -> Event:
+    """An event as the store's log holds it: a Responses event's JSON, or another dialect's frame."""
+    if not data:
+        return Event(STREAM_END, seq, data)
+    if data[:1] == b'"':
+        return Event(FRAME, seq, data)
+    return Event(msgspec.json.decode(data, type=EventType).type, seq, data)
+
+
+def last_event(connection: ASGIConnection) -> tuple[str, int] | None:
+    """The stream and event number a reconnecting client names in ``Last-Event-ID`` (``<id>/<n>``, as
+    each event's ``id:`` says), or None without one."""
+    value = connection.headers.get("last-event-id")
+    if not value:
+        return None
+    stream, _, seq = value.strip().rpartition("/")
+    if not stream or not seq.lstrip("-").isdigit():
+        raise InvalidRequest(
+            f"`Last-Event-ID` must be an event id this server sent (<stream id>/<number>); got {value!r}",
+            param="Last-Event-ID",
+        )
+    return stream, int(seq)
+
+
 async def follow(app: Litestar, response_id: str, owner: str, after: int) -> AsyncIterator[bytes]:
-    """Events above ``after``, from wherever the response runs: here (memory), on another gateway
+    """Events above ``after``, from wherever the stream runs: here (memory), on another gateway
     (its log, read every POLL_S), or nowhere because its gateway died (then it is taken over here)."""
     state: StateService = app.state.state
     last = after
@@ -188,24 +220,31 @@ async def follow(app: Litestar, response_id: str, owner: str, after: int) -> Asy
         run = state.runs.get(response_id)
         if run is not None:
             async for event in run.follow(last):
-                yield event.sse()
+                yield event.sse(response_id)
             return
-        for seq, data in await state.store.events_after(response_id, last):
-            yield b"event: " + msgspec.json.decode(data, type=EventType).type.encode() + b"\ndata: " + data + b"\n\n"
-            last = seq
         row = await state.store.get(response_id, owner)
-        if row is None or not row.running:
-            if row is not None and (rest := await state.store.events_after(response_id, last)):
-                for _, data in rest:
-                    yield (
-                        b"event: "
-                        + msgspec.json.decode(data, type=EventType).type.encode()
-                        + b"\ndata: "
-                        + data
-                        + b"\n\n"
-                    )
+        if row is None:
+            return  # deleted meanwhile
+        for seq, data in await state.store.events_after(response_id, last):
+            yield logged_event(seq, data).sse(response_id)
+            last = seq
+        if not row.running:
+            for seq, data in await state.store.events_after(response_id, last):
+                yield logged_event(seq, data).sse(response_id)
             return
         if not await state.leases.alive(row.gateway) and state.take_over is not None:
             await state.take_over(response_id, row.gateway or "")  # responses.take_over
             continue
         await asyncio.sleep(POLL_S)
+
+
+async def resume_stream(connection: ASGIConnection, owner: str) -> Stream | None:
+    """The answer to a request that names the last event its client saw (``Last-Event-ID``): the
+    rest of that stream, from wherever it runs; None when the request names none."""
+    named = last_event(connection)
+    if named is None:
+        return None
+    stream_id, after = named
+    if await connection.app.state.state.store.get(stream_id, owner) is None:
+        raise not_stored("stream", stream_id, "Last-Event-ID")
+    return sse_stream(follow(connection.app, stream_id, owner, after))

@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -38,18 +39,23 @@ from gateway.generate import core
 from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.served_model import ServedModel
 from gateway.http.auth import caller_owner
+from gateway.http.routes import stream_runs
 from gateway.http.routes.common import RESPONSE, documented, json_response
 from gateway.http.routes.conversations import conversation_id
 from gateway.http.routes.response_output import Output
 from gateway.http.routes.response_runs import (
-    EventType,
     Turn,
     chunk_hook,
     follow,
-    framed,
+    followed,
     input_items,
+    last_event,
+    logged_event,
+    output_messages,
+    resume_stream,
     sse_stream,
     start_run,
+    with_ids,
 )
 from gateway.http.routes.responses_input import core_request, input_messages, refuse_unsupported
 from gateway.policy.caller import Caller
@@ -62,7 +68,7 @@ from gateway.schemas.responses import (
     TextConfig,
 )
 from gateway.state.limits import check_budget
-from gateway.state.runs import Event
+from gateway.state.runs import Event, Run
 from gateway.state.service import StateService
 
 log = logging.getLogger(__name__)
@@ -78,43 +84,29 @@ class ResponsesController(Controller):
     )
     async def create(
         self,
+        request: Request,
         data: JSONBody[ResponsesRequest],
         models: NamedDependency[ModelRegistry],
         caller: NamedDependency[Caller],
         stored: NamedDependency[StateService],
     ) -> Response:
-        req, state, owner = data, stored, caller.owner
-        served = models.get(req.model)
-        refuse_unsupported(req)
-        conversation = conversation_id(req.conversation)
-        history = await _history(state, req, conversation, owner)
-        turn_messages = input_messages(req.input, history)
-        greq = core_request(req, history + turn_messages)
-        response = _envelope(served, req)
-        response.conversation = {"id": conversation} if conversation else None
-        turn = Turn(owner, msgspec.json.encode(input_items(req.input)), turn_messages, req, [], conversation)
-        if req.store:
-            check_budget(turn.size(response), state.store.limits.max_response_bytes)
-        generation = await core.start(served, greq, caller)
-        turn.prompt = generation.prompts[0]  # what a gateway taking it over runs again
-        builder = Output(served, response, req.top_logprobs is not None)
-        if req.store and (req.stream or req.background):
-            run = start_run(state, response, turn, lambda run: _logged(builder, generation, run))
-            if req.background:  # its row is committed before its id goes out: any gateway can be asked about it
-                await state.store.writer.sync()
-            if req.stream:
-                return sse_stream(framed(run, cancel_on_exit=not req.background), generation.request_id)
-            return json_response(response, generation.request_id)
+        req, state = data, stored
+        if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
+            return resumed
+        started = await start_response(req, models.get(req.model), caller, state)
+        response, generation = started.response, started.generation
         if req.stream:
-            return sse_stream(_framed(builder.stream(generation)), generation.request_id)
-        async for _ in builder.events(generation, await generation.collect(caller)):
+            return sse_stream(with_ids(started.events(), response.id), generation.request_id)
+        if started.run is not None:  # background
+            return json_response(response, generation.request_id)
+        async for _ in started.builder.events(generation, await generation.collect(caller)):
             pass
         if req.store:
             try:
-                await state.store.writer.final(turn.record(response))
+                await state.store.writer.final(started.turn.record(response))
             except Exception as exc:  # the answer is good: give it, and say why it is not stored
                 log.error("response %s could not be stored: %s", response.id, exc)
-        await turn.after(state, response)
+        await started.turn.after(state, response)
         return json_response(response, generation.request_id)
 
     @get(
@@ -130,9 +122,11 @@ class ResponsesController(Controller):
     ) -> Response:
         found = await _stored(request, response_id)
         if stream:
-            if not found.background and not found.running and starting_after < 0:
+            if not found.background and not found.running and starting_after < 0 and last_event(request) is None:
                 raise InvalidRequest("only background responses can be streamed again once they ended", param="stream")
-            return sse_stream(follow(request.app, response_id, caller_owner(request), starting_after))
+            named = last_event(request)  # EventSource reconnects with the last id it saw
+            after = named[1] if named is not None and named[0] == response_id else starting_after
+            return sse_stream(follow(request.app, response_id, caller_owner(request), after))
         return Response(content=found.body, media_type="application/json")
 
     @delete(
@@ -142,6 +136,8 @@ class ResponsesController(Controller):
     )
     async def remove(self, request: Request, response_id: FromPath[str]) -> Response:
         state: StateService = request.app.state.state
+        if not response_id.startswith("resp_"):  # another dialect's stream (stream_runs.py) is not a response
+            raise not_stored("response", response_id, "response_id")
         state.runs.cancel(response_id, requested=False)
         RESPONSE.found(await state.store.delete(response_id, caller_owner(request)), response_id)
         return json_response(DeletedResponse(response_id))
@@ -149,8 +145,9 @@ class ResponsesController(Controller):
 
 async def _stored(request: Request, response_id: str):  # a StoredResponse
     """The caller's stored response: another key's is a 404, as an absent one."""
-    found = RESPONSE.found(await request.app.state.state.store.get(response_id, caller_owner(request)), response_id)
-    return found
+    store = request.app.state.state.store
+    found = await store.get(response_id, caller_owner(request)) if response_id.startswith("resp_") else None
+    return RESPONSE.found(found, response_id)  # another dialect's stream (stream_runs.py) is not a response
 
 
 async def _history(
@@ -159,7 +156,11 @@ async def _history(
     """The chat messages before this turn: the previous response's conversation, or the
     conversation's items (another key's are as absent)."""
     if req.previous_response_id is not None:
-        previous = await state.store.get(req.previous_response_id, owner)
+        previous = (
+            await state.store.get(req.previous_response_id, owner)
+            if req.previous_response_id.startswith("resp_")
+            else None
+        )
         if previous is None or previous.running:
             what = "not found" if previous is None else "still in progress"
             raise InvalidRequest(
@@ -187,9 +188,61 @@ async def _logged(builder: Output, generation: core.Generation, run) -> AsyncIte
         yield event
 
 
-async def _framed(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-    async for event in events:
-        yield event.sse()
+@dataclass(slots=True)
+class Started:
+    """A response as it starts: its envelope, what it stores, its generation, and its run when its
+    events are logged (stored, and streamed or in the background)."""
+
+    response: ResponseObject
+    turn: Turn
+    history: list[dict[str, Any]]
+    generation: core.Generation
+    builder: Output
+    run: Run | None
+
+    def events(self) -> AsyncIterator[Event]:
+        """Its events as they come; a plain stream ends (and its generation stops) when its reader leaves."""
+        if self.run is not None:
+            return followed(self.run, cancel_on_exit=not self.response.background)
+        return self.builder.stream(self.generation)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The chat messages that a follow-up continues (a WebSocket keeps them for ``store: false``)."""
+        return self.history + self.turn.messages + output_messages(self.response.output)
+
+
+async def start_response(
+    req: ResponsesRequest,
+    served: ServedModel,
+    caller: Caller,
+    state: StateService,
+    local: dict[str, list[dict[str, Any]]] | None = None,
+) -> Started:
+    """Check a request and start its generation (``local``: conversations a WebSocket keeps in
+    memory, by response id, found before the store)."""
+    refuse_unsupported(req)
+    owner = caller.owner
+    conversation = conversation_id(req.conversation)
+    if local is not None and req.previous_response_id in local:
+        history = local[req.previous_response_id]
+    else:
+        history = await _history(state, req, conversation, owner)
+    turn_messages = input_messages(req.input, history)
+    greq = core_request(req, history + turn_messages)
+    response = _envelope(served, req)
+    response.conversation = {"id": conversation} if conversation else None
+    turn = Turn(owner, msgspec.json.encode(input_items(req.input)), turn_messages, req, [], conversation)
+    if req.store:
+        check_budget(turn.size(response), state.store.limits.max_response_bytes)
+    generation = await core.start(served, greq, caller)
+    turn.prompt = generation.prompts[0]  # what a gateway taking it over runs again
+    builder = Output(served, response, req.top_logprobs is not None)
+    run = None
+    if req.store and (req.stream or req.background):
+        run = start_run(state, response, turn, lambda run: _logged(builder, generation, run))
+        if req.background:  # its row is committed before its id goes out: any gateway can be asked about it
+            await state.store.writer.sync()
+    return Started(response, turn, history, generation, builder, run)
 
 
 async def resume(
@@ -236,8 +289,9 @@ def _envelope(served: ServedModel, req: ResponsesRequest) -> ResponseObject:
 
 
 async def take_over(app: Litestar, response_id: str, dead_gateway: str) -> bool:
-    """Continue here a response whose gateway died: claim it (one gateway wins), replay its logged
-    chunks, and run it on. False when another gateway claimed it first, or it cannot run here."""
+    """Continue here a response (or another dialect's stream, ``stream_runs.py``) whose gateway died:
+    claim it (one gateway wins), replay its logged chunks, and run it on. False when another gateway
+    claimed it first, or it cannot run here."""
     state: StateService = app.state.state
     row = await state.store.db.fetchone(
         "SELECT owner, body, input_items, request, background FROM responses WHERE id = ?", response_id
@@ -245,21 +299,25 @@ async def take_over(app: Litestar, response_id: str, dead_gateway: str) -> bool:
     if row is None or row[3] is None or not await state.leases.claim(response_id, dead_gateway):
         return False
     blob = msgspec.json.decode(row[3])
-    req = msgspec.convert(blob["request"], ResponsesRequest)
-    response = msgspec.json.decode(row[1], type=ResponseObject)
-    turn = Turn(row[0], bytes(row[2]), blob["messages"], req, blob["prompt"], blob.get("conversation"))
     chunks = [msgspec.msgpack.decode(c, type=RequestOutput) for c in await state.store.chunks(response_id)]
-    logged = [
-        Event(msgspec.json.decode(d, type=EventType).type, seq, d)
-        for seq, d in await state.store.events_after(response_id, -1)
-    ]
+    logged = [logged_event(seq, d) for seq, d in await state.store.events_after(response_id, -1)]
     log.warning(
-        "taking over response %s from gateway %s (dead): %d events and %d chunks logged",
+        "taking over %s from gateway %s (dead): %d events and %d chunks logged",
         response_id,
         dead_gateway,
         len(logged),
         len(chunks),
     )
+    if "dialect" in blob:
+        try:
+            await stream_runs.resume(app, response_id, row[0], blob, chunks, logged)
+        except Exception as exc:
+            log.error("stream %s could not be taken over: %s", response_id, exc)
+            return False
+        return True
+    req = msgspec.convert(blob["request"], ResponsesRequest)
+    response = msgspec.json.decode(row[1], type=ResponseObject)
+    turn = Turn(row[0], bytes(row[2]), blob["messages"], req, blob["prompt"], blob.get("conversation"))
     try:
         await resume(app, response, turn, chunks, logged)
     except Exception as exc:

@@ -98,7 +98,7 @@ function requestBody(messages) {
   return JSON.stringify(body);
 }
 
-// Reads an OpenAI SSE stream: "data: {json}" blocks, then "data: [DONE]".
+// Reads an OpenAI SSE stream: "id: ...\ndata: {json}" blocks, then "data: [DONE]".
 async function* sseEvents(response) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
@@ -110,7 +110,9 @@ async function* sseEvents(response) {
     const blocks = buffer.split("\n\n");
     buffer = blocks.pop();
     for (const block of blocks) {
-      const data = block.replace(/^data: /, "");
+      const line = block.split("\n").find((l) => l.startsWith("data: "));
+      if (line === undefined) continue;
+      const data = line.slice("data: ".length);
       if (data === "[DONE]") return;
       yield JSON.parse(data);
     }

@@ -1,0 +1,172 @@
+"""WebSocket /v1/responses: OpenAI's WebSocket mode of the Responses API, on the same core as POST.
+
+The client sends ``{"type": "response.create", ...}`` events whose other fields are a Responses
+body (``stream`` is implied; ``background`` is refused); each response's events come back as JSON
+text frames, exactly the SSE stream's events (names, order, payloads). One response is in flight per
+socket: a ``response.create`` sent while one runs gets an error event and changes nothing. A
+follow-up sends ``previous_response_id`` and only its new input; the socket keeps its last
+response's conversation in memory, so this works with ``store: false`` too.
+
+A bad event gets OpenAI's WebSocket error event, ``{"type": "error", "status": 400, "error": {...}}``,
+and the socket stays open. The socket's turns go to one worker while it lives (its KV stays warm;
+``gateway.fleet.dispatch.PINNED``). It is closed (code 1000) after ``--websocket-idle-timeout``
+seconds without a response in flight or an event from the client, and at ``--websocket-max-age``
+(60 minutes, as OpenAI's) after an error event with code ``websocket_connection_limit_reached``; a
+gateway that shuts down closes its sockets with code 1012 (uvicorn's "service restart").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import WebSocket, websocket
+from litestar.exceptions import WebSocketDisconnect
+
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.fleet.dispatch import PINNED, Pin
+from gateway.http.auth import caller_key, caller_owner
+from gateway.http.routes.responses import start_response
+from gateway.policy.caller import Caller
+from gateway.schemas.responses import ResponsesRequest
+from gateway.state.service import StateService
+
+log = logging.getLogger(__name__)
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+def error_event(exc: GatewayError) -> bytes:
+    """OpenAI's WebSocket error event (the HTTP status it would have had, and its usual error body)."""
+    return _encoder.encode({"type": "error", "status": exc.status_code, **exc.body()})
+
+
+def create_request(text: str) -> ResponsesRequest:
+    """A ``response.create`` event's body, checked as POST /v1/responses checks its body."""
+    try:
+        event = _decoder.decode(text)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the event is not JSON: {exc}", code="invalid_json") from None
+    if not isinstance(event, dict) or event.get("type") != "response.create":
+        kind = event.get("type") if isinstance(event, dict) else None
+        raise InvalidRequest(
+            f"unknown event type {kind!r}: this socket takes `response.create` events",
+            param="type",
+            code="unknown_event",
+        )
+    body = {k: v for k, v in event.items() if k not in ("type", "event_id")}
+    if body.pop("background", None):
+        raise InvalidRequest("`background` is not supported over WebSocket", param="background")
+    body.pop("stream", None)
+    try:
+        req = msgspec.convert(body, ResponsesRequest)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid `response.create`: {exc}") from None
+    req.stream = True
+    return req
+
+
+@dataclass(frozen=True, slots=True)
+class SocketLimits:
+    """``--websocket-idle-timeout`` and ``--websocket-max-age`` (seconds)."""
+
+    idle_timeout: float = 600.0
+    max_age: float = 3600.0
+
+
+class Session:
+    """One socket: its sends (one at a time), its response in flight, the last conversation, its pin."""
+
+    def __init__(self, socket: WebSocket) -> None:
+        self.socket = socket
+        self.lock = asyncio.Lock()
+        self.turn: asyncio.Task | None = None
+        self.local: dict[str, list[dict[str, Any]]] = {}  # the last response's conversation, by its id
+        self.pin = Pin()
+        self.last_active = time.monotonic()
+
+    async def send(self, data: bytes) -> None:
+        async with self.lock:
+            await self.socket.send_data(data.decode(), mode="text")
+
+    @property
+    def busy(self) -> bool:
+        return self.turn is not None and not self.turn.done()
+
+    async def respond(self, req: ResponsesRequest) -> None:
+        """One response: its events as frames; a refused request is an error event."""
+        socket = self.socket
+        state: StateService = socket.app.state.state
+        caller = Caller(owner=caller_owner(socket), key=caller_key(socket), address=(socket.client or (None,))[0])
+        try:
+            started = await start_response(req, socket.app.state.models.get(req.model), caller, state, self.local)
+            async for event in started.events():
+                await self.send(event.data)
+        except GatewayError as exc:
+            await self.send(error_event(exc))
+            return
+        finally:
+            self.last_active = time.monotonic()
+        if started.response.status in ("completed", "incomplete"):
+            self.local = {started.response.id: started.conversation()}
+
+
+@websocket(["/v1/responses", "/responses"])
+async def responses_socket(socket: WebSocket) -> None:
+    config = socket.app.state.websocket_limits
+    await socket.accept()
+    session = Session(socket)
+    PINNED.set(session.pin)  # this handler's task (and the runs it starts) prefer the socket's worker
+    closes_at = time.monotonic() + config.max_age
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= closes_at:
+                limit = InvalidRequest(
+                    f"this WebSocket reached its {config.max_age:g}-second limit; open a new one",
+                    code="websocket_connection_limit_reached",
+                )
+                await session.send(error_event(limit))
+                break
+            idle_at = session.last_active + config.idle_timeout
+            if not session.busy and now >= idle_at:
+                break
+            wait = closes_at - now if session.busy else min(closes_at, idle_at) - now
+            try:
+                text = await asyncio.wait_for(socket.receive_text(), wait)
+            except TimeoutError:
+                continue
+            session.last_active = time.monotonic()
+            await _on_event(session, text)
+    except WebSocketDisconnect:
+        pass
+    finally:
+        await _end_turn(session)
+    if socket.connection_state != "disconnect":
+        await socket.close(code=1000)
+
+
+async def _on_event(session: Session, text: str) -> None:
+    try:
+        req = create_request(text)
+        if session.busy:
+            raise InvalidRequest(
+                "a response is already in progress on this socket: send the next `response.create` after it ends",
+                code="response_already_in_progress",
+            )
+    except GatewayError as exc:
+        await session.send(error_event(exc))
+        return
+    session.turn = asyncio.create_task(session.respond(req), name="responses-websocket-turn")
+
+
+async def _end_turn(session: Session) -> None:
+    """The client left (or the socket closes): its response in flight stops, its KV blocks freed."""
+    if session.turn is not None and not session.turn.done():
+        session.turn.cancel()
+        await asyncio.gather(session.turn, return_exceptions=True)
