@@ -17,6 +17,7 @@ from typing import Any
 
 from common.images import ImageInput
 from gateway.errors import InvalidRequest
+from gateway.generate.media import MediaRules, load_image
 
 _NOT_PIXELS = ("input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids")
 
@@ -67,3 +68,47 @@ def _image_input(got: Any, offset: int, length: int) -> ImageInput:
         extra={k: v.astype(np.int64).ravel().tolist() for k, v in extra.items()},
         extra_shapes={k: list(v.shape) for k, v in extra.items()},
     )
+
+
+def image_part(url: str, param: str) -> dict[str, Any]:
+    """An image content part as every dialect hands it to the core: chat templates read
+    ``{"type": "image"}``; the URL and where the request gave it ride along."""
+    return {"type": "image", "url": url, "param": param}
+
+
+def parts_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's content parts: text only, joined (what text templates read); with images, the
+    parts as image-text templates read them."""
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def image_refs(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(url, param) of every image part, in prompt order."""
+    return [
+        (part["url"], part["param"])
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image" and "url" in part
+    ]
+
+
+def check_images(vision: Vision | None, refs: list[tuple[str, str]], rules: MediaRules, model: str) -> None:
+    """Images only for an image-text model, and no more than the server allows per request."""
+    if refs and vision is None:
+        raise InvalidRequest(f"the model `{model}` does not take images (it is a text-only model)", param=refs[0][1])
+    if len(refs) > rules.max_images:
+        raise InvalidRequest(
+            f"the request holds {len(refs)} images; this server takes at most {rules.max_images} (--max-images-per-request)",
+            param=refs[rules.max_images][1],
+        )
+
+
+def prompt_with_images(served: Any, refs: list[tuple[str, str]], *render: Any) -> tuple[list[int], list[ImageInput]]:
+    """On a tokenize lane: fetch and decode the images, render and tokenize the conversation
+    (``served.chat_prompt_ids(*render)``), and expand each image's token for its image."""
+    check_images(served.vision, refs, served.media, served.served_name)
+    images = [load_image(url, served.media, param) for url, param in refs]
+    return served.vision.expand(served.chat_prompt_ids(*render), images)

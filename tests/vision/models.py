@@ -4,6 +4,7 @@ parts, as a checkpoint on the hub comes; and the reference answers of transforme
 
 from __future__ import annotations
 
+import functools
 import io
 from pathlib import Path
 
@@ -84,13 +85,18 @@ def image_bytes(seed: int, size: tuple[int, int] = (40, 48), fmt: str = "PNG") -
     return out.getvalue()
 
 
+@functools.cache
+def _loaded(folder: Path) -> tuple[object, torch.nn.Module]:
+    processor = AutoProcessor.from_pretrained(folder, backend="pil")
+    return processor, AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+
 @torch.inference_mode()
 def reference(folder: Path, messages: list[dict], images: list[bytes], max_new_tokens: int) -> list[int]:
     """transformers' greedy answer, float32: the processor's ids and pixels into ``generate``."""
     from PIL import Image
 
-    processor = AutoProcessor.from_pretrained(folder)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor, model = _loaded(folder)
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     inputs = processor(text=text, images=pil or None, add_special_tokens=False, return_tensors="pt")
