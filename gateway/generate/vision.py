@@ -98,7 +98,8 @@ def image_refs(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
 def check_images(vision: Vision | None, refs: list[tuple[str, str]], rules: MediaRules, model: str) -> None:
     """Images only for an image-text model, and no more than the server allows per request."""
     if refs and vision is None:
-        raise InvalidRequest(f"the model `{model}` does not take images (it is a text-only model)", param=refs[0][1])
+        param = refs[0][1]
+        raise InvalidRequest(f"`{param}`: the model `{model}` does not take images (a text-only model)", param=param)
     if len(refs) > rules.max_images:
         raise InvalidRequest(
             f"the request holds {len(refs)} images; this server takes at most {rules.max_images} (--max-images-per-request)",

@@ -15,8 +15,9 @@ A reasoning model's thinking is a ``reasoning`` item before the message (``reaso
 content, streamed as ``response.reasoning_text.delta``), counted in ``reasoning_tokens``;
 ``reasoning.effort`` bounds it. Accepted and ignored: ``reasoning.summary``, ``truncation`` (always ``disabled``: a prompt too long is a 400), ``include``,
 ``max_tool_calls``, ``service_tier``, ``prompt_cache_key``. Refused with a 400 naming the field:
-``prompt``, built-in tools (anything but ``function`` in ``tools``), image and file inputs,
-``item_reference`` items.
+``prompt``, built-in tools (anything but ``function`` in ``tools``), ``input_file`` parts,
+``item_reference`` items. ``input_image`` parts (``image_url``, or ``file_id`` from the Files API) go to an
+image-text model (gateway/generate/vision.py).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from gateway.http.routes.response_runs import (
     sse_stream,
     start_run,
 )
-from gateway.http.routes.responses_input import core_request, input_messages, refuse_unsupported
+from gateway.http.routes.responses_input import core_request, inline_files, input_messages, refuse_unsupported
 from gateway.policy.caller import Caller
 from gateway.schemas.responses import (
     DeletedResponse,
@@ -82,6 +83,7 @@ class ResponsesController(Controller):
         models: NamedDependency[ModelRegistry],
         caller: NamedDependency[Caller],
         stored: NamedDependency[StateService],
+        request: Request,
     ) -> Response:
         req, state, owner = data, stored, caller.owner
         served = models.get(req.model)
@@ -89,6 +91,7 @@ class ResponsesController(Controller):
         conversation = conversation_id(req.conversation)
         history = await _history(state, req, conversation, owner)
         turn_messages = input_messages(req.input, history)
+        await inline_files(turn_messages, request.app.state.files, owner)
         greq = core_request(req, history + turn_messages)
         response = _envelope(served, req)
         response.conversation = {"id": conversation} if conversation else None
