@@ -81,3 +81,15 @@ def test_unserved_families_are_refused_by_name(kind):
 
     with pytest.raises(UnsupportedModel, match=f"{kind}.*not supported: its"):
         refuse_unserved(Config(), f"X (model type {kind!r})")
+
+
+def test_the_kv_store_never_gives_one_image_another_images_blocks(llava, tmp_path):
+    """Two workers on one store: the second, asked about another image with the same tokens,
+    answers for its own image."""
+    config = WorkerConfig(dtype="float32", kv_cache_memory="16MiB", kv_store=str(tmp_path))
+    first = build_engine(resolve_model(str(llava)), config)
+    run(first, [request(llava, "s1", ONE, [image_bytes(7)])])
+    first.kv_store.flush()
+    second = build_engine(resolve_model(str(llava)), config)
+    got = run(second, [request(llava, "s2", ONE, [image_bytes(8)])])["s2"]
+    assert got == (reference(llava, ONE, [image_bytes(8)], NEW), 0)
