@@ -64,11 +64,50 @@ def build_llava(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def _with_image_token(tokenizer, token: str):
+def build_idefics3(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """Idefics3: a tiny Llama decoder and SigLIP tower, pixel-shuffled 4 tokens an image between its
+    ``<fake_token_around_image>`` and ``<global-img>`` markers, with ``Idefics3Processor`` (no image splitting)."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
+
+    tokenizer = _with_image_token(tokenizer, ["<image>", "<fake_token_around_image>", "<global-img>"])
+    text = dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8
+    )  # fmt: skip
+    config = Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    config.architectures = ["Idefics3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    edge = {"longest_edge": IMAGE_SIZE}
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size=edge, max_image_size=edge)
+    processor = Idefics3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=LLAVA_TEMPLATE
+    )
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model
+
+
+def _with_image_token(tokenizer, tokens: str | list[str]):
     import copy
 
     tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.add_special_tokens({"additional_special_tokens": [token]})
+    tokenizer.add_special_tokens({"additional_special_tokens": [tokens] if isinstance(tokens, str) else tokens})
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -28,12 +28,15 @@ TWO = [
 NONE = [{"role": "user", "content": "Hello there"}]
 
 
+CONFIG = WorkerConfig(dtype="float32", kv_cache_memory="16MiB")
+
+
 @pytest.fixture(scope="module")
 def engine(llava):
-    return build_engine(resolve_model(str(llava)), WorkerConfig(dtype="float32", kv_cache_memory="16MiB"))
+    return build_engine(resolve_model(str(llava)), CONFIG)
 
 
-def request(llava, rid: str, messages: list[dict], images: list[bytes]) -> NewRequest:
+def new_request(llava, rid: str, messages: list[dict], images: list[bytes]) -> NewRequest:
     """The gateway's way: the template rendered, tokenized, each image token expanded by the processor."""
     processor = AutoProcessor.from_pretrained(llava, backend="pil")
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -55,21 +58,28 @@ def run(engine, requests: list[NewRequest]) -> dict[str, tuple[list[int], int]]:
     return out
 
 
-def test_images_match_generate_alone_and_batched_with_text(engine, llava):
-    cases = {"one": (ONE, [image_bytes(1)]), "two": (TWO, [image_bytes(1), image_bytes(2)]), "none": (NONE, [])}
-    want = {name: reference(llava, m, imgs, NEW) for name, (m, imgs) in cases.items()}
-    batched = run(engine, [request(llava, name, m, imgs) for name, (m, imgs) in cases.items()])
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
+def test_images_match_generate_alone_and_batched_with_text(engine, family, request):
+    folder = request.getfixturevalue(family)
+    served = engine if family == "llava" else build_engine(resolve_model(str(folder)), CONFIG)
+    cases = {
+        "one": (ONE, [image_bytes(1)]),
+        "two": (TWO, [image_bytes(1), image_bytes(2, (64, 30))]),
+        "none": (NONE, []),
+    }
+    want = {name: reference(folder, m, imgs, NEW) for name, (m, imgs) in cases.items()}
+    batched = run(served, [new_request(folder, name, m, imgs) for name, (m, imgs) in cases.items()])
     assert {name: got[0] for name, got in batched.items()} == want
-    alone = run(engine, [request(llava, "alone", *cases["two"])])
+    alone = run(served, [new_request(folder, "alone", *cases["two"])])
     assert alone["alone"][0] == want["two"]
 
 
 def test_the_prefix_cache_shares_an_image_only_with_itself(engine, llava):
     """Same image and text: the blocks are shared; another image (same placeholders): none are,
     and the answer is that image's own."""
-    first = run(engine, [request(llava, "p1", ONE, [image_bytes(7)])])["p1"]
-    again = run(engine, [request(llava, "p2", ONE, [image_bytes(7)])])["p2"]
-    other = run(engine, [request(llava, "p3", ONE, [image_bytes(8)])])["p3"]
+    first = run(engine, [new_request(llava, "p1", ONE, [image_bytes(7)])])["p1"]
+    again = run(engine, [new_request(llava, "p2", ONE, [image_bytes(7)])])["p2"]
+    other = run(engine, [new_request(llava, "p3", ONE, [image_bytes(8)])])["p3"]
     assert again == (first[0], again[1]) and again[1] >= 16  # the image's 16 tokens came from the cache
     assert other[1] < 16 and other[0] == reference(llava, ONE, [image_bytes(8)], NEW) != first[0]
 
@@ -88,8 +98,8 @@ def test_the_kv_store_never_gives_one_image_another_images_blocks(llava, tmp_pat
     answers for its own image."""
     config = WorkerConfig(dtype="float32", kv_cache_memory="16MiB", kv_store=str(tmp_path))
     first = build_engine(resolve_model(str(llava)), config)
-    run(first, [request(llava, "s1", ONE, [image_bytes(7)])])
+    run(first, [new_request(llava, "s1", ONE, [image_bytes(7)])])
     first.kv_store.flush()
     second = build_engine(resolve_model(str(llava)), config)
-    got = run(second, [request(llava, "s2", ONE, [image_bytes(8)])])["s2"]
+    got = run(second, [new_request(llava, "s2", ONE, [image_bytes(8)])])["s2"]
     assert got == (reference(llava, ONE, [image_bytes(8)], NEW), 0)

@@ -24,7 +24,7 @@ from worker.models.support import UnsupportedModel
 from worker.request import Request
 
 # Checked token for token against ``generate`` in float32 (tests/vision/test_vision.py).
-SERVED = {"llava"}
+SERVED = {"llava", "idefics3"}
 
 _MROPE = "its decoder places image tokens with multimodal rotary positions (M-RoPE), which the worker does not compute"
 REFUSED: dict[str, str] = {
@@ -75,7 +75,8 @@ class ImageEncoder:
     def encode(self, images: list[ImageInput]) -> torch.Tensor:
         """``[image tokens, hidden]``: every image's features in prompt order. Images of one shape
         go through the tower together, as ``generate`` runs a prompt's images."""
-        tower = self.model.model.vision_tower
+        inner = self.model.model
+        tower = next(getattr(inner, n) for n in ("vision_tower", "vision_model", "visual") if hasattr(inner, n))
         tower.set_attn_implementation(self.reference_impl)
         dtype, device = self.model.dtype, self.model.device
         pixels = [torch.from_numpy(_array(i.pixels, i.shape)).to(device, dtype) for i in images]
