@@ -4,6 +4,7 @@ float32: one image, two images and none, batched together; and the prefix cache 
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 from PIL import Image
@@ -95,11 +96,11 @@ def test_unserved_families_are_refused_by_name(kind):
 
 def test_the_kv_store_never_gives_one_image_another_images_blocks(llava, tmp_path):
     """Two workers on one store: the second, asked about another image with the same tokens,
-    answers for its own image."""
+    answers for its own image; its prefill in chunks of 8 tokens, which cut through the image."""
     config = WorkerConfig(dtype="float32", kv_cache_memory="16MiB", kv_store=str(tmp_path))
     first = build_engine(resolve_model(str(llava)), config)
     run(first, [new_request(llava, "s1", ONE, [image_bytes(7)])])
     first.kv_store.flush()
-    second = build_engine(resolve_model(str(llava)), config)
+    second = build_engine(resolve_model(str(llava)), replace(config, max_num_batched_tokens=8, max_prefill_chunk=8))
     got = run(second, [new_request(llava, "s2", ONE, [image_bytes(8)])])["s2"]
     assert got == (reference(llava, ONE, [image_bytes(8)], NEW), 0)
