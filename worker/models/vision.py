@@ -79,21 +79,25 @@ class ImageEncoder:
         tower = next(getattr(inner, n) for n in ("vision_tower", "vision_model", "visual") if hasattr(inner, n))
         tower.set_attn_implementation(self.reference_impl)
         dtype, device = self.model.dtype, self.model.device
-        pixels = [torch.from_numpy(_array(i.pixels, i.shape)).to(device, dtype) for i in images]
-        extra: dict[str, torch.Tensor] = {}
-        for name in images[0].extra:
-            rows = [_array(i.extra[name], i.extra_shapes[name], np.int64) for i in images]
-            extra[name] = torch.from_numpy(np.concatenate(rows)).to(device)
-        batches = [torch.cat(pixels)] if len({p.shape[1:] for p in pixels}) == 1 else pixels
+        inputs = [self._tensors(i, device, dtype) for i in images]
+        if len({tuple((k, v.shape[1:]) for k, v in sorted(t.items())) for t in inputs}) == 1:
+            inputs = [{k: torch.cat([t[k] for t in inputs]) for k in inputs[0]}]  # one call, as generate makes it
         parts = []
-        for batch in batches:
-            kwargs = extra if len(batches) == 1 else {}
-            out = self.model.model.get_image_features(pixel_values=batch, **kwargs, **self.options)
+        for tensors in inputs:  # else each image alone, with its own sizes and masks
+            out = self.model.model.get_image_features(**tensors, **self.options)
             features = getattr(out, "pooler_output", out)
             if isinstance(features, (list, tuple)):
                 features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
             parts.append(features.reshape(-1, features.shape[-1]))
         return torch.cat(parts).to(dtype)
+
+    @staticmethod
+    def _tensors(image: ImageInput, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """An image's processor outputs as the tower's arguments: its pixels and its other outputs."""
+        tensors = {"pixel_values": torch.from_numpy(_array(image.pixels, image.shape)).to(device, dtype)}
+        for name, values in image.extra.items():
+            tensors[name] = torch.from_numpy(_array(values, image.extra_shapes[name], np.int64)).to(device)
+        return tensors
 
     def embeds(self, input_ids: torch.Tensor, rows: list[tuple[Request, int, int, int]]) -> torch.Tensor:
         """The flat batch's input embeddings, with image features at the image-token positions of
