@@ -176,4 +176,8 @@ def unpack_bundle(packed: bytes, max_size: int = 256 << 20) -> tuple[Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         if not any(name in files for name in PROCESSOR_FILES):
             return tokenizer, None
-        return tokenizer, AutoProcessor.from_pretrained(folder, backend="pil")
+        try:
+            return tokenizer, AutoProcessor.from_pretrained(folder, backend="pil")
+        except Exception as exc:  # e.g. a processor that needs torchvision: the model still serves text
+            log.warning("the model's processor does not load (%s): requests with images will be refused", exc)
+            return tokenizer, None

@@ -76,7 +76,8 @@ class ModelRegistry:
             self.rules,
         )
         served = self.served_models[info.model]
-        served.vision, served.media = (Vision(processor) if processor is not None else None), self.media
+        served.vision = Vision(processor) if getattr(processor, "image_token", None) else None  # images, or none
+        served.media = self.media
         self.first_seen.setdefault(info.model, int(time.time()))
 
     def get(self, name: str | None) -> ServedModel:
