@@ -56,7 +56,7 @@ async def prepare(served: ServedModel, req: CoreRequest, caller: Caller | None =
     """Check ``req`` and tokenize its prompt; with ``admit``, also check each prompt's budget and build the wire
     requests. Only a caller's request may bring its own template (where the server allows them), and the caller's
     hanging up stops that template's render."""
-    checked = _check(served, req, caller)
+    checked, images = _check(served, req, caller), []  # images: a chat's, fetched and expanded below
     if checked.messages is not None:  # a request's own template renders under a budget
         budget = Budget() if req.template is not None else None
         refs = image_refs(checked.messages)  # images: fetched, decoded and expanded on the big-job lane

@@ -91,7 +91,7 @@ class ResponsesController(Controller):
         conversation = conversation_id(req.conversation)
         history = await _history(state, req, conversation, owner)
         turn_messages = input_messages(req.input, history)
-        await inline_files(turn_messages, request.app.state.files, owner)
+        await inline_files(turn_messages, request.app.state, owner)
         greq = core_request(req, history + turn_messages)
         response = _envelope(served, req)
         response.conversation = {"id": conversation} if conversation else None
