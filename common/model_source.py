@@ -134,13 +134,21 @@ class TokenizerBundle:
     digest: str  # of the files and the template: equal digests mean the same text in and out
 
 
-def bundle_tokenizer(tokenizer: Any, chat_template: str) -> TokenizerBundle:
-    """Pack a loaded tokenizer's files (a few MB of JSON, about 1 MB compressed)."""
+# An image-text model's processor, beside its tokenizer: the gateway expands images with it (gateway/generate/vision.py).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def bundle_tokenizer(tokenizer: Any, chat_template: str, source: ModelSource | None = None) -> TokenizerBundle:
+    """Pack a loaded tokenizer's files (a few MB of JSON, about 1 MB compressed), and the model's
+    processor files where ``source`` (a folder) has them."""
     with tempfile.TemporaryDirectory(prefix="llmpool-tokenizer-") as folder:
         tokenizer.save_pretrained(folder)
         files = {
             name: Path(folder, name).read_bytes() for name in sorted(os.listdir(folder)) if Path(folder, name).is_file()
         }
+    for name in PROCESSOR_FILES if source is not None and source.gguf_file is None else ():
+        if Path(source.path, name).is_file():
+            files[name] = Path(source.path, name).read_bytes()
     digest = hashlib.sha256()
     for name, data in files.items():
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
@@ -150,7 +158,13 @@ def bundle_tokenizer(tokenizer: Any, chat_template: str) -> TokenizerBundle:
 
 def unpack_tokenizer(packed: bytes, max_size: int = 256 << 20) -> Any:  # a transformers tokenizer
     """The tokenizer a bundle holds (no code runs: files only, no ``trust_remote_code``)."""
-    from transformers import AutoTokenizer
+    return unpack_bundle(packed, max_size)[0]
+
+
+def unpack_bundle(packed: bytes, max_size: int = 256 << 20) -> tuple[Any, Any]:
+    """(tokenizer, processor or None): an image-text model's bundle also holds its processor, built
+    on the PIL image processors (PyPI's torchvision does not import beside the CPU torch)."""
+    from transformers import AutoProcessor, AutoTokenizer
 
     raw = zlib.decompressobj().decompress(packed, max_size)
     files = msgspec.msgpack.decode(raw, type=dict[str, bytes])
@@ -159,4 +173,11 @@ def unpack_tokenizer(packed: bytes, max_size: int = 256 << 20) -> Any:  # a tran
             if os.path.basename(name) != name or name.startswith("."):
                 raise ValueError(f"a tokenizer bundle may only hold plain file names; got {name!r}")
             Path(folder, name).write_bytes(data)
-        return AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        if not any(name in files for name in PROCESSOR_FILES):
+            return tokenizer, None
+        try:
+            return tokenizer, AutoProcessor.from_pretrained(folder, backend="pil")
+        except Exception as exc:  # e.g. a processor that needs torchvision: the model still serves text
+            log.warning("the model's processor does not load (%s): requests with images will be refused", exc)
+            return tokenizer, None

@@ -1,16 +1,14 @@
 """The wire contract between the gateway (ROUTER) and the workers (DEALER).
 
-Every message is two ZeroMQ frames: a two-byte header ``[PROTOCOL_VERSION, MsgType]`` and a
-msgpack payload holding one of the Structs below in array form: the values in field order, without
-their names (a step's one-token output takes 55 bytes where the named form took 232). The full
-request travels once (``AddRequests``); after that only deltas travel (``StepOutputs`` lists the new
-token ids of each request in one worker step). Nothing is ever pickled.
+Every message is two ZeroMQ frames: a two-byte header ``[PROTOCOL_VERSION, MsgType]`` and a msgpack payload
+holding one of the Structs below in array form: the values in field order, without their names (a step's
+one-token output takes 55 bytes where the named form took 232). The full request travels once
+(``AddRequests``); then only deltas (``StepOutputs``: each request's new token ids). Nothing is ever pickled.
 
 Array form makes field order part of the contract: add fields at the end of a message, with a
 default (a shorter array decodes, its missing trailing fields taking their defaults), and bump
-PROTOCOL_VERSION for anything else. A peer of another version is refused at the handshake
-(``refusal``), in words that version can read. (``omit_defaults`` omits nothing in array form as of
-msgspec 0.22, jcrist/msgspec#720.)
+PROTOCOL_VERSION for anything else. A peer of another version is refused at the handshake (``refusal``), in
+words that version can read. (``omit_defaults`` omits nothing in array form as of msgspec 0.22, jcrist/msgspec#720.)
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from typing import Union
 
 import msgspec
 
+from common.images import ImageInput
 from common.lora import LoraCommand, LoraInfo, LoraLoad, LoraResult
 from common.pooling import PoolingInfo, PoolingParams
 
@@ -123,6 +122,7 @@ class NewRequest(Wire):
     pooling: PoolingParams | None = None  # a pooling request (common/pooling.py): one pass, no token sampled
     lora: str | None = None  # the LoRA adapter it runs with (the name a client gave as its model); None: the base model
     priority: int = 0  # lower is more urgent (vLLM's): admitted first, preempted last; batches: BATCH_PRIORITY
+    images: list[ImageInput] = []  # an image-text model's images, in prompt order
 
 
 class Ready(Wire):

@@ -164,6 +164,18 @@ GATEWAY_FLAGS = [
         int,
     ),
     Flag("max-file-size", "200MiB", "Largest file uploaded to /v1/files (a batch's input)"),
+    # Images for image-text models (gateway/generate/media.py): data: URIs always; http(s) to public addresses only.
+    Flag("allowed-media-domains", None, "Hosts image URLs may name, comma-separated (default: any public host)"),
+    Flag("allowed-local-media-path", None, "A directory whose files image URLs may name as file://; off by default"),
+    Flag("max-images-per-request", 8, "Most images one request may hold", int),
+    Flag("max-image-bytes", "20MiB", "Largest image (fetched, or in a data: URI); larger ones get 413", parse_size),
+    Flag("media-fetch-timeout", 10.0, "Seconds an image fetch may wait on each read", float),
+    Flag(
+        "allow-private-media-addresses",
+        False,
+        "Fetch images from private and loopback addresses too (tests and closed networks only)",
+        bool,
+    ),
     Flag(
         "files-url",
         None,
@@ -224,6 +236,12 @@ class GatewayConfig(SharedConfig):
     scheduling_policy: str = "fcfs"
     batch_max_inflight: int = 16
     max_file_size: str = "200MiB"
+    allowed_media_domains: str | None = None
+    allowed_local_media_path: str | None = None
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 << 20
+    media_fetch_timeout: float = 10.0
+    allow_private_media_addresses: bool = False
     files_url: str | None = None
     files_s3_endpoint: str | None = None
 

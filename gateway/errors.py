@@ -45,6 +45,13 @@ class InvalidRequest(GatewayError):
     error_type = "invalid_request_error"
 
 
+class TooLarge(GatewayError):
+    """A part of the request over its size limit (an image's bytes): 413."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
 class Unauthorized(GatewayError):
     status_code = 401
     error_type = "invalid_request_error"

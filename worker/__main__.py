@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         )  # first: an unsupported model is refused before anything else
         tokenizer = load_tokenizer(source, config.cache_dir)  # cached after the first run (GGUF: about 3 s once)
         bundle = bundle_tokenizer(
-            tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None))
+            tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None)), source
         )
     except Exception as exc:  # said once, to the log and to the gateways, then the exit code tells the launcher
         fail_to_start(config, name, curve_keys, exc)

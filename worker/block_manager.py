@@ -89,7 +89,7 @@ class BlockManager:
         parent: int | str | None = request.cache_salt
         tokens = request.token_ids
         for index in range((len(tokens) - 1) // size):
-            chunk = tuple(tokens[index * size : (index + 1) * size])
+            chunk = request.block_key(index, size)
             block_hash = chain_hash(parent, chunk)
             block_id = self._cached.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
@@ -147,7 +147,7 @@ class BlockManager:
         full = request.num_computed_tokens // size
         for index in range(len(request.block_hashes), full):
             parent = request.block_hashes[-1] if request.block_hashes else request.cache_salt
-            chunk = tuple(request.token_ids[index * size : (index + 1) * size])
+            chunk = request.block_key(index, size)
             block_hash = chain_hash(parent, chunk)
             request.block_hashes.append(block_hash)
             block = self.blocks[request.block_ids[index]]

@@ -1,4 +1,4 @@
-"""Load a causal LM's weights, caching de-quantized GGUF weights as safetensors.
+"""Load a causal LM's weights (an image-text model's with its vision tower), caching de-quantized GGUF weights as safetensors.
 
 De-quantizing the default GGUF model takes about 10 s on the CPU; loading the cached safetensors
 takes about 0.15 s and gives bit-identical weights, so every worker start after the first is fast.
@@ -14,9 +14,16 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file, save_model
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from common.model_source import ModelSource, save_to_cache
+from worker.models.vision import is_image_text
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +35,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, cache_root: str) -> PreT
         log.info("loading converted weights from %s", cached)
         return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
     fields = _gguf_fields(source)
+    if source.gguf_file is None and is_image_text(AutoConfig.from_pretrained(source.path)):
+        return AutoModelForImageTextToText.from_pretrained(source.path, dtype=dtype)  # worker/models/vision.py
     model = AutoModelForCausalLM.from_pretrained(
         source.path, gguf_file=source.gguf_file, dtype=dtype, **_gguf_head_dim(source, fields)
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from common.images import ImageInput
 from common.protocol import FinishReason, Guide, NewRequest, SamplingParams, TokenLogprobs, WorkerEvent
 from common.reasoning import ThinkTracker
 
@@ -80,6 +81,16 @@ class Request:
     reasoning: ThinkTracker | None = None  # a reasoning model's thinking: its budget, and where a guide starts
     lora: LoraRef | None = None  # its LoRA adapter (None: the base model), set by the engine
     priority: int = 0  # lower is more urgent: the scheduler's order and preemption follow it
+    images: list[ImageInput] = field(default_factory=list)  # an image-text model's images (worker/models/vision.py)
+    image_features: object = None  # their encoder outputs while the prompt is prefilling (a tensor; None: not run)
+
+    def block_key(self, index: int, size: int) -> tuple:
+        """What the prefix cache keys block ``index`` by: its tokens, and the pixel digest of every
+        image whose tokens it holds (the placeholders are the same for every image)."""
+        start = index * size
+        key = tuple(self.token_ids[start : start + size])
+        digests = tuple(i.digest for i in self.images if i.offset < start + size and start < i.offset + i.length)
+        return key + digests if digests else key
 
     @property
     def cache_salt(self) -> str | None:
@@ -101,6 +112,7 @@ class Request:
             events=[] if new.trace_context else None,
             reasoning=None if new.reasoning is None else ThinkTracker(new.reasoning),
             priority=new.priority,
+            images=list(new.images),
         )
         if request.reasoning is not None:  # a resumed request: its thinking goes on where it was
             for token in request.generated_token_ids:

@@ -15,5 +15,7 @@ reasoning.py           a reasoning model's thinking split from its answer, and t
 logprobs.py            log-probabilities in OpenAI's two shapes
 structured_outputs.py  vLLM's guided-decoding fields as the core's output format
 lanes.py               work off the event loop, and work that stops when its client hangs up
+vision.py              images into an image-text model's prompt, through its processor (placeholders, pixels)
+media.py               images fetched and decoded safely: data: URIs, http(s) with limits, no private addresses
 pooling.py             the pooling core (embeddings, rerank, score), as core.py is for generation
 """

@@ -13,7 +13,7 @@ import copy
 import logging
 import time
 
-from common.model_source import read_chat_template, unpack_tokenizer
+from common.model_source import read_chat_template, unpack_bundle
 from common.protocol import ModelInfo, NewRequest
 from gateway.errors import NotFound, NoWorkerAvailable
 from gateway.fleet.lora import adapters_of, find
@@ -21,9 +21,11 @@ from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import RequestStream
 from gateway.generate.abilities import tasks
 from gateway.generate.lanes import Lanes
+from gateway.generate.media import MediaRules
 from gateway.generate.reasoning import model_markers
 from gateway.generate.served_model import ServedModel
 from gateway.generate.templates import ChatTemplate
+from gateway.generate.vision import Vision
 from gateway.ops.metrics import Metrics
 from gateway.policy.admission import Admission
 from gateway.policy.rules import Rules
@@ -52,11 +54,12 @@ class ModelRegistry:
         self.reasoning_parser = reasoning_parser
         self.rules = rules if rules is not None else Rules()  # every served model's (gateway/policy/rules.py)
         self.served_models: dict[str, ServedModel] = {}
+        self.media = MediaRules()  # how images are fetched (gateway/generate/media.py): set from the flags
         self.first_seen: dict[str, int] = {}  # model -> unix time it was learned (``created`` in /v1/models)
 
     async def learn(self, info: ModelInfo) -> None:
         """Load the tokenizer a worker sent (in a thread: about 0.3 s) and serve its model."""
-        tokenizer = await asyncio.to_thread(unpack_tokenizer, info.files)
+        tokenizer, processor = await asyncio.to_thread(unpack_bundle, info.files)
         source = read_chat_template(None, info.chat_template or getattr(tokenizer, "chat_template", None))
         template = ChatTemplate(source, {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token})
         markers = await asyncio.to_thread(model_markers, self.reasoning_parser, tokenizer, source)
@@ -72,6 +75,9 @@ class ModelRegistry:
             markers,
             self.rules,
         )
+        served = self.served_models[info.model]
+        served.vision = Vision(processor) if getattr(processor, "image_token", None) else None  # images, or none
+        served.media = self.media
         self.first_seen.setdefault(info.model, int(time.time()))
 
     def get(self, name: str | None) -> ServedModel:

@@ -23,10 +23,12 @@ from gateway.fleet.worker_client import WorkerClient
 from gateway.fleet.workers import RequestStream, Trace
 from gateway.generate.lanes import SMALL_JOB_CHARS, Lanes, unless_disconnected
 from gateway.generate.logprobs import TokenLogprob, TokenTexts
+from gateway.generate.media import MediaRules
 from gateway.generate.reasoning import Markers
 from gateway.generate.stop import StopChecker
 from gateway.generate.templates import Budget, ChatTemplate
 from gateway.generate.tokenizer import IncrementalDetokenizer
+from gateway.generate.vision import Vision
 from gateway.ops import tracing
 from gateway.ops.metrics import Metrics, RequestClock
 from gateway.policy.admission import Admission, Slot
@@ -69,6 +71,9 @@ class _Text:
 class ServedModel:
     """Everything a route needs to run a prompt on one model: its tokenizer and template (used off
     the event loop), and the workers (of that model) behind the worker client."""
+
+    vision: Vision | None = None  # an image-text model's processor (gateway/generate/vision.py); None: text only
+    media: MediaRules = MediaRules()  # how its images are fetched (set by the registry from the flags)
 
     def __init__(
         self,

@@ -1,12 +1,11 @@
-"""Every check of a generation request, in one place and in order, before admission: ``prepare``
-takes what a dialect translated (``core.CoreRequest``) and returns its prompts tokenized, its
-tool plan and stop strings, and one wire ``NewRequest`` per choice, or a 400 that names the field.
+"""Every check of a generation request, in one place and in order, before admission: ``prepare`` takes what a
+dialect translated (``core.CoreRequest``) and returns its prompts tokenized, its tool plan and stop strings, and
+one wire ``NewRequest`` per choice, or a 400 that names the field.
 
-Cheap checks come first (sampling ranges, ``n``, stops, logprobs, the output format, tools and
-their grammars, token ids, the prompt's size in characters), so a bad request is refused before
-any tokenizing; then the prompt is rendered and tokenized off the event loop; then each prompt's
-token budget is checked against the workers' context length.
-"""
+Cheap checks come first (sampling ranges, ``n``, stops, logprobs, the output format, tools and their grammars,
+token ids, the prompt's size in characters), so a bad request is refused before any tokenizing; then the prompt is
+rendered and tokenized off the event loop (images fetched, decoded and expanded: gateway/generate/vision.py); then
+each prompt's token budget is checked against the workers' context length."""
 
 from __future__ import annotations
 
@@ -22,10 +21,12 @@ import orjson
 from common.grammar import GrammarError, check_guide, closed_objects
 from common.protocol import Guide, GuideKind, NewRequest, SamplingParams
 from gateway.errors import InvalidRequest
+from gateway.generate.lanes import SMALL_JOB_CHARS
 from gateway.generate.reasoning import ReasoningParser, thinking_budget
 from gateway.generate.served_model import ServedModel
 from gateway.generate.templates import Budget
 from gateway.generate.tools import ToolOutputParser, ToolPlan, check_tool_calls, tool_plan
+from gateway.generate.vision import image_refs, prompt_with_images
 from gateway.ops import tracing
 from gateway.policy.caller import Caller
 from gateway.schemas.chat import MAX_LOGPROBS, SamplingOptions
@@ -48,30 +49,31 @@ class Prepared:
     tools: ToolPlan
     parsers: list[ToolOutputParser | None]  # each choice's reader of tool calls (None: no tools)
     stops: list[str]
-    thinkers: list[ReasoningParser | None] = field(
-        default_factory=list
-    )  # each choice's splitter of thinking (None: none)
+    thinkers: list[ReasoningParser | None] = field(default_factory=list)  # each choice's splitter of thinking
 
 
 async def prepare(served: ServedModel, req: CoreRequest, caller: Caller | None = None, admit: bool = True) -> Prepared:
-    """Check ``req`` and tokenize its prompt; with ``admit``, also check each prompt's budget and
-    build the wire requests. Only a caller's request may bring its own template (where the server
-    allows them), and the caller's hanging up stops that template's render."""
-    checked = _check(served, req, caller)
+    """Check ``req`` and tokenize its prompt; with ``admit``, also check each prompt's budget and build the wire
+    requests. Only a caller's request may bring its own template (where the server allows them), and the caller's
+    hanging up stops that template's render."""
+    checked, images = _check(served, req, caller), []  # images: a chat's, fetched and expanded below
     if checked.messages is not None:  # a request's own template renders under a budget
         budget = Budget() if req.template is not None else None
+        refs = image_refs(checked.messages)  # images: fetched, decoded and expanded on the big-job lane
+        render = functools.partial(prompt_with_images, served, refs) if refs else served.chat_prompt_ids
         with tracing.span("template+tokenize"):
             ids = await served.run_in_pool(
-                served.chat_prompt_ids,
+                render,
                 checked.messages,
                 req.template,
                 checked.variables,
                 req.add_generation_prompt,
                 budget,
-                size=checked.chars,
+                size=checked.chars + (SMALL_JOB_CHARS + 1 if refs else 0),
                 budget=budget,
                 caller=caller,
             )
+        ids, images = ids if refs else (ids, [])
         prompts = [ids]
     else:
         with tracing.span("tokenize"):
@@ -107,6 +109,7 @@ async def prepare(served: ServedModel, req: CoreRequest, caller: Caller | None =
                     guide=checked.guide,
                     reasoning=thinking,
                     priority=req.priority,
+                    images=images,
                 )
             )
             thinkers.append(
@@ -132,8 +135,8 @@ class _Checked:
 
 
 def _check(served: ServedModel, req: CoreRequest, caller: Caller | None) -> _Checked:
-    """Every check that needs no tokens, cheapest first; the tools last, and with them the
-    conversation as the template will read it."""
+    """Every check that needs no tokens, cheapest first; the tools last, and with them the conversation as the
+    template will read it."""
     if not 1 <= req.n <= MAX_N:
         raise InvalidRequest(f"`{req.n_param}` must be between 1 and {MAX_N}; got {req.n}", param=req.n_param)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
@@ -181,8 +184,8 @@ def _check(served: ServedModel, req: CoreRequest, caller: Caller | None) -> _Che
 
 
 def _prompt_size(served: ServedModel, req: CoreRequest) -> int:
-    """The characters to tokenize, once the cheap bounds hold (characters and messages the context
-    could never hold, prompts per request) and token ids and earlier tool calls are well formed."""
+    """The characters to tokenize, once the cheap bounds hold (characters and messages the context could never hold,
+    prompts per request) and token ids and earlier tool calls are well formed."""
     if req.messages is None:
         if len(req.prompts) > MAX_PROMPTS:
             raise InvalidRequest(
@@ -216,8 +219,7 @@ _DECIMAL = re.compile(r"-?[0-9]{1,19}")  # ASCII digits only: str.isdigit() also
 
 
 def check_token_ids(ids: object, vocab_size: int, param: str) -> list[int]:
-    """Token ids from a request: integers (not booleans, which JSON decoders read as 0 and 1) in
-    the vocabulary, or a 400 naming ``param``."""
+    """Token ids: integers (not booleans, which JSON decoders read as 0 and 1) in the vocabulary, or a 400."""
     if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
         raise InvalidRequest(f"`{param}` must hold token ids, integers from 0 to {vocab_size - 1}", param=param)
     return ids

@@ -24,6 +24,7 @@ from gateway.config import GatewayConfig, default_state_url
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.fleet.worker_client import WorkerClient
 from gateway.generate.lanes import Lanes
+from gateway.generate.media import MediaRules
 from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.reasoning import PARSERS as REASONING_PARSERS
 from gateway.generate.tools import PARSERS
@@ -152,6 +153,14 @@ def start_fleet(config: GatewayConfig, rules: Rules) -> tuple[WorkerClient, Mode
         rules,
     )
     client.learn_model = models.learn
+    models.media = MediaRules(
+        config.max_image_bytes,
+        config.media_fetch_timeout,
+        max_images=config.max_images_per_request,
+        allowed_domains=tuple(d.strip().lower() for d in (config.allowed_media_domains or "").split(",") if d.strip()),
+        local_root=config.allowed_local_media_path,
+        allow_private=config.allow_private_media_addresses,
+    )
     return client, models
 
 

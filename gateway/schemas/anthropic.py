@@ -9,8 +9,8 @@ from gateway.schemas.chat import SamplingOptions
 
 class ContentBlock(msgspec.Struct, kw_only=True):
     """A content block: ``text``, ``tool_use`` (an assistant's call), ``tool_result`` (its answer),
-    ``thinking`` (an assistant's earlier thinking, ``reasoning_content`` to the template); images and
-    documents refused."""
+    ``thinking`` (an assistant's earlier thinking, ``reasoning_content`` to the template), ``image``
+    (``source``: base64 or url) for an image-text model; documents refused."""
 
     type: str
     text: str | None = None
@@ -21,6 +21,7 @@ class ContentBlock(msgspec.Struct, kw_only=True):
     tool_use_id: str | None = None
     content: str | list[ContentBlock] | None = None
     is_error: bool | None = None
+    source: dict | None = None  # an image block's: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
 
 
 class AnthropicMessage(msgspec.Struct, kw_only=True):

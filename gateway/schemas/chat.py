@@ -9,8 +9,11 @@ MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs (vLLM allows the same for l
 
 
 class TextPart(msgspec.Struct):
+    """A content part: ``text``, or ``image_url`` (``{"url": ..., "detail": ...}``) for an image-text model."""
+
     type: str
     text: str | None = None
+    image_url: dict | None = None
 
 
 class ChatMessage(msgspec.Struct):

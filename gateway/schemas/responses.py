@@ -9,10 +9,14 @@ from gateway.schemas.chat import SamplingOptions
 
 
 class InputPart(msgspec.Struct, kw_only=True):
-    """A content part: ``input_text`` / ``output_text`` (images and files are refused)."""
+    """A content part: ``input_text`` / ``output_text``, or ``input_image`` (``image_url``: a URL or
+    data: URI; or ``file_id`` from the Files API) for an image-text model; files are refused."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
 
 
 class InputItem(msgspec.Struct, kw_only=True):

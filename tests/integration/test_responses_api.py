@@ -200,7 +200,7 @@ def test_stored_responses_continue_and_can_be_read_and_deleted(client):
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-            "input[0].content[0]",
+            "input[0].content[0].image_url",  # a text-only model takes no images
         ),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
         ({"max_output_tokens": 9000}, "max_output_tokens"),

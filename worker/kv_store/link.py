@@ -108,8 +108,8 @@ class KVStore:
         cache holds now; a prompt whose logprobs are wanted reuses nothing but is still written."""
         size = self.block_size
         full = request.num_prompt_tokens // size
-        if not full:
-            return  # not one full block: nothing to read or write
+        if not full or request.images:  # image blocks: keyed by tokens here, which the images' pixels do not change
+            return  # not one full block (or an image-text prompt): nothing to read or write
         end = 0 if request.sampling.prompt_logprobs is not None else (request.num_prompt_tokens - 1) // size
         job = Lookup(tuple(request.token_ids[: full * size]), min(cached_blocks, end), end)
         request.kv_store = job

@@ -29,6 +29,8 @@ FAST_FAMILIES = {
 
 def describe(model: torch.nn.Module) -> Family:
     """The model in the fused step's terms, or ``NotFast`` naming what it lacks."""
+    if getattr(model.config, "vision_config", None) is not None:
+        raise NotFast("an image-text model (its decoder sits beside a vision tower)")
     config = model.config.get_text_config()
     kind = config.model_type
     if kind not in FAST_FAMILIES:

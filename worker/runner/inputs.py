@@ -15,6 +15,7 @@ import torch
 
 from worker.attention import AttentionMetadata, DecodeBackend, DecodeGroup, PrefillSpan
 from worker.attention.layers import LayerSpec
+from worker.models.vision import overlaps_images
 from worker.request import LoraRef, Request
 from worker.scheduler import ScheduledBatch
 
@@ -37,6 +38,8 @@ class FlatInputs:
     prompt_spans: list[tuple[Request, int, int]]  # (request, first prompt position, count) needing prompt logprobs
     metadata: AttentionMetadata
     lora_segments: list[tuple[LoraRef, int, int]] = field(default_factory=list)  # (adapter, first, end) rows
+    # (request, first row, first prompt position, count) of chunks holding image tokens (worker/models/vision.py)
+    image_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -94,6 +97,7 @@ class InputBuilder:
         prompt_spans: list[tuple[Request, int, int]] = []
         prefills: list[PrefillSpan] = []
         lora_segments: list[tuple[LoraRef, int, int]] = []
+        image_rows: list[tuple[Request, int, int, int]] = []
         for request, n in rows:
             start = request.num_computed_tokens
             first = len(input_ids)
@@ -111,6 +115,8 @@ class InputBuilder:
                 prefills.append(self.prefill_span(request, first, n))
             if request.lora is not None:
                 _extend(lora_segments, request.lora, first, first + n)
+            if request.images and overlaps_images(request, start, n):
+                image_rows.append((request, first, start, n))
         metadata = AttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=self.tensor(slots),
@@ -128,6 +134,7 @@ class InputBuilder:
             prompt_spans=prompt_spans,
             metadata=metadata,
             lora_segments=lora_segments,
+            image_rows=image_rows,
         )
 
     @staticmethod

@@ -28,7 +28,7 @@ from worker.config import WorkerConfig
 from worker.guided import GuidedDecoding
 from worker.loader import load_model
 from worker.lora import registry as lora_registry
-from worker.models import support
+from worker.models import support, vision
 from worker.models.family import describe as describe_family
 from worker.models.llama import supports as native_supports
 from worker.models.shapes import Family
@@ -76,10 +76,13 @@ class ModelRunner:
         support.refuse_by_name(
             model.config.model_type, self.architecture, native_supports(model) and config.model_impl != "transformers"
         )
+        if vision.is_image_text(model.config):
+            vision.refuse_unserved(model.config, self.architecture)
         self.max_model_len = support.max_model_len(text, config.max_model_len)
         self.model = model.to(self.device).eval()
         self.reference_impl = model.config._attn_implementation  # generate's (sdpa, or eager): pooling forwards run it
         self.pooling_spec = pooling
+        self.vision = vision.ImageEncoder(model, self.reference_impl) if vision.is_image_text(model.config) else None
         self.pooling = pooling.info(len(pooling.methods) * text.hidden_size, text) if pooling is not None else None
         try:
             self.layers = learn_layers(model)
@@ -162,7 +165,9 @@ class ModelRunner:
             decode_graphs = DecodeGraphs(
                 self.native, self.kv_caches, first.heads, max_blocks, self.num_blocks, config.max_num_seqs, backend
             )
-        self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, decode_graphs, rows_only=only_rows)
+        self.paths = ExecutionPaths(
+            self.model, self.native, fused, self.inputs, decode_graphs, rows_only=only_rows, vision=self.vision
+        )
         if check is not None:
             self._self_check(check, own, decode_graphs)
 
@@ -185,7 +190,7 @@ class ModelRunner:
             )
             self.quantization = "none"
             fused = build_fused(True, self.model, "none", None, own)
-            self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, graphs)
+            self.paths = ExecutionPaths(self.model, self.native, fused, self.inputs, graphs, vision=self.vision)
             check.run(self)
 
     def drop_float_weights(self) -> None:

@@ -26,6 +26,7 @@ from worker.attention.paged import step_metadata
 from worker.lora.adapter import Segments
 from worker.models.fused_decode import FusedDecode
 from worker.models.llama import LlamaForward
+from worker.models.vision import ImageEncoder
 from worker.request import Request
 from worker.runner.cuda_graphs import DecodeGraphs
 from worker.runner.inputs import FlatInputs, InputBuilder, RowInputs, is_decode_row
@@ -48,6 +49,7 @@ class ExecutionPaths:
         inputs: InputBuilder,
         graphs: DecodeGraphs | None,
         rows_only: bool = False,
+        vision: ImageEncoder | None = None,
     ) -> None:
         self.model = model
         self.native = native
@@ -56,6 +58,7 @@ class ExecutionPaths:
         self.inputs = inputs
         self.graphs = graphs
         self.rows_only = rows_only  # --quantized-only: the model's float weights are gone; every batch is rows
+        self.vision = vision  # an image-text model's encoder: chunks with image tokens run on embeddings
 
     def takes_graph(self, batch: ScheduledBatch) -> bool:
         return (
@@ -106,9 +109,12 @@ class ExecutionPaths:
     def flat(self, inputs: FlatInputs, lora: Segments | None = None) -> torch.Tensor:
         if self.native is not None:
             return self.native(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices, lora)
+        ids: dict[str, torch.Tensor] = {"input_ids": inputs.input_ids}
+        if self.vision is not None and inputs.image_rows:
+            ids = {"inputs_embeds": self.vision.embeds(inputs.input_ids, inputs.image_rows)}
         with step_metadata(inputs.metadata):  # for the layers that do not pass kwargs on to attention
             return self.model(
-                input_ids=inputs.input_ids,
+                **ids,
                 position_ids=inputs.positions,
                 logits_to_keep=inputs.logits_indices,
                 use_cache=False,

@@ -21,6 +21,7 @@ from gateway.generate.request import CoreRequest
 from gateway.generate.served_model import now_s
 from gateway.generate.structured_outputs import format_param, output_format
 from gateway.generate.tools import CallDelta
+from gateway.generate.vision import image_part, parts_content
 from gateway.http.routes.common import answer, documented, openai_usage
 from gateway.http.routes.response_runs import resume_stream
 from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, loggable, logged_stream
@@ -36,6 +37,7 @@ from gateway.schemas.chat import (
     ChatMessage,
     FunctionCall,
     FunctionCallDelta,
+    TextPart,
     ToolCallChunk,
     ToolCallOut,
 )
@@ -61,11 +63,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 f"`messages[{i}].content` is empty: a user message needs content", param=f"messages[{i}].content"
             )
         if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise InvalidRequest(
-                    f"`messages[{i}].content` may only hold text parts", param=f"messages[{i}].content"
-                )
-            content = "".join(part.text for part in content)  # type: ignore[misc]
+            content = parts_content([_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content)])
         item: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.tool_calls is not None:
             item["tool_calls"] = message.tool_calls
@@ -77,6 +75,16 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["reasoning_content"] = message.reasoning_content or message.reasoning
         result.append(item)
     return result
+
+
+def _part(part: TextPart, param: str) -> dict[str, Any]:
+    """A content part as the core reads it: text, or an image by its URL (gateway/generate/vision.py)."""
+    if part.type == "text" and part.text is not None:
+        return {"type": "text", "text": part.text}
+    url = part.image_url.get("url") if part.type == "image_url" and isinstance(part.image_url, dict) else None
+    if isinstance(url, str):
+        return image_part(url, f"{param}.image_url.url")
+    raise InvalidRequest(f"`{param}` must be a text part or an image_url part with a url", param=param)
 
 
 def core_request(data: ChatCompletionRequest) -> CoreRequest:

@@ -5,8 +5,8 @@ the thinking budget); this module answers with a message or Anthropic's stream e
 under /v1/messages take Anthropic's shape (``gateway.errors``); the ``anthropic-version`` and
 ``anthropic-beta`` headers and a ``?beta=true`` query are tolerated, and ``x-api-key`` is accepted
 as the key. A reasoning model's thinking comes as ``thinking`` blocks (``thinking.budget_tokens``
-bounds it), and earlier thinking blocks go to the template as ``reasoning_content``; images,
-documents and Anthropic's server tools are 400s naming the field.
+bounds it), and earlier thinking blocks go to the template as ``reasoning_content``; ``image`` blocks go to
+an image-text model (gateway/generate/vision.py); documents and Anthropic's server tools are 400s naming the field.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 ``tool_use``, ``tool_result`` and ``thinking`` blocks) become chat messages for the chat template;
 tools with ``input_schema`` become function tools, ``tool_choice`` auto / any / tool / none maps onto
 auto / required / named / none, and ``thinking.budget_tokens`` bounds a reasoning model's thinking.
-A pure translation: images, documents and server tools are 400s naming the field."""
+``image`` blocks (base64 or url sources) become image parts (gateway/generate/vision.py).
+A pure translation: documents and server tools are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import orjson
 
 from gateway.errors import InvalidRequest
 from gateway.generate.request import CoreRequest
+from gateway.generate.vision import image_part, parts_content
 from gateway.http.routes.conversation_checks import ToolCallLedger, not_empty, required_text
 from gateway.schemas.anthropic import AnthropicMessage, ContentBlock, CountTokensRequest, MessagesRequest, SystemBlock
 from gateway.schemas.chat import SamplingOptions
@@ -51,11 +53,14 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
-        text, tool_calls, thinking = "", [], ""
+        parts: list[dict[str, Any]] = []
+        tool_calls, thinking = [], ""
         for j, block in enumerate(message.content):
             param = f"messages[{i}].content[{j}]"
             if block.type == "text":
-                text += block.text or ""
+                parts.append({"type": "text", "text": block.text or ""})
+            elif block.type == "image" and message.role == "user":
+                parts.append(_image(block, param))
             elif block.type == "thinking":  # earlier thinking: for the templates that keep it
                 thinking += block.thinking or ""
             elif block.type == "tool_use" and message.role == "assistant":
@@ -67,6 +72,7 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
                     f"`{param}`: {block.type} blocks are not supported in a {message.role} message on this server",
                     param=param,
                 )
+        text = parts_content(parts)
         if text or tool_calls or message.role == "assistant":
             extra = {"tool_calls": tool_calls} if tool_calls else {}
             out.append(
@@ -78,6 +84,18 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[Anthrop
                 }
             )
     return out
+
+
+def _image(block: ContentBlock, param: str) -> dict[str, Any]:
+    """An ``image`` block: its base64 source as a data: URI, or its url (fetched by the core's rules)."""
+    source = block.source or {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return image_part(
+            f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}", f"{param}.source.data"
+        )
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return image_part(source["url"], f"{param}.source.url")
+    raise InvalidRequest(f"`{param}.source` must be a base64 or url image source", param=f"{param}.source")
 
 
 def _tool_call(block: ContentBlock, param: str, calls: ToolCallLedger) -> dict[str, Any]:

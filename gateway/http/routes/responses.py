@@ -15,8 +15,9 @@ A reasoning model's thinking is a ``reasoning`` item before the message (``reaso
 content, streamed as ``response.reasoning_text.delta``), counted in ``reasoning_tokens``;
 ``reasoning.effort`` bounds it. Accepted and ignored: ``reasoning.summary``, ``truncation`` (always ``disabled``: a prompt too long is a 400), ``include``,
 ``max_tool_calls``, ``service_tier``, ``prompt_cache_key``. Refused with a 400 naming the field:
-``prompt``, built-in tools (anything but ``function`` in ``tools``), image and file inputs,
-``item_reference`` items.
+``prompt``, built-in tools (anything but ``function`` in ``tools``), ``input_file`` parts,
+``item_reference`` items. ``input_image`` parts (``image_url``, or ``file_id`` from the Files API) go to an
+image-text model (gateway/generate/vision.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from gateway.http.auth import caller_owner
 from gateway.http.routes import stream_runs
 from gateway.http.routes.common import RESPONSE, documented, json_response
 from gateway.http.routes.conversations import conversation_id
+from gateway.http.routes.files import files_of
 from gateway.http.routes.response_output import Output
 from gateway.http.routes.response_runs import (
     Turn,
@@ -57,7 +59,7 @@ from gateway.http.routes.response_runs import (
     start_run,
     with_ids,
 )
-from gateway.http.routes.responses_input import core_request, input_messages, refuse_unsupported
+from gateway.http.routes.responses_input import core_request, inline_files, input_messages, refuse_unsupported
 from gateway.policy.caller import Caller
 from gateway.schemas.responses import (
     DeletedResponse,
@@ -67,6 +69,7 @@ from gateway.schemas.responses import (
     ResponsesRequest,
     TextConfig,
 )
+from gateway.state.files import Files
 from gateway.state.limits import check_budget
 from gateway.state.runs import Event, Run
 from gateway.state.service import StateService
@@ -93,7 +96,7 @@ class ResponsesController(Controller):
         req, state = data, stored
         if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
             return resumed
-        started = await start_response(req, models.get(req.model), caller, state)
+        started = await start_response(req, models.get(req.model), caller, state, files_of(request))
         response, generation = started.response, started.generation
         if req.stream:
             return sse_stream(with_ids(started.events(), response.id), generation.request_id)
@@ -216,6 +219,7 @@ async def start_response(
     served: ServedModel,
     caller: Caller,
     state: StateService,
+    files: Files,
     local: dict[str, list[dict[str, Any]]] | None = None,
 ) -> Started:
     """Check a request and start its generation (``local``: conversations a WebSocket keeps in
@@ -228,6 +232,7 @@ async def start_response(
     else:
         history = await _history(state, req, conversation, owner)
     turn_messages = input_messages(req.input, history)
+    await inline_files(turn_messages, files, owner)
     greq = core_request(req, history + turn_messages)
     response = _envelope(served, req)
     response.conversation = {"id": conversation} if conversation else None

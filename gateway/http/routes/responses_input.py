@@ -6,33 +6,57 @@ refused here with a 400 naming the field (gateway/http/routes/responses.py lists
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import msgspec
 
 from gateway.errors import InvalidRequest
 from gateway.generate.request import CoreRequest
+from gateway.generate.vision import image_part, parts_content
 from gateway.http.routes.conversation_checks import ToolCallLedger, json_arguments, not_empty, required_text
 from gateway.schemas.responses import (
     InputItem,
     InputPart,
     ResponsesRequest,
 )
+from gateway.state.files import Files
 from gateway.state.limits import check_metadata, check_user
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _text(content: str | list[InputPart] | None, param: str) -> str:
-    """A content field's text: a string, or text parts (anything else is a 400 naming it)."""
+FILE_URL = "llmpool-file:"  # an input_image's file_id, until the route reads the file (``inline_files``)
+
+
+def _text(content: str | list[InputPart] | None, param: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """A content field's text: a string, or text parts, with ``images`` also input_image parts
+    (anything else is a 400 naming it)."""
     if content is None or isinstance(content, str):
         return content or ""
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        if part.type not in _TEXT_PARTS or part.text is None:
+        if images and part.type == "input_image" and (part.image_url or part.file_id):
+            where = f"{param}[{j}].image_url" if part.image_url else f"{param}[{j}].file_id"
+            parts.append(image_part(part.image_url or FILE_URL + str(part.file_id), where))
+        elif part.type not in _TEXT_PARTS or part.text is None:
             raise InvalidRequest(
                 f"`{param}[{j}]` is a {part.type} part; only text is supported here", param=f"{param}[{j}]"
             )
-    return "".join(part.text for part in content)  # type: ignore[misc]
+        else:
+            parts.append({"type": "text", "text": part.text})
+    return parts_content(parts)
+
+
+async def inline_files(messages: list[dict[str, Any]], files: Files, owner: str) -> None:
+    """Each input_image given by ``file_id``: the file's bytes (the Files API's) as a data: URI (a
+    400 if no such file)."""
+    for part in (p for m in messages if isinstance(m["content"], list) for p in m["content"]):
+        if part.get("type") == "image" and part["url"].startswith(FILE_URL):
+            data = await files.content(part["url"].removeprefix(FILE_URL), owner)
+            if data is None:
+                raise InvalidRequest(f"`{part['param']}`: no such file", param=part["param"])
+            part["url"] = "data:image/*;base64," + base64.b64encode(data).decode()
 
 
 def input_messages(items: str | list[InputItem], history: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
@@ -52,7 +76,8 @@ def input_messages(items: str | list[InputItem], history: list[dict[str, Any]] =
                 )
             if item.role == "user":
                 not_empty(item.content, f"input[{i}].content")
-            messages.append({"role": item.role, "content": _text(item.content, f"input[{i}].content")})
+            content = _text(item.content, f"input[{i}].content", images=item.role == "user")
+            messages.append({"role": item.role, "content": content})
         elif item.type == "function_call":
             calls.call(item.call_id, f"input[{i}].call_id")
             name = required_text(item.name, f"input[{i}].name")

@@ -104,7 +104,9 @@ class Session:
         state: StateService = socket.app.state.state
         caller = Caller(owner=caller_owner(socket), key=caller_key(socket), address=(socket.client or (None,))[0])
         try:
-            started = await start_response(req, socket.app.state.models.get(req.model), caller, state, self.local)
+            started = await start_response(
+                req, socket.app.state.models.get(req.model), caller, state, socket.app.state.files, self.local
+            )
             async for event in started.events():
                 await self.send(event.data)
         except GatewayError as exc:

@@ -1,0 +1,115 @@
+"""Images into an image-text model's prompt, through the model's own processor.
+
+The worker sends its processor's files with the tokenizer (common/model_source.py); here they load
+with the PIL image processors (``backend="pil"``): PyPI's torchvision is built for the CUDA torch
+and fails to import beside the CPU one, and the gateway imports no torch. The chat template renders
+each image part as the processor's image token; ``expand`` replaces each such token with what the
+processor makes of it for that image (its placeholders, with any markers around them) and keeps
+the processor's pixel values for the worker, which runs the vision encoder
+(worker/models/vision.py). The token counts are the processor's own, so ``/tokenize``, usage and
+the prompt budget count image tokens as the model sees them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from common.images import ImageInput
+from gateway.errors import InvalidRequest
+from gateway.generate.media import MediaRules, load_image
+
+_NOT_PIXELS = ("input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids")
+
+
+class Vision:
+    """An image-text model's processor, as the gateway uses it (off the event loop)."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.image_token: str = processor.image_token
+        self.image_token_id: int = processor.tokenizer.convert_tokens_to_ids(self.image_token)
+
+    def expand(self, ids: list[int], images: list[Any], param: str = "messages") -> tuple[list[int], list[ImageInput]]:
+        """``ids`` with each image token expanded for its image (in order), and the images' inputs."""
+        where = [i for i, token in enumerate(ids) if token == self.image_token_id]
+        if len(where) != len(images):
+            raise InvalidRequest(
+                f"the prompt holds {len(where)} image placeholders for {len(images)} images "
+                "(the chat template must render each image part once)",
+                param=param,
+            )
+        out: list[int] = []
+        inputs: list[ImageInput] = []
+        last = 0
+        for position, image in zip(where, images):
+            out.extend(ids[last:position])
+            got = self.processor(text=self.image_token, images=[image], add_special_tokens=False, return_tensors="np")
+            expansion = [int(t) for t in got["input_ids"][0]]
+            inputs.append(_image_input(got, len(out), len(expansion)))
+            out.extend(expansion)
+            last = position + 1
+        out.extend(ids[last:])
+        return out, inputs
+
+
+def _image_input(got: Any, offset: int, length: int) -> ImageInput:
+    import numpy as np
+
+    pixels = np.ascontiguousarray(got["pixel_values"], dtype="<f4")
+    data = pixels.tobytes()
+    extra = {k: np.asarray(v) for k, v in got.items() if k not in _NOT_PIXELS}
+    return ImageInput(
+        digest=hashlib.sha256(data).hexdigest(),
+        offset=offset,
+        length=length,
+        pixels=data,
+        shape=list(pixels.shape),
+        extra={k: v.astype(np.int64).ravel().tolist() for k, v in extra.items()},
+        extra_shapes={k: list(v.shape) for k, v in extra.items()},
+    )
+
+
+def image_part(url: str, param: str) -> dict[str, Any]:
+    """An image content part as every dialect hands it to the core: chat templates read
+    ``{"type": "image"}``; the URL and where the request gave it ride along."""
+    return {"type": "image", "url": url, "param": param}
+
+
+def parts_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's content parts: text only, joined (what text templates read); with images, the
+    parts as image-text templates read them."""
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def image_refs(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(url, param) of every image part, in prompt order."""
+    return [
+        (part["url"], part["param"])
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image" and "url" in part
+    ]
+
+
+def check_images(vision: Vision | None, refs: list[tuple[str, str]], rules: MediaRules, model: str) -> None:
+    """Images only for an image-text model, and no more than the server allows per request."""
+    if refs and vision is None:
+        param = refs[0][1]
+        raise InvalidRequest(f"`{param}`: the model `{model}` does not take images (a text-only model)", param=param)
+    if len(refs) > rules.max_images:
+        raise InvalidRequest(
+            f"the request holds {len(refs)} images; this server takes at most {rules.max_images} (--max-images-per-request)",
+            param=refs[rules.max_images][1],
+        )
+
+
+def prompt_with_images(served: Any, refs: list[tuple[str, str]], *render: Any) -> tuple[list[int], list[ImageInput]]:
+    """On a tokenize lane: fetch and decode the images, render and tokenize the conversation
+    (``served.chat_prompt_ids(*render)``), and expand each image's token for its image."""
+    check_images(served.vision, refs, served.media, served.served_name)
+    images = [load_image(url, served.media, param) for url, param in refs]
+    return served.vision.expand(served.chat_prompt_ids(*render), images)

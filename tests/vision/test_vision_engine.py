@@ -1,0 +1,106 @@
+"""An image-text model in the worker's engine, token for token against transformers' ``generate`` in
+float32: one image, two images and none, batched together; and the prefix cache keyed by pixels."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+
+import pytest
+from PIL import Image
+from transformers import AutoProcessor
+
+from common.model_source import resolve_model
+from common.protocol import NewRequest, SamplingParams
+from gateway.generate.vision import Vision
+from tests.vision.models import image_bytes, reference
+from worker.build import build_engine
+from worker.config import WorkerConfig
+from worker.models.support import UnsupportedModel
+from worker.models.vision import refuse_unserved
+
+NEW = 8
+ONE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+TWO = [
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}]},
+    {"role": "assistant", "content": "a picture"},
+    {"role": "user", "content": [{"type": "text", "text": "this one?"}, {"type": "image"}]},
+]
+NONE = [{"role": "user", "content": "Hello there"}]
+
+
+CONFIG = WorkerConfig(dtype="float32", kv_cache_memory="16MiB")
+
+
+@pytest.fixture(scope="module")
+def engine(llava):
+    return build_engine(resolve_model(str(llava)), CONFIG)
+
+
+def new_request(llava, rid: str, messages: list[dict], images: list[bytes]) -> NewRequest:
+    """The gateway's way: the template rendered, tokenized, each image token expanded by the processor."""
+    processor = AutoProcessor.from_pretrained(llava, backend="pil")
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = processor.tokenizer.encode(text, add_special_tokens=False)
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    ids, inputs = Vision(processor).expand(ids, pil)
+    return NewRequest(rid, ids, NEW, SamplingParams(temperature=0), ignore_eos=True, images=inputs)
+
+
+def run(engine, requests: list[NewRequest]) -> dict[str, tuple[list[int], int]]:
+    """Each request's tokens and cached prompt tokens, all admitted together."""
+    for r in requests:
+        engine.add_request(r)
+    out: dict[str, tuple[list[int], int]] = {r.request_id: ([], 0) for r in requests}
+    while any(len(out[r.request_id][0]) < NEW for r in requests):
+        for o in engine.step().outputs:
+            tokens, cached = out[o.request_id]
+            out[o.request_id] = (tokens + o.new_token_ids, max(cached, o.num_cached_tokens))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
+def test_images_match_generate_alone_and_batched_with_text(engine, family, request):
+    folder = request.getfixturevalue(family)
+    served = engine if family == "llava" else build_engine(resolve_model(str(folder)), CONFIG)
+    cases = {
+        "one": (ONE, [image_bytes(1)]),
+        "two": (TWO, [image_bytes(1), image_bytes(2, (64, 30))]),
+        "none": (NONE, []),
+    }
+    want = {name: reference(folder, m, imgs, NEW) for name, (m, imgs) in cases.items()}
+    batched = run(served, [new_request(folder, name, m, imgs) for name, (m, imgs) in cases.items()])
+    assert {name: got[0] for name, got in batched.items()} == want
+    alone = run(served, [new_request(folder, "alone", *cases["two"])])
+    assert alone["alone"][0] == want["two"]
+
+
+def test_the_prefix_cache_shares_an_image_only_with_itself(engine, llava):
+    """Same image and text: the blocks are shared; another image (same placeholders): none are,
+    and the answer is that image's own."""
+    first = run(engine, [new_request(llava, "p1", ONE, [image_bytes(7)])])["p1"]
+    again = run(engine, [new_request(llava, "p2", ONE, [image_bytes(7)])])["p2"]
+    other = run(engine, [new_request(llava, "p3", ONE, [image_bytes(8)])])["p3"]
+    assert again == (first[0], again[1]) and again[1] >= 16  # the image's 16 tokens came from the cache
+    assert other[1] < 16 and other[0] == reference(llava, ONE, [image_bytes(8)], NEW) != first[0]
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "gemma3", "mllama"])
+def test_unserved_families_are_refused_by_name(kind):
+    class Config:
+        model_type = kind
+
+    with pytest.raises(UnsupportedModel, match=f"{kind}.*not supported: its"):
+        refuse_unserved(Config(), f"X (model type {kind!r})")
+
+
+def test_the_kv_store_never_gives_one_image_another_images_blocks(llava, tmp_path):
+    """Two workers on one store: the second, asked about another image with the same tokens,
+    answers for its own image; its prefill in chunks of 8 tokens, which cut through the image."""
+    config = WorkerConfig(dtype="float32", kv_cache_memory="16MiB", kv_store=str(tmp_path))
+    first = build_engine(resolve_model(str(llava)), config)
+    run(first, [new_request(llava, "s1", ONE, [image_bytes(7)])])
+    first.kv_store.flush()
+    second = build_engine(resolve_model(str(llava)), replace(config, max_num_batched_tokens=8, max_prefill_chunk=8))
+    got = run(second, [new_request(llava, "s2", ONE, [image_bytes(8)])])["s2"]
+    assert got == (reference(llava, ONE, [image_bytes(8)], NEW), 0)

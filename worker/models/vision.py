@@ -1,0 +1,129 @@
+"""Image-text models (transformers' ``AutoModelForImageTextToText``): which families are served, and
+their vision encoder run once per image at prefill.
+
+The gateway's processor expands each image into its placeholder tokens and sends the pixel values
+(common/protocol.ImageInput). Here the encoder turns a request's images into features, once, on the
+first prefill chunk that reaches one of them; each chunk's embeddings take those features at the
+positions that hold the model's image token, as transformers' own forward puts them there
+(``masked_scatter`` in prompt order). The decoder then runs on ``inputs_embeds`` through the paged
+attention, and decode steps are text as for any model.
+
+Only families whose decoder sees an image as plain causal tokens at ordinary positions are served;
+the others are refused at start by name (``REFUSED``), with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from common.images import ImageInput
+from worker.models.support import UnsupportedModel
+from worker.request import Request
+
+# Checked token for token against ``generate`` in float32 (tests/vision/test_vision.py).
+SERVED = {"llava", "idefics3"}
+
+_MROPE = "its decoder places image tokens with multimodal rotary positions (M-RoPE), which the worker does not compute"
+REFUSED: dict[str, str] = {
+    "qwen2_vl": _MROPE,
+    "qwen2_5_vl": _MROPE,
+    "qwen3_vl": _MROPE,
+    "qwen3_vl_moe": _MROPE,
+    "gemma3": "its image tokens attend to each other in both directions, which the paged causal attention does not do",
+    "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
+    "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
+    "llama4": "its image path has not been checked exact against generate here",
+}
+
+
+def is_image_text(config: object) -> bool:
+    """Whether the config describes an image-text model (a vision tower beside the decoder)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def refuse_unserved(config: object, architecture: str) -> None:
+    """An image-text family that is not served exactly is refused at start, in one sentence."""
+    kind = config.model_type
+    if kind in SERVED:
+        return
+    reason = REFUSED.get(kind, "its image path has not been checked exact against generate here")
+    served = ", ".join(sorted(SERVED))
+    raise UnsupportedModel(f"{architecture} is not supported: {reason} (image-text families served: {served}).")
+
+
+class ImageEncoder:
+    """The model's vision tower and projector, run on each request's images once, and the prompt's
+    embeddings with the features in place."""
+
+    def __init__(self, model: torch.nn.Module, reference_impl: str) -> None:
+        self.model = model
+        self.reference_impl = reference_impl  # the tower keeps generate's attention: the paged one is the decoder's
+        config = model.config
+        self.image_token_id = getattr(config, "image_token_id", None)
+        if self.image_token_id is None:
+            self.image_token_id = config.image_token_index
+        wanted = inspect.signature(model.model.get_image_features).parameters
+        self.options = {
+            name: getattr(config, name)
+            for name in ("vision_feature_layer", "vision_feature_select_strategy")
+            if name in wanted and hasattr(config, name)
+        }
+
+    def encode(self, images: list[ImageInput]) -> torch.Tensor:
+        """``[image tokens, hidden]``: every image's features in prompt order. Images of one shape
+        go through the tower together, as ``generate`` runs a prompt's images."""
+        inner = self.model.model
+        tower = next(getattr(inner, n) for n in ("vision_tower", "vision_model", "visual") if hasattr(inner, n))
+        tower.set_attn_implementation(self.reference_impl)
+        dtype, device = self.model.dtype, self.model.device
+        inputs = [self._tensors(i, device, dtype) for i in images]
+        if len({tuple((k, v.shape[1:]) for k, v in sorted(t.items())) for t in inputs}) == 1:
+            inputs = [{k: torch.cat([t[k] for t in inputs]) for k in inputs[0]}]  # one call, as generate makes it
+        parts = []
+        for tensors in inputs:  # else each image alone, with its own sizes and masks
+            out = self.model.model.get_image_features(**tensors, **self.options)
+            features = getattr(out, "pooler_output", out)
+            if isinstance(features, (list, tuple)):
+                features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+            parts.append(features.reshape(-1, features.shape[-1]))
+        return torch.cat(parts).to(dtype)
+
+    @staticmethod
+    def _tensors(image: ImageInput, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """An image's processor outputs as the tower's arguments: its pixels and its other outputs."""
+        tensors = {"pixel_values": torch.from_numpy(_array(image.pixels, image.shape)).to(device, dtype)}
+        for name, values in image.extra.items():
+            tensors[name] = torch.from_numpy(_array(values, image.extra_shapes[name], np.int64)).to(device)
+        return tensors
+
+    def embeds(self, input_ids: torch.Tensor, rows: list[tuple[Request, int, int, int]]) -> torch.Tensor:
+        """The flat batch's input embeddings, with image features at the image-token positions of
+        each ``(request, first flat row, first prompt position, count)`` chunk."""
+        embeds = self.model.get_input_embeddings()(input_ids)
+        for request, first, start, count in rows:
+            if request.image_features is None:
+                request.image_features = self.encode(request.images)
+            positions = [
+                p for p, t in enumerate(request.token_ids[: request.num_prompt_tokens]) if t == self.image_token_id
+            ]
+            features = request.image_features
+            for k, p in enumerate(positions):
+                if start <= p < start + count:
+                    embeds[0, first + p - start] = features[k]
+            if start + count >= request.num_prompt_tokens:
+                request.image_features = None  # the prompt is in the cache: its features are not needed again
+        return embeds
+
+
+def overlaps_images(request: Request, start: int, count: int) -> bool:
+    """Whether prompt positions ``[start, start + count)`` hold any of the request's image tokens."""
+    return any(i.offset < start + count and start < i.offset + i.length for i in request.images)
+
+
+def _array(data: bytes | list[int], shape: list[int], dtype: type = np.float32) -> np.ndarray:
+    if isinstance(data, bytes):
+        return np.frombuffer(data, dtype="<f4").reshape(shape).copy()
+    return np.asarray(data, dtype=dtype).reshape(shape)
