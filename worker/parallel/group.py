@@ -1,0 +1,131 @@
+"""This process's group of ranks, once joined: what the model runner asks of it (its shard, the
+all-reduce, the step broadcast on rank 0) and the flags it changes or refuses."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import torch
+
+from worker.config import WorkerConfig
+from worker.parallel import shard as split
+from worker.parallel.steps import Leader
+from worker.parallel.topology import Topology, join, resolve, start_local_ranks, watch
+from worker.scheduler import ScheduledBatch
+from worker.threads import team_size
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Group:
+    topology: Topology
+    control: object  # the gloo group each step's batch travels on
+    children: list[subprocess.Popen]  # the ranks this process started
+    leader: Leader | None  # rank 0's sender; None on the others
+    watcher: threading.Event | None = None
+
+    def reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place (the row-parallel products' partial sums)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor)
+
+    def shard(self, model: torch.nn.Module) -> None:
+        split.shard(model, self.topology.rank, self.topology.tensor, self.reduce)
+        log.info(
+            "rank %d keeps 1/%d of each layer (worker/parallel/shard.py); the C++ step is bypassed: ranks run the torch path",
+            self.topology.rank,
+            self.topology.tensor,
+        )
+
+    def lead(self, logits: Callable[[ScheduledBatch], T], batch: ScheduledBatch) -> T:
+        """Rank 0's step: broadcast the batch, then run its share. A failure here leaves the ranks out
+        of step (a rank gone, a collective timed out): the group exits whole, for the launcher to
+        restart and the gateways to resume its requests elsewhere, rather than retry parts of it."""
+        try:
+            self.leader.send(batch)
+            return logits(batch)
+        except Exception:
+            log.critical(
+                "a tensor-parallel step failed; the group of %d ranks exits", self.topology.world, exc_info=True
+            )
+            for child in self.children:
+                child.kill()
+            os._exit(1)
+
+    def arm(self) -> None:
+        """From now on a rank that exits takes the group down (during start a refusal exits every rank alike)."""
+        self.watcher = watch(self.children)
+
+    def close(self, timeout: float = 30) -> None:
+        """Rank 0 at the end: tell the others to stop, and wait for those it started."""
+        if self.watcher is not None:
+            self.watcher.set()
+        if self.leader is not None:
+            self.leader.stop()
+        for child in self.children:
+            try:
+                child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+_CURRENT: Group | None = None
+
+
+def current() -> Group | None:
+    """The group this process joined; None for a lone worker."""
+    return _CURRENT
+
+
+def start(config: WorkerConfig, argv: list[str]) -> tuple[WorkerConfig, Group | None]:
+    """Resolve the topology, start this machine's other ranks and join the group; returns the
+    settings this rank runs with (its device, its share of the threads)."""
+    global _CURRENT
+    topology = resolve(config)
+    if topology is None:
+        return config, None
+    refuse(config)
+    from worker.runner.choices import pick_device
+
+    device = pick_device(config.device)
+    if device.type == "cuda" and device.index is None:
+        config = replace(config, device=f"cuda:{topology.local_rank % torch.cuda.device_count()}")
+    config = replace(
+        config,
+        threads=max(1, team_size(config.threads) // topology.local_world),
+        cuda_graphs="off",
+        quantized_only=False,
+    )
+    children = start_local_ranks(topology, argv)
+    control = join(topology, device.type, config.dist_timeout)
+    _CURRENT = Group(topology, control, children, Leader(control) if topology.leader else None)
+    return config, _CURRENT
+
+
+def refuse(config: WorkerConfig) -> None:
+    """ValueError, in one sentence, for a flag whose work is not split across ranks."""
+    size = f"--tensor-parallel-size {config.tensor_parallel_size}"
+    clashes = {
+        "--lora": bool(config.lora),
+        "--speculate": config.speculate > 0,
+        "--kv-store": bool(config.kv_store),
+        "--quantization": config.quantization not in ("auto", "none"),
+        "--quantized-only": bool(config.quantized_only),
+        "--cuda-graphs on": config.cuda_graphs == "on",
+        "--pooling": config.pooling not in ("auto", "none"),
+    }
+    named = [flag for flag, clash in clashes.items() if clash]
+    if named:
+        raise ValueError(
+            f"{', '.join(named)} cannot be used with {size}: the ranks run the torch path on split float weights "
+            "(the C++ quantized step, adapters, drafts, graphs and pooling hold whole layers)"
+        )
