@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         group.arm()
     proc.run()
     if group is not None:
-        stepper.call(group.close)  # on the step thread: its broadcasts stay in order with the steps'
+        group.close()  # the step thread has ended (proc.run stops it): no step's collectives are left
     if engine.kv_store is not None:
         engine.kv_store.close()
 
