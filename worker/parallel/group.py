@@ -97,8 +97,11 @@ def start(config: WorkerConfig, argv: list[str]) -> tuple[WorkerConfig, Group | 
     from worker.runner.choices import pick_device
 
     device = pick_device(config.device)
-    if device.type == "cuda" and device.index is None:
-        config = replace(config, device=f"cuda:{topology.local_rank % torch.cuda.device_count()}")
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", topology.local_rank % torch.cuda.device_count())
+            config = replace(config, device=str(device))
+        torch.cuda.set_device(device)  # NCCL's communicator takes the current device
     config = replace(
         config,
         threads=max(1, team_size(config.threads) // topology.local_world),
