@@ -2,7 +2,10 @@
 ranks (``--tensor-parallel-size 2``), the same model and load: output tokens/s of N concurrent
 greedy completions through ``llmpool serve``. docs/parallel.md reports its figures.
 
-    python -m bench.parallel [--model M] [--clients 8] [--tokens 64] [--extra "--dtype float32"]
+    python -m bench.random_llama /tmp/smol-even --size smol-even   # 2 ranks split 8 / 4 heads
+    python -m bench.parallel --model /tmp/smol-even [--clients 8] [--tokens 64] [--extra "--dtype float32"]
+
+(The default model's 9 / 3 heads split only by 3: ``--tensor-parallel-size 2`` refuses it.)
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def run(model: str, flags: list[str], clients: int, tokens: int, workers: int) -
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"llmpool serve {' '.join(flags)} exited with code {server.returncode}")
             try:
                 if len(httpx.get(url + "/workers", timeout=5).json()["workers"]) == workers:
                     break
