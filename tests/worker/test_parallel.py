@@ -5,6 +5,7 @@ batch as a follower rebuilds it."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,8 +70,11 @@ def tiny(model_type: str) -> torch.nn.Module:
 def test_a_family_without_a_split_plan_is_refused_in_one_sentence():
     with pytest.raises(ValueError, match=r"model type 'gpt2' has no split plan here \(planned: llama, "):
         shard.refuse_unplanned(tiny("gpt2"), 2)
-    with pytest.raises(ValueError, match="must divide the model's num_key_value_heads"):
-        shard.refuse_unplanned(tiny("llama"), 4)  # 2 key/value heads
+    with pytest.raises(ValueError, match="must divide the model's num_attention_heads"):
+        shard.refuse_unplanned(tiny("llama"), 8)  # 4 query heads
+    with pytest.raises(ValueError, match="must divide the model's num_key_value_heads \\(2\\) or be a multiple"):
+        sizes = SimpleNamespace(model_type="llama", num_attention_heads=6, num_key_value_heads=2, intermediate_size=6)
+        shard.refuse_unplanned(SimpleNamespace(config=sizes), 3)
 
 
 def test_the_two_shares_add_up_to_the_whole_layer():
@@ -123,3 +127,25 @@ def test_a_follower_rebuilds_the_steps_flat_sequence_exactly():
     assert [s.block_table.tolist() for s in mine.metadata.prefills] == [
         s.block_table.tolist() for s in theirs.metadata.prefills
     ]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_shares_attention_adds_up_to_the_whole_with_fewer_kv_heads_than_ranks_too(world):
+    """Each rank's attention over its heads (4 ranks: one query head each, sharing the 2 key/value
+    heads two by two), o_proj's partial products summed, is the uncut attention."""
+    whole = tiny("llama")
+    parts = [tiny("llama") for _ in range(world)]
+    for rank, part in enumerate(parts):
+        shard.shard(part, rank, world, lambda tensor: None)
+    assert parts[-1].model.layers[0].self_attn.k_proj.weight.shape[0] == 16 * max(1, 2 // world)
+    x = torch.randn(1, 5, 64)
+    position_ids = torch.arange(5)[None]
+    with torch.no_grad():
+
+        def attention(model: torch.nn.Module) -> torch.Tensor:
+            embeddings = model.model.rotary_emb(x, position_ids)
+            return model.model.layers[0].self_attn(x, embeddings, None)[0]
+
+        summed = sum(attention(part) for part in parts)
+        expected = attention(whole)
+    torch.testing.assert_close(summed, expected)
