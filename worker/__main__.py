@@ -102,6 +102,7 @@ def follow_rank_zero(engine: object, stepper: object) -> None:
 
     group = parallel.current()
     logging.getLogger(__name__).info("rank %d ready: following rank 0", group.topology.rank)
+    group.arm()
     stepper.call(parallel.follow, engine.runner, group.control)
     sys.exit(0)
 

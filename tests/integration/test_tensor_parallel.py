@@ -4,13 +4,15 @@ one-rank worker's: tests/worker/test_families.py holds that one to ``generate`` 
 batched, through chunked prefill and a prefix-cache hit. A tiny random Llama with attention biases
 runs the native forward (the row-split o_proj's bias is added once), a Qwen3 transformers' own
 classes (q/k norms per head). Killing a rank ends its worker, whose stream resumes on another
-worker exactly, and the launcher restarts the group.
+worker exactly, and the launcher restarts the group; a rank that hangs ends its group after
+``--dist-timeout``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -39,6 +41,8 @@ FLAGS = (
     "8",
     "--kv-cache-memory",
     "256KiB",
+    "--dist-timeout",
+    "5",
 )
 
 
@@ -150,6 +154,15 @@ def test_a_killed_rank_ends_its_worker_and_its_stream_resumes_elsewhere_exactly(
         assert text == expected
         killed[0].wait(15)  # rank 0 noticed and exited: the gateway resumed its request elsewhere
         assert served.get("/workers").json()["resumed"] >= 1
+        # The other llama group's rank 1 hangs (stopped, not dead): its next step's collective
+        # times out after --dist-timeout and that group exits too, rather than staying wedged.
+        survivor = "llama-worker-0" if killed[0].pid == extra.pid else "llama-extra"
+        hung_leader, hung = leader_and_follower(served, extra, survivor)
+        hung.suspend()
+        deadline = time.monotonic() + 60
+        while hung_leader.is_running() and time.monotonic() < deadline:
+            served.post("/v1/completions", json=body | {"stream": False, "max_tokens": 2})
+        assert not hung_leader.is_running() or hung_leader.status() == psutil.STATUS_ZOMBIE
     finally:
         stop(extra)
 

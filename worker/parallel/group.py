@@ -30,13 +30,15 @@ class Group:
     control: object  # the gloo group each step's batch travels on
     children: list[subprocess.Popen]  # the ranks this process started
     leader: Leader | None  # rank 0's sender; None on the others
+    steps: object  # the all-reduces' group once serving (``--dist-timeout``)
+    serving: bool = False  # until then the all-reduces run on the default group (start-up's timeout)
     watcher: threading.Event | None = None
 
     def reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place (the row-parallel products' partial sums)."""
         import torch.distributed as dist
 
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.steps if self.serving else None)
 
     def shard(self, model: torch.nn.Module) -> None:
         split.shard(model, self.topology.rank, self.topology.tensor, self.reduce)
@@ -62,7 +64,13 @@ class Group:
             os._exit(1)
 
     def arm(self) -> None:
-        """From now on a rank that exits takes the group down (during start a refusal exits every rank alike)."""
+        """Every rank, once loaded, before the first step: from now on collectives time out after
+        ``--dist-timeout`` and a rank that exits takes the group down (during start a refusal
+        exits every rank alike)."""
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank loaded (the start-up's timeout): rank 0's first batch finds them waiting
+        self.serving = True
         self.watcher = watch(self.children)
 
     def close(self, timeout: float = 30) -> None:
@@ -109,8 +117,8 @@ def start(config: WorkerConfig, argv: list[str]) -> tuple[WorkerConfig, Group | 
         quantized_only=False,
     )
     children = start_local_ranks(topology, argv)
-    control = join(topology, device.type, config.dist_timeout)
-    _CURRENT = Group(topology, control, children, Leader(control) if topology.leader else None)
+    control, steps = join(topology, device.type, config.dist_timeout)
+    _CURRENT = Group(topology, control, children, Leader(control) if topology.leader else None, steps)
     return config, _CURRENT
 
 

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 # The control group carries each step's batch from rank 0; the others wait on it between steps,
-# however long the worker sits idle, so its collectives have no practical timeout.
+# however long the worker sits idle, so their side of it has no practical timeout.
 IDLE_TIMEOUT = timedelta(days=365)
+START_TIMEOUT = 600.0  # seconds the ranks may take to start and load the model alongside each other
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,9 +157,11 @@ def watch(children: list[subprocess.Popen], interval: float = 0.2) -> threading.
     return done
 
 
-def join(topology: Topology, device_type: str, timeout: float) -> object:
-    """Join the torch.distributed group (NCCL on CUDA, else gloo); returns the gloo group that
-    carries each step's batch, whose waits never time out (an idle worker is not a hung one)."""
+def join(topology: Topology, device_type: str, timeout: float) -> tuple[object, object]:
+    """Join the torch.distributed group (NCCL on CUDA, else gloo). Returns the gloo group that
+    carries each step's batch, and the group of the steps' all-reduces, whose collectives time out
+    after ``timeout`` seconds. The default group, which the start-up uses (the rendezvous, and the
+    probe's and self-check's forwards while ranks load at their own pace), waits ``START_TIMEOUT``."""
     import torch.distributed as dist
 
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -167,8 +170,11 @@ def join(topology: Topology, device_type: str, timeout: float) -> object:
         init_method=f"tcp://{topology.master_addr}:{topology.master_port}",
         rank=topology.rank,
         world_size=topology.world,
-        timeout=timedelta(seconds=timeout),
+        timeout=timedelta(seconds=max(timeout, START_TIMEOUT)),
     )
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    steps = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout))
+    # Rank 0 sends with the step's timeout (a stopped rank must not wedge it); the others wait for
+    # the next batch as long as the worker is idle. gloo's timeout is each process's own.
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout) if topology.leader else IDLE_TIMEOUT)
     log.info("rank %d of %d joined (%s)", topology.rank, topology.world, backend)
-    return control
+    return control, steps
