@@ -28,19 +28,26 @@ def main(argv: list[str] | None = None) -> None:
     from worker import cpu
 
     cpu.cap_torch()  # LLMPOOL_CPU_ISA caps torch's kernels too; ATen and oneDNN read theirs once, so before torch
-    from worker import parallel
-    from worker.build import build_engine  # heavy imports (torch) after argument parsing
-    from worker.proc import WorkerProc
-    from worker.stepper import StepThread
-
     name = config.worker_name or f"{socket.gethostname()}-{os.getpid()}"
     curve_keys = (
         (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None
     )
+    from worker.parallel.topology import resolve, start_local_ranks  # no torch yet
+
+    try:  # --tensor-parallel-size: this machine's other ranks start now, their imports beside ours
+        topology = resolve(config)
+        children = start_local_ranks(topology, argv) if topology is not None else []
+    except ValueError as exc:
+        fail_to_start(config, name, curve_keys, exc)
+    from worker.build import build_engine  # heavy imports (torch) after argument parsing
+    from worker.parallel import group as parallel
+    from worker.proc import WorkerProc
+    from worker.stepper import StepThread
+
     stepper = StepThread()  # steps run off the socket thread, on the thread that loads the model
     group = None
     try:
-        config, group = parallel.start(config, argv)  # --tensor-parallel-size: the other ranks, joined
+        config, group = parallel.start(config, topology, children)  # the group joined
         if group is not None and not group.topology.leader:
             engine = stepper.call(build_engine, resolve_model(config.model, config.served_model_name), config)
             follow_rank_zero(engine, stepper)
@@ -98,12 +105,13 @@ def main(argv: list[str] | None = None) -> None:
 def follow_rank_zero(engine: object, stepper: object) -> None:
     """A rank other than 0: run the steps rank 0 broadcasts (on the step thread, as rank 0 runs
     them) until it stops the group, then exit."""
-    from worker import parallel
+    from worker.parallel.group import current
+    from worker.parallel.steps import follow
 
-    group = parallel.current()
+    group = current()
     logging.getLogger(__name__).info("rank %d ready: following rank 0", group.topology.rank)
     group.arm()
-    stepper.call(parallel.follow, engine.runner, group.control)
+    stepper.call(follow, engine.runner, group.control)
     sys.exit(0)
 
 

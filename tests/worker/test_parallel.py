@@ -16,8 +16,7 @@ from tests.worker.families import family_config
 from worker.attention import EagerDecode
 from worker.config import WorkerConfig
 from worker.parallel import shard, steps
-from worker.parallel.group import refuse
-from worker.parallel.topology import resolve
+from worker.parallel.topology import refuse, resolve
 from worker.request import Request
 from worker.runner.inputs import InputBuilder
 from worker.scheduler import ScheduledBatch

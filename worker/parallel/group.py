@@ -1,5 +1,5 @@
 """This process's group of ranks, once joined: what the model runner asks of it (its shard, the
-all-reduce, the step broadcast on rank 0) and the flags it changes or refuses."""
+all-reduce, the step broadcast on rank 0) and the settings it changes for each rank."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from worker.config import WorkerConfig
 from worker.parallel import shard as split
 from worker.parallel.steps import Leader
-from worker.parallel.topology import Topology, join, resolve, start_local_ranks, watch
+from worker.parallel.topology import Topology, join, watch
 from worker.scheduler import ScheduledBatch
 from worker.threads import team_size
 
@@ -94,14 +94,14 @@ def current() -> Group | None:
     return _CURRENT
 
 
-def start(config: WorkerConfig, argv: list[str]) -> tuple[WorkerConfig, Group | None]:
-    """Resolve the topology, start this machine's other ranks and join the group; returns the
-    settings this rank runs with (its device, its share of the threads)."""
+def start(
+    config: WorkerConfig, topology: Topology | None, children: list[subprocess.Popen]
+) -> tuple[WorkerConfig, Group | None]:
+    """Join the group (``children``: the ranks this process started, worker/parallel/topology.py);
+    returns the settings this rank runs with (its device, its share of the threads)."""
     global _CURRENT
-    topology = resolve(config)
     if topology is None:
         return config, None
-    refuse(config)
     from worker.runner.choices import pick_device
 
     device = pick_device(config.device)
@@ -116,27 +116,6 @@ def start(config: WorkerConfig, argv: list[str]) -> tuple[WorkerConfig, Group | 
         cuda_graphs="off",
         quantized_only=False,
     )
-    children = start_local_ranks(topology, argv)
     control, steps = join(topology, device.type, config.dist_timeout)
     _CURRENT = Group(topology, control, children, Leader(control) if topology.leader else None, steps)
     return config, _CURRENT
-
-
-def refuse(config: WorkerConfig) -> None:
-    """ValueError, in one sentence, for a flag whose work is not split across ranks."""
-    size = f"--tensor-parallel-size {config.tensor_parallel_size}"
-    clashes = {
-        "--lora": bool(config.lora),
-        "--speculate": config.speculate > 0,
-        "--kv-store": bool(config.kv_store),
-        "--quantization": config.quantization not in ("auto", "none"),
-        "--quantized-only": bool(config.quantized_only),
-        "--cuda-graphs on": config.cuda_graphs == "on",
-        "--pooling": config.pooling not in ("auto", "none"),
-    }
-    named = [flag for flag, clash in clashes.items() if clash]
-    if named:
-        raise ValueError(
-            f"{', '.join(named)} cannot be used with {size}: the ranks run the torch path on split float weights "
-            "(the C++ quantized step, adapters, drafts, graphs and pooling hold whole layers)"
-        )

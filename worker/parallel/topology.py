@@ -74,6 +74,7 @@ def resolve(config: WorkerConfig, environ: dict[str, str] | None = None) -> Topo
         if nnodes > 1 or config.headless:
             raise ValueError("--nnodes and --headless need --tensor-parallel-size > 1")
         return None
+    refuse(config)
     if world % nnodes:
         raise ValueError(f"--nnodes {nnodes} does not divide the world size {world} (tensor x pipeline)")
     local_world = world // nnodes
@@ -178,3 +179,23 @@ def join(topology: Topology, device_type: str, timeout: float) -> tuple[object, 
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout) if topology.leader else IDLE_TIMEOUT)
     log.info("rank %d of %d joined (%s)", topology.rank, topology.world, backend)
     return control, steps
+
+
+def refuse(config: WorkerConfig) -> None:
+    """ValueError, in one sentence, for a flag whose work is not split across ranks."""
+    size = f"--tensor-parallel-size {config.tensor_parallel_size}"
+    clashes = {
+        "--lora": bool(config.lora),
+        "--speculate": config.speculate > 0,
+        "--kv-store": bool(config.kv_store),
+        "--quantization": config.quantization not in ("auto", "none"),
+        "--quantized-only": bool(config.quantized_only),
+        "--cuda-graphs on": config.cuda_graphs == "on",
+        "--pooling": config.pooling not in ("auto", "none"),
+    }
+    named = [flag for flag, clash in clashes.items() if clash]
+    if named:
+        raise ValueError(
+            f"{', '.join(named)} cannot be used with {size}: the ranks run the torch path on split float weights "
+            "(the C++ quantized step, adapters, drafts, graphs and pooling hold whole layers)"
+        )

@@ -32,7 +32,7 @@ from worker.models import support
 from worker.models.family import describe as describe_family
 from worker.models.llama import supports as native_supports
 from worker.models.shapes import Family
-from worker.parallel import current as parallel_group
+from worker.parallel.group import current as parallel_group
 from worker.pooling_spec import PoolingSpec
 from worker.request import Request
 from worker.runner import kv_cache
