@@ -128,12 +128,13 @@ def test_a_follower_rebuilds_the_steps_flat_sequence_exactly():
     ]
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_the_shares_attention_adds_up_to_the_whole_with_fewer_kv_heads_than_ranks_too(world):
+def test_the_shares_attention_adds_up_to_the_whole_with_fewer_kv_heads_than_ranks_too(world, model_type):
     """Each rank's attention over its heads (4 ranks: one query head each, sharing the 2 key/value
     heads two by two), o_proj's partial products summed, is the uncut attention."""
-    whole = tiny("llama")
-    parts = [tiny("llama") for _ in range(world)]
+    whole = tiny(model_type)
+    parts = [tiny(model_type) for _ in range(world)]
     for rank, part in enumerate(parts):
         shard.shard(part, rank, world, lambda tensor: None)
     assert parts[-1].model.layers[0].self_attn.k_proj.weight.shape[0] == 16 * max(1, 2 // world)
