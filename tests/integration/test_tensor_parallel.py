@@ -1,7 +1,7 @@
 """``--tensor-parallel-size 2`` on the CPU (gloo), through ``llmpool serve``: every worker is two real
 rank processes, and its float32 greedy text is transformers' ``generate``'s token for token (so a
 one-rank worker's: tests/worker/test_families.py holds that one to ``generate`` too), alone and
-batched, through chunked prefill and a prefix-cache hit. A tiny random Llama with attention biases
+batched, through chunked prefill, a prefix-cache hit and a preemption. A tiny random Llama with attention biases
 runs the native forward (the row-split o_proj's bias is added once), a Qwen3 transformers' own
 classes (q/k norms per head). Killing a rank ends its worker, whose stream resumes on another
 worker exactly, and the launcher restarts the group; a rank that hangs ends its group after
@@ -40,7 +40,7 @@ FLAGS = (
     "--max-num-batched-tokens",
     "8",
     "--kv-cache-memory",
-    "256KiB",
+    "12KiB",  # 12 blocks of 4 tokens per rank: the batch below needs about 17, so requests are preempted
     "--dist-timeout",
     "5",
 )
@@ -118,6 +118,8 @@ def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model
     assert complete(served, model, PROMPTS[0]) == expected[0]  # alone
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched
         assert list(pool.map(lambda p: complete(served, model, p), PROMPTS)) == expected
+    preempted = lambda: any(w["preemptions"] for w in served.workers() if w["model"] == model)  # noqa: E731
+    wait_until(preempted, 10, f"the {model} worker's preemption (its load report)")
 
 
 def test_each_worker_is_two_live_rank_processes_and_one_worker_to_the_gateway(served):
@@ -137,7 +139,7 @@ def test_a_killed_rank_ends_its_worker_and_its_stream_resumes_elsewhere_exactly(
     )
     try:
         wait_until(lambda: len(served.workers()) == 3, 120, "the extra llama worker")
-        prompt, tokens = PROMPTS[1], 48
+        prompt, tokens = PROMPTS[1], 40  # 12 blocks at most
         expected = generate(models["llama"], [prompt], tokens)[0]
         body = {"model": "llama", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
         body |= {"stream": True}
