@@ -6,6 +6,8 @@ that reaches no model hub (the GPU runs in bench/gpu.sh, tests/gpu).
   embeddings) over SmolLM2's 49,152-token vocabulary: 1.07 B parameters, 2.1 GB in bf16.
 - ``smol``: the default model's exact shape (576 hidden, 30 layers, 9 / 3 heads): same speed as the
   real weights, for speed runs where the GGUF file is not at hand.
+- ``smol-even``: that shape with 8 / 4 heads of 64 (queries 512 wide), which two tensor-parallel
+  ranks can split (bench/parallel.py); 9 / 3 heads split only by 3.
 
 Random weights give near-uniform next-token distributions, so they prove speed and exactness
 (float32 output against ``generate``), not text quality.
@@ -30,6 +32,13 @@ SHAPES = {
         "num_hidden_layers": 30,
         "num_attention_heads": 9,
         "num_key_value_heads": 3,
+    },
+    "smol-even": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
     },
 }
 
@@ -56,7 +65,6 @@ def build(folder: Path, size: str = "1b", tokenizer_dir: str | None = None, seed
     tokenizer = load_default_tokenizer(tokenizer_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        head_dim=64,
         max_position_embeddings=8192,
         rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
         rms_norm_eps=1e-5,
@@ -64,7 +72,7 @@ def build(folder: Path, size: str = "1b", tokenizer_dir: str | None = None, seed
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
-        **SHAPES[size],
+        **({"head_dim": 64} | SHAPES[size]),
     )
     torch.manual_seed(seed)
     with torch.device(

@@ -22,21 +22,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     config = from_namespace(WorkerConfig, build_parser().parse_args(argv))
     setup_logging("worker", config.log_level, config.log_format)
     from worker import cpu
 
     cpu.cap_torch()  # LLMPOOL_CPU_ISA caps torch's kernels too; ATen and oneDNN read theirs once, so before torch
-    from worker.build import build_engine  # heavy imports (torch) after argument parsing
-    from worker.proc import WorkerProc
-    from worker.stepper import StepThread
-
     name = config.worker_name or f"{socket.gethostname()}-{os.getpid()}"
     curve_keys = (
         (config.curve_client_secret_key, config.curve_server_public_key) if config.curve_client_secret_key else None
     )
+    from worker.parallel.topology import resolve, start_local_ranks  # no torch yet
+
+    try:  # --tensor-parallel-size: this machine's other ranks start now, their imports beside ours
+        topology = resolve(config)
+        children = start_local_ranks(topology, argv) if topology is not None else []
+    except ValueError as exc:
+        fail_to_start(config, name, curve_keys, exc)
+    from worker.build import build_engine  # heavy imports (torch) after argument parsing
+    from worker.parallel import group as parallel
+    from worker.proc import WorkerProc
+    from worker.stepper import StepThread
+
     stepper = StepThread()  # steps run off the socket thread, on the thread that loads the model
+    group = None
     try:
+        config, group = parallel.start(config, topology, children)  # the group joined
+        if group is not None and not group.topology.leader:
+            engine = stepper.call(build_engine, resolve_model(config.model, config.served_model_name), config)
+            follow_rank_zero(engine, stepper)
         source = resolve_model(config.model, config.served_model_name)
         engine = stepper.call(
             build_engine, source, config
@@ -79,13 +93,30 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger(__name__).info(
         "worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks
     )
+    if group is not None:
+        group.arm()
     proc.run()
+    if group is not None:
+        group.close()  # the step thread has ended (proc.run stops it): no step's collectives are left
     if engine.kv_store is not None:
         engine.kv_store.close()
 
 
+def follow_rank_zero(engine: object, stepper: object) -> None:
+    """A rank other than 0: run the steps rank 0 broadcasts (on the step thread, as rank 0 runs
+    them) until it stops the group, then exit."""
+    from worker.parallel.group import current
+    from worker.parallel.steps import follow
+
+    group = current()
+    logging.getLogger(__name__).info("rank %d ready: following rank 0", group.topology.rank)
+    group.arm()
+    stepper.call(follow, engine.runner, group.control)
+    sys.exit(0)
+
+
 def fail_to_start(config: WorkerConfig, name: str, curve_keys: tuple[str, str] | None, exc: Exception) -> None:
-    """Log why, tell the gateways (their /health reports it), and exit: with ``EXIT_UNSUPPORTED``
+    """Log why, tell the gateways (their /health reports it; rank 0 alone), and exit: with ``EXIT_UNSUPPORTED``
     when the model or the flags can never work (a refusal, a flag that does not apply), so the
     launcher gives up at once; with 1 otherwise, so it retries with a backoff."""
     from worker.handshake import report_start_failure
@@ -94,7 +125,8 @@ def fail_to_start(config: WorkerConfig, name: str, curve_keys: tuple[str, str] |
     permanent = isinstance(exc, ValueError)  # UnsupportedModel and every refused flag combination
     message = str(exc) if permanent else f"{type(exc).__name__}: {exc}"
     log.error("cannot start: %s", message, exc_info=None if permanent else exc)
-    report_start_failure(config.gateway_address, name, message, curve_keys)
+    if os.environ.get("RANK", "0") == "0" or config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        report_start_failure(config.gateway_address, name, message, curve_keys)
     sys.exit(EXIT_UNSUPPORTED if permanent else 1)
 
 

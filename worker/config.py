@@ -161,6 +161,44 @@ WORKER_FLAGS = [
         "verified in one step; 0 turns it off",
         int,
     ),
+    Flag(
+        "tensor-parallel-size",
+        1,
+        "Ranks that split each layer (heads, MLP columns) of one model, joined with torch.distributed (gloo on the CPU, NCCL on GPUs): "
+        "the worker is rank 0, owns the gateway socket and starts the others (worker/parallel); --kv-cache-memory is per rank",
+        int,
+    ),
+    Flag(
+        "pipeline-parallel-size",
+        1,
+        "Stages that split the layers of one model (vLLM's flag); only 1 is implemented yet (docs/parallel.md)",
+        int,
+    ),
+    Flag("nnodes", 1, "Machines one worker's ranks span (vLLM's --nnodes); each runs world size / nnodes ranks", int),
+    Flag("node-rank", 0, "This machine's place among --nnodes (0 holds rank 0 and the gateway socket)", int),
+    Flag(
+        "master-addr",
+        "127.0.0.1",
+        "Address of rank 0's torch.distributed rendezvous (vLLM's --master-addr; torchrun's MASTER_ADDR wins when set)",
+    ),
+    Flag(
+        "master-port",
+        0,
+        "Port of that rendezvous; 0: a free one (one machine only; torchrun's MASTER_PORT wins when set)",
+        int,
+    ),
+    Flag(
+        "headless",
+        False,
+        "Run only this machine's ranks, with no gateway socket (vLLM's --headless, for --node-rank > 0)",
+        bool,
+    ),
+    Flag(
+        "dist-timeout",
+        60.0,
+        "Seconds a rank waits in one step's collective before it gives up and the whole group exits (a dead or hung rank)",
+        float,
+    ),
 ]
 
 
@@ -203,6 +241,14 @@ class WorkerConfig(SharedConfig):
     drain_timeout: float = 30.0
     curve_client_secret_key: str | None = None
     curve_server_public_key: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    headless: bool = False
+    dist_timeout: float = 60.0
 
     def for_device(self, device_type: str) -> WorkerConfig:
         """These settings with the batch limits left at 0 filled in for ``device_type`` ("cpu", "cuda")."""

@@ -32,6 +32,7 @@ from worker.models import support, vision
 from worker.models.family import describe as describe_family
 from worker.models.llama import supports as native_supports
 from worker.models.shapes import Family
+from worker.parallel.group import current as parallel_group
 from worker.pooling_spec import PoolingSpec
 from worker.request import Request
 from worker.runner import kv_cache
@@ -71,6 +72,11 @@ class ModelRunner:
         self.dtype = pick_dtype(config.dtype, self.device, quantized_at_rest=source.gguf_file is not None)
         self.block_size = config.block_size
         model = load_model(source, self.dtype, config.cache_dir)
+        self.group = parallel_group()  # --tensor-parallel-size > 1: this rank's share of each layer, cut first
+        if self.group is not None:
+            if pooling is not None:
+                raise ValueError("--pooling cannot be used with --tensor-parallel-size > 1: pooling runs whole layers")
+            self.group.shard(model)
         text = model.config.get_text_config()
         self.architecture = describe(model)
         support.refuse_by_name(
@@ -90,8 +96,10 @@ class ModelRunner:
             raise support.UnsupportedModel(f"{self.architecture} is not supported: {exc}.") from None
         # The reference the self-check compares with is computed now: the fused step and the native forward take transformers' layers.
         check = None if config.skip_self_check else SelfCheck(model, self.layers, self.max_model_len, self.block_size)
-        self.quantization, fast_decode = pick_decode_path(
-            config.quantization, self.device, self.dtype, model, config.dtype
+        self.quantization, fast_decode = (
+            ("none", False)
+            if self.group is not None  # the C++ step holds whole layers: split ranks run the torch path
+            else pick_decode_path(config.quantization, self.device, self.dtype, model, config.dtype)
         )
         decode_cache = source.cache_dir(config.cache_dir, f"decode-{str(self.dtype).removeprefix('torch.')}")
         fused = build_fused(fast_decode, model, self.quantization, decode_cache)
@@ -116,7 +124,9 @@ class ModelRunner:
         # auto's rows keep the native forward: runtime LoRA adapters are applied through it
         self.native = None if only_rows and not self.rows_by_default else pick_impl(impl, model)
         why_not = (
-            None
+            "LoRA adapters are not split across tensor-parallel ranks"
+            if self.group is not None
+            else None
             if self.native is not None
             else f"LoRA adapters are applied by the native forward, which does not run {self.architecture} here"
         )
@@ -238,7 +248,8 @@ class ModelRunner:
             request = batch.requests[0]
             tokens, logprobs = self.sampler.verify(paths.verify(request), request, request.draft_token_ids)
             return RunOutput({request.request_id: tokens}, {} if logprobs is None else {request.request_id: logprobs})
-        logits, requests = self.logits(batch)
+        # --tensor-parallel-size: the other ranks run the same step on their shards (rank 0 broadcasts it)
+        logits, requests = self.logits(batch) if self.group is None else self.group.lead(self.logits, batch)
         return self._sample(logits, requests) if requests else RunOutput()
 
     def logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:

@@ -1,0 +1,151 @@
+"""worker/parallel without a second process: the topology the flags and torchrun's variables give,
+the refusals (sizes, flags, families without a split plan), the split plan's shapes, and a step's
+batch as a follower rebuilds it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.protocol import SamplingParams
+from tests.worker.families import family_config
+from worker.attention import EagerDecode
+from worker.config import WorkerConfig
+from worker.parallel import shard, steps
+from worker.parallel.topology import refuse, resolve
+from worker.request import Request
+from worker.runner.inputs import InputBuilder
+from worker.scheduler import ScheduledBatch
+
+TP2 = replace(WorkerConfig(), tensor_parallel_size=2)
+
+
+def test_one_rank_is_no_group_and_two_pick_a_port_and_start_the_other():
+    assert resolve(WorkerConfig(), {}) is None
+    topology = resolve(TP2, {})
+    assert (topology.rank, topology.world, topology.local_world, topology.by_torchrun) == (0, 2, 2, False)
+    assert topology.master_port > 0
+
+
+def test_torchrun_variables_are_honoured_and_must_agree_with_the_sizes():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    topology = resolve(TP2, env)
+    assert (topology.rank, topology.local_rank, topology.master_addr, topology.master_port) == (1, 1, "10.0.0.1", 29500)
+    assert topology.by_torchrun and not topology.leader
+    with pytest.raises(ValueError, match="WORLD_SIZE=4"):
+        resolve(TP2, env | {"WORLD_SIZE": "4"})
+
+
+def test_nodes_split_the_ranks_and_bad_combinations_are_refused():
+    nodes = replace(TP2, tensor_parallel_size=4, nnodes=2, node_rank=1, master_port=29500, headless=True)
+    topology = resolve(nodes, {})
+    assert (topology.rank, topology.local_world) == (2, 2)
+    for bad, phrase in [
+        (replace(nodes, master_port=0), "needs --master-port"),
+        (replace(nodes, node_rank=0), "--headless is for the other machines"),
+        (replace(nodes, nnodes=3), "does not divide"),
+        (replace(TP2, pipeline_parallel_size=2), "not implemented yet"),
+        (replace(WorkerConfig(), headless=True), "need --tensor-parallel-size > 1"),
+    ]:
+        with pytest.raises(ValueError, match=phrase):
+            resolve(bad, {})
+
+
+def test_flags_whose_work_is_not_split_are_refused_in_one_sentence():
+    refuse(TP2)
+    with pytest.raises(ValueError, match=r"^--lora, --quantization cannot be used with --tensor-parallel-size 2: "):
+        refuse(replace(TP2, lora=["a=/x"], quantization="int8"))
+
+
+def tiny(model_type: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(family_config(model_type, {"attention_bias": True})).eval()
+
+
+def test_a_family_without_a_split_plan_is_refused_in_one_sentence():
+    with pytest.raises(ValueError, match=r"model type 'gpt2' has no split plan here \(planned: llama, "):
+        shard.refuse_unplanned(tiny("gpt2"), 2)
+    with pytest.raises(ValueError, match="must divide the model's num_attention_heads"):
+        shard.refuse_unplanned(tiny("llama"), 8)  # 4 query heads
+    with pytest.raises(ValueError, match="must divide the model's num_key_value_heads \\(2\\) or be a multiple"):
+        sizes = SimpleNamespace(model_type="llama", num_attention_heads=6, num_key_value_heads=2, intermediate_size=6)
+        shard.refuse_unplanned(SimpleNamespace(config=sizes), 3)
+
+
+def test_the_two_shares_add_up_to_the_whole_layer():
+    """Each rank's column shares and its row share's partial product, summed as the all-reduce sums
+    them, give the uncut layer's output (up to float rounding)."""
+    whole = tiny("llama")
+    parts = [tiny("llama") for _ in range(2)]
+    for rank, part in enumerate(parts):
+        shard.shard(part, rank, 2, lambda tensor: None)
+    attn = [p.model.layers[0].self_attn for p in parts]
+    assert attn[0].q_proj.weight.shape == (32, 64) and attn[0].k_proj.weight.shape == (16, 64)
+    assert attn[1].o_proj.bias is None and attn[0].o_proj.bias is not None  # added once
+    x = torch.randn(3, 64)
+    mlp = [p.model.layers[0].mlp for p in parts]
+    with torch.no_grad():
+        summed = sum(m.down_proj(torch.nn.functional.silu(m.gate_proj(x)) * m.up_proj(x)) for m in mlp)
+        expected = whole.model.layers[0].mlp(x)
+    torch.testing.assert_close(summed, expected)
+
+
+def test_a_follower_rebuilds_the_steps_flat_sequence_exactly():
+    requests = [
+        Request(
+            "a",
+            list(range(10, 30)),
+            20,
+            8,
+            SamplingParams(),
+            frozenset(),
+            num_computed_tokens=19,
+            block_ids=[3, 4, 5, 6, 7],
+        ),
+        Request(
+            "b",
+            list(range(40, 60)),
+            20,
+            8,
+            SamplingParams(),
+            frozenset(),
+            num_computed_tokens=8,
+            block_ids=[0, 1, 2, 8, 9],
+        ),
+    ]
+    batch = ScheduledBatch(requests, [1, 8])
+    builder = InputBuilder(4, torch.device("cpu"), [], EagerDecode())
+    mine, theirs = builder.flat(batch), builder.flat(steps.decode(steps.encode(batch)))
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(mine, name), getattr(theirs, name))
+    assert torch.equal(mine.metadata.slot_mapping, theirs.metadata.slot_mapping)
+    assert [s.block_table.tolist() for s in mine.metadata.prefills] == [
+        s.block_table.tolist() for s in theirs.metadata.prefills
+    ]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_shares_attention_adds_up_to_the_whole_with_fewer_kv_heads_than_ranks_too(world, model_type):
+    """Each rank's attention over its heads (4 ranks: one query head each, sharing the 2 key/value
+    heads two by two), o_proj's partial products summed, is the uncut attention."""
+    whole = tiny(model_type)
+    parts = [tiny(model_type) for _ in range(world)]
+    for rank, part in enumerate(parts):
+        shard.shard(part, rank, world, lambda tensor: None)
+    assert parts[-1].model.layers[0].self_attn.k_proj.weight.shape[0] == 16 * max(1, 2 // world)
+    x = torch.randn(1, 5, 64)
+    position_ids = torch.arange(5)[None]
+    with torch.no_grad():
+
+        def attention(model: torch.nn.Module) -> torch.Tensor:
+            embeddings = model.model.rotary_emb(x, position_ids)
+            return model.model.layers[0].self_attn(x, embeddings, None)[0]
+
+        summed = sum(attention(part) for part in parts)
+        expected = attention(whole)
+    torch.testing.assert_close(summed, expected)
