@@ -87,10 +87,11 @@ def inproc(tokenizer, fake_fleet, tmp_path_factory):
     url = f"sqlite:///{tmp_path_factory.mktemp('inproc')}/state.db"
 
     async def open_store() -> None:
+        # each client that starts the app (test_walk starts its own) gets a store in its own loop
         stored.append(await StateService.open(url, Limits(), UsageMeter(CollectorRegistry()), 1.0, 3.0, 60.0))
 
     async def close_store() -> None:
-        await stored[0].close()
+        await stored.pop().close()
 
     app = Litestar(
         on_startup=[open_store],
@@ -99,7 +100,7 @@ def inproc(tokenizer, fake_fleet, tmp_path_factory):
         dependencies={
             **DEPENDENCIES,
             "models": Provide(lambda: registry, sync_to_thread=False),
-            "stored": Provide(lambda: stored[0], sync_to_thread=False),
+            "stored": Provide(lambda: stored[-1], sync_to_thread=False),
         },
         exception_handlers=EXCEPTION_HANDLERS,
         request_class=GatewayRequest,

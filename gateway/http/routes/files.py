@@ -43,6 +43,11 @@ def files_of(request: Request) -> Files:
     return request.app.state.files
 
 
+def files_if_any(request: Request) -> Files | None:
+    """The Files API's service where the app has one (an app built for in-process tests may not)."""
+    return request.app.state.get("files")
+
+
 def list_page(data: list[dict], has_more: bool) -> ItemList:
     return ItemList(data, data[0]["id"] if data else None, data[-1]["id"] if data else None, has_more)
 

@@ -43,7 +43,7 @@ from gateway.http.auth import caller_owner
 from gateway.http.routes import stream_runs
 from gateway.http.routes.common import RESPONSE, documented, json_response
 from gateway.http.routes.conversations import conversation_id
-from gateway.http.routes.files import files_of
+from gateway.http.routes.files import files_if_any
 from gateway.http.routes.response_output import Output
 from gateway.http.routes.response_runs import (
     Turn,
@@ -96,7 +96,7 @@ class ResponsesController(Controller):
         req, state = data, stored
         if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
             return resumed
-        started = await start_response(req, models.get(req.model), caller, state, files_of(request))
+        started = await start_response(req, models.get(req.model), caller, state, files_if_any(request))
         response, generation = started.response, started.generation
         if req.stream:
             return sse_stream(with_ids(started.events(), response.id), generation.request_id)
@@ -219,7 +219,7 @@ async def start_response(
     served: ServedModel,
     caller: Caller,
     state: StateService,
-    files: Files,
+    files: Files | None,
     local: dict[str, list[dict[str, Any]]] | None = None,
 ) -> Started:
     """Check a request and start its generation (``local``: conversations a WebSocket keeps in

@@ -48,12 +48,12 @@ def _text(content: str | list[InputPart] | None, param: str, images: bool = Fals
     return parts_content(parts)
 
 
-async def inline_files(messages: list[dict[str, Any]], files: Files, owner: str) -> None:
+async def inline_files(messages: list[dict[str, Any]], files: Files | None, owner: str) -> None:
     """Each input_image given by ``file_id``: the file's bytes (the Files API's) as a data: URI (a
     400 if no such file)."""
     for part in (p for m in messages if isinstance(m["content"], list) for p in m["content"]):
         if part.get("type") == "image" and part["url"].startswith(FILE_URL):
-            data = await files.content(part["url"].removeprefix(FILE_URL), owner)
+            data = None if files is None else await files.content(part["url"].removeprefix(FILE_URL), owner)
             if data is None:
                 raise InvalidRequest(f"`{part['param']}`: no such file", param=part["param"])
             part["url"] = "data:image/*;base64," + base64.b64encode(data).decode()

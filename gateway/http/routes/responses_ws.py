@@ -105,7 +105,7 @@ class Session:
         caller = Caller(owner=caller_owner(socket), key=caller_key(socket), address=(socket.client or (None,))[0])
         try:
             started = await start_response(
-                req, socket.app.state.models.get(req.model), caller, state, socket.app.state.files, self.local
+                req, socket.app.state.models.get(req.model), caller, state, socket.app.state.get("files"), self.local
             )
             async for event in started.events():
                 await self.send(event.data)
