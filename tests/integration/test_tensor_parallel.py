@@ -116,10 +116,16 @@ def ranks(server: Server) -> dict[str, list[psutil.Process]]:
 def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model):
     expected = generate(models[model], PROMPTS)
     assert complete(served, model, PROMPTS[0]) == expected[0]  # alone
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched
-        assert list(pool.map(lambda p: complete(served, model, p), PROMPTS)) == expected
     preempted = lambda: any(w["preemptions"] for w in served.workers() if w["model"] == model)  # noqa: E731
-    wait_until(preempted, 10, f"the {model} worker's preemption (its load report)")
+    for _ in range(3):  # batched; again while no request got preempted (the four must overlap, which load can spoil)
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(lambda p: complete(served, model, p), PROMPTS)) == expected
+        try:
+            wait_until(preempted, 3, f"the {model} worker's preemption (its load report)")
+            break
+        except TimeoutError:
+            continue
+    assert preempted(), f"no {model} request was preempted in three batches"
 
 
 def test_each_worker_is_two_live_rank_processes_and_one_worker_to_the_gateway(served):
