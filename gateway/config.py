@@ -52,6 +52,12 @@ GATEWAY_FLAGS = [
         "Let requests bring their own `chat_template` (rendered in the sandbox); refused by default",
         bool,
     ),
+    Flag(
+        "strict-fields",
+        False,
+        "Refuse request fields no API defines with a 400 naming them; by default they are logged once and counted",
+        bool,
+    ),
     Flag("ui", True, "Serve the playground (/) and operator page (/dashboard)", bool),
     Flag("max-concurrent-requests", 256, "Requests in flight at the workers; more wait in a bounded queue", int),
     Flag("max-waiting-requests", 256, "Requests queued for a slot; past that, 429 with Retry-After at once", int),
@@ -185,6 +191,7 @@ class GatewayConfig(SharedConfig):
     max_connections: int = 2048
     cors_allow_origins: str | None = None
     allow_request_chat_template: bool = False
+    strict_fields: bool = False
     max_retries: int = 2
     shutdown_grace: float = 30.0
     hung_timeout: float = 60.0

@@ -16,4 +16,5 @@ logprobs.py            log-probabilities in OpenAI's two shapes
 structured_outputs.py  vLLM's guided-decoding fields as the core's output format
 lanes.py               work off the event loop, and work that stops when its client hangs up
 pooling.py             the pooling core (embeddings, rerank, score), as core.py is for generation
+decisions.py           OpenAI's Decisions: questions over one input, answered from label-token probabilities
 """

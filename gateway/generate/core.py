@@ -57,7 +57,9 @@ async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = N
     if caller is not None and req.meter is None:
         req.meter = rules.usage
         req.owner = caller.owner
-    req.priority = request_priority(caller, rules.scheduling_policy, req.sampling.priority)
+    req.priority = request_priority(
+        caller, rules.scheduling_policy, req.sampling.priority, getattr(req.sampling, "service_tier", None)
+    )
     prepared = await prepare(served, req, caller)
     if rules.quotas is not None:
         await rules.quotas.enforce(caller, served.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
@@ -129,18 +131,26 @@ class Generation:
             parser = parsers[index]
             text, calls = (text, []) if parser is None else parser.push(text)
             if delta.finish_reason is not None and parser is not None:
-                rest, more = parser.finish()
+                rest, more = parser.finish(cut=delta.finish_reason == LENGTH)
                 text, calls = text + rest, calls + more
             if text or delta.logprobs:
                 yield Text(index, text, delta.logprobs)
             for call in calls:
                 yield ToolCallDelta(index, call)
             if delta.finish_reason is not None:
-                usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens, delta.reasoning_tokens)
+                usage = _usage(delta)
                 self._meter(index, usage)
                 yield Finish(
                     index, _reason(delta, parser is not None and bool(parser.calls)), usage, delta.stop_sequence
                 )
+
+    async def outputs(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        """Every choice's deltas as the worker made them, unparsed (token ids in, token ids out), each
+        choice billed at its finish as ``events`` bills it."""
+        async for index, delta in self._merged():
+            if delta.finish_reason is not None:
+                self._meter(index, _usage(delta))
+            yield index, delta
 
     def _meter(self, index: int, usage: Usage) -> None:
         """Bill a finished choice to its key: its output, and its prompt once per prompt (``n`` share one)."""
@@ -217,6 +227,10 @@ class Generation:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(delta: TextDelta) -> Usage:
+    return Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens, delta.reasoning_tokens)
 
 
 def _reason(delta: TextDelta, called: bool) -> str:
