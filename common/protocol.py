@@ -175,8 +175,7 @@ class Heartbeat(Wire):
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
     draining: bool = False  # finishing its requests before leaving: send it no new ones
-    # Its speed when busy: tokens per second of step time over recent steps that ran work (0 until any): routing weighs by it.
-    capacity_tokens_per_s: float = 0.0
+    capacity_tokens_per_s: float = 0.0  # tokens/s of step time in recent steps that ran work: routing weighs it
     spec_proposed_tokens: int = 0  # speculative decoding: draft tokens proposed so far
     spec_accepted_tokens: int = 0  # ... and accepted by the verifying step
     # The KV store under the prefix cache (worker/kv_store), if any: workers with the same id read each other's blocks (one
@@ -191,6 +190,7 @@ class Heartbeat(Wire):
     kv_store_size_bytes: int = 0
     kv_store_evictions: int = 0
     lora: LoraLoad | None = None  # LoRA adapters running, waiting and resident (common/lora.py); None: it serves none
+    cached_blocks: int = 0  # KV blocks its prefix cache holds now (what its KV events describe: worker/kv_events.py)
 
 
 class AddRequests(Wire):

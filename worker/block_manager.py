@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from worker.request import Request
 
@@ -50,6 +51,12 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.hit_tokens = 0  # prompt tokens served from the cache, since start
         self.queried_tokens = 0  # prompt tokens looked up
+        # Told of each block the cache registers and drops (worker/kv_events.py's publisher), when set.
+        self.events: Any = None
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def num_free_blocks(self) -> int:
@@ -154,6 +161,8 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash, block.token_ids = block_hash, chunk
                 self._cached[block_hash] = block.block_id
+                if self.events is not None:
+                    self.events.stored(block_hash, parent if index else None, chunk, size, request.cache_salt)
 
     def free(self, request: Request) -> None:
         """Drop the request's references, last block first, so prefixes outlive their tails in the LRU."""
@@ -174,4 +183,6 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash, block.token_ids = None, ()
