@@ -1,10 +1,9 @@
 """The wire contract between the gateway (ROUTER) and the workers (DEALER).
 
-Every message is two ZeroMQ frames: a two-byte header ``[PROTOCOL_VERSION, MsgType]`` and a
-msgpack payload holding one of the Structs below in array form: the values in field order, without
-their names (a step's one-token output takes 55 bytes where the named form took 232). The full
-request travels once (``AddRequests``); after that only deltas travel (``StepOutputs`` lists the new
-token ids of each request in one worker step). Nothing is ever pickled.
+Every message is two ZeroMQ frames: a two-byte header ``[PROTOCOL_VERSION, MsgType]`` and a msgpack payload holding one
+of the Structs below in array form: the values in field order, without their names (a step's one-token output takes 55
+bytes where the named form took 232). The full request travels once (``AddRequests``); after that only deltas travel
+(``StepOutputs`` lists the new token ids of each request in one worker step). Nothing is ever pickled.
 
 Array form makes field order part of the contract: add fields at the end of a message, with a
 default (a shorter array decodes, its missing trailing fields taking their defaults), and bump
@@ -117,12 +116,13 @@ class NewRequest(Wire):
     resumed_tokens: int = 0
     # W3C trace context of the gateway's span (``traceparent``, ``tracestate``): a worker's events join its trace; {} untraced.
     trace_context: dict[str, str] = {}
-    # A reasoning model's thinking (None: no thinking markers): a guide applies only after the
-    # thinking ends, and a budget ends it.
+    # A reasoning model's thinking (None: no thinking markers): a guide applies only after it ends, and a budget ends it.
     reasoning: Reasoning | None = None
     pooling: PoolingParams | None = None  # a pooling request (common/pooling.py): one pass, no token sampled
     lora: str | None = None  # the LoRA adapter it runs with (the name a client gave as its model); None: the base model
     priority: int = 0  # lower is more urgent (vLLM's): admitted first, preempted last; batches: BATCH_PRIORITY
+    cache_salt: str | None = None  # seeds its prefix-cache hashes: one API key's blocks serve only that key
+    affinity_key: str | None = None  # prompt_cache_key or x-session-id: the gateway routes it ahead of prefix hashing
 
 
 class Ready(Wire):

@@ -53,6 +53,13 @@ GATEWAY_FLAGS = [
         bool,
     ),
     Flag(
+        "share-prefix-cache",
+        False,
+        "Let every API key's requests share cached prompt blocks; by default each key's are its own (salted), "
+        "so one tenant cannot learn another's prompts from timing",
+        bool,
+    ),
+    Flag(
         "strict-fields",
         False,
         "Refuse request fields no API defines with a 400 naming them; by default they are logged once and counted",
@@ -192,6 +199,7 @@ class GatewayConfig(SharedConfig):
     cors_allow_origins: str | None = None
     allow_request_chat_template: bool = False
     strict_fields: bool = False
+    share_prefix_cache: bool = False
     max_retries: int = 2
     shutdown_grace: float = 30.0
     hung_timeout: float = 60.0

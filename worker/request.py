@@ -80,11 +80,15 @@ class Request:
     reasoning: ThinkTracker | None = None  # a reasoning model's thinking: its budget, and where a guide starts
     lora: LoraRef | None = None  # its LoRA adapter (None: the base model), set by the engine
     priority: int = 0  # lower is more urgent: the scheduler's order and preemption follow it
+    tenant: str | None = None  # the gateway's cache salt for its API key (None: shared with every key)
 
     @property
     def cache_salt(self) -> str | None:
-        """What seeds its prefix-cache hashes: blocks computed under one adapter serve only that adapter."""
-        return None if self.lora is None else self.lora.key
+        """What seeds its prefix-cache hashes: blocks computed under one adapter serve only that adapter,
+        and those of one API key only that key (the gateway's salt, unless it shares the cache)."""
+        if self.tenant is None:
+            return None if self.lora is None else self.lora.key
+        return self.tenant if self.lora is None else f"{self.lora.key}\x00{self.tenant}"
 
     @classmethod
     def from_wire(cls, new: NewRequest, eos_token_ids: frozenset[int]) -> Request:
@@ -101,6 +105,7 @@ class Request:
             events=[] if new.trace_context else None,
             reasoning=None if new.reasoning is None else ThinkTracker(new.reasoning),
             priority=new.priority,
+            tenant=new.cache_salt,
         )
         if request.reasoning is not None:  # a resumed request: its thinking goes on where it was
             for token in request.generated_token_ids:

@@ -14,6 +14,7 @@ Choices (``n``, several prompts) interleave, each naming its ``index``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator
 
 from common.pooling import PoolingTask
@@ -60,6 +61,7 @@ async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = N
     req.priority = request_priority(
         caller, rules.scheduling_policy, req.sampling.priority, getattr(req.sampling, "service_tier", None)
     )
+    req.cache_salt, req.affinity_key = cache_keys(caller, rules.share_prefix_cache, req.sampling)
     prepared = await prepare(served, req, caller)
     if rules.quotas is not None:
         await rules.quotas.enforce(caller, served.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
@@ -67,6 +69,16 @@ async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = N
     with tracing.span("queue"):
         slots = await admit(served, len(prepared.news), deadline, caller, req.priority)
     return Generation(served, req, prepared, slots, deadline)
+
+
+def cache_keys(caller: Caller | None, shared: bool, sampling: object) -> tuple[str | None, str | None]:
+    """(prefix-cache salt, routing affinity key): each API key's cached blocks serve only that key
+    (vLLM's ``cache_salt``: one tenant cannot time another's prompts) unless ``--share-prefix-cache``;
+    ``prompt_cache_key`` (else the ``x-session-id`` header) keeps a conversation on one worker."""
+    owner = caller.owner if caller is not None else ""
+    salt = None if shared or not owner else hashlib.blake2b(owner.encode(), digest_size=12).hexdigest()
+    affinity = getattr(sampling, "prompt_cache_key", None) or (caller.session_id if caller is not None else None)
+    return salt, affinity
 
 
 async def prompt_ids(served: ServedModel, req: CoreRequest, caller: Caller | None = None) -> list[list[int]]:

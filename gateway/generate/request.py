@@ -54,6 +54,10 @@ class CoreRequest:
     owner: str | None = None
     meter: Any = None
     priority: int = 0  # set by ``start`` (gateway/policy/priority.py): admission's and the workers' order
+    # Set by ``start``: the prefix-cache salt of the caller's key (None: shared), and the routing
+    # affinity key (``prompt_cache_key``, else the ``x-session-id`` header; gateway/fleet/dispatch.py).
+    cache_salt: str | None = None
+    affinity_key: str | None = None
 
     def span_attributes(self, model: str, prompts: list[list[int]]) -> dict[str, Any]:
         """OpenTelemetry's GenAI request attributes (gateway/ops/tracing.py puts them on the request span)."""

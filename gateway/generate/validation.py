@@ -107,6 +107,8 @@ async def prepare(served: ServedModel, req: CoreRequest, caller: Caller | None =
                     guide=checked.guide,
                     reasoning=thinking,
                     priority=req.priority,
+                    cache_salt=req.cache_salt,
+                    affinity_key=req.affinity_key,
                 )
             )
             thinkers.append(

@@ -217,6 +217,7 @@ def lifespan_of(config: GatewayConfig, keys: frozenset[str]):
         rules = Rules(
             scheduling_policy=config.scheduling_policy,
             allow_request_chat_template=config.allow_request_chat_template,
+            share_prefix_cache=config.share_prefix_cache,
         )
         client, models = start_fleet(config, rules)
         app.state.api_keys = keys

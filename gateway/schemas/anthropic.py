@@ -21,6 +21,7 @@ class ContentBlock(msgspec.Struct, kw_only=True):
     tool_use_id: str | None = None
     content: str | list[ContentBlock] | None = None
     is_error: bool | None = None
+    cache_control: dict | None = None  # a cache breakpoint: {"type": "ephemeral", "ttl": "5m" | "1h"}
 
 
 class AnthropicMessage(msgspec.Struct, kw_only=True):
@@ -31,6 +32,7 @@ class AnthropicMessage(msgspec.Struct, kw_only=True):
 class SystemBlock(msgspec.Struct, kw_only=True):
     type: str
     text: str
+    cache_control: dict | None = None
 
 
 class AnthropicTool(msgspec.Struct, kw_only=True):
@@ -38,6 +40,7 @@ class AnthropicTool(msgspec.Struct, kw_only=True):
     description: str | None = None
     input_schema: dict | None = None
     type: str | None = None  # None or "custom": a client tool; Anthropic's server tools are refused
+    cache_control: dict | None = None
 
 
 class AnthropicToolChoice(msgspec.Struct, kw_only=True):
@@ -63,6 +66,7 @@ class CountTokensRequest(SamplingOptions, kw_only=True):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None  # a reasoning model's thinking budget
+    cache_control: dict | None = None  # automatic caching: a breakpoint on the last cacheable block
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):

@@ -43,13 +43,31 @@ from gateway.schemas.anthropic import (
 STOP_REASONS = {events.END: "end_turn", STOP_SEQUENCE: "stop_sequence", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
 
 
-def _usage(usage: Usage) -> AnthropicUsage:
-    """Anthropic counts prompt-cache reads apart: ``input_tokens`` are the others."""
+def _usage(usage: Usage, block: int = 0) -> AnthropicUsage:
+    """Anthropic counts prompt-cache reads and writes apart: ``input_tokens`` are the others. A
+    request that marked ``cache_control`` (``block``: the workers' KV block size) wrote the prompt's
+    full blocks the cache did not hold yet; without a mark, as with Anthropic, nothing is written."""
+    written = max(0, usage.prompt_tokens // block * block - usage.cached_tokens) if block else 0
     return AnthropicUsage(
-        input_tokens=usage.prompt_tokens - usage.cached_tokens,
+        input_tokens=usage.prompt_tokens - usage.cached_tokens - written,
         output_tokens=usage.completion_tokens,
+        cache_creation_input_tokens=written,
         cache_read_input_tokens=usage.cached_tokens,
     )
+
+
+def cache_block(generation: core.Generation, data: MessagesRequest) -> int:
+    """The KV block size when the request marks a cache breakpoint anywhere, else 0."""
+    marked = (
+        data.cache_control is not None
+        or any(t.cache_control is not None for t in data.tools or [])
+        or (isinstance(data.system, list) and any(b.cache_control is not None for b in data.system))
+        or any(
+            isinstance(m.content, list) and any(b.cache_control is not None for b in m.content) for m in data.messages
+        )
+    )
+    workers = generation.served.client.available(generation.served.model_name) if marked else []
+    return workers[0].ready.block_size if workers else 0
 
 
 def _input(arguments: str) -> dict:
@@ -89,8 +107,14 @@ class MessagesController(Controller):
         self, data: JSONBody[MessagesRequest], models: NamedDependency[ModelRegistry], caller: NamedDependency[Caller]
     ) -> Response:
         generation = await core.start(models.get(data.model), core_request(data), caller)
+        block = cache_block(generation, data)
         return await answer(
-            caller, generation, data.stream, partial(_events, generation), partial(_message, generation), named=True
+            caller,
+            generation,
+            data.stream,
+            partial(_events, generation, block),
+            partial(_message, generation, block),
+            named=True,
         )
 
     @post(
@@ -108,7 +132,7 @@ class MessagesController(Controller):
         return json_response(CountTokensResponse(len(prompt)))
 
 
-def _message(generation: core.Generation, choices: list[events.Choice]) -> MessageResponse:
+def _message(generation: core.Generation, block: int, choices: list[events.Choice]) -> MessageResponse:
     (choice,) = choices
     content: list[ThinkingBlock | TextBlock | ToolUseBlock] = (
         [ThinkingBlock(thinking=choice.reasoning)] if choice.reasoning else []
@@ -122,7 +146,7 @@ def _message(generation: core.Generation, choices: list[events.Choice]) -> Messa
         content=content,
         stop_reason=STOP_REASONS[finish.reason],
         stop_sequence=finish.stop_sequence,
-        usage=_usage(finish.usage),
+        usage=_usage(finish.usage, block),
     )
 
 
@@ -169,7 +193,7 @@ class _Blocks:
         return events
 
 
-async def _events(generation: core.Generation) -> AsyncIterator[dict]:
+async def _events(generation: core.Generation, block: int = 0) -> AsyncIterator[dict]:
     """Anthropic's stream: message_start, ping, per block content_block_start / _delta / _stop,
     then message_delta (stop reason, final usage) and message_stop; an error is an ``error`` event.
     message_start waits for the first output: only then is it known how much of the prompt the
@@ -186,7 +210,7 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": _usage(Usage(first.prompt_tokens or prompt_tokens, 0, first.cached_tokens)),
+            "usage": _usage(Usage(first.prompt_tokens or prompt_tokens, 0, first.cached_tokens), block),
         }
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
@@ -217,5 +241,5 @@ async def _events(generation: core.Generation) -> AsyncIterator[dict]:
         yield closing
     assert finish is not None
     delta = {"stop_reason": STOP_REASONS[finish.reason], "stop_sequence": finish.stop_sequence}
-    yield {"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}
+    yield {"type": "message_delta", "delta": delta, "usage": _usage(finish.usage, block)}
     yield {"type": "message_stop"}
