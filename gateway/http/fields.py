@@ -2,7 +2,7 @@
 is logged once per name and counted in ``llmpool_unknown_fields_total``, as vLLM logs the fields it
 ignores, so a client's typo is seen; under ``--strict-fields`` it is refused with a 400 that names it,
 in the dialect's shape. Fields the APIs define but this server ignores are named in the Structs and
-listed in docs/fields.md."""
+listed in docs/api/fields.md."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     stop_sequences: list[str] | None = None
     stream: bool = False
     metadata: dict | None = None
-    # Anthropic's, accepted and ignored (docs/fields.md).
+    # Anthropic's, accepted and ignored (docs/api/fields.md).
     container: str | dict | None = None
     mcp_servers: list | None = None
     context_management: dict | None = None

@@ -48,7 +48,7 @@ class SamplingOptions(msgspec.Struct, kw_only=True):
     priority: int | None = (
         None  # vLLM's: lower is more urgent (--scheduling-policy priority); gateway/policy/priority.py
     )
-    # Fields clients send on every endpoint (docs/fields.md): ``service_tier`` is echoed, and "flex"
+    # Fields clients send on every endpoint (docs/api/fields.md): ``service_tier`` is echoed, and "flex"
     # runs at the lowest priority; the prompt-cache key steers routing; the rest are accepted and ignored.
     service_tier: str | None = None
     safety_identifier: str | None = None
@@ -95,7 +95,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     thinking_token_budget: int | None = None  # ... or in tokens (vLLM's name)
     # OpenRouter's reasoning object: ``effort`` and ``max_tokens`` bound the thinking, ``exclude`` hides it.
     reasoning: dict | None = None
-    # OpenAI's, accepted and ignored (docs/fields.md).
+    # OpenAI's, accepted and ignored (docs/api/fields.md).
     verbosity: str | None = None
     prediction: dict | None = None
     store: bool | None = None

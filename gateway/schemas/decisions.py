@@ -28,4 +28,4 @@ class DecisionRequest(msgspec.Struct, kw_only=True):
     model: str
     input: str | list[dict]  # text, or user messages of input_text parts
     questions: list[DecisionQuestion]
-    safety_identifier: str | None = None  # accepted and ignored (docs/fields.md)
+    safety_identifier: str | None = None  # accepted and ignored (docs/api/fields.md)
