@@ -15,6 +15,7 @@ def _assigned(server) -> dict[str, int]:
 
 
 def test_a_prompt_cache_key_or_session_header_keeps_requests_on_one_worker(server):
+    server.wait_for_workers(2)  # the launcher restarts a worker that died: both must take requests
     for extra, headers in (({"prompt_cache_key": "tenant-7/session-1"}, {}), ({}, {"x-session-id": "sess-42"})):
         before = _assigned(server)
         for i in range(4):

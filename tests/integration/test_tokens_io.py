@@ -18,7 +18,9 @@ ASK = {
 
 
 def test_render_equals_tokenize_and_generate_then_derender_equals_chat(server, client):
-    rendered = server.post("/v1/chat/completions/render", json=ASK).json()
+    response = server.post("/v1/chat/completions/render", json=ASK)
+    assert response.status_code == 200, response.text
+    rendered = response.json()
     tokenized = server.post("/tokenize", json={"model": MODEL, "messages": ASK["messages"]}).json()
     assert rendered["token_ids"] == tokenized["tokens"]
     assert rendered["sampling_params"]["temperature"] == 0 and rendered["sampling_params"]["max_tokens"] == 12

@@ -75,7 +75,7 @@ class Output:
             if isinstance(event, Text) and (event.text or event.logprobs):
                 for out in self._text(event):
                     yield out
-            elif isinstance(event, Thinking):
+            elif isinstance(event, Thinking) and not self.response.reasoning.exclude:  # OpenRouter's exclude
                 for out in self._thinking(event):
                     yield out
             elif isinstance(event, ToolCallDelta):
