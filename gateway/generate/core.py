@@ -61,7 +61,10 @@ async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = N
     req.priority = request_priority(
         caller, rules.scheduling_policy, req.sampling.priority, getattr(req.sampling, "service_tier", None)
     )
-    req.cache_salt, req.affinity_key = cache_keys(caller, rules.share_prefix_cache, req.sampling)
+    salt, affinity = cache_keys(caller, rules.share_prefix_cache, req.sampling)
+    if req.cache_salt is not None:  # the request's own salt (vLLM's ``cache_salt``), within its key's
+        salt = f"{salt or ''}/{req.cache_salt}"
+    req.cache_salt, req.affinity_key = salt, req.affinity_key or affinity
     prepared = await prepare(served, req, caller)
     if rules.quotas is not None:
         await rules.quotas.enforce(caller, served.served_name, sum(map(len, prepared.prompts)), len(prepared.news))

@@ -54,8 +54,8 @@ class CoreRequest:
     owner: str | None = None
     meter: Any = None
     priority: int = 0  # set by ``start`` (gateway/policy/priority.py): admission's and the workers' order
-    # Set by ``start``: the prefix-cache salt of the caller's key (None: shared), and the routing
-    # affinity key (``prompt_cache_key``, else the ``x-session-id`` header; gateway/fleet/dispatch.py).
+    # Completed by ``start``: the prefix-cache salt (the caller's key's, and the request's own under it;
+    # None: shared), and the routing affinity key (``prompt_cache_key``, else ``x-session-id``).
     cache_salt: str | None = None
     affinity_key: str | None = None
 

@@ -63,6 +63,17 @@ def test_generate_logprobs_are_named_by_id_and_derender_resolves_them(server, to
     assert [r["token_ids"] for r in completions] == [tokenizer.encode(p) for p in ("a b", "c")]
 
 
+def test_generate_salts_its_cached_blocks_with_cache_salt(server):
+    def cached(salt: str) -> int:
+        body = {"token_ids": list(range(300, 380)), "cache_salt": salt, "sampling_params": {"max_tokens": 1}}
+        return server.post("/inference/v1/generate", json=body).json()["usage"]["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+
+    cached("salt-a")
+    assert cached("salt-a") >= 64 and cached("salt-b") == 0
+
+
 def test_abort_ends_a_streamed_generate(server):
     body = {
         "model": MODEL,

@@ -113,6 +113,7 @@ class TokensController(Controller):
             logprobs=sampling.logprobs,
             logprobs_param="sampling_params.logprobs",
             request_id=request_id(client_id),
+            cache_salt=data.cache_salt,
         )
         generation = await core.start(served, req, caller)
         stopped = _RUNNING.setdefault(client_id, asyncio.Event())
