@@ -5,11 +5,10 @@ of the Structs below in array form: the values in field order, without their nam
 bytes where the named form took 232). The full request travels once (``AddRequests``); after that only deltas travel
 (``StepOutputs`` lists the new token ids of each request in one worker step). Nothing is ever pickled.
 
-Array form makes field order part of the contract: add fields at the end of a message, with a
-default (a shorter array decodes, its missing trailing fields taking their defaults), and bump
-PROTOCOL_VERSION for anything else. A peer of another version is refused at the handshake
-(``refusal``), in words that version can read. (``omit_defaults`` omits nothing in array form as of
-msgspec 0.22, jcrist/msgspec#720.)
+Array form makes field order part of the contract: add fields at the end of a message, with a default (a shorter array
+decodes, its missing trailing fields taking their defaults), and bump PROTOCOL_VERSION for anything else. A peer of
+another version is refused at the handshake (``refusal``), in words that version can read. (``omit_defaults`` omits
+nothing in array form as of msgspec 0.22, jcrist/msgspec#720.)
 """
 
 from __future__ import annotations
@@ -123,6 +122,7 @@ class NewRequest(Wire):
     priority: int = 0  # lower is more urgent (vLLM's): admitted first, preempted last; batches: BATCH_PRIORITY
     cache_salt: str | None = None  # seeds its prefix-cache hashes: one API key's blocks serve only that key
     affinity_key: str | None = None  # prompt_cache_key or x-session-id: the gateway routes it ahead of prefix hashing
+    retain: bool = False  # 1h / 24h retention asked for: its prompt's cached blocks are evicted after all others
 
 
 class Ready(Wire):

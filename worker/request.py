@@ -81,6 +81,7 @@ class Request:
     lora: LoraRef | None = None  # its LoRA adapter (None: the base model), set by the engine
     priority: int = 0  # lower is more urgent: the scheduler's order and preemption follow it
     tenant: str | None = None  # the gateway's cache salt for its API key (None: shared with every key)
+    retain: bool = False  # its prompt's cached blocks are kept ahead of others' (1h / 24h retention)
 
     @property
     def cache_salt(self) -> str | None:
@@ -106,6 +107,7 @@ class Request:
             reasoning=None if new.reasoning is None else ThinkTracker(new.reasoning),
             priority=new.priority,
             tenant=new.cache_salt,
+            retain=new.retain,
         )
         if request.reasoning is not None:  # a resumed request: its thinking goes on where it was
             for token in request.generated_token_ids:

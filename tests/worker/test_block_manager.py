@@ -113,3 +113,19 @@ def test_an_api_keys_salt_keeps_its_blocks_its_own():
         other.tenant = tenant
         assert blocks.match_prefix(other) == hit, tenant
         blocks.free(other)
+
+
+def test_retained_blocks_are_evicted_after_every_other():
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    kept = make_request("kept", 0, token_ids=list(range(100, 109)))
+    kept.retain = True
+    computed(blocks, kept, 9)
+    blocks.free(kept)
+    older = make_request("older", 0, token_ids=list(range(200, 209)))
+    computed(blocks, older, 9)
+    blocks.free(older)
+    squeeze = make_request("new", 0, token_ids=list(range(300, 313)))
+    computed(blocks, squeeze, 13)  # 4 blocks: every free unretained one, none of the retained
+    blocks.free(squeeze)
+    assert blocks.match_prefix(make_request("again", 0, token_ids=list(range(100, 109)))) == 8
+    assert blocks.match_prefix(make_request("older-again", 0, token_ids=list(range(200, 209)))) == 0

@@ -56,16 +56,15 @@ def _usage(usage: Usage, block: int = 0) -> AnthropicUsage:
     )
 
 
-def cache_block(generation: core.Generation, data: MessagesRequest) -> int:
+def _breakpoints(data: MessagesRequest) -> list[dict]:
+    """Every ``cache_control`` the request marks: at the top, on tools, system blocks and message blocks."""
+    blocks: list = [data, *(data.tools or []), *(data.system if isinstance(data.system, list) else [])]
+    blocks += [b for m in data.messages if isinstance(m.content, list) for b in m.content]
+    return [b.cache_control for b in blocks if isinstance(b.cache_control, dict)]
+
+
+def cache_block(generation: core.Generation, marked: bool) -> int:
     """The KV block size when the request marks a cache breakpoint anywhere, else 0."""
-    marked = (
-        data.cache_control is not None
-        or any(t.cache_control is not None for t in data.tools or [])
-        or (isinstance(data.system, list) and any(b.cache_control is not None for b in data.system))
-        or any(
-            isinstance(m.content, list) and any(b.cache_control is not None for b in m.content) for m in data.messages
-        )
-    )
     workers = generation.served.client.available(generation.served.model_name) if marked else []
     return workers[0].ready.block_size if workers else 0
 
@@ -106,8 +105,11 @@ class MessagesController(Controller):
     async def create(
         self, data: JSONBody[MessagesRequest], models: NamedDependency[ModelRegistry], caller: NamedDependency[Caller]
     ) -> Response:
-        generation = await core.start(models.get(data.model), core_request(data), caller)
-        block = cache_block(generation, data)
+        breakpoints = _breakpoints(data)
+        req = core_request(data)
+        req.retain = any(b.get("ttl") == "1h" for b in breakpoints)  # kept ahead of 5-minute blocks
+        generation = await core.start(models.get(data.model), req, caller)
+        block = cache_block(generation, bool(breakpoints))
         return await answer(
             caller,
             generation,
