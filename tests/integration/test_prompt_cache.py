@@ -7,7 +7,7 @@ from __future__ import annotations
 from gateway.generate.core import cache_keys
 from gateway.policy.caller import Caller
 from gateway.schemas.chat import SamplingOptions
-from tests.conftest import MODEL
+from tests.conftest import MODEL, wait_until
 
 
 def _assigned(server) -> dict[str, int]:
@@ -56,3 +56,5 @@ def test_messages_report_cache_writes_and_reads(server):
     assert second["input_tokens"] + second["cache_creation_input_tokens"] + second["cache_read_input_tokens"] == total
     unmarked = {**body, "system": [{"type": "text", "text": system[0]["text"]}]}
     assert server.post("/v1/messages", json=unmarked).json()["usage"]["cache_creation_input_tokens"] == 0
+    # What KV events describe (worker/kv_events.py): each worker's cached blocks, in /workers.
+    wait_until(lambda: sum(w["cached_blocks"] for w in server.workers()) >= 4, 10, "cached_blocks in /workers")
