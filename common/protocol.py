@@ -116,13 +116,15 @@ class NewRequest(Wire):
     resumed_tokens: int = 0
     # W3C trace context of the gateway's span (``traceparent``, ``tracestate``): a worker's events join its trace; {} untraced.
     trace_context: dict[str, str] = {}
-    # A reasoning model's thinking (None: no thinking markers): a guide applies only after the
-    # thinking ends, and a budget ends it.
+    # A reasoning model's thinking (None: no thinking markers): a guide applies only after it ends, and a budget ends it.
     reasoning: Reasoning | None = None
     pooling: PoolingParams | None = None  # a pooling request (common/pooling.py): one pass, no token sampled
     lora: str | None = None  # the LoRA adapter it runs with (the name a client gave as its model); None: the base model
     priority: int = 0  # lower is more urgent (vLLM's): admitted first, preempted last; batches: BATCH_PRIORITY
     images: list[ImageInput] = []  # an image-text model's images, in prompt order
+    cache_salt: str | None = None  # seeds its prefix-cache hashes: one API key's blocks serve only that key
+    affinity_key: str | None = None  # prompt_cache_key or x-session-id: the gateway routes it ahead of prefix hashing
+    retain: bool = False  # 1h / 24h retention asked for: its prompt's cached blocks are evicted after all others
 
 
 class Ready(Wire):
@@ -175,8 +177,7 @@ class Heartbeat(Wire):
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
     draining: bool = False  # finishing its requests before leaving: send it no new ones
-    # Its speed when busy: tokens per second of step time over recent steps that ran work (0 until any): routing weighs by it.
-    capacity_tokens_per_s: float = 0.0
+    capacity_tokens_per_s: float = 0.0  # tokens/s of step time in recent steps that ran work: routing weighs it
     spec_proposed_tokens: int = 0  # speculative decoding: draft tokens proposed so far
     spec_accepted_tokens: int = 0  # ... and accepted by the verifying step
     # The KV store under the prefix cache (worker/kv_store), if any: workers with the same id read each other's blocks (one
@@ -191,6 +192,7 @@ class Heartbeat(Wire):
     kv_store_size_bytes: int = 0
     kv_store_evictions: int = 0
     lora: LoraLoad | None = None  # LoRA adapters running, waiting and resident (common/lora.py); None: it serves none
+    cached_blocks: int = 0  # KV blocks its prefix cache holds now (what its KV events describe: worker/kv_events.py)
 
 
 class AddRequests(Wire):

@@ -52,6 +52,19 @@ GATEWAY_FLAGS = [
         "Let requests bring their own `chat_template` (rendered in the sandbox); refused by default",
         bool,
     ),
+    Flag(
+        "share-prefix-cache",
+        False,
+        "Let every API key's requests share cached prompt blocks; by default each key's are its own (salted), "
+        "so one tenant cannot learn another's prompts from timing",
+        bool,
+    ),
+    Flag(
+        "strict-fields",
+        False,
+        "Refuse request fields no API defines with a 400 naming them; by default they are logged once and counted",
+        bool,
+    ),
     Flag("ui", True, "Serve the playground (/) and operator page (/dashboard)", bool),
     Flag("max-concurrent-requests", 256, "Requests in flight at the workers; more wait in a bounded queue", int),
     Flag("max-waiting-requests", 256, "Requests queued for a slot; past that, 429 with Retry-After at once", int),
@@ -209,6 +222,8 @@ class GatewayConfig(SharedConfig):
     max_connections: int = 2048
     cors_allow_origins: str | None = None
     allow_request_chat_template: bool = False
+    strict_fields: bool = False
+    share_prefix_cache: bool = False
     max_retries: int = 2
     shutdown_grace: float = 30.0
     websocket_idle_timeout: float = 600.0

@@ -128,8 +128,12 @@ class Supervisor:
         for served, model in models or [(None, None)]:
             prefix = f"{served}-worker" if served else "worker"
             env = {**worker_env, **({"LLMPOOL_MODEL": model, "LLMPOOL_SERVED_MODEL_NAME": served} if served else {})}
-            self.workers += [
-                Child(f"{prefix}-{i}", "worker", {**env, "LLMPOOL_WORKER_NAME": f"{prefix}-{i}"})
+            self.workers += [  # the list's length: the workers of the models before this one
+                Child(
+                    f"{prefix}-{i}",
+                    "worker",
+                    {**env, "LLMPOOL_WORKER_NAME": f"{prefix}-{i}", **_own_events(env, len(self.workers) + i)},
+                )
                 for i in range(args.workers)
             ]
         self.grace = args.kill_after
@@ -306,3 +310,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     setup_logging("launcher", args.log_level, args.log_format)
     sys.exit(Supervisor(args).run())
+
+
+def _own_events(env: dict[str, str], index: int) -> dict[str, str]:
+    """Each local worker its own bound KV-events port (--kv-events-endpoint tcp://*:5557: worker 0 on
+    5557, worker 1 on 5558, ...), as vLLM offsets it by data-parallel rank; others are as given."""
+    endpoint = env.get("LLMPOOL_KV_EVENTS_ENDPOINT", "")
+    host, _, port = endpoint.rpartition(":")
+    if not index or not endpoint.startswith("tcp://") or "*" not in host or not port.isdigit():
+        return {}
+    return {"LLMPOOL_KV_EVENTS_ENDPOINT": f"{host}:{int(port) + index}"}

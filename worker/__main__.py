@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         stepper,
         team,
     )
+    if config.kv_events_endpoint:
+        from worker.kv_events import KvEventPublisher
+
+        engine.blocks.events = KvEventPublisher(config.kv_events_endpoint)
     proc.install_signal_handlers()
     # Everything loaded so far (model modules, tokenizer, torch's own objects) lives as long as the
     # process: keep it out of the collector's scans. A full collection walked it all, costing 263 ms

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from worker.request import Request
 
@@ -32,6 +33,7 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] = ()  # the tokens behind the hash, checked on lookup (no false sharing)
+    retained: bool = False  # cached for a request that asked to keep it (1h / 24h retention): evicted last
 
 
 def chain_hash(parent: int | str | None, token_ids: tuple[int, ...]) -> int:
@@ -47,13 +49,24 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._kept: OrderedDict[int, None] = OrderedDict()  # free retained blocks: reused only once _free is empty
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.hit_tokens = 0  # prompt tokens served from the cache, since start
         self.queried_tokens = 0  # prompt tokens looked up
+        # Told of each block the cache registers and drops (worker/kv_events.py's publisher), when set.
+        self.events: Any = None
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._kept)
+
+    def _next_free(self) -> int:
+        """The block to reuse: the least recently freed unretained one, else the least recent retained one."""
+        return next(iter(self._free or self._kept))
 
     @property
     def capacity_tokens(self) -> int:
@@ -70,6 +83,7 @@ class BlockManager:
         self.queried_tokens += request.num_tokens
         for block_id, block_hash in self._cached_run(request):
             self._take(block_id)
+            self.blocks[block_id].retained |= request.retain
             request.block_ids.append(block_id)
             request.block_hashes.append(block_hash)
         reused = len(request.block_ids) * self.block_size
@@ -103,8 +117,8 @@ class BlockManager:
         ones; returns their ids. The request's blocks so far must all be full and computed."""
         size = self.block_size
         taken: list[int] = []
-        for _ in range(min(num_blocks, len(self._free))):
-            block_id = next(iter(self._free))
+        for _ in range(min(num_blocks, self.num_free_blocks)):
+            block_id = self._next_free()
             self._forget(block_id)
             self._take(block_id)
             request.block_ids.append(block_id)
@@ -125,15 +139,15 @@ class BlockManager:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            self._free[block_id] = None
+            (self._kept if block.retained else self._free)[block_id] = None
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if it can't."""
         needed = blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size) - len(request.block_ids)
-        if needed > len(self._free):
+        if needed > self.num_free_blocks:
             return False
         for _ in range(needed):
-            block_id = next(iter(self._free))  # least recently freed
+            block_id = self._next_free()  # least recently freed
             self._forget(block_id)
             self._take(block_id)
             request.block_ids.append(block_id)
@@ -152,8 +166,10 @@ class BlockManager:
             request.block_hashes.append(block_hash)
             block = self.blocks[request.block_ids[index]]
             if block.block_hash is None and block_hash not in self._cached:
-                block.block_hash, block.token_ids = block_hash, chunk
+                block.block_hash, block.token_ids, block.retained = block_hash, chunk, request.retain
                 self._cached[block_hash] = block.block_id
+                if self.events is not None:
+                    self.events.stored(block_hash, parent if index else None, chunk, size, request.cache_salt)
 
     def free(self, request: Request) -> None:
         """Drop the request's references, last block first, so prefixes outlive their tails in the LRU."""
@@ -165,7 +181,7 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self._free[block_id]
+            del (self._kept if block_id in self._kept else self._free)[block_id]
         block.ref_count += 1
 
     def _forget(self, block_id: int) -> None:
@@ -174,4 +190,6 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
+            block.block_hash, block.token_ids, block.retained = None, (), False

@@ -51,6 +51,12 @@ WORKER_FLAGS = [
         bool,
     ),
     Flag(
+        "kv-events-endpoint",
+        None,
+        "Publish KV-cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, msgpack) on a ZeroMQ PUB socket: "
+        "tcp://*:PORT binds, tcp://HOST:PORT connects to a subscriber that bound (worker/kv_events.py); off when not given",
+    ),
+    Flag(
         "kv-store",
         None,
         "A second tier for prefix-cache blocks that outlives the worker and is shared by the pool: a folder (workers of this "
@@ -220,6 +226,7 @@ class WorkerConfig(SharedConfig):
     max_num_batched_tokens: int = 0
     max_prefill_chunk: int = 0
     prefix_caching: bool = True
+    kv_events_endpoint: str | None = None
     kv_store: str | None = None
     kv_store_size: str = "10GiB"
     max_model_len: int = 0

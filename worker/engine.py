@@ -334,6 +334,7 @@ class Engine:
             preemptions=self.scheduler.num_preemptions,
             prefix_hit_tokens=self.blocks.hit_tokens,
             prefix_queried_tokens=self.blocks.queried_tokens,
+            cached_blocks=self.blocks.num_cached_blocks,
             spec_proposed_tokens=self.speculator.proposed_tokens,
             spec_accepted_tokens=self.speculator.accepted_tokens,
             **(self.kv_store.figures() if self.kv_store is not None else {}),

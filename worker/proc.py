@@ -225,6 +225,8 @@ class WorkerProc(Inbound):
             self.vitals.capacity.add(tokens, elapsed)
         if self.team is not None:
             self.team.observe(elapsed, step.num_tokens)
+        if (events := getattr(getattr(self.engine, "blocks", None), "events", None)) is not None:
+            events.flush()  # this step's KV events, one batch (worker/kv_events.py)
         self._outbox.append(step)
 
     def _send_outputs(self) -> None:

@@ -83,6 +83,8 @@ class Request:
     priority: int = 0  # lower is more urgent: the scheduler's order and preemption follow it
     images: list[ImageInput] = field(default_factory=list)  # an image-text model's images (worker/models/vision.py)
     image_features: object = None  # their encoder outputs while the prompt is prefilling (a tensor; None: not run)
+    tenant: str | None = None  # the gateway's cache salt for its API key (None: shared with every key)
+    retain: bool = False  # its prompt's cached blocks are kept ahead of others' (1h / 24h retention)
 
     def block_key(self, index: int, size: int) -> tuple:
         """What the prefix cache keys block ``index`` by: its tokens, and the pixel digest of every
@@ -94,8 +96,11 @@ class Request:
 
     @property
     def cache_salt(self) -> str | None:
-        """What seeds its prefix-cache hashes: blocks computed under one adapter serve only that adapter."""
-        return None if self.lora is None else self.lora.key
+        """What seeds its prefix-cache hashes: blocks computed under one adapter serve only that adapter,
+        and those of one API key only that key (the gateway's salt, unless it shares the cache)."""
+        if self.tenant is None:
+            return None if self.lora is None else self.lora.key
+        return self.tenant if self.lora is None else f"{self.lora.key}\x00{self.tenant}"
 
     @classmethod
     def from_wire(cls, new: NewRequest, eos_token_ids: frozenset[int]) -> Request:
@@ -113,6 +118,8 @@ class Request:
             reasoning=None if new.reasoning is None else ThinkTracker(new.reasoning),
             priority=new.priority,
             images=list(new.images),
+            tenant=new.cache_salt,
+            retain=new.retain,
         )
         if request.reasoning is not None:  # a resumed request: its thinking goes on where it was
             for token in request.generated_token_ids:

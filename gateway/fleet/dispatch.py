@@ -14,6 +14,7 @@ one ``AddRequests`` message.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
@@ -164,11 +165,15 @@ class Dispatcher:
         worker = pool.choose(stream.cost, self.clock(), None if request.lora is None else preferring(request.lora))
         pin = PINNED.get()
         pinned = pool.taking(pin.identity) if pin is not None and pin.identity is not None else None
-        if pinned is not None:
+        if pinned is not None:  # a WebSocket's requests stay on its worker
             worker = pinned
+        elif request.affinity_key is not None and request.lora is None:  # a session's key, ahead of prefix hashing
+            slack = self.affinity.slack if self.affinity is not None else 2048
+            worker = keyed_worker(request.affinity_key, pool.available(self.clock()), worker, slack)
         elif self.affinity is not None and request.lora is None:  # an adapter's request: where the adapter is
+            salted = stream.model if request.cache_salt is None else f"{stream.model}\x00{request.cache_salt}"
             worker = self.affinity.choose(
-                stream.model, request.prompt_token_ids, lambda identity: pool.taking(identity), worker
+                salted, request.prompt_token_ids, lambda identity: pool.taking(identity), worker
             )
         if pin is not None:
             pin.identity = worker.identity
@@ -319,3 +324,18 @@ class Dispatcher:
         """End every open request with ``reason``."""
         for stream in list(self.streams.values()):
             self.end(stream, GenerationFailed(reason))
+
+
+def keyed_worker(key: str, workers: list[WorkerInfo], best: WorkerInfo, slack: int) -> WorkerInfo:
+    """The worker an affinity key (``prompt_cache_key``, ``x-session-id``) belongs to: the highest
+    of a stable hash of the key and each worker's name (rendezvous hashing), so every gateway picks
+    the same one and a worker leaving moves only its own keys; ``best`` instead when that worker
+    is more than ``slack`` tokens busier."""
+    if not workers:
+        return best
+
+    def weight(worker: WorkerInfo) -> bytes:
+        return hashlib.blake2b(f"{key}\x00{worker.ready.worker_name}".encode(), digest_size=8).digest()
+
+    owner = max(workers, key=weight)
+    return owner if owner.outstanding_tokens <= best.outstanding_tokens + slack else best

@@ -87,6 +87,7 @@ class WorkerInfo:
             "preemptions": self.load.preemptions,
             "prefix_hit_tokens": self.load.prefix_hit_tokens,
             "prefix_queried_tokens": self.load.prefix_queried_tokens,
+            "cached_blocks": self.load.cached_blocks,
             "steps_seen": self.steps_seen,
             "batched_steps": self.batched_steps,
             "peak_batch_size": max(self.peak_batch_size, self.load.peak_batch_size),

@@ -18,4 +18,5 @@ lanes.py               work off the event loop, and work that stops when its cli
 vision.py              images into an image-text model's prompt, through its processor (placeholders, pixels)
 media.py               images fetched and decoded safely: data: URIs, http(s) with limits, no private addresses
 pooling.py             the pooling core (embeddings, rerank, score), as core.py is for generation
+decisions.py           OpenAI's Decisions: questions over one input, answered from label-token probabilities
 """

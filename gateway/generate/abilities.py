@@ -36,8 +36,14 @@ def require(served: ServedModel, task: str) -> PoolingInfo | None:
             else "a reranker"
         )
         serves = " and ".join(ENDPOINTS[t] for t in tasks(info))
+        hint = (
+            "; to embed with it too, start its workers with `--pooling last` (or mean, cls: "
+            "`llmpool worker --pooling last ...`, LLMPOOL_POOLING=last)"
+            if info is None and task == PoolingTask.EMBED
+            else ""
+        )
         raise InvalidRequest(
-            f"the model `{served.model_name}` is {what}: it serves {serves}, not {ENDPOINTS[task]}",
+            f"the model `{served.model_name}` is {what}: it serves {serves}, not {ENDPOINTS[task]}{hint}",
             param="model",
             code="model_not_supported",
         )

@@ -14,6 +14,7 @@ Choices (``n``, several prompts) interleave, each naming its ``index``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator
 
 from common.pooling import PoolingTask
@@ -57,14 +58,33 @@ async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = N
     if caller is not None and req.meter is None:
         req.meter = rules.usage
         req.owner = caller.owner
-    req.priority = request_priority(caller, rules.scheduling_policy, req.sampling.priority)
+    req.priority = request_priority(
+        caller, rules.scheduling_policy, req.sampling.priority, getattr(req.sampling, "service_tier", None)
+    )
+    salt, affinity = cache_keys(caller, rules.share_prefix_cache, req.sampling)
+    if req.cache_salt is not None:  # the request's own salt (vLLM's ``cache_salt``), within its key's
+        salt = f"{salt or ''}/{req.cache_salt}"
+    req.cache_salt, req.affinity_key = salt, req.affinity_key or affinity
+    req.retain = req.retain or getattr(req.sampling, "prompt_cache_retention", None) == "24h"
     prepared = await prepare(served, req, caller)
+    for new in prepared.news if req.retain else ():
+        new.retain = True  # its prompt's cached blocks are evicted after every unretained one
     if rules.quotas is not None:
         await rules.quotas.enforce(caller, served.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
     tracing.describe_request(lambda: req.span_attributes(served.model_name, prepared.prompts))
     with tracing.span("queue"):
         slots = await admit(served, len(prepared.news), deadline, caller, req.priority)
     return Generation(served, req, prepared, slots, deadline)
+
+
+def cache_keys(caller: Caller | None, shared: bool, sampling: object) -> tuple[str | None, str | None]:
+    """(prefix-cache salt, routing affinity key): each API key's cached blocks serve only that key
+    (vLLM's ``cache_salt``: one tenant cannot time another's prompts) unless ``--share-prefix-cache``;
+    ``prompt_cache_key`` (else the ``x-session-id`` header) keeps a conversation on one worker."""
+    owner = caller.owner if caller is not None else ""
+    salt = None if shared or not owner else hashlib.blake2b(owner.encode(), digest_size=12).hexdigest()
+    affinity = getattr(sampling, "prompt_cache_key", None) or (caller.session_id if caller is not None else None)
+    return salt, affinity
 
 
 async def prompt_ids(served: ServedModel, req: CoreRequest, caller: Caller | None = None) -> list[list[int]]:
@@ -129,18 +149,26 @@ class Generation:
             parser = parsers[index]
             text, calls = (text, []) if parser is None else parser.push(text)
             if delta.finish_reason is not None and parser is not None:
-                rest, more = parser.finish()
+                rest, more = parser.finish(cut=delta.finish_reason == LENGTH)
                 text, calls = text + rest, calls + more
             if text or delta.logprobs:
                 yield Text(index, text, delta.logprobs)
             for call in calls:
                 yield ToolCallDelta(index, call)
             if delta.finish_reason is not None:
-                usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens, delta.reasoning_tokens)
+                usage = _usage(delta)
                 self._meter(index, usage)
                 yield Finish(
                     index, _reason(delta, parser is not None and bool(parser.calls)), usage, delta.stop_sequence
                 )
+
+    async def outputs(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        """Every choice's deltas as the worker made them, unparsed (token ids in, token ids out), each
+        choice billed at its finish as ``events`` bills it."""
+        async for index, delta in self._merged():
+            if delta.finish_reason is not None:
+                self._meter(index, _usage(delta))
+            yield index, delta
 
     def _meter(self, index: int, usage: Usage) -> None:
         """Bill a finished choice to its key: its output, and its prompt once per prompt (``n`` share one)."""
@@ -217,6 +245,10 @@ class Generation:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(delta: TextDelta) -> Usage:
+    return Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens, delta.reasoning_tokens)
 
 
 def _reason(delta: TextDelta, called: bool) -> str:

@@ -54,6 +54,11 @@ class CoreRequest:
     owner: str | None = None
     meter: Any = None
     priority: int = 0  # set by ``start`` (gateway/policy/priority.py): admission's and the workers' order
+    # Completed by ``start``: the prefix-cache salt (the caller's key's, and the request's own under it;
+    # None: shared), and the routing affinity key (``prompt_cache_key``, else ``x-session-id``).
+    cache_salt: str | None = None
+    affinity_key: str | None = None
+    retain: bool = False  # 1h / 24h retention (Anthropic's ttl; ``prompt_cache_retention: 24h``, read by ``start``)
 
     def span_attributes(self, model: str, prompts: list[list[int]]) -> dict[str, Any]:
         """OpenTelemetry's GenAI request attributes (gateway/ops/tracing.py puts them on the request span)."""

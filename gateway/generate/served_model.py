@@ -54,6 +54,7 @@ class TextDelta:
     prompt_logprobs: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)  # echo: every prompt token's
     stop_sequence: str | None = None  # the stop string that ended the text, when one did
     reasoning_tokens: int = 0  # of the completion tokens so far, those of a reasoning model's thinking
+    token_ids: list[int] = field(default_factory=list)  # the tokens behind this delta (token-out endpoints)
 
 
 @dataclass(slots=True)
@@ -280,6 +281,7 @@ class ServedModel:
             chars, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs
         )
         delta.stop_sequence = text.stop.matched if stopped else None
+        delta.token_ids = item.new_token_ids
         delta.reasoning_tokens = text.thinking.reasoning_tokens if text.thinking is not None else 0
         if item.prompt_logprobs is not None:
             ids = request.prompt_token_ids

@@ -234,6 +234,7 @@ class ToolOutputParser:
         self._text: list[str] = []  # everything generated
         self._opener = StopChecker([TOOL_CALL_OPEN])
         self._in_calls = False
+        self._held = False  # an auto call cut by max_tokens: its wrapper is not content
 
     def push(self, text: str) -> tuple[str, list[CallDelta]]:
         self._text.append(text)
@@ -248,8 +249,10 @@ class ToolOutputParser:
         self._in_calls = opened
         return content, []
 
-    def finish(self) -> tuple[str, list[CallDelta]]:
-        """At the end of the generation: the remaining content and the tool calls not yet sent."""
+    def finish(self, cut: bool = False) -> tuple[str, list[CallDelta]]:
+        """At the end of the generation (``cut``: by ``max_tokens``): the remaining content and the
+        tool calls not yet sent. An ``auto`` call cut short is never content: its whole calls are
+        calls, and the cut one is returned with the arguments it got, as a forced call cut short is."""
         text = "".join(self._text)
         if self.plan.mode == "named":
             if not self.calls:  # nothing was generated at all
@@ -262,8 +265,9 @@ class ToolOutputParser:
             return "", [c.delta(i) for i, c in enumerate(self.calls)]
         if not self._in_calls:
             return self._opener.flush(), []
-        self.calls = _hermes_calls(text)[: None if self.plan.parallel else 1]
-        if not self.calls:  # not a well-formed call after all: it was text
+        self.calls = _hermes_calls(text, cut)[: None if self.plan.parallel else 1]
+        self._held = cut
+        if not self.calls and not cut:  # not a well-formed call after all: it was text
             return text[text.index(TOOL_CALL_OPEN) :], []
         return "", [c.delta(i) for i, c in enumerate(self.calls)]
 
@@ -272,7 +276,7 @@ class ToolOutputParser:
         text = "".join(self._text)
         if self.plan.mode in ("named", "required"):
             return None if self.calls else ""
-        if self.calls:
+        if self.calls or self._held:
             text = text[: text.index(TOOL_CALL_OPEN)].strip()
         return text or (None if self.calls else text)
 
@@ -313,13 +317,21 @@ def _cut_calls(text: str) -> list[ToolCall]:
     return calls
 
 
-def _hermes_calls(text: str) -> list[ToolCall]:
-    calls = []
+def _hermes_calls(text: str, cut: bool = False) -> list[ToolCall]:
+    """The ``<tool_call>`` blocks' calls; with ``cut`` (max_tokens ended the text) a block whose JSON
+    is whole counts though its closing tag never came, and the last one cut inside its arguments
+    counts with the arguments text it got."""
+    calls, decoder = [], json.JSONDecoder()
     for block in text.split(TOOL_CALL_OPEN)[1:]:
         body = block.split(TOOL_CALL_CLOSE)[0].strip()
         try:
-            call = orjson.loads(body)
-        except orjson.JSONDecodeError:
+            call, end = decoder.raw_decode(body)
+        except json.JSONDecodeError:
+            partial = _CUT_CALL.match(body) if cut else None
+            if partial:
+                calls.append(ToolCall(json.loads(partial.group(1)), body[partial.end() :]))
+            continue
+        if body[end:].strip() and not (cut and TOOL_CALL_CLOSE.startswith(body[end:].strip())):
             continue
         if isinstance(call, dict) and isinstance(call.get("name"), str):
             arguments = call.get("arguments", call.get("parameters", {}))

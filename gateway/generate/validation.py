@@ -110,6 +110,8 @@ async def prepare(served: ServedModel, req: CoreRequest, caller: Caller | None =
                     reasoning=thinking,
                     priority=req.priority,
                     images=images,
+                    cache_salt=req.cache_salt,
+                    affinity_key=req.affinity_key,
                 )
             )
             thinkers.append(

@@ -29,12 +29,14 @@ from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.reasoning import PARSERS as REASONING_PARSERS
 from gateway.generate.tools import PARSERS
 from gateway.http.auth import admin_guard, api_key_guard, caller_of, rate_headers
+from gateway.http.fields import FieldWatch
 from gateway.http.request_body import GatewayRequest
 from gateway.http.routes.admin_keys import KeysController
 from gateway.http.routes.batches import BatchesController
 from gateway.http.routes.chat import ChatController
 from gateway.http.routes.completions import CompletionsController
 from gateway.http.routes.conversations import ConversationsController
+from gateway.http.routes.decisions import DecisionsController
 from gateway.http.routes.embeddings import EmbeddingsController
 from gateway.http.routes.files import FilesController
 from gateway.http.routes.health import health, metrics, ready, workers
@@ -46,6 +48,7 @@ from gateway.http.routes.response_items import ResponseItemsController
 from gateway.http.routes.responses import ResponsesController, take_over
 from gateway.http.routes.responses_ws import SocketLimits, responses_socket
 from gateway.http.routes.tokenize import TokenizeController
+from gateway.http.routes.tokens_io import TokensController
 from gateway.http.routes.ui import UI_ROUTES
 from gateway.http.routes.usage import usage
 from gateway.ops import tracing
@@ -179,6 +182,12 @@ async def open_state(app: Litestar, config: GatewayConfig, client: WorkerClient,
     heartbeat = config.heartbeat_interval
     lease_s = heartbeat * config.heartbeat_liveness
     url = config.state_url or default_state_url()
+    if config.state_url is None:  # two unrelated `llmpool serve` on one machine share it: say so
+        log.info(
+            "state (keys, stored responses, LoRA adapters) in %s, the default: shared with every gateway on this "
+            "machine that uses the same cache dir; --state-url (LLMPOOL_STATE_URL) keeps this one apart",
+            url,
+        )
     state = await StateService.open(url, limits, rules.usage, heartbeat, lease_s, config.state_purge_interval)
     app.state.state = state
     db = state.store.db
@@ -218,10 +227,12 @@ def lifespan_of(config: GatewayConfig, keys: frozenset[str]):
         rules = Rules(
             scheduling_policy=config.scheduling_policy,
             allow_request_chat_template=config.allow_request_chat_template,
+            share_prefix_cache=config.share_prefix_cache,
         )
         client, models = start_fleet(config, rules)
         app.state.api_keys = keys
         app.state.models = models
+        app.state.fields = FieldWatch(config.strict_fields, models.metrics.unknown_fields)
         state = await open_state(app, config, client, models)
         runner = app.state.batch_runner = await open_batches(app, config, client, file_store, state)
         await client.start()
@@ -263,6 +274,8 @@ def routers(config: GatewayConfig, keys: frozenset[str], admin_keys: frozenset[s
             MessagesController,
             ModelsController,
             TokenizeController,
+            TokensController,
+            DecisionsController,
             EmbeddingsController,
             LoraController,
             rerank,

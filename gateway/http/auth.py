@@ -92,6 +92,7 @@ def caller_of(request: Request) -> Caller:
             key=caller_key(request),
             batch=batch_owner(request) is not None,
             request_id=request.headers.get("x-request-id"),
+            session_id=request.headers.get("x-session-id"),
             address=client[0] if client else None,
             disconnected=partial(_hang_up, request),
         )

@@ -104,4 +104,7 @@ class GatewayRequest(Request):
                 await asyncio.to_thread(check_strict, value, data.annotation)
             else:
                 check_strict(value, data.annotation)
+            fields = getattr(self.app.state, "fields", None)
+            if fields is not None:
+                fields.check(value, data.annotation, self.url.path)
         return value

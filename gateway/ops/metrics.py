@@ -34,6 +34,12 @@ class Metrics:
         self.http_requests = Counter(
             "llmpool_http_requests", "HTTP responses by path and status", ["path", "status"], registry=r
         )
+        self.unknown_fields = Counter(
+            "llmpool_unknown_fields",
+            "Request fields no API defines, by name (gateway/http/fields.py)",
+            ["field"],
+            registry=r,
+        )
         model = ["model"]
         self.generations = Counter(
             "llmpool_generations",

@@ -54,6 +54,7 @@ class Caller:
     key: KeyRecord | None = None  # the managed key it came with: its limits and default priority
     batch: bool = False  # the batch runner's own call: it runs at BATCH_PRIORITY (gateway/policy/priority.py)
     request_id: str | None = None  # the client's X-Request-Id
+    session_id: str | None = None  # the client's x-session-id: its requests' routing affinity
     address: str | None = None  # the client's host
     disconnected: Callable[[], Awaitable[None]] | None = None  # returns once the client has hung up
     rate: RateInfo | None = None  # set by quotas: its key's limits left, for the answer's headers

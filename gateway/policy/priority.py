@@ -20,9 +20,10 @@ LIMIT = BATCH_PRIORITY - 1  # |priority| a client may ask for
 BATCH_SCOPE = "llmpool.batch"  # in the ASGI scope of the batch runner's calls: the batch's owner
 
 
-def request_priority(caller: Caller | None, policy: str, asked: int | None) -> int:
+def request_priority(caller: Caller | None, policy: str, asked: int | None, tier: str | None = None) -> int:
     """The priority a request runs at, from its field, its key's default and the policy (``policy``:
-    --scheduling-policy). The gateway's own requests (no caller) run at 0."""
+    --scheduling-policy). The gateway's own requests (no caller) run at 0. OpenAI's ``service_tier:
+    flex`` (cheaper, slower) runs at the least urgent interactive priority under the priority policy."""
     if caller is None:
         return 0
     if caller.batch:
@@ -34,6 +35,8 @@ def request_priority(caller: Caller | None, policy: str, asked: int | None) -> i
                 param="priority",
             )
         return 0
+    if asked is None and tier == "flex":
+        return LIMIT
     if asked is None:
         asked = caller.key.default_priority if caller.key is not None else 0
     if not -LIMIT <= asked <= LIMIT:

@@ -14,5 +14,6 @@ from gateway.state.usage import UsageMeter
 class Rules:
     scheduling_policy: str = "fcfs"  # --scheduling-policy (gateway/policy/priority.py)
     allow_request_chat_template: bool = False  # --allow-request-chat-template
+    share_prefix_cache: bool = False  # --share-prefix-cache: every API key's prompts share cached blocks
     quotas: Quotas | None = None  # managed keys' limits (gateway/policy/quotas.py); None until the state store opens
     usage: UsageMeter | None = None  # tokens billed per key (gateway/state/usage.py)

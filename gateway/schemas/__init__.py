@@ -1,9 +1,11 @@
 """The bodies on the wire, as msgspec Structs (decoding checks the types, unknown fields are
-ignored, and Litestar's OpenAPI document describes each one). No behaviour: the routes decode them
+ignored (and logged: gateway/http/fields.py), and Litestar's OpenAPI document describes each one). No behaviour: the routes decode them
 and the core reads the sampling fields.
 
 chat.py       OpenAI chat and completions, and the sampling fields every dialect shares
 responses.py  OpenAI's Responses API, requests, responses and stream events
 anthropic.py  Anthropic's Messages API
 pooling.py    embeddings, rerank and score
+tokens.py     vLLM's token-in/token-out bodies (generate, render, derender, abort)
+decisions.py  OpenAI's Decisions API
 """

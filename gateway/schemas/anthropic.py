@@ -22,6 +22,7 @@ class ContentBlock(msgspec.Struct, kw_only=True):
     content: str | list[ContentBlock] | None = None
     is_error: bool | None = None
     source: dict | None = None  # an image block's: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
+    cache_control: dict | None = None  # a cache breakpoint: {"type": "ephemeral", "ttl": "5m" | "1h"}
 
 
 class AnthropicMessage(msgspec.Struct, kw_only=True):
@@ -32,6 +33,7 @@ class AnthropicMessage(msgspec.Struct, kw_only=True):
 class SystemBlock(msgspec.Struct, kw_only=True):
     type: str
     text: str
+    cache_control: dict | None = None
 
 
 class AnthropicTool(msgspec.Struct, kw_only=True):
@@ -39,6 +41,7 @@ class AnthropicTool(msgspec.Struct, kw_only=True):
     description: str | None = None
     input_schema: dict | None = None
     type: str | None = None  # None or "custom": a client tool; Anthropic's server tools are refused
+    cache_control: dict | None = None
 
 
 class AnthropicToolChoice(msgspec.Struct, kw_only=True):
@@ -64,6 +67,7 @@ class CountTokensRequest(SamplingOptions, kw_only=True):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None  # a reasoning model's thinking budget
+    cache_control: dict | None = None  # automatic caching: a breakpoint on the last cacheable block
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -75,6 +79,10 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     stream: bool = False
     metadata: dict | None = None
     store: bool | None = None  # ours: false and the stream is not logged, so it cannot resume (stream_runs.py)
+    # Anthropic's, accepted and ignored (docs/api/fields.md).
+    container: str | dict | None = None
+    mcp_servers: list | None = None
+    context_management: dict | None = None
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -51,6 +51,18 @@ class SamplingOptions(msgspec.Struct, kw_only=True):
     priority: int | None = (
         None  # vLLM's: lower is more urgent (--scheduling-policy priority); gateway/policy/priority.py
     )
+    # Fields clients send on every endpoint (docs/api/fields.md): ``service_tier`` is echoed, and "flex"
+    # runs at the lowest priority; the prompt-cache key steers routing; the rest are accepted and ignored.
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    provider: dict | None = None  # OpenRouter's provider routing
+
+
+def echoed_tier(tier: str | None) -> str:
+    """``service_tier`` as OpenAI's answers carry it: the tier asked for, ``auto`` (or none) as ``default``."""
+    return "default" if tier in (None, "auto") else tier
 
 
 class SamplingFields(SamplingOptions, kw_only=True):
@@ -84,7 +96,17 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     reasoning_effort: str | None = None  # a reasoning model's thinking budget by name (docs/reasoning.md)
     thinking_token_budget: int | None = None  # ... or in tokens (vLLM's name)
-    store: bool | None = None  # false: the stream is not logged, so it cannot resume (stream_runs.py)
+    # OpenRouter's reasoning object: ``effort`` and ``max_tokens`` bound the thinking, ``exclude`` hides it.
+    reasoning: dict | None = None
+    # OpenAI's, accepted and ignored (docs/api/fields.md).
+    verbosity: str | None = None
+    prediction: dict | None = None
+    store: bool | None = (
+        None  # OpenAI's; false here also means the stream is not logged, so it cannot resume (stream_runs.py)
+    )
+    metadata: dict | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -162,6 +184,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    service_tier: str = "default"  # the request's, echoed as OpenAI does (auto: default)
 
 
 class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -200,6 +223,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
     usage: Usage | None | msgspec.UnsetType = msgspec.UNSET  # null on every chunk when asked for, then the totals
+    service_tier: str = "default"
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):

@@ -51,6 +51,7 @@ class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class TextConfig(msgspec.Struct, kw_only=True):
     format: TextFormat = msgspec.field(default_factory=lambda: TextFormat(type="text"))
+    verbosity: str | None = None  # accepted and ignored (docs/api/fields.md)
 
 
 class ResponsesRequest(SamplingOptions, kw_only=True):
@@ -76,6 +77,8 @@ class ResponsesRequest(SamplingOptions, kw_only=True):
     include: list[str] | None = None
     background: bool | None = None  # run detached from the connection; poll with GET, stop with POST .../cancel
     conversation: str | dict | None = None  # a conversation's id (or {"id": ...}): its items are the history
+    max_tool_calls: int | None = None  # accepted and ignored
+    stream_options: dict | None = None
     # Refused with a 400 naming it when set.
     prompt: dict | None = None
 
@@ -156,6 +159,8 @@ class ResponseError(msgspec.Struct):
 class Reasoning(msgspec.Struct):
     effort: str | None = None
     summary: str | None = None
+    exclude: bool | None = None  # OpenRouter's: no reasoning item in the output
+    max_tokens: int | None = None  # OpenRouter's: the thinking budget in tokens
 
 
 class ResponseObject(msgspec.Struct, kw_only=True):
@@ -184,6 +189,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     truncation: str = "disabled"
     background: bool = False
     conversation: dict | None = None  # {"id": ...} when it belongs to a conversation
+    service_tier: str = "default"  # the request's, echoed as OpenAI does (auto: default)
 
 
 class DeletedResponse(msgspec.Struct):

@@ -16,7 +16,7 @@ from openai._models import construct_type_unchecked
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
-from gateway.generate.events import END, Finish, Text, ToolCallDelta, Usage
+from gateway.generate.events import END, Finish, Text, Thinking, ToolCallDelta, Usage
 from gateway.generate.tools import CallDelta
 from gateway.http.routes.response_output import Output
 from gateway.http.routes.responses import ResponsesRequest, _envelope
@@ -90,3 +90,26 @@ def test_the_sdks_snapshot_is_the_final_response_at_every_event(script):
         for a in added
     )
     assert [e.seq for e in events] == list(range(len(events)))
+
+
+def test_reasoning_summary_and_exclude():
+    """``reasoning.summary``: the thinking is also the reasoning item's summary, with OpenAI's summary
+    events; OpenRouter's ``reasoning.exclude``: no reasoning item at all."""
+    script = [Thinking(0, "Two and "), Thinking(0, "two."), Text(0, "4"), Finish(0, END, Usage(5, 4))]
+    served = SimpleNamespace(model_name="m", served_name="m", token_texts=None)
+
+    def run(reasoning: dict) -> tuple[list, dict]:
+        body = {"model": "m", "input": "Hi", "reasoning": reasoning}
+        builder = Output(served, _envelope(served, msgspec.convert(body, ResponsesRequest)), False)
+
+        async def collect() -> list:
+            return [event async for event in builder.stream(_Generation(script))]
+
+        events = asyncio.run(collect())
+        return [e.type for e in events], msgspec.json.decode(events[-1].data)["response"]
+
+    kinds, final = run({"summary": "auto"})
+    assert final["output"][0]["summary"] == [{"type": "summary_text", "text": "Two and two."}]
+    assert kinds.index("response.reasoning_summary_text.done") < kinds.index("response.output_item.done")
+    kinds, final = run({"exclude": True})
+    assert [item["type"] for item in final["output"]] == ["message"] and not any("reasoning" in k for k in kinds)

@@ -19,13 +19,29 @@ WEATHER = {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
-def run(parser, pieces):
+def run(parser, pieces, cut=False):
     content, calls = "", []
     for piece in pieces:
         text, more = parser.push(piece)
         content, calls = content + text, calls + more
-    text, more = parser.finish()
+    text, more = parser.finish(cut)
     return content + text, calls + more
+
+
+def test_auto_call_cut_by_max_tokens_is_a_call_never_its_wrapper_text():
+    whole = ["Sure. <tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Rome"}}', "\n</tool"]
+    content, calls = run(tool_plan([WEATHER], "auto", None).parser(), whole, cut=True)
+    assert content == "Sure. " and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Rome"})
+    ]
+    parser = tool_plan([WEATHER], "auto", None).parser()
+    content, calls = run(parser, ['<tool_call>\n{"name": "get_weather", "arguments": {"ci'], cut=True)
+    assert content == "" and (calls[0].name, calls[0].arguments) == ("get_weather", '{"ci')
+    assert parser.content() is None
+    parser = tool_plan([WEATHER], "auto", None).parser()
+    assert run(parser, ['Hi <tool_call>\n{"na'], cut=True) == ("Hi ", []) and parser.content() == "Hi"
+    # Not cut: a malformed block stays text, as before.
+    assert run(tool_plan([WEATHER], "auto", None).parser(), ["x <tool_call>not json"]) == ("x <tool_call>not json", [])
 
 
 def test_auto_parses_hermes_calls_and_holds_back_a_possible_opener():

@@ -189,7 +189,8 @@ def test_bad_pooling_requests_are_400s_that_name_the_field(pooling_server, path,
 
 def test_generation_model_refuses_embeddings(server, client):
     with pytest.raises(
-        openai.BadRequestError, match="is a generation model: it serves text generation, not /v1/embeddings"
+        openai.BadRequestError,
+        match="is a generation model: it serves text generation, not /v1/embeddings; .*start its workers with `--pooling",
     ):
         client.embeddings.create(model=client.models.list().data[0].id, input="hi")
     assert client.models.list().data[0].model_extra["capabilities"] == ["generate"]

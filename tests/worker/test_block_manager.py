@@ -100,3 +100,32 @@ def test_free_returns_shared_blocks_only_when_the_last_user_leaves():
     assert blocks.num_free_blocks == 4 - 2  # the shared block and b's own block are still in use
     blocks.free(b)
     assert blocks.num_free_blocks == 4
+
+
+def test_an_api_keys_salt_keeps_its_blocks_its_own():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    prefix = list(range(100, 110))
+    first = make_request("a", 0, token_ids=prefix + [1])
+    first.tenant = "key-a"
+    computed(blocks, first, 11)
+    for tenant, hit in (("key-b", 0), (None, 0), ("key-a", 8)):
+        other = make_request(f"b-{tenant}", 0, token_ids=prefix + [2])
+        other.tenant = tenant
+        assert blocks.match_prefix(other) == hit, tenant
+        blocks.free(other)
+
+
+def test_retained_blocks_are_evicted_after_every_other():
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    kept = make_request("kept", 0, token_ids=list(range(100, 109)))
+    kept.retain = True
+    computed(blocks, kept, 9)
+    blocks.free(kept)
+    older = make_request("older", 0, token_ids=list(range(200, 209)))
+    computed(blocks, older, 9)
+    blocks.free(older)
+    squeeze = make_request("new", 0, token_ids=list(range(300, 313)))
+    computed(blocks, squeeze, 13)  # 4 blocks: every free unretained one, none of the retained
+    blocks.free(squeeze)
+    assert blocks.match_prefix(make_request("again", 0, token_ids=list(range(100, 109)))) == 8
+    assert blocks.match_prefix(make_request("older-again", 0, token_ids=list(range(200, 209)))) == 0

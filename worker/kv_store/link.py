@@ -66,6 +66,7 @@ class Lookup:
     claimed: bool = False  # loaded (or found useless) at the first admission: a preempted request recomputes
     read_s: float = 0.0  # the reader's time on it
     waited_s: float = 0.0  # the scheduler's wait for it
+    salt: bytes = b""  # its prefix-cache salt (an API key's, an adapter's): its keys are its tenant's alone
 
 
 @dataclass(slots=True)
@@ -112,6 +113,7 @@ class KVStore:
             return  # not one full block (or an image-text prompt): nothing to read or write
         end = 0 if request.sampling.prompt_logprobs is not None else (request.num_prompt_tokens - 1) // size
         job = Lookup(tuple(request.token_ids[: full * size]), min(cached_blocks, end), end)
+        job.salt = (request.cache_salt or "").encode()
         request.kv_store = job
         self._lookups.put(job)
 
@@ -193,7 +195,7 @@ class KVStore:
     def _read(self, job: Lookup) -> None:
         size = self.block_size
         chunks = [record.token_bytes(job.tokens[i * size : (i + 1) * size]) for i in range(len(job.tokens) // size)]
-        keys = record.chain_keys(self.fingerprint, job.tokens, size, len(chunks))
+        keys = record.chain_keys(self.fingerprint + job.salt, job.tokens, size, len(chunks))
         job.blocks = [Block(k, c) for k, c in zip(keys, chunks)]
         if job.cancelled or job.start >= job.end:
             return

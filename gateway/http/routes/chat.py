@@ -40,6 +40,7 @@ from gateway.schemas.chat import (
     TextPart,
     ToolCallChunk,
     ToolCallOut,
+    echoed_tier,
 )
 from gateway.state.service import StateService
 
@@ -108,8 +109,8 @@ def core_request(data: ChatCompletionRequest) -> CoreRequest:
         n=data.n,
         logprobs=(data.top_logprobs or 0) if data.logprobs else None,
         logprobs_param="top_logprobs",
-        reasoning_effort=data.reasoning_effort,
-        reasoning_budget=data.thinking_token_budget,
+        reasoning_effort=data.reasoning_effort or (data.reasoning or {}).get("effort"),
+        reasoning_budget=data.thinking_token_budget or (data.reasoning or {}).get("max_tokens"),
     )
 
 
@@ -158,7 +159,7 @@ def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list
     out = []
     for choice in choices:
         message = AssistantMessage(content=choice.content)
-        if choice.reasoning:
+        if choice.reasoning and not _excluded(req):
             message.reasoning_content = message.reasoning = choice.reasoning
         if choice.tool_calls:
             message.tool_calls = [
@@ -175,8 +176,18 @@ def _body(generation: core.Generation, req: ChatCompletionRequest, choices: list
         )
     usage = events.total_usage([c.finish for c in choices], req.n)  # type: ignore[misc]
     return ChatCompletion(
-        id=_completion_id(), created=now_s(), model=served.served_name, choices=out, usage=openai_usage(usage)
+        id=_completion_id(),
+        created=now_s(),
+        model=served.served_name,
+        choices=out,
+        usage=openai_usage(usage),
+        service_tier=echoed_tier(req.service_tier),
     )
+
+
+def _excluded(req: ChatCompletionRequest) -> bool:
+    """OpenRouter's ``reasoning.exclude``: the model thinks, the answer leaves its thinking out."""
+    return bool((req.reasoning or {}).get("exclude"))
 
 
 def _completion_id() -> str:
@@ -199,7 +210,7 @@ async def _chunks(
 ) -> AsyncIterator[ChatCompletionChunk]:
     served, completion_id, created = generation.served, ident.id, ident.created
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    with_logprobs = req.logprobs
+    with_logprobs, tier = req.logprobs, echoed_tier(req.service_tier)
 
     def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -208,6 +219,7 @@ async def _chunks(
             model=served.served_name,
             choices=choices,
             usage=None if include_usage else msgspec.UNSET,
+            service_tier=tier,
         )
 
     for index in range(generation.choices):
@@ -217,7 +229,7 @@ async def _chunks(
         if isinstance(event, Text):
             logprobs = chat_logprobs(served.token_texts, event.logprobs) if with_logprobs else None
             yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text), logprobs=logprobs)])
-        elif isinstance(event, Thinking):
+        elif isinstance(event, Thinking) and not _excluded(req):
             yield chunk(
                 [
                     ChatChunkChoice(
@@ -235,7 +247,12 @@ async def _chunks(
     if include_usage and len(finishes) == generation.choices:
         usage = events.total_usage([finishes[i] for i in range(generation.choices)], req.n)
         yield ChatCompletionChunk(
-            id=completion_id, created=created, model=served.served_name, choices=[], usage=openai_usage(usage)
+            id=completion_id,
+            created=created,
+            model=served.served_name,
+            choices=[],
+            usage=openai_usage(usage),
+            service_tier=tier,
         )
 
 

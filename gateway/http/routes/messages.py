@@ -46,13 +46,30 @@ from gateway.state.service import StateService
 STOP_REASONS = {events.END: "end_turn", STOP_SEQUENCE: "stop_sequence", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
 
 
-def _usage(usage: Usage) -> AnthropicUsage:
-    """Anthropic counts prompt-cache reads apart: ``input_tokens`` are the others."""
+def _usage(usage: Usage, block: int = 0) -> AnthropicUsage:
+    """Anthropic counts prompt-cache reads and writes apart: ``input_tokens`` are the others. A
+    request that marked ``cache_control`` (``block``: the workers' KV block size) wrote the prompt's
+    full blocks the cache did not hold yet; without a mark, as with Anthropic, nothing is written."""
+    written = max(0, usage.prompt_tokens // block * block - usage.cached_tokens) if block else 0
     return AnthropicUsage(
-        input_tokens=usage.prompt_tokens - usage.cached_tokens,
+        input_tokens=usage.prompt_tokens - usage.cached_tokens - written,
         output_tokens=usage.completion_tokens,
+        cache_creation_input_tokens=written,
         cache_read_input_tokens=usage.cached_tokens,
     )
+
+
+def _breakpoints(data: MessagesRequest) -> list[dict]:
+    """Every ``cache_control`` the request marks: at the top, on tools, system blocks and message blocks."""
+    blocks: list = [data, *(data.tools or []), *(data.system if isinstance(data.system, list) else [])]
+    blocks += [b for m in data.messages if isinstance(m.content, list) for b in m.content]
+    return [b.cache_control for b in blocks if isinstance(b.cache_control, dict)]
+
+
+def cache_block(generation: core.Generation, marked: bool) -> int:
+    """The KV block size when the request marks a cache breakpoint anywhere, else 0."""
+    workers = generation.served.client.available(generation.served.model_name) if marked else []
+    return workers[0].ready.block_size if workers else 0
 
 
 def _input(arguments: str) -> dict:
@@ -98,12 +115,15 @@ class MessagesController(Controller):
     ) -> Response:
         if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
             return resumed
-        generation = await core.start(models.get(data.model), core_request(data), caller)
+        req = core_request(data)
+        req.retain = any(b.get("ttl") == "1h" for b in _breakpoints(data))  # kept ahead of 5-minute blocks
+        generation = await core.start(models.get(data.model), req, caller)
         ident = StreamId.new("msg_")
         if data.stream and loggable(data.store, generation):
             return logged_stream(stored, caller.owner, "messages", generation, data, ident)
         events = partial(_events, generation, data, ident)
-        return await answer(caller, generation, data.stream, events, partial(_message, generation), ident.id, True)
+        message = partial(_message, generation, cache_block(generation, bool(_breakpoints(data))))
+        return await answer(caller, generation, data.stream, events, message, ident.id, True)
 
     @post(
         "/count_tokens",
@@ -120,7 +140,7 @@ class MessagesController(Controller):
         return json_response(CountTokensResponse(len(prompt)))
 
 
-def _message(generation: core.Generation, choices: list[events.Choice]) -> MessageResponse:
+def _message(generation: core.Generation, block: int, choices: list[events.Choice]) -> MessageResponse:
     (choice,) = choices
     content: list[ThinkingBlock | TextBlock | ToolUseBlock] = (
         [ThinkingBlock(thinking=choice.reasoning)] if choice.reasoning else []
@@ -134,7 +154,7 @@ def _message(generation: core.Generation, choices: list[events.Choice]) -> Messa
         content=content,
         stop_reason=STOP_REASONS[finish.reason],
         stop_sequence=finish.stop_sequence,
-        usage=_usage(finish.usage),
+        usage=_usage(finish.usage, block),
     )
 
 
@@ -181,12 +201,13 @@ class _Blocks:
         return events
 
 
-async def _events(generation: core.Generation, _: MessagesRequest, ident: StreamId) -> AsyncIterator[dict]:
+async def _events(generation: core.Generation, data: MessagesRequest, ident: StreamId) -> AsyncIterator[dict]:
     """Anthropic's stream: message_start, ping, per block content_block_start / _delta / _stop,
     then message_delta (stop reason, final usage) and message_stop; an error is an ``error`` event.
     message_start waits for the first output: only then is it known how much of the prompt the
     prefix cache served, which its usage counts apart as the closing usage does."""
     prompt_tokens = len(generation.prompts[0])
+    block = cache_block(generation, bool(_breakpoints(data)))
 
     def start() -> list[dict]:
         first = generation.first_usage or Usage(prompt_tokens)
@@ -198,7 +219,7 @@ async def _events(generation: core.Generation, _: MessagesRequest, ident: Stream
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": _usage(Usage(first.prompt_tokens or prompt_tokens, 0, first.cached_tokens)),
+            "usage": _usage(Usage(first.prompt_tokens or prompt_tokens, 0, first.cached_tokens), block),
         }
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
@@ -229,7 +250,7 @@ async def _events(generation: core.Generation, _: MessagesRequest, ident: Stream
         yield closing
     assert finish is not None
     delta = {"stop_reason": STOP_REASONS[finish.reason], "stop_sequence": finish.stop_sequence}
-    yield {"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}
+    yield {"type": "message_delta", "delta": delta, "usage": _usage(finish.usage, block)}
     yield {"type": "message_stop"}
 
 

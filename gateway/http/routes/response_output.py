@@ -75,7 +75,7 @@ class Output:
             if isinstance(event, Text) and (event.text or event.logprobs):
                 for out in self._text(event):
                     yield out
-            elif isinstance(event, Thinking):
+            elif isinstance(event, Thinking) and not self.response.reasoning.exclude:  # OpenRouter's exclude
                 for out in self._thinking(event):
                     yield out
             elif isinstance(event, ToolCallDelta):
@@ -181,6 +181,19 @@ class Output:
             )
         return out
 
+    def _summary(self, item: ReasoningItem, index: int) -> list[Event]:
+        """``reasoning.summary`` asked for: the thinking, once whole, as the item's one summary part
+        (no summarizing model here: the summary is the reasoning itself), with OpenAI's summary events."""
+        text = item.content[0].text
+        item.summary = [{"type": "summary_text", "text": text}]
+        where = {"item_id": item.id, "output_index": index, "summary_index": 0}
+        return [
+            self.event("response.reasoning_summary_part.added", **where, part={"type": "summary_text", "text": ""}),
+            self.event("response.reasoning_summary_text.delta", **where, delta=text),
+            self.event("response.reasoning_summary_text.done", **where, text=text),
+            self.event("response.reasoning_summary_part.done", **where, part=item.summary[0]),
+        ]
+
     def _close(self, status: str) -> list[Event]:
         """The done events of the open item, if any."""
         item, self._open = self._open, None
@@ -200,6 +213,7 @@ class Output:
                     "response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part
                 )
             )
+            out += self._summary(item, index) if self.response.reasoning.summary else []
         elif isinstance(item, OutputMessage):
             part = item.content[0]
             out.append(

@@ -61,6 +61,7 @@ from gateway.http.routes.response_runs import (
 )
 from gateway.http.routes.responses_input import core_request, inline_files, input_messages, refuse_unsupported
 from gateway.policy.caller import Caller
+from gateway.schemas.chat import echoed_tier
 from gateway.schemas.responses import (
     DeletedResponse,
     InputItem,
@@ -278,7 +279,7 @@ def _envelope(served: ServedModel, req: ResponsesRequest) -> ResponseObject:
         usage=None,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         tool_choice=choice,
-        tools=req.tools or [],
+        tools=[t if t.strict is not None else msgspec.structs.replace(t, strict=True) for t in req.tools or []],
         text=req.text or TextConfig(),
         store=req.store,
         instructions=req.instructions,
@@ -290,6 +291,7 @@ def _envelope(served: ServedModel, req: ResponsesRequest) -> ResponseObject:
         user=req.user,
         background=bool(req.background),
         reasoning=req.reasoning or Reasoning(),
+        service_tier=echoed_tier(req.service_tier),
     )
 
 

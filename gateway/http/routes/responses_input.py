@@ -143,7 +143,7 @@ def core_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> C
         logprobs_param="top_logprobs",
         reasoning_effort=req.reasoning.effort if req.reasoning else None,
         effort_param="reasoning.effort",
-        reasoning_budget=req.thinking_token_budget,
+        reasoning_budget=req.thinking_token_budget or (req.reasoning.max_tokens if req.reasoning else None),
     )
 
 

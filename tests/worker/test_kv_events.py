@@ -1,0 +1,61 @@
+"""KV events (worker/kv_events.py) over a real ZeroMQ PUB/SUB pair: a subscriber that rebuilds the
+worker's cached block set from them holds exactly what the block manager holds, through prefix
+hits and evictions; the payload is vLLM's (tagged events in a timestamped batch)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import zmq
+
+from common.protocol import NewRequest, SamplingParams
+from tests.worker.fake_runner import FakeRunner
+from worker.config import WorkerConfig
+from worker.engine import Engine
+from worker.kv_events import KvEventPublisher
+
+
+def test_a_subscriber_rebuilds_the_block_set_from_the_events(tmp_path):
+    engine = Engine(FakeRunner(num_blocks=8), WorkerConfig(block_size=4))
+    publisher = KvEventPublisher(f"ipc://{tmp_path}/kv-events", topic="kv")
+    engine.blocks.events = publisher
+    publisher._open()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(publisher.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    time.sleep(0.3)  # the subscription reaches the publisher before anything is sent
+
+    shared = list(range(100, 108))
+    prompts = [shared + [1, 2, 3], shared + [4, 5, 6], *[[i * 50 + j for j in range(1, 14)] for i in range(3, 8)]]
+    prompts.append(shared + [1, 2, 3])  # evicted by now, or a hit: either way the sets must agree
+    for i, prompt in enumerate(prompts):
+        engine.add_request(NewRequest(f"r{i}", prompt, 3, SamplingParams(temperature=0)))
+        while engine.has_work():
+            engine.step()
+            publisher.flush()  # as the worker's loop does after each step
+
+    held: set[int] = set()
+    seqs, kinds = [], set()
+    while sub.poll(1000):
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv"
+        seqs.append(int.from_bytes(seq, "big"))
+        raw = msgspec.msgpack.decode(payload)
+        assert isinstance(raw["ts"], float) and abs(raw["ts"] - time.time()) < 60
+        for event in raw["events"]:
+            kinds.add(event["type"])
+            if event["type"] == "AllBlocksCleared":
+                held.clear()
+            elif event["type"] == "BlockStored":
+                assert len(event["token_ids"]) == 4 * len(event["block_hashes"]) and event["block_size"] == 4
+                assert event["parent_block_hash"] is None or event["parent_block_hash"] in held
+                held.update(event["block_hashes"])
+            else:
+                held.difference_update(event["block_hashes"])
+    sub.close(linger=0)
+    publisher.close()
+    assert seqs == list(range(len(seqs))) and seqs
+    assert kinds == {"AllBlocksCleared", "BlockStored", "BlockRemoved"}  # the small cache had to evict
+    assert held == set(engine.blocks._cached) and engine.blocks.num_cached_blocks == len(held)
+    assert engine.load().cached_blocks == len(held)  # what /workers shows as cached_blocks
