@@ -1,14 +1,12 @@
 """The wire contract between the gateway (ROUTER) and the workers (DEALER).
 
-Every message is two ZeroMQ frames: a two-byte header ``[PROTOCOL_VERSION, MsgType]`` and a msgpack payload
-holding one of the Structs below in array form: the values in field order, without their names (a step's
-one-token output takes 55 bytes where the named form took 232). The full request travels once
-(``AddRequests``); then only deltas (``StepOutputs``: each request's new token ids). Nothing is ever pickled.
-
-Array form makes field order part of the contract: add fields at the end of a message, with a
-default (a shorter array decodes, its missing trailing fields taking their defaults), and bump
-PROTOCOL_VERSION for anything else. A peer of another version is refused at the handshake (``refusal``), in
-words that version can read. (``omit_defaults`` omits nothing in array form as of msgspec 0.22, jcrist/msgspec#720.)
+Every message is two ZeroMQ frames: a two-byte header ``[PROTOCOL_VERSION, MsgType]`` and a msgpack payload holding one
+of the Structs below in array form: the values in field order, without their names (a step's one-token output takes 55
+bytes where the named form took 232). The full request travels once (``AddRequests``); then only deltas (``StepOutputs``:
+each request's new token ids). Nothing is ever pickled. Array form makes field order part of the contract: add fields at
+the end of a message, with a default (a shorter array decodes, its missing trailing fields taking their defaults), and
+bump PROTOCOL_VERSION for anything else. A peer of another version is refused at the handshake (``refusal``), in words
+that version can read. (``omit_defaults`` omits nothing in array form as of msgspec 0.22, jcrist/msgspec#720.)
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Every check of a generation request, in one place and in order, before admission: ``prepare`` takes what a
 dialect translated (``core.CoreRequest``) and returns its prompts tokenized, its tool plan and stop strings, and
-one wire ``NewRequest`` per choice, or a 400 that names the field.
-
-Cheap checks come first (sampling ranges, ``n``, stops, logprobs, the output format, tools and their grammars,
-token ids, the prompt's size in characters), so a bad request is refused before any tokenizing; then the prompt is
-rendered and tokenized off the event loop (images fetched, decoded and expanded: gateway/generate/vision.py); then
-each prompt's token budget is checked against the workers' context length."""
+one wire ``NewRequest`` per choice, or a 400 that names the field. Cheap checks come first (sampling ranges, ``n``,
+stops, logprobs, the output format, tools and their grammars, token ids, the prompt's size in characters), so a bad
+request is refused before any tokenizing; then the prompt is rendered and tokenized off the event loop (images
+fetched, decoded and expanded: gateway/generate/vision.py); then each prompt's token budget is checked against the
+workers' context length."""
 
 from __future__ import annotations
 
@@ -329,16 +328,14 @@ def max_new_tokens(requested: int | None, param: str, prompt_len: int, max_model
             param="messages",
             code="context_length_exceeded",
         )
-    if requested is None:
-        return limit - prompt_len
-    if prompt_len + requested > limit:
+    if requested is not None and prompt_len + requested > limit:
         raise InvalidRequest(
             f"the prompt ({prompt_len} tokens) plus `{param}` ({requested}) is {prompt_len + requested} tokens, "
             f"more than this model's context length of {limit} tokens",
             param=param,
             code="context_length_exceeded",
         )
-    return requested
+    return limit - prompt_len if requested is None else requested
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
