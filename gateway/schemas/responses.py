@@ -51,7 +51,7 @@ class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class TextConfig(msgspec.Struct, kw_only=True):
     format: TextFormat = msgspec.field(default_factory=lambda: TextFormat(type="text"))
-    verbosity: str | None = None  # accepted and ignored (docs/api/fields.md)
+    verbosity: str = "medium"  # accepted and ignored (docs/api/fields.md); echoed as OpenAI echoes it
 
 
 class ResponsesRequest(SamplingOptions, kw_only=True):

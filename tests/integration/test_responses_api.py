@@ -230,7 +230,7 @@ def test_reasoning_on_a_model_that_does_not_think_reports_none_and_the_short_pat
 
 def test_echoed_defaults_are_openais(server):
     body = server.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}).json()
-    assert body["tool_choice"] == "auto" and body["text"] == {"format": {"type": "text"}}
+    assert body["tool_choice"] == "auto" and body["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
 
 
 def test_input_items_are_listed_in_pages_and_scoped(client):

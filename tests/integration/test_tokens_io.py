@@ -87,7 +87,8 @@ def test_abort_ends_a_streamed_generate(server):
         lines = response.iter_lines()
         for line in lines:
             if line.startswith("data: {"):
-                assert server.post("/abort_requests", json={"request_ids": ["abort-me"]}).status_code == 200
+                aborted = server.post("/abort_requests", json={"request_ids": ["abort-me", "not-running"]})
+                assert aborted.status_code == 200 and aborted.json() == {"aborted": ["abort-me"]}
                 break
         for line in lines:
             if line.startswith("data: {"):

@@ -113,7 +113,6 @@ def test_the_cpp_step_adds_each_rows_adapter(family):
         torch.tensor([pages[p // block] * block + p % block for _, p, pages in rows]),
         torch.tensor([pages + [0] * (width - len(pages)) for _, _, pages in rows]),
         positions + 1,
-        int(positions.max()) + 1,
         lora=segments,
     )
     start = 0

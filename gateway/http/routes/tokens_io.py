@@ -128,11 +128,13 @@ class TokensController(Controller):
 
     @post("/abort_requests", status_code=200, responses=documented(None))
     async def abort_requests(self, data: JSONBody[AbortRequest]) -> Response:
-        """Stop generate requests of this gateway by their ids; each ends with ``finish_reason: abort``."""
-        for ident in data.request_ids:
-            if (event := _RUNNING.get(ident)) is not None:
-                event.set()
-        return Response(content=b"", status_code=200)
+        """Stop generate requests of this gateway by their ids; each ends with ``finish_reason: abort``.
+        The answer names the ids found running here (vLLM's body is empty; a JSON object keeps the
+        route's documented type)."""
+        found = [ident for ident in data.request_ids if ident in _RUNNING]
+        for ident in found:
+            _RUNNING[ident].set()
+        return Response(content={"aborted": found}, status_code=200)
 
     @post("/v1/chat/completions/derender", status_code=200, responses=documented(None))
     async def derender_chat(
