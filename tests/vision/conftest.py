@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import http.server
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.vision.models import build_idefics3, build_llava
+from tests.vision.models import build_idefics3, build_llava, image_bytes
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +24,33 @@ def idefics3(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("idefics3")
     build_idefics3(tokenizer, folder)
     return folder
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """/ok.png: a small image; /loop: a redirect to itself; anything else 5,000 bytes of not an
+    image (/nolength without its Content-Length)."""
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/loop"):
+            self.send_response(302)
+            self.send_header("Location", "/loop")
+            self.end_headers()
+            return
+        body = image_bytes(1) if self.path == "/ok.png" else b"x" * 5000
+        self.send_response(200)
+        if self.path != "/nolength":
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def image_host() -> Iterator[str]:
+    """An HTTP server on loopback, for the fetch rules."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()

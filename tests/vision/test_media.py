@@ -3,10 +3,6 @@ redirect and size limits, local files only under their directory."""
 
 from __future__ import annotations
 
-import http.server
-import threading
-from collections.abc import Iterator
-
 import pytest
 
 from gateway.errors import InvalidRequest, TooLarge
@@ -24,42 +20,16 @@ def test_addresses_that_are_not_public_are_refused(address):
     check_address("93.184.215.14", MediaRules(), "host", "p")  # a public one passes
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        if self.path.startswith("/loop"):
-            self.send_response(302)
-            self.send_header("Location", "/loop")
-            self.end_headers()
-            return
-        body = image_bytes(1) if self.path == "/ok.png" else b"x" * 5000
-        self.send_response(200)
-        if self.path != "/nolength":
-            self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def host() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-
-
-def test_limits_on_a_host_the_rules_allow(host):
+def test_limits_on_a_host_the_rules_allow(image_host):
     rules = MediaRules(max_bytes=4096, allow_private=True)
-    assert load_image(f"{host}/ok.png", MediaRules(allow_private=True), "p").size == (40, 48)
+    assert load_image(f"{image_host}/ok.png", MediaRules(allow_private=True), "p").size == (40, 48)
     with pytest.raises(InvalidRequest, match="more than 3 redirects"):
-        load_image(f"{host}/loop", rules, "p")
+        load_image(f"{image_host}/loop", rules, "p")
     for path in ("/big", "/nolength"):  # declared, or found while reading
         with pytest.raises(TooLarge):
-            load_image(host + path, rules, "p")
+            load_image(image_host + path, rules, "p")
     with pytest.raises(InvalidRequest, match="not among the allowed media domains"):
-        load_image(f"{host}/ok.png", MediaRules(allow_private=True, allowed_domains=("example.com",)), "p")
+        load_image(f"{image_host}/ok.png", MediaRules(allow_private=True, allowed_domains=("example.com",)), "p")
 
 
 def test_local_files_only_under_their_directory(tmp_path):
