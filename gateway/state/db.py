@@ -55,6 +55,21 @@ class Database(Session):
         raise NotImplementedError
 
 
+async def _switch_to_wal(connection: Any, attempts: int = 40) -> None:
+    """SQLite answers the journal-mode switch with "database is locked" at once, without its busy
+    handler, while another process opens the same file (two gateways starting together), so retry."""
+    import sqlite3
+
+    for attempt in range(attempts):
+        try:
+            await connection.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.25)
+
+
 class SQLiteDatabase(Database):
     dialect = "sqlite"
 
@@ -68,9 +83,11 @@ class SQLiteDatabase(Database):
 
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        connection = await aiosqlite.connect(path, isolation_level=None)  # autocommit; transactions are explicit
+        # autocommit (transactions are explicit); the busy timeout is set before any other statement
+        connection = await aiosqlite.connect(path, isolation_level=None, timeout=10)
+        await _switch_to_wal(connection)
         # secure_delete: a deleted response's bytes are overwritten in the file, not left in free pages
-        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=10000", "secure_delete=FAST"):
+        for pragma in ("synchronous=NORMAL", "secure_delete=FAST"):
             await connection.execute(f"PRAGMA {pragma}")
         return cls(connection)
 

@@ -261,3 +261,31 @@ def test_usage_adds_up_per_key_model_and_day(url):
         await store.close()
 
     run(main())
+
+
+def test_a_gateway_starts_while_another_holds_the_sqlite_file_for_longer_than_sqlites_default_wait(tmp_path):
+    """Another gateway migrating a fresh file under load holds its write lock for seconds, before the
+    file is in WAL mode; the opener waits it out (SQLite's own default gives up after 5 s)."""
+    import sqlite3
+    import threading
+
+    path = tmp_path / "state.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    holder.execute("CREATE TABLE held (x)")
+    release = threading.Timer(6.0, lambda: holder.execute("COMMIT"))
+    release.start()
+
+    async def main() -> float:
+        began = time.monotonic()
+        db = await connect(f"sqlite:///{path}")
+        waited = time.monotonic() - began
+        assert [row[0] for row in await db.fetch("PRAGMA journal_mode")] == ["wal"]
+        await db.close()
+        return waited
+
+    try:
+        assert run(main()) >= 5.0, "the open did wait for the writer"
+    finally:
+        release.join()
+        holder.close()
