@@ -23,8 +23,7 @@ from gateway.generate.structured_outputs import format_param, output_format
 from gateway.generate.tools import CallDelta
 from gateway.generate.vision import image_part, parts_content
 from gateway.http.routes.common import answer, documented, openai_usage
-from gateway.http.routes.response_runs import resume_stream
-from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, loggable, logged_stream
+from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, start_stream
 from gateway.policy.caller import Caller
 from gateway.schemas.chat import (
     AssistantMessage,
@@ -138,12 +137,10 @@ class ChatController(Controller):
         caller: NamedDependency[Caller],
         stored: NamedDependency[StateService],
     ) -> Response:
-        if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
-            return resumed
-        generation = await core.start(models.get(data.model), core_request(data), caller)
-        ident = StreamId.new("chatcmpl-")
-        if data.stream and loggable(data.store, generation):
-            return logged_stream(stored, caller.owner, "chat", generation, data, ident)
+        started = await start_stream(request, "chat", data, core_request(data), models, caller, stored)
+        if isinstance(started, Response):  # a reconnecting client's rest, or a logged stream
+            return started
+        generation, ident = started
         return await answer(
             caller,
             generation,
@@ -256,4 +253,4 @@ async def _chunks(
         )
 
 
-DIALECTS["chat"] = Dialect(ChatCompletionRequest, core_request, _chunks)
+DIALECTS["chat"] = Dialect(ChatCompletionRequest, core_request, _chunks, "chatcmpl-")

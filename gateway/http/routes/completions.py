@@ -21,8 +21,7 @@ from gateway.generate.request import CoreRequest
 from gateway.generate.served_model import now_s
 from gateway.generate.structured_outputs import format_param, output_format
 from gateway.http.routes.common import answer, documented, openai_usage
-from gateway.http.routes.response_runs import resume_stream
-from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, loggable, logged_stream
+from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, start_stream
 from gateway.policy.caller import Caller
 from gateway.schemas.chat import Completion, CompletionChoice, CompletionRequest
 from gateway.state.service import StateService
@@ -81,12 +80,10 @@ class CompletionsController(Controller):
         caller: NamedDependency[Caller],
         stored: NamedDependency[StateService],
     ) -> Response:
-        if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
-            return resumed
-        generation = await core.start(models.get(data.model), core_request(data), caller)
-        ident = StreamId.new("cmpl-")
-        if data.stream and loggable(data.store, generation):
-            return logged_stream(stored, caller.owner, "completions", generation, data, ident)
+        started = await start_stream(request, "completions", data, core_request(data), models, caller, stored)
+        if isinstance(started, Response):  # a reconnecting client's rest, or a logged stream
+            return started
+        generation, ident = started
         echoes = await generation.served.run_in_pool(_echo_texts, generation, data.prompt) if data.echo else None
         return await answer(
             caller,
@@ -232,4 +229,4 @@ async def _chunks(
         )
 
 
-DIALECTS["completions"] = Dialect(CompletionRequest, core_request, _logged_chunks)
+DIALECTS["completions"] = Dialect(CompletionRequest, core_request, _logged_chunks, "cmpl-")

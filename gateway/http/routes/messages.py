@@ -24,11 +24,11 @@ from gateway.errors import GatewayError
 from gateway.generate import core, events
 from gateway.generate.events import LENGTH, STOP_SEQUENCE, TOOL_CALLS, Finish, Text, Thinking, ToolCallDelta, Usage
 from gateway.generate.model_registry import ModelRegistry
+from gateway.generate.request import CoreRequest
 from gateway.generate.tools import CallDelta
 from gateway.http.routes.common import answer, documented, json_response
 from gateway.http.routes.messages_input import core_request
-from gateway.http.routes.response_runs import resume_stream
-from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, loggable, logged_stream
+from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, start_stream
 from gateway.policy.caller import Caller
 from gateway.schemas.anthropic import (
     AnthropicErrorBody,
@@ -57,6 +57,12 @@ def _usage(usage: Usage, block: int = 0) -> AnthropicUsage:
         cache_creation_input_tokens=written,
         cache_read_input_tokens=usage.cached_tokens,
     )
+
+
+def _core_request(data: MessagesRequest) -> CoreRequest:
+    req = core_request(data)
+    req.retain = any(b.get("ttl") == "1h" for b in _breakpoints(data))  # kept ahead of 5-minute blocks
+    return req
 
 
 def _breakpoints(data: MessagesRequest) -> list[dict]:
@@ -113,14 +119,10 @@ class MessagesController(Controller):
         caller: NamedDependency[Caller],
         stored: NamedDependency[StateService],
     ) -> Response:
-        if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
-            return resumed
-        req = core_request(data)
-        req.retain = any(b.get("ttl") == "1h" for b in _breakpoints(data))  # kept ahead of 5-minute blocks
-        generation = await core.start(models.get(data.model), req, caller)
-        ident = StreamId.new("msg_")
-        if data.stream and loggable(data.store, generation):
-            return logged_stream(stored, caller.owner, "messages", generation, data, ident)
+        started = await start_stream(request, "messages", data, _core_request(data), models, caller, stored)
+        if isinstance(started, Response):  # a reconnecting client's rest, or a logged stream
+            return started
+        generation, ident = started
         events = partial(_events, generation, data, ident)
         message = partial(_message, generation, cache_block(generation, bool(_breakpoints(data))))
         return await answer(caller, generation, data.stream, events, message, ident.id, True)
@@ -254,4 +256,4 @@ async def _events(generation: core.Generation, data: MessagesRequest, ident: Str
     yield {"type": "message_stop"}
 
 
-DIALECTS["messages"] = Dialect(MessagesRequest, core_request, _events, named=True)
+DIALECTS["messages"] = Dialect(MessagesRequest, _core_request, _events, "msg_", named=True)

@@ -22,14 +22,17 @@ from typing import Any
 
 import msgspec
 from litestar import Litestar
+from litestar.connection import ASGIConnection
 from litestar.response import Stream
 
 from common.protocol import RequestOutput
 from gateway.generate import core
+from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.request import CoreRequest
 from gateway.generate.served_model import now_s
-from gateway.http.routes.response_runs import chunk_hook, followed, sse_stream, with_ids
+from gateway.http.routes.response_runs import chunk_hook, followed, resume_stream, sse_stream, with_ids
 from gateway.http.streaming import sse_events
+from gateway.policy.caller import Caller
 from gateway.state.records import ResponseRecord
 from gateway.state.runs import FRAME, STREAM_END, Event, Run
 from gateway.state.service import StateService
@@ -58,14 +61,31 @@ class Dialect:
     body: type
     core_request: Callable[[Any], CoreRequest]
     chunks: Callable[[core.Generation, Any, StreamId], AsyncIterator[Any]]
+    prefix: str  # of its stream ids: chatcmpl-, cmpl-, msg_
     named: bool = False  # events named after their type (Messages), and no [DONE]
 
 
 DIALECTS: dict[str, Dialect] = {}  # by name; each route module adds its own
 
 
-def loggable(store: bool | None, generation: core.Generation) -> bool:
-    return store is not False and generation.choices == 1 and len(generation.prompts) == 1
+async def start_stream(
+    request: ASGIConnection,
+    name: str,
+    data: Any,
+    req: CoreRequest,
+    models: ModelRegistry,
+    caller: Caller,
+    state: StateService,
+) -> Stream | tuple[core.Generation, StreamId]:
+    """The opening the logged dialects share: for a reconnecting client, the rest of its stream;
+    otherwise the generation started, and a stream it may log answered at once, logged."""
+    if (resumed := await resume_stream(request, caller.owner)) is not None:
+        return resumed
+    generation = await core.start(models.get(data.model), req, caller)
+    ident = StreamId.new(DIALECTS[name].prefix)
+    if data.stream and data.store is not False and len(generation.news) == 1:  # one prompt, one choice
+        return logged_stream(state, caller.owner, name, generation, data, ident)
+    return generation, ident
 
 
 async def _frames(chunks: AsyncIterator[Any], named: bool) -> AsyncIterator[Event]:
