@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import ARTIFACTS, MODEL, REPO, Server, free_port, spawn, start_serve, stop, wait_until, worker_argv
+from tests.integration.test_faults import stream_text
 
 FAST_HEARTBEAT = {"LLMPOOL_HEARTBEAT_INTERVAL": "0.5", "LLMPOOL_HEARTBEAT_LIVENESS": "4"}
 
@@ -102,13 +103,12 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_launcher_stops_everything_on_signal(sig):
-    server = start_serve(f"launcher-{sig.name}", 1)
+def test_launcher_stops_everything_on_sigint():
+    server = start_serve("launcher-SIGINT", 1)
     launcher = server.processes[0]
     children = _children(launcher.pid)
     assert len(children) >= 2, "a gateway and a worker expected"
-    launcher.send_signal(sig)
+    launcher.send_signal(signal.SIGINT)
     launcher.wait(timeout=30)
     wait_until(lambda: not any(_alive(pid) for pid in children), 15, "every child to exit")
 
@@ -122,8 +122,11 @@ def test_killed_launcher_leaves_no_orphans():
     wait_until(lambda: not any(_alive(pid) for pid in children), 20, "children to die with the launcher")
 
 
-def test_launcher_restarts_a_crashed_worker():
+def test_launcher_restarts_a_crashed_worker_then_sigterm_lets_a_running_stream_finish():
+    """One ``llmpool serve`` for its life: a crashed worker comes back under its name; then SIGTERM
+    mid-stream: the stream ends whole, the launcher exits 0, and every child with it."""
     server = start_serve("launcher-restart", 1)
+    launcher = server.processes[0]
     try:
         (worker_pid,) = [
             p for p in _children(server.processes[0].pid) if "worker" in Path(f"/proc/{p}/cmdline").read_text()
@@ -140,6 +143,12 @@ def test_launcher_restarts_a_crashed_worker():
             .chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
             .choices
         )
+        children = _children(launcher.pid)
+        assert len(children) >= 2, "a gateway and a worker expected"
+        text, tokens = stream_text(sdk(server), lambda count: count == 5 and launcher.send_signal(signal.SIGTERM))
+        assert tokens == 48 and text, "the running stream finished"
+        assert launcher.wait(timeout=60) == 0
+        wait_until(lambda: not any(_alive(pid) for pid in children), 15, "every child to exit")
     finally:
         server.stop()
 
