@@ -44,6 +44,8 @@ from gateway.policy.admission import Slot
 from gateway.policy.caller import Caller
 from gateway.policy.priority import request_priority
 
+RETENTION_S = {"24h": 86400.0}  # OpenAI's prompt_cache_retention; "in_memory" is the plain LRU
+
 
 async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = None) -> Generation:
     """Check the request, tokenize its prompt and admit it: errors (400, 429, 503, 504) come now,
@@ -65,10 +67,10 @@ async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = N
     if req.cache_salt is not None:  # the request's own salt (vLLM's ``cache_salt``), within its key's
         salt = f"{salt or ''}/{req.cache_salt}"
     req.cache_salt, req.affinity_key = salt, req.affinity_key or affinity
-    req.retain = req.retain or getattr(req.sampling, "prompt_cache_retention", None) == "24h"
+    req.retain_s = req.retain_s or RETENTION_S.get(getattr(req.sampling, "prompt_cache_retention", None), 0.0)
     prepared = await prepare(served, req, caller)
-    for new in prepared.news if req.retain else ():
-        new.retain = True  # its prompt's cached blocks are evicted after every unretained one
+    for new in prepared.news:
+        new.retain_s = req.retain_s  # its prompt's cached blocks are evicted after every unretained one
     if rules.quotas is not None:
         await rules.quotas.enforce(caller, served.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
     tracing.describe_request(lambda: req.span_attributes(served.model_name, prepared.prompts))

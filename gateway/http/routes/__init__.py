@@ -7,7 +7,8 @@ responses.py                  OpenAI's Responses API; responses_input.py (its bo
                               runs, streams that resume on any gateway), response_items.py (input items, cancel),
                               responses_ws.py (its WebSocket mode)
 stream_runs.py                chat, completions and Messages streams that resume on any gateway (Last-Event-ID)
-messages.py                   Anthropic's Messages API; messages_input.py (its body into the core's request)
+messages.py                   Anthropic's Messages API; messages_input.py (its body into the core's request);
+                              messages_cache.py (cache_control: retention, and usage up to the last breakpoint)
 conversation_checks.py        what Responses and Messages refuse in a conversation (400 naming the field)
 embeddings.py, rerank.py      the pooling dialects (embeddings; rerank and score)
 tokenize.py                   /tokenize and /detokenize
