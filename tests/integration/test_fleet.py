@@ -21,9 +21,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import zmq
 
 from launcher.cli import make_keys
 from tests.conftest import MODEL, Server, free_port, spawn, start_serve, stop, wait_until, worker_argv
+from tests.worker.test_kv_events import rebuild
 
 API_KEY = "fleet-key"
 # Default heartbeats (1 s, 5 missed): three model workers share two cores here, and a step may take seconds.
@@ -231,10 +233,15 @@ def test_a_gateway_killed_mid_load_leaves_the_other_serving_and_relearns_the_poo
 
 
 def test_a_prompt_cache_key_goes_to_one_worker_through_either_gateway(fleet):
+    """... and the joining worker's KV events (a real worker process, --kv-events-endpoint), read by
+    a subscriber from its start, rebuild the block set whose size /workers shows."""
+    events = f"ipc://{fleet.keys.parent}/kv-events-b"
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(events)  # before the worker binds: ZeroMQ connects once it does
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
     tiny = str(fleet.keys.parent / "tiny-qwen")
-    fleet.start_worker(
-        3, "tiny-qwen", "--model", tiny, "--dtype", "float32", "--max-model-len", "1024", name="tiny-qwen-b"
-    )
+    extra = ("--model", tiny, "--dtype", "float32", "--max-model-len", "1024", "--kv-events-endpoint", events)
+    fleet.start_worker(3, "tiny-qwen", *extra, name="tiny-qwen-b")
     for i in (0, 1):
         wait_until(lambda i=i: fleet.models(i)["tiny-qwen"]["workers"] == 2, 120, f"gateway {i}: 2 tiny-qwen workers")
 
@@ -252,6 +259,15 @@ def test_a_prompt_cache_key_goes_to_one_worker_through_either_gateway(fleet):
     assert all(len(names) == 1 for names in picked.values()), picked
     assert {n for names in picked.values() for n in names} == {"tiny-qwen", "tiny-qwen-b"}  # both own keys
     assert session == picked["conv-1"]  # the header is the same key
+
+    held, seqs, kinds = rebuild(sub, topic=b"", block_size=16)
+    sub.close(linger=0)
+    assert seqs == list(range(len(seqs))) and "AllBlocksCleared" in kinds and held
+
+    def shown() -> int:
+        return {w["name"]: w["cached_blocks"] for w in fleet.get(0, "/workers").json()["workers"]}["tiny-qwen-b"]
+
+    wait_until(lambda: shown() == len(held), 10, f"/workers showing the {len(held)} blocks the events hold")
 
 
 def test_a_worker_twice_as_fast_gets_about_twice_the_requests(tmp_path):

@@ -47,6 +47,18 @@ def test_render_equals_tokenize_and_generate_then_derender_equals_chat(server, c
     assert [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]] == choice["token_ids"]
     assert chunks[-1]["usage"]["completion_tokens"] == len(choice["token_ids"])
 
+    # A stop string: the token ids end where the chat answer's text ends (the stop text's tokens cut).
+    text = answer.choices[0].message.content
+    words = text.split(" ")
+    stop = " " + words[len(words) // 2]  # a stop string that starts where a token does
+    stopped_chat = client.chat.completions.create(**ASK, stop=[stop]).choices[0].message.content
+    params = {**rendered["sampling_params"], "stop": [stop]}
+    cut = server.post("/inference/v1/generate", json={**rendered, "sampling_params": params}).json()
+    assert len(cut["choices"][0]["token_ids"]) < len(choice["token_ids"])
+    derender["generate_response"] = cut
+    again = server.post("/v1/chat/completions/derender", json=derender).json()
+    assert again["choices"][0]["message"]["content"] == stopped_chat, (stop, text)
+
 
 def test_generate_logprobs_are_named_by_id_and_derender_resolves_them(server, tokenizer):
     ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
