@@ -12,7 +12,8 @@ messages.py                   Anthropic's Messages API; messages_input.py (its b
 conversation_checks.py        what Responses and Messages refuse in a conversation (400 naming the field)
 embeddings.py, rerank.py      the pooling dialects (embeddings; rerank and score)
 tokenize.py                   /tokenize and /detokenize
-tokens_io.py                  vLLM's token-in/token-out endpoints: render, /inference/v1/generate, derender, abort
+tokens_io.py                  vLLM's token-in/token-out endpoints: render, /inference/v1/generate, derender, abort;
+                              tokens_parse.py (derender's tool calls and thinking, read as chat reads them)
 decisions.py                  OpenAI's Decisions API (/v1/decisions)
 models.py                     /v1/models
 lora.py                       vLLM's runtime LoRA load and unload
