@@ -183,6 +183,9 @@ class BlockManager:
             if block.keep_until > self.clock():
                 self._kept[block_id] = block.keep_until
                 heapq.heappush(self._kept_order, (block.keep_until, block_id))
+                if len(self._kept_order) > 2 * len(self._kept) + 64:  # stale entries of blocks taken again
+                    self._kept_order = [(until, i) for i, until in self._kept.items()]
+                    heapq.heapify(self._kept_order)
             else:
                 self._free[block_id] = None
 

@@ -178,3 +178,15 @@ def test_a_retention_ends_after_its_ttl_and_the_shorter_one_goes_first():
     cache_prompt(blocks, 700, tokens=25)  # takes them, then the LRU's 5 oldest: 600's tail first
     assert hits(blocks, 100) == 0 and hits(blocks, 600) == 8
     assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_a_retained_block_used_again_and_again_keeps_the_retention_heap_small():
+    clock = Clock()
+    blocks = BlockManager(num_blocks=9, block_size=4, clock=clock)
+    cache_prompt(blocks, 100, retain_s=3600.0)
+    for _ in range(500):  # each hit renews it, and its free pushes a new entry
+        clock.now += 1.0
+        cache_prompt(blocks, 100, retain_s=3600.0)
+    assert len(blocks._kept_order) <= 2 * len(blocks._kept) + 65
+    cache_prompt(blocks, 400, tokens=25)  # 7 blocks: every unretained one, none of the retained
+    assert hits(blocks, 100) == 8
