@@ -122,7 +122,7 @@ class NewRequest(Wire):
     images: list[ImageInput] = []  # an image-text model's images, in prompt order
     cache_salt: str | None = None  # seeds its prefix-cache hashes: one API key's blocks serve only that key
     affinity_key: str | None = None  # prompt_cache_key or x-session-id: the gateway routes it ahead of prefix hashing
-    retain: bool = False  # 1h / 24h retention asked for: its prompt's cached blocks are evicted after all others
+    retain_s: float = 0.0  # cached-block retention asked for (a cache ttl): kept ahead of others
 
 
 class Ready(Wire):

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         from worker.kv_events import KvEventPublisher
 
         engine.blocks.events = KvEventPublisher(config.kv_events_endpoint)
+        stepper.call(engine.blocks.events.start)  # the engine thread owns the socket
     proc.install_signal_handlers()
     # Everything loaded so far (model modules, tokenizer, torch's own objects) lives as long as the
     # process: keep it out of the collector's scans. A full collection walked it all, costing 263 ms

@@ -10,12 +10,20 @@ prompt up block by block and shares every block that matches (reference counts),
 the rest. A block whose last user is done goes to the back of an LRU free list but keeps its
 contents and hash until it is taken for other tokens, so a later request with the same prefix
 (a shared system prompt, the next turn of a conversation) still finds it.
+
+Retention (Anthropic's ``cache_control`` ttl, OpenAI's ``prompt_cache_retention``): a request with
+``retain_s`` keeps the blocks it computes or reuses until ``retain_s`` from now (each use renews it,
+as Anthropic's ttl is renewed by a hit). Such a block, once free, waits in a second free list that
+is used only when no ordinary free block is left, the one whose retention ends first going first.
+When its retention ends it joins the front of the ordinary LRU list (the next to go).
 """
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +41,7 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] = ()  # the tokens behind the hash, checked on lookup (no false sharing)
-    retained: bool = False  # cached for a request that asked to keep it (1h / 24h retention): evicted last
+    keep_until: float = 0.0  # retained (clock time) for a request that asked to keep it: evicted after others
 
 
 def chain_hash(parent: int | str | None, token_ids: tuple[int, ...]) -> int:
@@ -43,13 +51,21 @@ def chain_hash(parent: int | str | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     """Hands out blocks, shares cached prefix blocks, and takes them back (reverse order, LRU)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._kept: OrderedDict[int, None] = OrderedDict()  # free retained blocks: reused only once _free is empty
+        self._kept: dict[int, float] = {}  # free retained blocks (id -> until): reused only once _free is empty
+        self._kept_order: list[tuple[float, int]] = []  # a heap of (until, id); stale entries are skipped
+        self.clock = clock
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.hit_tokens = 0  # prompt tokens served from the cache, since start
         self.queried_tokens = 0  # prompt tokens looked up
@@ -65,8 +81,33 @@ class BlockManager:
         return len(self._free) + len(self._kept)
 
     def _next_free(self) -> int:
-        """The block to reuse: the least recently freed unretained one, else the least recent retained one."""
-        return next(iter(self._free or self._kept))
+        """The block to reuse: the least recently freed unretained one, else the retained one whose
+        retention ends first. Retentions that ended move to the front of the LRU list first."""
+        self._expire()
+        if self._free:
+            return next(iter(self._free))
+        return self._kept_order[0][1]
+
+    def _expire(self) -> None:
+        """Free retained blocks whose time is up become ordinary, next in line; stale heap entries go."""
+        order, now = self._kept_order, self.clock()
+        while order and (self._kept.get(order[0][1]) != order[0][0] or order[0][0] <= now):
+            until, block_id = heapq.heappop(order)
+            if self._kept.get(block_id) == until:
+                del self._kept[block_id]
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+
+    def _retain(self, block: Block, request: Request) -> None:
+        """A retaining request uses the block: it is kept until ``retain_s`` from now (renewed)."""
+        if request.retain_s > 0:
+            block.keep_until = max(block.keep_until, self.clock() + request.retain_s)
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Cached blocks still under a retention (in use or free)."""
+        now = self.clock()
+        return sum(1 for b in self.blocks if b.block_hash is not None and b.keep_until > now)
 
     @property
     def capacity_tokens(self) -> int:
@@ -83,7 +124,7 @@ class BlockManager:
         self.queried_tokens += request.num_tokens
         for block_id, block_hash in self._cached_run(request):
             self._take(block_id)
-            self.blocks[block_id].retained |= request.retain
+            self._retain(self.blocks[block_id], request)
             request.block_ids.append(block_id)
             request.block_hashes.append(block_hash)
         reused = len(request.block_ids) * self.block_size
@@ -139,7 +180,14 @@ class BlockManager:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            (self._kept if block.retained else self._free)[block_id] = None
+            if block.keep_until > self.clock():
+                self._kept[block_id] = block.keep_until
+                heapq.heappush(self._kept_order, (block.keep_until, block_id))
+                if len(self._kept_order) > 2 * len(self._kept) + 64:  # stale entries of blocks taken again
+                    self._kept_order = [(until, i) for i, until in self._kept.items()]
+                    heapq.heapify(self._kept_order)
+            else:
+                self._free[block_id] = None
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if it can't."""
@@ -166,7 +214,9 @@ class BlockManager:
             request.block_hashes.append(block_hash)
             block = self.blocks[request.block_ids[index]]
             if block.block_hash is None and block_hash not in self._cached:
-                block.block_hash, block.token_ids, block.retained = block_hash, chunk, request.retain
+                block.block_hash, block.token_ids = block_hash, chunk
+                if index < request.num_prompt_tokens // size:  # the prompt's blocks, not the answer's
+                    self._retain(block, request)
                 self._cached[block_hash] = block.block_id
                 if self.events is not None:
                     self.events.stored(block_hash, parent if index else None, chunk, size, request.cache_salt)
@@ -181,7 +231,8 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del (self._kept if block_id in self._kept else self._free)[block_id]
+            if self._kept.pop(block_id, None) is None:  # its heap entry goes stale
+                del self._free[block_id]
         block.ref_count += 1
 
     def _forget(self, block_id: int) -> None:
@@ -192,4 +243,4 @@ class BlockManager:
                 del self._cached[block.block_hash]
                 if self.events is not None:
                     self.events.removed(block.block_hash)
-            block.block_hash, block.token_ids, block.retained = None, (), False
+            block.block_hash, block.token_ids, block.keep_until = None, (), 0.0

@@ -97,6 +97,11 @@ class KvEventPublisher:
                 log.warning("KV events: the send queue to %s is full; dropping batches", self.endpoint)
         self.seq += 1
 
+    def start(self) -> None:
+        """Open the socket now (on the engine thread, before the first step), so subscribers that
+        connect while the worker registers get every batch from the first, ``AllBlocksCleared``."""
+        self._open()
+
     def _open(self) -> zmq.Socket:
         if self._socket is None:
             self._socket = zmq.Context.instance().socket(zmq.PUB)

@@ -84,7 +84,7 @@ class Request:
     images: list[ImageInput] = field(default_factory=list)  # an image-text model's images (worker/models/vision.py)
     image_features: object = None  # their encoder outputs while the prompt is prefilling (a tensor; None: not run)
     tenant: str | None = None  # the gateway's cache salt for its API key (None: shared with every key)
-    retain: bool = False  # its prompt's cached blocks are kept ahead of others' (1h / 24h retention)
+    retain_s: float = 0.0  # its prompt's cached blocks are kept ahead of others' this long (5m, 1h, 24h retention)
 
     def block_key(self, index: int, size: int) -> tuple:
         """What the prefix cache keys block ``index`` by: its tokens, and the pixel digest of every
@@ -119,7 +119,7 @@ class Request:
             priority=new.priority,
             images=list(new.images),
             tenant=new.cache_salt,
-            retain=new.retain,
+            retain_s=new.retain_s,
         )
         if request.reasoning is not None:  # a resumed request: its thinking goes on where it was
             for token in request.generated_token_ids:

@@ -35,14 +35,17 @@ from gateway.generate.events import (
     Usage,
 )
 from gateway.generate.lanes import unless_disconnected
+from gateway.generate.reasoning import ReasoningParser
 from gateway.generate.request import CoreRequest
 from gateway.generate.served_model import ServedModel, TextDelta
-from gateway.generate.tools import ToolCall
+from gateway.generate.tools import ToolCall, ToolOutputParser
 from gateway.generate.validation import Prepared, prepare, request_id
 from gateway.ops import tracing
 from gateway.policy.admission import Slot
 from gateway.policy.caller import Caller
 from gateway.policy.priority import request_priority
+
+RETENTION_S = {"24h": 86400.0}  # OpenAI's prompt_cache_retention; "in_memory" is the plain LRU
 
 
 async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = None) -> Generation:
@@ -65,10 +68,10 @@ async def start(served: ServedModel, req: CoreRequest, caller: Caller | None = N
     if req.cache_salt is not None:  # the request's own salt (vLLM's ``cache_salt``), within its key's
         salt = f"{salt or ''}/{req.cache_salt}"
     req.cache_salt, req.affinity_key = salt, req.affinity_key or affinity
-    req.retain = req.retain or getattr(req.sampling, "prompt_cache_retention", None) == "24h"
+    req.retain_s = req.retain_s or RETENTION_S.get(getattr(req.sampling, "prompt_cache_retention", None), 0.0)
     prepared = await prepare(served, req, caller)
-    for new in prepared.news if req.retain else ():
-        new.retain = True  # its prompt's cached blocks are evicted after every unretained one
+    for new in prepared.news:
+        new.retain_s = req.retain_s  # its prompt's cached blocks are evicted after every unretained one
     if rules.quotas is not None:
         await rules.quotas.enforce(caller, served.served_name, sum(map(len, prepared.prompts)), len(prepared.news))
     tracing.describe_request(lambda: req.span_attributes(served.model_name, prepared.prompts))
@@ -132,35 +135,17 @@ class Generation:
 
     async def events(self) -> AsyncIterator[Event]:
         """Every choice's events, in arrival order."""
-        parsers = self.parsers
         async for index, delta in self._merged():
             if delta.prompt_logprobs:
                 yield PromptLogprobs(index, delta.prompt_logprobs)
             if self.first_usage is None and index == 0:
                 self.first_usage = Usage(delta.prompt_tokens, 0, delta.cached_tokens)
-            thinker, text = self.thinkers[index] if self.thinkers else None, delta.text
-            if thinker is not None:  # the thinking first: the tool calls and the answer come after it
-                thinking, text = thinker.push(text)
-                if delta.finish_reason is not None:
-                    more, rest = thinker.finish()
-                    thinking, text = thinking + more, text + rest
-                if thinking:
-                    yield Thinking(index, thinking)
-            parser = parsers[index]
-            text, calls = (text, []) if parser is None else parser.push(text)
-            if delta.finish_reason is not None and parser is not None:
-                rest, more = parser.finish(cut=delta.finish_reason == LENGTH)
-                text, calls = text + rest, calls + more
-            if text or delta.logprobs:
-                yield Text(index, text, delta.logprobs)
-            for call in calls:
-                yield ToolCallDelta(index, call)
+            thinker = self.thinkers[index] if self.thinkers else None
+            found = parsed(index, delta, self.parsers[index], thinker)
             if delta.finish_reason is not None:
-                usage = _usage(delta)
-                self._meter(index, usage)
-                yield Finish(
-                    index, _reason(delta, parser is not None and bool(parser.calls)), usage, delta.stop_sequence
-                )
+                self._meter(index, _usage(delta))
+            for event in found:
+                yield event
 
     async def outputs(self) -> AsyncIterator[tuple[int, TextDelta]]:
         """Every choice's deltas as the worker made them, unparsed (token ids in, token ids out), each
@@ -192,22 +177,7 @@ class Generation:
     async def _collect(self) -> list[Choice]:
         choices = [Choice(i) for i in range(self.choices)]
         async for event in self.events():
-            choice = choices[event.index]
-            if isinstance(event, Text):
-                choice.text += event.text
-                choice.logprobs.extend(event.logprobs)
-            elif isinstance(event, ToolCallDelta):
-                call = event.call
-                if call.id is not None:
-                    choice.tool_calls.append(ToolCall(call.name or "", call.arguments, call.id))
-                else:
-                    choice.tool_calls[call.index].arguments += call.arguments
-            elif isinstance(event, Thinking):
-                choice.reasoning += event.text
-            elif isinstance(event, PromptLogprobs):
-                choice.prompt_logprobs.extend(event.logprobs)
-            else:
-                choice.finish = event
+            gather(choices[event.index], event)
         return choices
 
     async def _merged(self) -> AsyncIterator[tuple[int, TextDelta]]:
@@ -245,6 +215,52 @@ class Generation:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def parsed(
+    index: int, delta: TextDelta, parser: ToolOutputParser | None, thinker: ReasoningParser | None
+) -> list[Event]:
+    """One choice's delta as events: a reasoning model's thinking first, then the answer's text and
+    the tool calls read from it, and at the end its ``Finish`` (also derender's reading of a text)."""
+    found: list[Event] = []
+    text = delta.text
+    if thinker is not None:  # the thinking first: the tool calls and the answer come after it
+        thinking, text = thinker.push(text)
+        if delta.finish_reason is not None:
+            more, rest = thinker.finish()
+            thinking, text = thinking + more, text + rest
+        if thinking:
+            found.append(Thinking(index, thinking))
+    text, calls = (text, []) if parser is None else parser.push(text)
+    if delta.finish_reason is not None and parser is not None:
+        rest, more_calls = parser.finish(cut=delta.finish_reason == LENGTH)
+        text, calls = text + rest, calls + more_calls
+    if text or delta.logprobs:
+        found.append(Text(index, text, delta.logprobs))
+    found += [ToolCallDelta(index, call) for call in calls]
+    if delta.finish_reason is not None:
+        called = parser is not None and bool(parser.calls)
+        found.append(Finish(index, _reason(delta, called), _usage(delta), delta.stop_sequence))
+    return found
+
+
+def gather(choice: Choice, event: Event) -> None:
+    """Add an event to its choice, as a whole answer holds it."""
+    if isinstance(event, Text):
+        choice.text += event.text
+        choice.logprobs.extend(event.logprobs)
+    elif isinstance(event, ToolCallDelta):
+        call = event.call
+        if call.id is not None:
+            choice.tool_calls.append(ToolCall(call.name or "", call.arguments, call.id))
+        else:
+            choice.tool_calls[call.index].arguments += call.arguments
+    elif isinstance(event, Thinking):
+        choice.reasoning += event.text
+    elif isinstance(event, PromptLogprobs):
+        choice.prompt_logprobs.extend(event.logprobs)
+    else:
+        choice.finish = event
 
 
 def _usage(delta: TextDelta) -> Usage:

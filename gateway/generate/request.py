@@ -58,7 +58,7 @@ class CoreRequest:
     # None: shared), and the routing affinity key (``prompt_cache_key``, else ``x-session-id``).
     cache_salt: str | None = None
     affinity_key: str | None = None
-    retain: bool = False  # 1h / 24h retention (Anthropic's ttl; ``prompt_cache_retention: 24h``, read by ``start``)
+    retain_s: float = 0.0  # retention asked for (Anthropic's ttl; ``prompt_cache_retention: 24h``, read by ``start``)
 
     def span_attributes(self, model: str, prompts: list[list[int]]) -> dict[str, Any]:
         """OpenTelemetry's GenAI request attributes (gateway/ops/tracing.py puts them on the request span)."""

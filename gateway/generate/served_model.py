@@ -281,7 +281,7 @@ class ServedModel:
             chars, finish, item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens, logprobs
         )
         delta.stop_sequence = text.stop.matched if stopped else None
-        delta.token_ids = item.new_token_ids
+        delta.token_ids = text.stop.ids_before_stop(item.new_token_ids, self._length, stopped, text.sent)
         delta.reasoning_tokens = text.thinking.reasoning_tokens if text.thinking is not None else 0
         if item.prompt_logprobs is not None:
             ids = request.prompt_token_ids
@@ -302,6 +302,9 @@ class ServedModel:
         if not isinstance(item, GenerationFailed):
             clock.tokens(item)
         return item
+
+    def _length(self, token_id: int) -> int:
+        return len(self.token_texts.text(token_id))
 
     def _within(self, logprobs: list[TokenLogprob], covered: int, limit: int | None) -> tuple[list[TokenLogprob], int]:
         """The entries whose tokens start before ``limit`` characters (all when None), and the

@@ -3,12 +3,30 @@ grow into a stop string is held back until it turns out not to be one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class StopChecker:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.matched: str | None = None  # the stop string that ended the text, once one did
+        self.id_chars = 0  # characters of the token ids passed by ``ids_before_stop`` so far
+
+    def ids_before_stop(self, ids: list[int], length: Callable[[int], int], stopped: bool, sent: int) -> list[int]:
+        """An output's token ids, cut where a stop string began (``sent``: the characters sent,
+        the cut text included): a token whose text starts before the stop string is kept, as its
+        text is sent; the tokens that only make the stop string (and what follows) are dropped.
+        ``length``: a token's text length."""
+        if not self.stops:
+            return ids
+        kept = []
+        for token in ids:
+            if stopped and self.id_chars >= sent:
+                break
+            kept.append(token)
+            self.id_chars += length(token)
+        return kept
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add new text; return (text that is safe to send now, whether a stop string was hit)."""

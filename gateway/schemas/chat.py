@@ -3,6 +3,8 @@ types, unknown fields are ignored, and Litestar's OpenAPI document describes eac
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs (vLLM allows the same for legacy `logprobs`)
@@ -56,7 +58,7 @@ class SamplingOptions(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # 24h: blocks kept ahead of others
     provider: dict | None = None  # OpenRouter's provider routing
 
 

@@ -53,7 +53,7 @@ class DerenderChatRequest(msgspec.Struct, kw_only=True):
     generate_response: GenerateResponse
     model: str | None = None
     prompt_tokens: int = 0
-    chat_request: dict | None = None  # accepted; its tool and reasoning fields are not parsed here
+    chat_request: dict | None = None  # the chat request answered: its tools and thinking are read from the text
 
 
 class DerenderCompletionRequest(msgspec.Struct, kw_only=True):

@@ -83,3 +83,38 @@ def test_unknown_fields_are_logged_once_and_counted_or_refused_when_strict(inpro
         assert "temprature" in refused.json()["error"]["message"]
     finally:
         inproc.app.state.fields = None
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
+PARTS = [{"type": "text", "text": "Hi"}]
+
+
+def test_nested_unknown_fields_are_named_by_their_path(inproc, caplog):
+    inproc.app.state.fields, counter = watch(strict=False)
+    try:
+        body = {**CHAT, "reasoning": {"efort": "low"}, "messages": [{"role": "user", "content": PARTS}]}
+        with caplog.at_level(logging.WARNING, logger="gateway.http.fields"):
+            for _ in range(2):
+                assert inproc.post("/v1/chat/completions", json=body).status_code == 200
+        assert sum("reasoning.efort" in r.message for r in caplog.records) == 1
+        assert counter.labels(field="reasoning.efort")._value.get() == 2
+
+        inproc.app.state.fields, _ = watch(strict=True)
+        legit = {**CHAT, "tools": [TOOL], "messages": [{"role": "user", "content": PARTS, "refusal": None}]}
+        assert inproc.post("/v1/chat/completions", json=legit).status_code == 200  # message-level names pass
+        cases = [
+            ("/v1/chat/completions", {**CHAT, "tools": [{**TOOL, "function": {"name": "f", "strictt": True}}]}),
+            ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{**PARTS[0], "txet": 1}]}]}),
+            ("/v1/responses", {"model": "m", "input": "Hi", "text": {"format": {"type": "text", "shema": {}}}}),
+        ]
+        params = []
+        for path, bad in cases:
+            refused = inproc.post(path, json=bad)
+            assert refused.status_code == 400, refused.text
+            params.append(refused.json()["error"]["param"])
+        assert params == ["tools[0].function.strictt", "messages[0].content[0].txet", "text.format.shema"]
+        anthropic = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [{**PARTS[0], "x": 1}]}]}
+        refused = inproc.post("/v1/messages", json=anthropic)
+        assert refused.status_code == 400 and "messages[0].content[0].x" in refused.json()["error"]["message"]
+    finally:
+        inproc.app.state.fields = None

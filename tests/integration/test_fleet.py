@@ -5,6 +5,8 @@
 - The gateways hold no model files: each learns every model from the first worker that brings it.
 - One gateway is SIGKILLed mid-load: streams through the other finish untouched, its workers go on
   serving, and the restarted gateway learns the pool again within a few heartbeats.
+- A second ``tiny-qwen`` worker joins: each ``prompt_cache_key`` (or ``x-session-id``) goes to one
+  worker, the same through either gateway, with no state shared between them.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import zmq
 
 from launcher.cli import make_keys
 from tests.conftest import MODEL, Server, free_port, spawn, start_serve, stop, wait_until, worker_argv
+from tests.worker.test_kv_events import rebuild
 
 API_KEY = "fleet-key"
 # Default heartbeats (1 s, 5 missed): three model workers share two cores here, and a step may take seconds.
@@ -53,7 +57,7 @@ def build_tiny_qwen(folder: Path, extend: Callable[[Any], None] | None = None) -
 
 class Fleet:
     def __init__(self, tmp: Path) -> None:
-        make_keys(str(tmp / "keys"), 3)
+        make_keys(str(tmp / "keys"), 4)
         self.keys = tmp / "keys"
         self.zmq = [free_port(), free_port()]
         self.http = [free_port(), free_port()]
@@ -73,15 +77,16 @@ class Fleet:
         ]
         self.gateways[i] = spawn(args, name, ENV)
 
-    def start_worker(self, n: int, served: str, *extra: str) -> None:
-        args = worker_argv(f"{self.address(0)},{self.address(1)}", served, "--served-model-name", served)
+    def start_worker(self, n: int, served: str, *extra: str, name: str | None = None) -> None:
+        name = name or served
+        args = worker_argv(f"{self.address(0)},{self.address(1)}", name, "--served-model-name", served)
         args += [
             "--curve-client-secret-key",
             str(self.keys / f"worker-{n}.key_secret"),
             "--curve-server-public-key",
             str(self.keys / "gateway.key"),
         ]
-        self.workers[served] = spawn([*args, *extra], f"fleet-worker-{served}", ENV)
+        self.workers[name] = spawn([*args, *extra], f"fleet-worker-{name}", ENV)
 
     def url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.http[i]}"
@@ -225,6 +230,44 @@ def test_a_gateway_killed_mid_load_leaves_the_other_serving_and_relearns_the_poo
     assert ask(fleet.sdk(0), "smol").model == "smol"
     # Workers back off at most a few seconds while a gateway is down; plus the gateway's own start.
     assert relearned < 40, f"the restarted gateway took {relearned:.0f} s to learn the pool"
+
+
+def test_a_prompt_cache_key_goes_to_one_worker_through_either_gateway(fleet):
+    """... and the joining worker's KV events (a real worker process, --kv-events-endpoint), read by
+    a subscriber from its start, rebuild the block set whose size /workers shows."""
+    events = f"ipc://{fleet.keys.parent}/kv-events-b"
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(events)  # before the worker binds: ZeroMQ connects once it does
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    tiny = str(fleet.keys.parent / "tiny-qwen")
+    extra = ("--model", tiny, "--dtype", "float32", "--max-model-len", "1024", "--kv-events-endpoint", events)
+    fleet.start_worker(3, "tiny-qwen", *extra, name="tiny-qwen-b")
+    for i in (0, 1):
+        wait_until(lambda i=i: fleet.models(i)["tiny-qwen"]["workers"] == 2, 120, f"gateway {i}: 2 tiny-qwen workers")
+
+    def served_by(i: int, **extra: Any) -> str:
+        before = {w["name"]: w["requests_assigned"] for w in fleet.get(i, "/workers").json()["workers"]}
+        ask(fleet.sdk(i), "tiny-qwen", max_tokens=1, **extra)
+        after = {w["name"]: w["requests_assigned"] for w in fleet.get(i, "/workers").json()["workers"]}
+        (name,) = [n for n in after if after[n] != before.get(n, 0)]
+        return name
+
+    picked = {}
+    for key in ("conv-1", "conv-2"):  # rendezvous hashing gives these two keys one worker each
+        picked[key] = {served_by(i, extra_body={"prompt_cache_key": key}) for i in (0, 1)}
+    session = {served_by(0, extra_headers={"x-session-id": "conv-1"})}
+    assert all(len(names) == 1 for names in picked.values()), picked
+    assert {n for names in picked.values() for n in names} == {"tiny-qwen", "tiny-qwen-b"}  # both own keys
+    assert session == picked["conv-1"]  # the header is the same key
+
+    held, seqs, kinds = rebuild(sub, topic=b"", block_size=16)
+    sub.close(linger=0)
+    assert seqs == list(range(len(seqs))) and "AllBlocksCleared" in kinds and held
+
+    def shown() -> int:
+        return {w["name"]: w["cached_blocks"] for w in fleet.get(0, "/workers").json()["workers"]}["tiny-qwen-b"]
+
+    wait_until(lambda: shown() == len(held), 10, f"/workers showing the {len(held)} blocks the events hold")
 
 
 def test_a_worker_twice_as_fast_gets_about_twice_the_requests(tmp_path):

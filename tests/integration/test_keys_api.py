@@ -5,7 +5,7 @@ counts run on SQLite too in tests/state/test_keys.py; one fleet keeps this modul
 /admin/keys (admin only), keys that work on both gateways and stop on both when revoked, the static
 ``--api-key`` beside them; a per-minute rate across both gateways (openai's and anthropic's
 RateLimitError with their headers); models a key may not use; a spent monthly budget; a
-concurrency cap; one key's flood that cannot push another key's requests out of admission; usage
+concurrency cap; each key's cached prompt blocks its own (unless the gateway shares them); one key's flood that cannot push another key's requests out of admission; usage
 per key in /v1/usage and /admin/keys; keys that name LoRA adapters, and runtime adapters that are
 the fleet's like the keys (a load through one gateway served through the other, a worker that joins
 later given the fleet's set)."""
@@ -36,7 +36,8 @@ class Fleet:
         self.processes = [
             spawn(
                 ["gateway", "--port", str(self.http[i]), "--zmq-bind", f"tcp://127.0.0.1:{self.zmq[i]}"]
-                + ["--max-concurrent-requests", "2", "--max-waiting-requests", "4"],
+                + ["--max-concurrent-requests", "2", "--max-waiting-requests", "4"]
+                + ["--share-prefix-cache"] * i,  # gateway 1 lets keys share cached blocks; 0 keeps each its own
                 f"keys-gateway-{i}",
                 env,
             )
@@ -347,3 +348,23 @@ def test_runtime_adapters_reach_the_other_gateway_and_workers_that_join_later(fl
     with pytest.raises(openai.NotFoundError) as missing:
         fleet.openai(STATIC, 1).chat.completions.create(model="gone", **ask)
     assert missing.value.body["code"] == "model_not_found"
+
+
+def test_cached_prompt_blocks_are_each_keys_own_unless_the_gateway_shares_them(fleet):
+    """One worker behind both gateways: through gateway 0 (the default) another key's request for
+    the same prompt reads nothing from the cache, so it cannot time another tenant's prompts;
+    through gateway 1 (``--share-prefix-cache``) it reads the first key's blocks."""
+    a, b = fleet.key(), fleet.key()
+
+    def cached(secret: str, i: int, text: str) -> int:
+        messages = [{"role": "user", "content": text}]
+        reply = fleet.openai(secret, i).chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    prompt = "Tell me how prompt caches keep tenants apart. " * 6 + "Isolated: 91b2."
+    assert cached(a, 0, prompt) == 0
+    assert cached(b, 0, prompt) == 0  # not even the chat template's opening block
+    assert cached(a, 0, prompt) >= 48  # its own key's blocks are there
+    shared = prompt.replace("91b2", "c0d4")
+    first = cached(a, 1, shared)  # unsalted: the template's opening may be cached by others already
+    assert cached(b, 1, shared) >= first + 32

@@ -39,7 +39,13 @@ def test_cache_salts_follow_the_api_key_unless_shared():
     assert cache_keys(Caller(session_id="s"), False, SamplingOptions()) == (None, "s")
 
 
-def test_messages_report_cache_writes_and_reads(server):
+def _up_to(tokenizer, messages: list[dict], text: str) -> int:
+    """How many tokens of the rendered chat prompt come up to the end of ``text`` in it."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer(prompt[: prompt.index(text) + len(text)], add_special_tokens=False).input_ids)
+
+
+def test_messages_report_cache_writes_and_reads(server, tokenizer):
     system = [
         {
             "type": "text",
@@ -51,10 +57,22 @@ def test_messages_report_cache_writes_and_reads(server):
     first = server.post("/v1/messages", json=body).json()["usage"]
     second = server.post("/v1/messages", json=body).json()["usage"]
     total = first["input_tokens"] + first["cache_creation_input_tokens"] + first["cache_read_input_tokens"]
-    assert first["cache_creation_input_tokens"] >= 64 and first["cache_read_input_tokens"] == 0
+    chat = [{"role": "system", "content": system[0]["text"]}, {"role": "user", "content": "Hi"}]
+    assert first["cache_creation_input_tokens"] == _up_to(tokenizer, chat, system[0]["text"])  # up to the breakpoint
+    assert first["cache_read_input_tokens"] == 0 and 3 <= first["input_tokens"] <= 16  # the user's turn after it
     assert second["cache_read_input_tokens"] >= first["cache_creation_input_tokens"] - 16
     assert second["input_tokens"] + second["cache_creation_input_tokens"] + second["cache_read_input_tokens"] == total
     unmarked = {**body, "system": [{"type": "text", "text": system[0]["text"]}]}
     assert server.post("/v1/messages", json=unmarked).json()["usage"]["cache_creation_input_tokens"] == 0
+    # A breakpoint on a message block (ttl 1h: retained), and a ttl Anthropic does not define.
+    turn = {"type": "text", "text": "Remember 7c1e. " * 8, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    later = {**body, "messages": [{"role": "user", "content": [turn, {"type": "text", "text": "Now answer."}]}]}
+    usage = server.post("/v1/messages", json=later).json()["usage"]
+    chat = [{"role": "system", "content": system[0]["text"]}, {"role": "user", "content": turn["text"] + "Now answer."}]
+    upto = _up_to(tokenizer, chat, turn["text"])
+    assert abs(usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] - upto) <= 1  # a space may join
+    turn["cache_control"]["ttl"] = "2h"
+    refused = server.post("/v1/messages", json=later)
+    assert refused.status_code == 400 and "ttl" in refused.json()["error"]["message"]
     # What KV events describe (worker/kv_events.py): each worker's cached blocks, in /workers.
     wait_until(lambda: sum(w["cached_blocks"] for w in server.workers()) >= 4, 10, "cached_blocks in /workers")

@@ -47,6 +47,18 @@ def test_render_equals_tokenize_and_generate_then_derender_equals_chat(server, c
     assert [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]] == choice["token_ids"]
     assert chunks[-1]["usage"]["completion_tokens"] == len(choice["token_ids"])
 
+    # A stop string: the token ids end where the chat answer's text ends (the stop text's tokens cut).
+    text = answer.choices[0].message.content
+    words = text.split(" ")
+    stop = " " + words[len(words) // 2]  # a stop string that starts where a token does
+    stopped_chat = client.chat.completions.create(**ASK, stop=[stop]).choices[0].message.content
+    params = {**rendered["sampling_params"], "stop": [stop]}
+    cut = server.post("/inference/v1/generate", json={**rendered, "sampling_params": params}).json()
+    assert len(cut["choices"][0]["token_ids"]) < len(choice["token_ids"])
+    derender["generate_response"] = cut
+    again = server.post("/v1/chat/completions/derender", json=derender).json()
+    assert again["choices"][0]["message"]["content"] == stopped_chat, (stop, text)
+
 
 def test_generate_logprobs_are_named_by_id_and_derender_resolves_them(server, tokenizer):
     ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
@@ -111,3 +123,22 @@ def _events(server, body: dict) -> list[dict]:
     lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
+
+
+def test_derender_reads_tool_calls_as_chat_does(server, tokenizer):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    ids = tokenizer.encode(call, add_special_tokens=False)
+    generated = {"request_id": "gen-1", "choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop"}]}
+    asked = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools}
+    body = {"model": MODEL, "generate_response": generated, "chat_request": asked}
+    (choice,) = server.post("/v1/chat/completions/derender", json=body).json()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (tool_call,) = choice["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "get_weather"
+    assert json.loads(tool_call["function"]["arguments"]) == {"city": "Paris"}
+    (plain,) = server.post("/v1/chat/completions/derender", json={**body, "chat_request": None}).json()["choices"]
+    assert plain["message"]["content"] == call and plain["finish_reason"] == "stop"
+    bad = server.post("/v1/chat/completions/derender", json={**body, "chat_request": {"messages": 3}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_request"

@@ -118,7 +118,7 @@ def test_an_api_keys_salt_keeps_its_blocks_its_own():
 def test_retained_blocks_are_evicted_after_every_other():
     blocks = BlockManager(num_blocks=6, block_size=4)
     kept = make_request("kept", 0, token_ids=list(range(100, 109)))
-    kept.retain = True
+    kept.retain_s = 3600.0
     computed(blocks, kept, 9)
     blocks.free(kept)
     older = make_request("older", 0, token_ids=list(range(200, 209)))
@@ -129,3 +129,64 @@ def test_retained_blocks_are_evicted_after_every_other():
     blocks.free(squeeze)
     assert blocks.match_prefix(make_request("again", 0, token_ids=list(range(100, 109)))) == 8
     assert blocks.match_prefix(make_request("older-again", 0, token_ids=list(range(200, 209)))) == 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cache_prompt(blocks: BlockManager, first: int, tokens: int = 9, retain_s: float = 0.0) -> None:
+    """Compute and free a prompt of ``tokens`` tokens that asked for ``retain_s`` of retention."""
+    request = make_request(f"r-{first}", 0, token_ids=list(range(first, first + tokens)))
+    request.retain_s = retain_s
+    computed(blocks, request, tokens)
+    blocks.free(request)
+
+
+def hits(blocks: BlockManager, first: int) -> int:
+    probe = make_request(f"probe-{first}", 0, token_ids=list(range(first, first + 9)))
+    found = blocks.match_prefix(probe)
+    blocks.free(probe)
+    return found
+
+
+def test_a_retention_ends_after_its_ttl_and_the_shorter_one_goes_first():
+    clock = Clock()
+    blocks = BlockManager(num_blocks=9, block_size=4, clock=clock)
+    cache_prompt(blocks, 100, retain_s=3600.0)  # cache_control ttl 1h: 2 full blocks and a tail
+    cache_prompt(blocks, 200, retain_s=300.0)  # ttl 5m
+    cache_prompt(blocks, 300)
+    assert blocks.num_retained_blocks == 4
+    cache_prompt(blocks, 400, tokens=25)  # 7 blocks: the 5 unretained, then the 2 whose retention ends first
+    assert (hits(blocks, 100), hits(blocks, 200), hits(blocks, 300)) == (8, 0, 0)
+
+    clock.now += 3000.0  # a hit by a retaining request renews the hour: now until 4000 + 3600
+    renew = make_request("renew", 0, token_ids=list(range(100, 109)))
+    renew.retain_s = 3600.0
+    blocks.match_prefix(renew)
+    blocks.free(renew)
+    clock.now += 3599.0
+    assert blocks.num_retained_blocks == 2
+    cache_prompt(blocks, 600, tokens=25)  # 7 blocks: all unretained ones
+    assert hits(blocks, 100) == 8
+    clock.now += 2.0  # the hour is over: its blocks are the next to go
+    assert blocks.num_retained_blocks == 0
+    cache_prompt(blocks, 700, tokens=25)  # takes them, then the LRU's 5 oldest: 600's tail first
+    assert hits(blocks, 100) == 0 and hits(blocks, 600) == 8
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_a_retained_block_used_again_and_again_keeps_the_retention_heap_small():
+    clock = Clock()
+    blocks = BlockManager(num_blocks=9, block_size=4, clock=clock)
+    cache_prompt(blocks, 100, retain_s=3600.0)
+    for _ in range(500):  # each hit renews it, and its free pushes a new entry
+        clock.now += 1.0
+        cache_prompt(blocks, 100, retain_s=3600.0)
+    assert len(blocks._kept_order) <= 2 * len(blocks._kept) + 65
+    cache_prompt(blocks, 400, tokens=25)  # 7 blocks: every unretained one, none of the retained
+    assert hits(blocks, 100) == 8

@@ -35,11 +35,25 @@ def test_a_subscriber_rebuilds_the_block_set_from_the_events(tmp_path):
             engine.step()
             publisher.flush()  # as the worker's loop does after each step
 
+    held, seqs, kinds = rebuild(sub, topic=b"kv", block_size=4)
+    sub.close(linger=0)
+    publisher.close()
+    assert seqs == list(range(len(seqs))) and seqs
+    assert kinds == {"AllBlocksCleared", "BlockStored", "BlockRemoved"}  # the small cache had to evict
+    assert held == set(engine.blocks._cached) and engine.blocks.num_cached_blocks == len(held)
+    assert engine.load().cached_blocks == len(held)  # what /workers shows as cached_blocks
+
+
+def rebuild(
+    sub: zmq.Socket, topic: bytes, block_size: int, wait_s: float = 1.0
+) -> tuple[set[int], list[int], set[str]]:
+    """The block hashes a subscriber holds after reading every batch sent (until ``wait_s`` of
+    quiet), the batches' sequence numbers, and the event types seen."""
     held: set[int] = set()
     seqs, kinds = [], set()
-    while sub.poll(1000):
-        topic, seq, payload = sub.recv_multipart()
-        assert topic == b"kv"
+    while sub.poll(wait_s * 1000):
+        got, seq, payload = sub.recv_multipart()
+        assert got == topic
         seqs.append(int.from_bytes(seq, "big"))
         raw = msgspec.msgpack.decode(payload)
         assert isinstance(raw["ts"], float) and abs(raw["ts"] - time.time()) < 60
@@ -48,14 +62,10 @@ def test_a_subscriber_rebuilds_the_block_set_from_the_events(tmp_path):
             if event["type"] == "AllBlocksCleared":
                 held.clear()
             elif event["type"] == "BlockStored":
-                assert len(event["token_ids"]) == 4 * len(event["block_hashes"]) and event["block_size"] == 4
+                assert len(event["token_ids"]) == block_size * len(event["block_hashes"])
+                assert event["block_size"] == block_size
                 assert event["parent_block_hash"] is None or event["parent_block_hash"] in held
                 held.update(event["block_hashes"])
             else:
                 held.difference_update(event["block_hashes"])
-    sub.close(linger=0)
-    publisher.close()
-    assert seqs == list(range(len(seqs))) and seqs
-    assert kinds == {"AllBlocksCleared", "BlockStored", "BlockRemoved"}  # the small cache had to evict
-    assert held == set(engine.blocks._cached) and engine.blocks.num_cached_blocks == len(held)
-    assert engine.load().cached_blocks == len(held)  # what /workers shows as cached_blocks
+    return held, seqs, kinds

@@ -177,9 +177,9 @@ def store_engine(folder: Path, num_blocks: int = 64) -> tuple[Engine, FakeRunner
     return Engine(runner, WorkerConfig(block_size=BLOCK), link), runner, io
 
 
-def run(engine: Engine, prompt: list[int], rid: str = "r") -> list[int]:
+def run(engine: Engine, prompt: list[int], rid: str = "r", retain_s: float = 0.0) -> list[int]:
     """A greedy request to its end, and the store's writes after it; checks that no block leaked."""
-    engine.add_request(NewRequest(rid, prompt, 3, SamplingParams(temperature=0)))
+    engine.add_request(NewRequest(rid, prompt, 3, SamplingParams(temperature=0), retain_s=retain_s))
     got: list[int] = []
     while engine.has_work():
         for o in engine.step().outputs:
@@ -258,3 +258,22 @@ def test_admin_stats_and_clear(tmp_path):
     assert admin.stats(str(tmp_path))["blocks"] == 0
     with pytest.raises(SystemExit, match="not a KV store"):
         admin.clear(str(tmp_path / "fingerprint-less"))
+
+
+def test_retained_blocks_outlast_unretained_ones_in_the_folder_until_their_ttl(tmp_path):
+    engine, _, _ = store_engine(tmp_path)
+    tier = engine.kv_store.tier
+    kept, plain = list(range(100, 117)), list(range(200, 217))  # 4 full blocks each
+    before = time.time()
+    run(engine, kept, "kept", retain_s=3600.0)  # cache_control ttl 1h
+    run(engine, plain, "plain")
+    ends = [tier.path(b.key).stat().st_mtime for b in blocks_of(kept[:16])]
+    assert all(before + 3600 <= end <= time.time() + 3600 for end in ends)  # kept until the hour is over
+    assert all(tier.path(b.key).stat().st_mtime <= time.time() for b in blocks_of(plain[:16]))
+
+    run(engine, kept, "again", retain_s=7200.0)  # a later retaining request renews it, though it is stored
+    assert all(tier.path(b.key).stat().st_mtime >= before + 7200 for b in blocks_of(kept[:16]))
+    one = tier.path(blocks_of(kept[:4])[0].key).stat().st_size
+    tier.max_bytes, tier._scanned = 5 * one, False  # room for 4 of the 8 blocks (the bound's 90 %)
+    tier.maintain()
+    assert [tier.path(b.key).exists() for b in blocks_of(kept[:16]) + blocks_of(plain[:16])] == [True] * 4 + [False] * 4

@@ -14,6 +14,10 @@ The size bound (``--kv-store-size``) is kept by scanning now and then (at start,
 worker has written 5% of the bound since its last scan): over the bound, the least recently used
 files go, by modification time, which a read refreshes (access times are often not kept: noatime).
 One worker evicts at a time (a lock file); the bound can be passed by what others wrote since.
+
+Retention (a request's cache ttl): a retained block's file gets its retention's end as its
+modification time, in the future, so eviction takes it after every unretained file until then, and
+reads do not move it back; after that it counts as last used when its retention ended.
 """
 
 from __future__ import annotations
@@ -149,9 +153,9 @@ class DiskTier:
         except OSError:
             pass
 
-    def _touch(self, path: Path) -> None:
+    def _touch(self, path: Path, when: float | None = None) -> None:
         try:
-            os.utime(path)
+            os.utime(path, None if when is None else (when, when))
         except OSError:  # evicted meanwhile: it was read already
             pass
 
@@ -160,13 +164,18 @@ class DiskTier:
     def ensure(self, block: Block, payload: Sequence[Buffer]) -> int:
         path = self.path(block.key)
         try:
-            if time.time() - path.stat().st_mtime > TOUCH_AFTER_S:
+            mtime = path.stat().st_mtime
+            if block.keep_until > mtime:
+                self._touch(path, block.keep_until)
+            elif time.time() - mtime > TOUCH_AFTER_S:
                 self._touch(path)
             return 0
         except FileNotFoundError:
             pass
         parts = [record.header(self.fingerprint, block.key, block.tokens, payload), *payload]
         written = self._replace(path, parts)
+        if block.keep_until:
+            self._touch(path, block.keep_until)
         self._written_since_scan += written
         self._usage.size_bytes += written
         return written

@@ -14,6 +14,7 @@ admission, write computed prompt blocks behind the steps.
   reads it straight from the cache, writes it, and hands it back (``release_written``, next step).
   A block this worker stored or loaded lately is skipped; one the prefix cache served is re-marked
   used in the store at most once a minute, so hot prefixes are not evicted from under other workers.
+  A retaining request's blocks (``retain_s``) are handed over every time, with their retention's end.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Lookup:
     read_s: float = 0.0  # the reader's time on it
     waited_s: float = 0.0  # the scheduler's wait for it
     salt: bytes = b""  # its prefix-cache salt (an API key's, an adapter's): its keys are its tenant's alone
+    retain_s: float = 0.0  # its blocks' retention (a ttl): written, or renewed, with their end time
 
 
 @dataclass(slots=True)
@@ -114,6 +116,9 @@ class KVStore:
         end = 0 if request.sampling.prompt_logprobs is not None else (request.num_prompt_tokens - 1) // size
         job = Lookup(tuple(request.token_ids[: full * size]), min(cached_blocks, end), end)
         job.salt = (request.cache_salt or "").encode()
+        job.retain_s = request.retain_s
+        if job.retain_s:  # keyed now: its blocks' retention is renewed even if the prefix cache serves them
+            job.blocks = self._keys(job)
         request.kv_store = job
         self._lookups.put(job)
 
@@ -192,11 +197,14 @@ class KVStore:
                 job.done.set()
                 self._lookups.task_done()
 
-    def _read(self, job: Lookup) -> None:
+    def _keys(self, job: Lookup) -> list[Block]:
         size = self.block_size
         chunks = [record.token_bytes(job.tokens[i * size : (i + 1) * size]) for i in range(len(job.tokens) // size)]
         keys = record.chain_keys(self.fingerprint + job.salt, job.tokens, size, len(chunks))
-        job.blocks = [Block(k, c) for k, c in zip(keys, chunks)]
+        return [Block(k, c) for k, c in zip(keys, chunks)]
+
+    def _read(self, job: Lookup) -> None:
+        job.blocks = job.blocks or self._keys(job)
         if job.cancelled or job.start >= job.end:
             return
         began = time.perf_counter()
@@ -226,16 +234,18 @@ class KVStore:
     def write_behind(self, request: Request) -> None:
         """Hand the writer the request's newly computed full prompt blocks (after a step)."""
         job = request.kv_store
-        if job is None or not job.done.is_set():
+        if job is None or not (job.done.is_set() or job.retain_s):
             return
         limit = min(len(request.block_hashes), len(job.blocks))
         now = time.monotonic()
+        keep_until = time.time() + job.retain_s if job.retain_s else 0.0
         batch = []
         index = job.written
         while index < limit and self._pinned < self._pin_limit:
             block = job.blocks[index]
+            block.keep_until = keep_until
             seen = self._known.get(block.key)
-            if seen is None or now - seen > REFRESH_S:
+            if seen is None or now - seen > REFRESH_S or keep_until:  # a retention is renewed each time
                 block_id = request.block_ids[index]
                 self.blocks.pin(block_id)
                 self._pinned += 1

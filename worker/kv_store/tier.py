@@ -25,6 +25,7 @@ class Block:
 
     key: bytes
     tokens: bytes
+    keep_until: float = 0.0  # wall-clock time it is retained until (a ttl asked for): evicted after others
 
 
 @dataclass(slots=True)
@@ -49,7 +50,8 @@ class Tier(Protocol):
         ...
 
     def ensure(self, block: Block, payload: Sequence[Buffer]) -> int:
-        """Store the block unless it is there (then mark it used); the bytes written (0 if not)."""
+        """Store the block unless it is there (then mark it used); the bytes written (0 if not).
+        A block with ``keep_until`` is evicted after unretained ones until then."""
         ...
 
     def maintain(self) -> None:

@@ -27,12 +27,12 @@ from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.request import CoreRequest
 from gateway.generate.tools import CallDelta
 from gateway.http.routes.common import answer, documented, json_response
+from gateway.http.routes.messages_cache import anthropic_usage, marked_tokens, retention_s
 from gateway.http.routes.messages_input import core_request
 from gateway.http.routes.stream_runs import DIALECTS, Dialect, StreamId, start_stream
 from gateway.policy.caller import Caller
 from gateway.schemas.anthropic import (
     AnthropicErrorBody,
-    AnthropicUsage,
     CountTokensRequest,
     CountTokensResponse,
     MessageResponse,
@@ -46,36 +46,10 @@ from gateway.state.service import StateService
 STOP_REASONS = {events.END: "end_turn", STOP_SEQUENCE: "stop_sequence", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
 
 
-def _usage(usage: Usage, block: int = 0) -> AnthropicUsage:
-    """Anthropic counts prompt-cache reads and writes apart: ``input_tokens`` are the others. A
-    request that marked ``cache_control`` (``block``: the workers' KV block size) wrote the prompt's
-    full blocks the cache did not hold yet; without a mark, as with Anthropic, nothing is written."""
-    written = max(0, usage.prompt_tokens // block * block - usage.cached_tokens) if block else 0
-    return AnthropicUsage(
-        input_tokens=usage.prompt_tokens - usage.cached_tokens - written,
-        output_tokens=usage.completion_tokens,
-        cache_creation_input_tokens=written,
-        cache_read_input_tokens=usage.cached_tokens,
-    )
-
-
 def _core_request(data: MessagesRequest) -> CoreRequest:
     req = core_request(data)
-    req.retain = any(b.get("ttl") == "1h" for b in _breakpoints(data))  # kept ahead of 5-minute blocks
+    req.retain_s = retention_s(data)  # cache_control's ttl: the prompt's blocks are kept ahead of others
     return req
-
-
-def _breakpoints(data: MessagesRequest) -> list[dict]:
-    """Every ``cache_control`` the request marks: at the top, on tools, system blocks and message blocks."""
-    blocks: list = [data, *(data.tools or []), *(data.system if isinstance(data.system, list) else [])]
-    blocks += [b for m in data.messages if isinstance(m.content, list) for b in m.content]
-    return [b.cache_control for b in blocks if isinstance(b.cache_control, dict)]
-
-
-def cache_block(generation: core.Generation, marked: bool) -> int:
-    """The KV block size when the request marks a cache breakpoint anywhere, else 0."""
-    workers = generation.served.client.available(generation.served.model_name) if marked else []
-    return workers[0].ready.block_size if workers else 0
 
 
 def _input(arguments: str) -> dict:
@@ -124,7 +98,7 @@ class MessagesController(Controller):
             return started
         generation, ident = started
         events = partial(_events, generation, data, ident)
-        message = partial(_message, generation, cache_block(generation, bool(_breakpoints(data))))
+        message = partial(_message, generation, await marked_tokens(generation, data))
         return await answer(caller, generation, data.stream, events, message, ident.id, True)
 
     @post(
@@ -142,7 +116,7 @@ class MessagesController(Controller):
         return json_response(CountTokensResponse(len(prompt)))
 
 
-def _message(generation: core.Generation, block: int, choices: list[events.Choice]) -> MessageResponse:
+def _message(generation: core.Generation, upto: int, choices: list[events.Choice]) -> MessageResponse:
     (choice,) = choices
     content: list[ThinkingBlock | TextBlock | ToolUseBlock] = (
         [ThinkingBlock(thinking=choice.reasoning)] if choice.reasoning else []
@@ -156,7 +130,7 @@ def _message(generation: core.Generation, block: int, choices: list[events.Choic
         content=content,
         stop_reason=STOP_REASONS[finish.reason],
         stop_sequence=finish.stop_sequence,
-        usage=_usage(finish.usage, block),
+        usage=anthropic_usage(finish.usage, upto),
     )
 
 
@@ -209,7 +183,7 @@ async def _events(generation: core.Generation, data: MessagesRequest, ident: Str
     message_start waits for the first output: only then is it known how much of the prompt the
     prefix cache served, which its usage counts apart as the closing usage does."""
     prompt_tokens = len(generation.prompts[0])
-    block = cache_block(generation, bool(_breakpoints(data)))
+    upto = await marked_tokens(generation, data)  # tokens up to the last cache breakpoint
 
     def start() -> list[dict]:
         first = generation.first_usage or Usage(prompt_tokens)
@@ -221,7 +195,7 @@ async def _events(generation: core.Generation, data: MessagesRequest, ident: Str
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": _usage(Usage(first.prompt_tokens or prompt_tokens, 0, first.cached_tokens), block),
+            "usage": anthropic_usage(Usage(first.prompt_tokens or prompt_tokens, 0, first.cached_tokens), upto),
         }
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
@@ -252,7 +226,7 @@ async def _events(generation: core.Generation, data: MessagesRequest, ident: Str
         yield closing
     assert finish is not None
     delta = {"stop_reason": STOP_REASONS[finish.reason], "stop_sequence": finish.stop_sequence}
-    yield {"type": "message_delta", "delta": delta, "usage": _usage(finish.usage, block)}
+    yield {"type": "message_delta", "delta": delta, "usage": anthropic_usage(finish.usage, upto)}
     yield {"type": "message_stop"}
 
 

@@ -24,6 +24,7 @@ from gateway.generate.served_model import ServedModel, TextDelta, now_s
 from gateway.generate.validation import check_token_ids, request_id
 from gateway.http.routes import chat, completions
 from gateway.http.routes.common import documented, event_stream, json_response, openai_usage
+from gateway.http.routes.tokens_parse import chat_reader
 from gateway.policy.caller import Caller
 from gateway.schemas.chat import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.tokens import (
@@ -141,16 +142,17 @@ class TokensController(Controller):
         self, data: JSONBody[DerenderChatRequest], models: NamedDependency[ModelRegistry]
     ) -> Response:
         served, gen = models.get(data.model), data.generate_response
+        read = await chat_reader(served, data.chat_request)  # its tool calls and thinking, as chat reads them
         choices, completion = [], 0
         for i, choice in enumerate(gen.choices):
             ids = _output_ids(served, choice, f"generate_response.choices[{i}].token_ids")
             completion += len(ids)
             text = await served.run_in_pool(served.tokenizer.decode, ids, True, size=len(ids))
-            message = {"role": "assistant", "content": text}
+            message, finish = {"role": "assistant", "content": text}, choice.finish_reason
+            if read is not None:
+                message, finish = read(choice.index, text, finish)
             logprobs = _resolved(served, choice.logprobs)
-            choices.append(
-                {"index": choice.index, "message": message, "finish_reason": choice.finish_reason, "logprobs": logprobs}
-            )
+            choices.append({"index": choice.index, "message": message, "finish_reason": finish, "logprobs": logprobs})
         body = {
             "id": gen.request_id,
             "object": "chat.completion",
