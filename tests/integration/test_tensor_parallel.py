@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +45,7 @@ FLAGS = (
     "--dist-timeout",
     "5",
 )
+PP_FLAGS = ["--pipeline-parallel-size", "2"]
 
 
 def build(folder: Path, model_type: str, extra: dict, tokenizer) -> Path:
@@ -79,6 +81,22 @@ def served(models) -> Server:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def staged(served, models):
+    """The llama as ``llama-pp``: two pipeline stages (one layer each), joined to the same gateway.
+    Half the layers per rank: half the cache memory gives the same 12 blocks, so it preempts too."""
+    flags = list(FLAGS)
+    flags[flags.index("--tensor-parallel-size") : flags.index("--tensor-parallel-size") + 2] = PP_FLAGS
+    flags[flags.index("12KiB")] = "6KiB"
+    argv = ["--model", str(models["llama"]), "--served-model-name", "llama-pp", *flags]
+    worker = spawn(worker_argv(served.zmq_address, "llama-pp", *argv), "pp-worker")
+    try:
+        wait_until(lambda: any(w["model"] == "llama-pp" for w in served.workers()), 120, "the pipeline worker")
+        yield worker
+    finally:
+        stop(worker)
+
+
 def complete(server: Server, model: str, prompt: str, max_tokens: int = NEW_TOKENS) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     response = server.post("/v1/completions", json=body)
@@ -112,9 +130,12 @@ def ranks(server: Server) -> dict[str, list[psutil.Process]]:
     return {name: [p for _, p in sorted(found, key=lambda x: x[0])] for name, found in groups.items()}
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3"])
-def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model):
-    expected = generate(models[model], PROMPTS)
+@pytest.mark.parametrize("model", ["llama", "qwen3", "llama-pp"])
+def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model, request):
+    """Two tensor shares, or (``llama-pp``) two pipeline stages."""
+    if model == "llama-pp":
+        request.getfixturevalue("staged")
+    expected = generate(models[model.removesuffix("-pp")], PROMPTS)
     assert complete(served, model, PROMPTS[0]) == expected[0]  # alone
     preempted = lambda: any(w["preemptions"] for w in served.workers() if w["model"] == model)  # noqa: E731
     for _ in range(3):  # batched; again while no request got preempted (the four must overlap, which load can spoil)
@@ -128,11 +149,12 @@ def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model
     assert preempted(), f"no {model} request was preempted in three batches"
 
 
-def test_each_worker_is_two_live_rank_processes_and_one_worker_to_the_gateway(served):
-    assert sorted(w["model"] for w in served.workers()) == ["llama", "qwen3"]
+def test_each_worker_is_two_live_rank_processes_and_one_worker_to_the_gateway(served, staged):
+    assert sorted(w["model"] for w in served.workers()) == ["llama", "llama-pp", "qwen3"]
     groups = ranks(served)
     assert sorted(groups) == ["llama-worker-0", "qwen3-worker-0"]
-    for leader, follower in groups.values():
+    staged_leader = psutil.Process(staged.pid)
+    for leader, follower in [*groups.values(), (staged_leader, staged_leader.children()[0])]:
         assert follower.is_running() and follower.status() != psutil.STATUS_ZOMBIE
         assert follower.ppid() == leader.pid  # rank 0 started it; a separate process, not a thread
         assert follower.environ()["RANK"] == "1" and follower.environ()["WORLD_SIZE"] == "2"
@@ -144,7 +166,7 @@ def test_a_killed_rank_ends_its_worker_and_its_stream_resumes_elsewhere_exactly(
         worker_argv(served.zmq_address, "llama-extra", "--model", str(models["llama"]), *FLAGS), "tp-extra-worker"
     )
     try:
-        wait_until(lambda: len(served.workers()) == 3, 120, "the extra llama worker")
+        wait_until(lambda: sum(w["model"] == "llama" for w in served.workers()) == 2, 120, "the extra llama worker")
         prompt, tokens = PROMPTS[1], 40  # 12 blocks at most
         expected = generate(models["llama"], [prompt], tokens)[0]
         body = {"model": "llama", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
@@ -181,3 +203,14 @@ def leader_and_follower(server: Server, extra, name: str) -> tuple[psutil.Proces
         return leader, leader.children()[0]
     leader, follower = ranks(server)[name]
     return leader, follower
+
+
+def test_a_hung_stage_ends_its_pipeline_worker(served, staged):
+    """Stage 1 stopped (not dead): rank 0's next step times out after --dist-timeout and it exits."""
+    leader = psutil.Process(staged.pid)
+    leader.children()[0].suspend()
+    body = {"model": "llama-pp", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+    post = lambda: httpx.post(served.base_url + "/v1/completions", json=body, timeout=20)  # noqa: E731
+    threading.Thread(target=post, daemon=True).start()  # its answer (none: no other llama-pp worker) is not waited for
+    assert staged.wait(60) == 1
+    wait_until(lambda: all(w["model"] != "llama-pp" for w in served.workers()), 30, "the pipeline worker's removal")

@@ -15,7 +15,7 @@ from common.protocol import SamplingParams
 from tests.worker.families import family_config
 from worker.attention import EagerDecode
 from worker.config import WorkerConfig
-from worker.parallel import shard, steps
+from worker.parallel import shard, stages, steps
 from worker.parallel.topology import refuse, resolve
 from worker.request import Request
 from worker.runner.inputs import InputBuilder
@@ -48,8 +48,7 @@ def test_nodes_split_the_ranks_and_bad_combinations_are_refused():
         (replace(nodes, master_port=0), "needs --master-port"),
         (replace(nodes, node_rank=0), "--headless is for the other machines"),
         (replace(nodes, nnodes=3), "does not divide"),
-        (replace(TP2, pipeline_parallel_size=2), "not implemented yet"),
-        (replace(WorkerConfig(), headless=True), "need --tensor-parallel-size > 1"),
+        (replace(WorkerConfig(), headless=True), "need --tensor-parallel-size or --pipeline-parallel-size > 1"),
     ]:
         with pytest.raises(ValueError, match=phrase):
             resolve(bad, {})
@@ -149,3 +148,34 @@ def test_the_shares_attention_adds_up_to_the_whole_with_fewer_kv_heads_than_rank
         summed = sum(attention(part) for part in parts)
         expected = attention(whole)
     torch.testing.assert_close(summed, expected)
+
+
+def test_stages_split_the_layers_evenly_with_the_extra_ones_last():
+    assert stages.bounds(2, 2) == [(0, 1), (1, 2)]
+    assert stages.bounds(7, 3) == [(0, 2), (2, 4), (4, 7)]
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 3 exceeds the model's 2 decoder layers"):
+        stages.bounds(2, 3)
+    topology = resolve(replace(TP2, pipeline_parallel_size=2), {"RANK": "3", "WORLD_SIZE": "4"})
+    assert (topology.world, topology.stage, topology.share) == (4, 1, 1)
+
+
+def test_each_stage_keeps_its_layers_and_relays_the_others_between_the_same_tensor_shares():
+    """3 stages x 2 tensor shares (ranks 2s, 2s+1), one layer each: stage s receives from the same
+    share of stage s-1, sends to stage s+1's, and every earlier stage gets the last one's final state."""
+
+    def cut(rank: int) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_config(family_config("llama", {"num_hidden_layers": 3}))
+        assert stages.cut(model, rank // 2, 3, 2, rank, lambda: None) == (rank // 2, rank // 2 + 1)
+        return model
+
+    def wiring(model: torch.nn.Module) -> list[tuple[int | None, int | None] | None]:
+        return [(m.send_to, m.receive_from) if isinstance(m, stages.Relay) else None for m in model.model.layers]
+
+    assert wiring(cut(0)) == [None, (2, 4), (None, None)]
+    assert wiring(cut(3)) == [(None, 1), None, (5, 5)]
+    last = cut(5)
+    assert wiring(last) == [(None, None), (None, 3), None]
+    assert last.model.norm.pipeline_end.peers == [1, 3]
+    assert not hasattr(cut(2).model.norm, "pipeline_end")
+    with pytest.raises(ValueError, match=r"^--pipeline-parallel-size 2: model type 'gpt2' has no stage plan here"):
+        stages.cut(tiny("gpt2"), 0, 2, 1, 0, lambda: None)
