@@ -83,11 +83,10 @@ def served(models) -> Server:
 
 @pytest.fixture(scope="module")
 def staged(served, models):
-    """The llama as ``llama-pp``: two pipeline stages (one layer each), joined to the same gateway.
-    Half the layers per rank: half the cache memory gives the same 12 blocks, so it preempts too."""
+    """The llama as ``llama-pp``: two pipeline stages (one layer each, all its heads: the same 12
+    blocks per rank as two tensor shares), joined to the same gateway."""
     flags = list(FLAGS)
     flags[flags.index("--tensor-parallel-size") : flags.index("--tensor-parallel-size") + 2] = PP_FLAGS
-    flags[flags.index("12KiB")] = "6KiB"
     argv = ["--model", str(models["llama"]), "--served-model-name", "llama-pp", *flags]
     worker = spawn(worker_argv(served.zmq_address, "llama-pp", *argv), "pp-worker")
     try:

@@ -179,3 +179,20 @@ def test_each_stage_keeps_its_layers_and_relays_the_others_between_the_same_tens
     assert not hasattr(cut(2).model.norm, "pipeline_end")
     with pytest.raises(ValueError, match=r"^--pipeline-parallel-size 2: model type 'gpt2' has no stage plan here"):
         stages.cut(tiny("gpt2"), 0, 2, 1, 0, lambda: None)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_the_shares_of_a_moe_block_add_up_to_the_whole(model_type):
+    """Every expert (and Qwen2-MoE's gated shared expert) cut as a dense MLP, the router whole: the
+    block's partial outputs, summed as the all-reduce sums them, are the uncut block's."""
+    whole = tiny(model_type)
+    parts = [tiny(model_type) for _ in range(2)]
+    for rank, part in enumerate(parts):
+        shard.shard(part, rank, 2, lambda tensor: None)
+    experts = parts[0].model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape[1] == whole.model.layers[0].mlp.experts.gate_up_proj.shape[1] // 2
+    x = torch.randn(1, 7, 64)
+    with torch.no_grad():
+        summed = sum(part.model.layers[0].mlp(x) for part in parts)
+        expected = whole.model.layers[0].mlp(x)
+    torch.testing.assert_close(summed, expected)
