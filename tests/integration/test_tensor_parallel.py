@@ -1,11 +1,12 @@
-"""``--tensor-parallel-size 2`` on the CPU (gloo), through ``llmpool serve``: every worker is two real
-rank processes, and its float32 greedy text is transformers' ``generate``'s token for token (so a
-one-rank worker's: tests/worker/test_families.py holds that one to ``generate`` too), alone and
-batched, through chunked prefill, a prefix-cache hit and a preemption. A tiny random Llama with attention biases
-runs the native forward (the row-split o_proj's bias is added once), a Qwen3 transformers' own
-classes (q/k norms per head). Killing a rank ends its worker, whose stream resumes on another
-worker exactly, and the launcher restarts the group; a rank that hangs ends its group after
-``--dist-timeout``.
+"""``--tensor-parallel-size 2`` and ``--pipeline-parallel-size 2`` on the CPU (gloo), through
+``llmpool serve``: every worker is two real rank processes, and its float32 greedy text is
+transformers' ``generate``'s token for token (so a one-rank worker's: tests/worker/test_families.py
+holds that one to ``generate`` too), alone and batched, through chunked prefill, a prefix-cache hit
+and a preemption. A tiny random Llama with attention biases runs the native forward (the row-split
+o_proj's bias is added once), split by heads or (``llama-pp``) by layers; a Qwen3-MoE transformers'
+own classes (q/k norms per head, a dense layer and a MoE one: experts cut, router whole). Killing a
+rank ends its worker, whose stream resumes on another worker exactly, and the launcher restarts the
+group; a rank (or a stage) that hangs ends its group after ``--dist-timeout``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     tokenizer = load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())
     return {
         "llama": build(tmp / "llama", "llama", dict(attention_bias=True), tokenizer),
-        "qwen3": build(tmp / "qwen3", "qwen3", {}, tokenizer),
+        # layer 0 a dense MLP, layer 1 a MoE block (4 experts, top 2): both cuts, q/k norms too
+        "qwen3-moe": build(tmp / "qwen3-moe", "qwen3_moe", dict(mlp_only_layers=[0]), tokenizer),
     }
 
 
@@ -129,7 +131,7 @@ def ranks(server: Server) -> dict[str, list[psutil.Process]]:
     return {name: [p for _, p in sorted(found, key=lambda x: x[0])] for name, found in groups.items()}
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3", "llama-pp"])
+@pytest.mark.parametrize("model", ["llama", "qwen3-moe", "llama-pp"])
 def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model, request):
     """Two tensor shares, or (``llama-pp``) two pipeline stages."""
     if model == "llama-pp":
@@ -149,9 +151,9 @@ def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model
 
 
 def test_each_worker_is_two_live_rank_processes_and_one_worker_to_the_gateway(served, staged):
-    assert sorted(w["model"] for w in served.workers()) == ["llama", "llama-pp", "qwen3"]
+    assert sorted(w["model"] for w in served.workers()) == ["llama", "llama-pp", "qwen3-moe"]
     groups = ranks(served)
-    assert sorted(groups) == ["llama-worker-0", "qwen3-worker-0"]
+    assert sorted(groups) == ["llama-worker-0", "qwen3-moe-worker-0"]
     staged_leader = psutil.Process(staged.pid)
     for leader, follower in [*groups.values(), (staged_leader, staged_leader.children()[0])]:
         assert follower.is_running() and follower.status() != psutil.STATUS_ZOMBIE

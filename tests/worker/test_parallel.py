@@ -4,6 +4,9 @@ batch as a follower rebuilds it."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -12,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.protocol import SamplingParams
-from tests.worker.families import family_config
+from tests.worker.families import SERVED, family_config
 from worker.attention import EagerDecode
 from worker.config import WorkerConfig
 from worker.parallel import shard, stages, steps
@@ -196,3 +199,50 @@ def test_the_shares_of_a_moe_block_add_up_to_the_whole(model_type):
         summed = sum(part.model.layers[0].mlp(x) for part in parts)
         expected = whole.model.layers[0].mlp(x)
     torch.testing.assert_close(summed, expected)
+
+
+class ThreadReduce:
+    """An all-reduce between threads, each standing for a rank: the parts summed in rank order."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world)
+        self.parts: list[torch.Tensor | None] = [None] * world
+
+    def of(self, rank: int) -> Callable[[torch.Tensor], None]:
+        def reduce(tensor: torch.Tensor) -> None:
+            self.parts[rank] = tensor.clone()
+            self.barrier.wait()
+            total = sum(self.parts[1:], self.parts[0])
+            self.barrier.wait()  # every rank has read every part before any writes its next one
+            tensor.copy_(total)
+
+        return reduce
+
+
+PLANNED_FAMILIES = [name for name, (kind, extra) in SERVED.items() if shard.planned(family_config(kind, extra))]
+
+
+def test_families_whose_transformers_plan_is_llamas_cut_are_planned_too():
+    assert {"gemma", "gemma2", "gemma3_text", "granite", "olmo", "cohere", "smollm3"} <= set(PLANNED_FAMILIES)
+    assert not {"olmo2", "phi3", "gpt2", "nemotron"} & set(PLANNED_FAMILIES)  # whole-width q/k norms, fused qkv, ...
+
+
+@pytest.mark.parametrize("name", PLANNED_FAMILIES)
+def test_two_shares_give_the_whole_models_logits(name):
+    """Every planned family, cut in two and run by two threads whose row-parallel outputs are summed:
+    the whole model's logits (to float rounding), with q/k norms, softcaps, windows and experts."""
+    kind, extra = SERVED[name]
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(family_config(kind, extra)).eval()
+
+    whole, parts, fabric = build(), [build(), build()], ThreadReduce(2)
+    for rank, part in enumerate(parts):
+        shard.shard(part, rank, 2, fabric.of(rank))
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), ThreadPoolExecutor(2) as pool:
+        logits = list(pool.map(lambda model: model(ids).logits, parts))
+        expected = whole(ids).logits
+    for got in logits:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

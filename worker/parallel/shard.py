@@ -31,16 +31,35 @@ import torch
 # mlp of transformers' fused experts (gate_up_proj [experts, 2 x inter, hidden], down_proj
 # [experts, hidden, inter]) beside a router and perhaps a shared expert.
 PLANNED = {"llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral"}
+# transformers' own tensor-parallel plan (a config's ``base_model_tp_plan``) of Llama's cut: a
+# family whose plan is this one, with replicated per-head q/k norms at most, is cut alike
+# (Gemma, Gemma 2 and 3, Granite, OLMo, Cohere, SmolLM3, Helium, ...).
+LLAMA_CUT = {f"layers.*.self_attn.{name}_proj": "colwise" for name in "qkv"} | {
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+HEAD_NORMS = {"layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm"}
+
+
+def planned(config: object) -> bool:
+    """Whether the split plan cuts this model type: listed, or transformers' own plan for it is Llama's cut."""
+    if config.model_type in PLANNED:
+        return True
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    return {key: way for key, way in plan.items() if key not in HEAD_NORMS} == LLAMA_CUT
 
 
 def refuse_unplanned(model: torch.nn.Module, world: int) -> None:
     """ValueError, in one sentence, for a model the plan cannot cut into ``world`` shares."""
     config = model.config
     kind = config.model_type
-    if kind not in PLANNED:
+    if not planned(config):
         raise ValueError(
             f"--tensor-parallel-size {world}: model type {kind!r} has no split plan here "
-            f"(planned: {', '.join(sorted(PLANNED))}); serve it with --tensor-parallel-size 1"
+            f"(planned: {', '.join(sorted(PLANNED))}, and families whose transformers tp_plan is Llama's); "
+            "serve it with --tensor-parallel-size 1"
         )
     for name in (
         "num_attention_heads",
@@ -68,6 +87,7 @@ def shard(model: torch.nn.Module, rank: int, world: int, reduce: Callable[[torch
     with torch.no_grad():
         for block in model.model.layers:
             attn, mlp = block.self_attn, block.mlp
+            _refuse_whole_norms(attn, heads, world)
             _keep_rows(attn.q_proj, rank, world)
             for linear in (attn.k_proj, attn.v_proj):
                 _keep_rows(linear, *kv_share)
@@ -82,6 +102,17 @@ def shard(model: torch.nn.Module, rank: int, world: int, reduce: Callable[[torch
                 if getattr(mlp, "shared_expert", None) is not None:
                     _cut_mlp(mlp.shared_expert, rank, world)  # its sigmoid gate scales the partial sums alike
                 _reduced(mlp, reduce)
+
+
+def _refuse_whole_norms(attn: torch.nn.Module, heads: int, world: int) -> None:
+    """q/k norms must act on each head alone (one head's weights): a norm over all heads mixes them."""
+    head_dim = attn.q_proj.weight.shape[0] // heads
+    for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+        weight = getattr(norm, "weight", None)
+        if weight is not None and weight.numel() != head_dim:
+            raise ValueError(
+                f"--tensor-parallel-size {world}: this model's q/k norms span all heads, which the split plan does not cut"
+            )
 
 
 def _reduced(module: torch.nn.Module, reduce: Callable[[torch.Tensor], None]) -> None:

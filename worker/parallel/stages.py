@@ -27,9 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-# Model types whose decoder is ``model.model.layers`` of layers taking and returning the hidden
-# state alone, then ``model.model.norm``; the same families as the tensor split.
-STAGED = {"llama", "qwen2", "qwen3", "mistral"}
+from worker.parallel import shard
 
 Wire = Callable[[], object]  # the process group the hidden states travel on now (start-up's, then the steps')
 
@@ -86,10 +84,10 @@ def cut(model: torch.nn.Module, stage: int, stages: int, tensor: int, rank: int,
     """Replace the layers stage ``stage`` does not run with relays (see the module docstring), in
     place; returns the ``(first, end)`` layers it keeps."""
     kind = model.config.model_type
-    if kind not in STAGED:
+    if not shard.planned(model.config):  # their decoders are model.model.layers (hidden state in and out), then .norm
         raise ValueError(
             f"--pipeline-parallel-size {stages}: model type {kind!r} has no stage plan here "
-            f"(planned: {', '.join(sorted(STAGED))}); serve it with --pipeline-parallel-size 1"
+            "(the families of the tensor split's plan, worker/parallel/shard.py); serve it with --pipeline-parallel-size 1"
         )
     decoder = model.model
     layers = decoder.layers
