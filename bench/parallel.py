@@ -1,6 +1,7 @@
 """``python -m bench.parallel``: on this machine's CPUs, two replicas against one worker split over two
-ranks (``--tensor-parallel-size 2``), the same model and load: output tokens/s of N concurrent
-greedy completions through ``llmpool serve``. docs/parallel.md reports its figures.
+ranks (``--tensor-parallel-size 2``, then ``--pipeline-parallel-size 2``), the same model and load:
+output tokens/s of N concurrent greedy completions through ``llmpool serve``. docs/parallel.md
+reports its figures.
 
     python -m bench.random_llama /tmp/smol-even --size smol-even   # 2 ranks split 8 / 4 heads
     python -m bench.parallel --model /tmp/smol-even [--clients 8] [--tokens 64] [--extra "--dtype float32"]
@@ -25,6 +26,7 @@ import httpx
 CONFIGS = {
     "2 replicas": ["--workers", "2"],
     "1 worker, --tensor-parallel-size 2": ["--workers", "1", "--tensor-parallel-size", "2"],
+    "1 worker, --pipeline-parallel-size 2": ["--workers", "1", "--pipeline-parallel-size", "2"],
 }
 
 

@@ -177,7 +177,8 @@ WORKER_FLAGS = [
     Flag(
         "pipeline-parallel-size",
         1,
-        "Stages that split the layers of one model (vLLM's flag); only 1 is implemented yet (docs/parallel.md)",
+        "Stages that split the decoder layers of one model (vLLM's flag): stage s is ranks s*T..s*T+T-1 of a world of "
+        "tensor x pipeline ranks, each caching only its layers (docs/parallel.md)",
         int,
     ),
     Flag("nnodes", 1, "Machines one worker's ranks span (vLLM's --nnodes); each runs world size / nnodes ranks", int),

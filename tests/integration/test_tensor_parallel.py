@@ -1,17 +1,19 @@
-"""``--tensor-parallel-size 2`` on the CPU (gloo), through ``llmpool serve``: every worker is two real
-rank processes, and its float32 greedy text is transformers' ``generate``'s token for token (so a
-one-rank worker's: tests/worker/test_families.py holds that one to ``generate`` too), alone and
-batched, through chunked prefill, a prefix-cache hit and a preemption. A tiny random Llama with attention biases
-runs the native forward (the row-split o_proj's bias is added once), a Qwen3 transformers' own
-classes (q/k norms per head). Killing a rank ends its worker, whose stream resumes on another
-worker exactly, and the launcher restarts the group; a rank that hangs ends its group after
-``--dist-timeout``.
+"""``--tensor-parallel-size 2`` and ``--pipeline-parallel-size 2`` on the CPU (gloo), through
+``llmpool serve``: every worker is two real rank processes, and its float32 greedy text is
+transformers' ``generate``'s token for token (so a one-rank worker's: tests/worker/test_families.py
+holds that one to ``generate`` too), alone and batched, through chunked prefill, a prefix-cache hit
+and a preemption. A tiny random Llama with attention biases runs the native forward (the row-split
+o_proj's bias is added once), split by heads or (``llama-pp``) by layers; a Qwen3-MoE transformers'
+own classes (q/k norms per head, a dense layer and a MoE one: experts cut, router whole). Killing a
+rank ends its worker, whose stream resumes on another worker exactly, and the launcher restarts the
+group; a rank (or a stage) that hangs ends its group after ``--dist-timeout``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +46,7 @@ FLAGS = (
     "--dist-timeout",
     "5",
 )
+PP_FLAGS = ["--pipeline-parallel-size", "2"]
 
 
 def build(folder: Path, model_type: str, extra: dict, tokenizer) -> Path:
@@ -67,7 +70,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     tokenizer = load_tokenizer(resolve_model(MODEL), CACHE_DIR.env_default())
     return {
         "llama": build(tmp / "llama", "llama", dict(attention_bias=True), tokenizer),
-        "qwen3": build(tmp / "qwen3", "qwen3", {}, tokenizer),
+        # layer 0 a dense MLP, layer 1 a MoE block (4 experts, top 2): both cuts, q/k norms too
+        "qwen3-moe": build(tmp / "qwen3-moe", "qwen3_moe", dict(mlp_only_layers=[0]), tokenizer),
     }
 
 
@@ -77,6 +81,21 @@ def served(models) -> Server:
     server = start_serve("tensor-parallel", 2, "--models", spec, "--workers", "1", *FLAGS)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def staged(served, models):
+    """The llama as ``llama-pp``: two pipeline stages (one layer each, all its heads: the same 12
+    blocks per rank as two tensor shares), joined to the same gateway."""
+    flags = list(FLAGS)
+    flags[flags.index("--tensor-parallel-size") : flags.index("--tensor-parallel-size") + 2] = PP_FLAGS
+    argv = ["--model", str(models["llama"]), "--served-model-name", "llama-pp", *flags]
+    worker = spawn(worker_argv(served.zmq_address, "llama-pp", *argv), "pp-worker")
+    try:
+        wait_until(lambda: any(w["model"] == "llama-pp" for w in served.workers()), 120, "the pipeline worker")
+        yield worker
+    finally:
+        stop(worker)
 
 
 def complete(server: Server, model: str, prompt: str, max_tokens: int = NEW_TOKENS) -> str:
@@ -112,9 +131,12 @@ def ranks(server: Server) -> dict[str, list[psutil.Process]]:
     return {name: [p for _, p in sorted(found, key=lambda x: x[0])] for name, found in groups.items()}
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3"])
-def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model):
-    expected = generate(models[model], PROMPTS)
+@pytest.mark.parametrize("model", ["llama", "qwen3-moe", "llama-pp"])
+def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model, request):
+    """Two tensor shares, or (``llama-pp``) two pipeline stages."""
+    if model == "llama-pp":
+        request.getfixturevalue("staged")
+    expected = generate(models[model.removesuffix("-pp")], PROMPTS)
     assert complete(served, model, PROMPTS[0]) == expected[0]  # alone
     preempted = lambda: any(w["preemptions"] for w in served.workers() if w["model"] == model)  # noqa: E731
     for _ in range(3):  # batched; again while no request got preempted (the four must overlap, which load can spoil)
@@ -128,11 +150,12 @@ def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model
     assert preempted(), f"no {model} request was preempted in three batches"
 
 
-def test_each_worker_is_two_live_rank_processes_and_one_worker_to_the_gateway(served):
-    assert sorted(w["model"] for w in served.workers()) == ["llama", "qwen3"]
+def test_each_worker_is_two_live_rank_processes_and_one_worker_to_the_gateway(served, staged):
+    assert sorted(w["model"] for w in served.workers()) == ["llama", "llama-pp", "qwen3-moe"]
     groups = ranks(served)
-    assert sorted(groups) == ["llama-worker-0", "qwen3-worker-0"]
-    for leader, follower in groups.values():
+    assert sorted(groups) == ["llama-worker-0", "qwen3-moe-worker-0"]
+    staged_leader = psutil.Process(staged.pid)
+    for leader, follower in [*groups.values(), (staged_leader, staged_leader.children()[0])]:
         assert follower.is_running() and follower.status() != psutil.STATUS_ZOMBIE
         assert follower.ppid() == leader.pid  # rank 0 started it; a separate process, not a thread
         assert follower.environ()["RANK"] == "1" and follower.environ()["WORLD_SIZE"] == "2"
@@ -144,7 +167,7 @@ def test_a_killed_rank_ends_its_worker_and_its_stream_resumes_elsewhere_exactly(
         worker_argv(served.zmq_address, "llama-extra", "--model", str(models["llama"]), *FLAGS), "tp-extra-worker"
     )
     try:
-        wait_until(lambda: len(served.workers()) == 3, 120, "the extra llama worker")
+        wait_until(lambda: sum(w["model"] == "llama" for w in served.workers()) == 2, 120, "the extra llama worker")
         prompt, tokens = PROMPTS[1], 40  # 12 blocks at most
         expected = generate(models["llama"], [prompt], tokens)[0]
         body = {"model": "llama", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
@@ -181,3 +204,14 @@ def leader_and_follower(server: Server, extra, name: str) -> tuple[psutil.Proces
         return leader, leader.children()[0]
     leader, follower = ranks(server)[name]
     return leader, follower
+
+
+def test_a_hung_stage_ends_its_pipeline_worker(served, staged):
+    """Stage 1 stopped (not dead): rank 0's next step times out after --dist-timeout and it exits."""
+    leader = psutil.Process(staged.pid)
+    leader.children()[0].suspend()
+    body = {"model": "llama-pp", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+    post = lambda: httpx.post(served.base_url + "/v1/completions", json=body, timeout=20)  # noqa: E731
+    threading.Thread(target=post, daemon=True).start()  # its answer (none: no other llama-pp worker) is not waited for
+    assert staged.wait(60) == 1
+    wait_until(lambda: all(w["model"] != "llama-pp" for w in served.workers()), 30, "the pipeline worker's removal")

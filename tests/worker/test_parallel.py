@@ -4,6 +4,9 @@ batch as a follower rebuilds it."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -12,10 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.protocol import SamplingParams
-from tests.worker.families import family_config
+from tests.worker.families import SERVED, family_config
 from worker.attention import EagerDecode
 from worker.config import WorkerConfig
-from worker.parallel import shard, steps
+from worker.parallel import shard, stages, steps
 from worker.parallel.topology import refuse, resolve
 from worker.request import Request
 from worker.runner.inputs import InputBuilder
@@ -48,8 +51,7 @@ def test_nodes_split_the_ranks_and_bad_combinations_are_refused():
         (replace(nodes, master_port=0), "needs --master-port"),
         (replace(nodes, node_rank=0), "--headless is for the other machines"),
         (replace(nodes, nnodes=3), "does not divide"),
-        (replace(TP2, pipeline_parallel_size=2), "not implemented yet"),
-        (replace(WorkerConfig(), headless=True), "need --tensor-parallel-size > 1"),
+        (replace(WorkerConfig(), headless=True), "need --tensor-parallel-size or --pipeline-parallel-size > 1"),
     ]:
         with pytest.raises(ValueError, match=phrase):
             resolve(bad, {})
@@ -149,3 +151,98 @@ def test_the_shares_attention_adds_up_to_the_whole_with_fewer_kv_heads_than_rank
         summed = sum(attention(part) for part in parts)
         expected = attention(whole)
     torch.testing.assert_close(summed, expected)
+
+
+def test_stages_split_the_layers_evenly_with_the_extra_ones_last():
+    assert stages.bounds(2, 2) == [(0, 1), (1, 2)]
+    assert stages.bounds(7, 3) == [(0, 2), (2, 4), (4, 7)]
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 3 exceeds the model's 2 decoder layers"):
+        stages.bounds(2, 3)
+    topology = resolve(replace(TP2, pipeline_parallel_size=2), {"RANK": "3", "WORLD_SIZE": "4"})
+    assert (topology.world, topology.stage, topology.share) == (4, 1, 1)
+
+
+def test_each_stage_keeps_its_layers_and_relays_the_others_between_the_same_tensor_shares():
+    """3 stages x 2 tensor shares (ranks 2s, 2s+1), one layer each: stage s receives from the same
+    share of stage s-1, sends to stage s+1's, and every earlier stage gets the last one's final state."""
+
+    def cut(rank: int) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_config(family_config("llama", {"num_hidden_layers": 3}))
+        assert stages.cut(model, rank // 2, 3, 2, rank, lambda: None) == (rank // 2, rank // 2 + 1)
+        return model
+
+    def wiring(model: torch.nn.Module) -> list[tuple[int | None, int | None] | None]:
+        return [(m.send_to, m.receive_from) if isinstance(m, stages.Relay) else None for m in model.model.layers]
+
+    assert wiring(cut(0)) == [None, (2, 4), (None, None)]
+    assert wiring(cut(3)) == [(None, 1), None, (5, 5)]
+    last = cut(5)
+    assert wiring(last) == [(None, None), (None, 3), None]
+    assert last.model.norm.pipeline_end.peers == [1, 3]
+    assert not hasattr(cut(2).model.norm, "pipeline_end")
+    with pytest.raises(ValueError, match=r"^--pipeline-parallel-size 2: model type 'gpt2' has no stage plan here"):
+        stages.cut(tiny("gpt2"), 0, 2, 1, 0, lambda: None)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_the_shares_of_a_moe_block_add_up_to_the_whole(model_type):
+    """Every expert (and Qwen2-MoE's gated shared expert) cut as a dense MLP, the router whole: the
+    block's partial outputs, summed as the all-reduce sums them, are the uncut block's."""
+    whole = tiny(model_type)
+    parts = [tiny(model_type) for _ in range(2)]
+    for rank, part in enumerate(parts):
+        shard.shard(part, rank, 2, lambda tensor: None)
+    experts = parts[0].model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape[1] == whole.model.layers[0].mlp.experts.gate_up_proj.shape[1] // 2
+    x = torch.randn(1, 7, 64)
+    with torch.no_grad():
+        summed = sum(part.model.layers[0].mlp(x) for part in parts)
+        expected = whole.model.layers[0].mlp(x)
+    torch.testing.assert_close(summed, expected)
+
+
+class ThreadReduce:
+    """An all-reduce between threads, each standing for a rank: the parts summed in rank order."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world)
+        self.parts: list[torch.Tensor | None] = [None] * world
+
+    def of(self, rank: int) -> Callable[[torch.Tensor], None]:
+        def reduce(tensor: torch.Tensor) -> None:
+            self.parts[rank] = tensor.clone()
+            self.barrier.wait()
+            total = sum(self.parts[1:], self.parts[0])
+            self.barrier.wait()  # every rank has read every part before any writes its next one
+            tensor.copy_(total)
+
+        return reduce
+
+
+PLANNED_FAMILIES = [name for name, (kind, extra) in SERVED.items() if shard.planned(family_config(kind, extra))]
+
+
+def test_families_whose_transformers_plan_is_llamas_cut_are_planned_too():
+    assert {"gemma", "gemma2", "gemma3_text", "granite", "olmo", "cohere", "smollm3"} <= set(PLANNED_FAMILIES)
+    assert not {"olmo2", "phi3", "gpt2", "nemotron"} & set(PLANNED_FAMILIES)  # whole-width q/k norms, fused qkv, ...
+
+
+@pytest.mark.parametrize("name", PLANNED_FAMILIES)
+def test_two_shares_give_the_whole_models_logits(name):
+    """Every planned family, cut in two and run by two threads whose row-parallel outputs are summed:
+    the whole model's logits (to float rounding), with q/k norms, softcaps, windows and experts."""
+    kind, extra = SERVED[name]
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(family_config(kind, extra)).eval()
+
+    whole, parts, fabric = build(), [build(), build()], ThreadReduce(2)
+    for rank, part in enumerate(parts):
+        shard.shard(part, rank, 2, fabric.of(rank))
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), ThreadPoolExecutor(2) as pool:
+        logits = list(pool.map(lambda model: model(ids).logits, parts))
+        expected = whole(ids).logits
+    for got in logits:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -108,14 +108,18 @@ class LlamaForward:
         self.eps = config.rms_norm_eps
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # From the weights: a tensor-parallel rank holds a share of the heads (worker/parallel/shard.py).
-        first = decoder.layers[0].self_attn
+        # A pipeline stage's relays stand for the layers other stages run (worker/parallel/stages.py).
+        first = next(block for block in decoder.layers if not getattr(block, "relay", False)).self_attn
         self.heads = first.q_proj.weight.shape[0] // self.head_dim
         self.kv_heads = first.k_proj.weight.shape[0] // self.head_dim
         self.embed = decoder.embed_tokens.weight
         self.final_norm = decoder.norm.weight
         self.lm_head = _Linear(model.lm_head.weight)
         self.rotary = decoder.rotary_emb
-        self.layers = [self._fuse(i, block) for i, block in enumerate(decoder.layers)]
+        self.layers = [
+            block if getattr(block, "relay", False) else self._fuse(i, block) for i, block in enumerate(decoder.layers)
+        ]
+        self.end = getattr(decoder.norm, "pipeline_end", None)  # the last stage's hand-back of the final state
         decoder.layers = torch.nn.ModuleList()  # the fused copies replace them; free the originals
 
     def _fuse(self, index: int, block: torch.nn.Module) -> _Layer:
@@ -154,6 +158,9 @@ class LlamaForward:
         num_tokens = input_ids.shape[1]
         fused = metadata.decode_backend.in_place_cuda and not metadata.prefills  # decode rows only, on CUDA
         for i, layer in enumerate(self.layers):
+            if not isinstance(layer, _Layer):  # a relay: another pipeline stage runs this layer
+                hidden = layer(hidden)
+                continue
             x = _rms_norm(hidden, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
             if lora:
@@ -177,6 +184,8 @@ class LlamaForward:
             if lora:
                 add_delta(lora, i, "down", act, out)
             hidden = hidden + out
+        if self.end is not None:
+            hidden = self.end(hidden)
         hidden = _rms_norm(hidden[0, logits_indices], self.final_norm, self.eps)
         return self.lm_head(hidden)
 

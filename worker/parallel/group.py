@@ -15,6 +15,7 @@ import torch
 
 from worker.config import WorkerConfig
 from worker.parallel import shard as split
+from worker.parallel import stages
 from worker.parallel.steps import Leader
 from worker.parallel.topology import Topology, join, watch
 from worker.scheduler import ScheduledBatch
@@ -30,23 +31,47 @@ class Group:
     control: object  # the gloo group each step's batch travels on
     children: list[subprocess.Popen]  # the ranks this process started
     leader: Leader | None  # rank 0's sender; None on the others
-    steps: object  # the all-reduces' group once serving (``--dist-timeout``)
-    serving: bool = False  # until then the all-reduces run on the default group (start-up's timeout)
+    steps: object  # the steps' group once serving (``--dist-timeout``): all-reduces, hidden states
+    reducers: tuple[object, object]  # the all-reduces' groups (start-up's, serving's): the world, or this stage
+    serving: bool = False  # until then the collectives run on start-up's groups (start-up's timeout)
     watcher: threading.Event | None = None
+    layers: range | None = None  # the decoder layers this rank runs; None: all of them
 
     def reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the ranks, in place (the row-parallel products' partial sums)."""
+        """Sum ``tensor`` over the ranks of the tensor split, in place (the row-parallel products' partial sums)."""
         import torch.distributed as dist
 
-        dist.all_reduce(tensor, group=self.steps if self.serving else None)
+        dist.all_reduce(tensor, group=self.reducers[self.serving])
+
+    def wire(self) -> object:
+        """The group the hidden states between pipeline stages travel on now."""
+        return self.steps if self.serving else None
 
     def shard(self, model: torch.nn.Module) -> None:
-        split.shard(model, self.topology.rank, self.topology.tensor, self.reduce)
-        log.info(
-            "rank %d keeps 1/%d of each layer (worker/parallel/shard.py); the C++ step is bypassed: ranks run the torch path",
-            self.topology.rank,
-            self.topology.tensor,
-        )
+        """Cut ``model`` to this rank's share of each layer; before anything reads the model."""
+        topology = self.topology
+        if topology.tensor > 1:
+            split.shard(model, topology.share, topology.tensor, self.reduce)
+            log.info("rank %d keeps 1/%d of each layer (worker/parallel/shard.py)", topology.rank, topology.tensor)
+        log.info("the C++ step is bypassed: ranks run the torch path")
+
+    def stage(self, model: torch.nn.Module) -> None:
+        """Replace the layers other stages run with relays (worker/parallel/stages.py); after the
+        probe and the self-check's reference forward, which read every layer."""
+        topology = self.topology
+        if topology.pipeline > 1:
+            first, end = stages.cut(model, topology.stage, topology.pipeline, topology.tensor, topology.rank, self.wire)
+            self.layers = range(first, end)
+            log.info("rank %d runs layers %d..%d (pipeline stage %d)", topology.rank, first, end - 1, topology.stage)
+
+    def fewest(self, blocks: int, device: torch.device) -> int:
+        """The smallest KV block count of all ranks: rank 0's block tables address every rank's cache
+        (pipeline stages hold different layers, so their budgets fit different counts)."""
+        import torch.distributed as dist
+
+        count = torch.tensor([blocks], dtype=torch.int64, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)  # start-up: the default group and its timeout
+        return int(count)
 
     def lead(self, logits: Callable[[ScheduledBatch], T], batch: ScheduledBatch) -> T:
         """Rank 0's step: broadcast the batch, then run its share. A failure here leaves the ranks out
@@ -56,9 +81,7 @@ class Group:
             self.leader.send(batch)
             return logits(batch)
         except Exception:
-            log.critical(
-                "a tensor-parallel step failed; the group of %d ranks exits", self.topology.world, exc_info=True
-            )
+            log.critical("a parallel step failed; the group of %d ranks exits", self.topology.world, exc_info=True)
             for child in self.children:
                 child.kill()
             os._exit(1)
@@ -116,6 +139,6 @@ def start(
         cuda_graphs="off",
         quantized_only=False,
     )
-    control, steps = join(topology, device.type, config.dist_timeout)
-    _CURRENT = Group(topology, control, children, Leader(control) if topology.leader else None, steps)
+    control, steps, reducers = join(topology, device.type, config.dist_timeout)
+    _CURRENT = Group(topology, control, children, Leader(control) if topology.leader else None, steps, reducers)
     return config, _CURRENT

@@ -57,6 +57,16 @@ class Topology:
     def leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage: stage ``s`` is ranks ``s*tensor .. s*tensor+tensor-1``."""
+        return self.rank // self.tensor
+
+    @property
+    def share(self) -> int:
+        """This rank's tensor share within its stage."""
+        return self.rank % self.tensor
+
 
 def resolve(config: WorkerConfig, environ: dict[str, str] | None = None) -> Topology | None:
     """The topology the flags (and torchrun's variables) ask for; None for a lone worker. Raises
@@ -65,14 +75,10 @@ def resolve(config: WorkerConfig, environ: dict[str, str] | None = None) -> Topo
     tensor, pipeline, nnodes = config.tensor_parallel_size, config.pipeline_parallel_size, config.nnodes
     if tensor < 1 or pipeline < 1 or nnodes < 1:
         raise ValueError("--tensor-parallel-size, --pipeline-parallel-size and --nnodes must be at least 1")
-    if pipeline > 1:
-        raise ValueError(
-            "--pipeline-parallel-size > 1 is not implemented yet: use --tensor-parallel-size (docs/parallel.md)"
-        )
     world = tensor * pipeline
     if world == 1:
         if nnodes > 1 or config.headless:
-            raise ValueError("--nnodes and --headless need --tensor-parallel-size > 1")
+            raise ValueError("--nnodes and --headless need --tensor-parallel-size or --pipeline-parallel-size > 1")
         return None
     refuse(config)
     if world % nnodes:
@@ -158,11 +164,13 @@ def watch(children: list[subprocess.Popen], interval: float = 0.2) -> threading.
     return done
 
 
-def join(topology: Topology, device_type: str, timeout: float) -> tuple[object, object]:
+def join(topology: Topology, device_type: str, timeout: float) -> tuple[object, object, tuple[object, object]]:
     """Join the torch.distributed group (NCCL on CUDA, else gloo). Returns the gloo group that
-    carries each step's batch, and the group of the steps' all-reduces, whose collectives time out
-    after ``timeout`` seconds. The default group, which the start-up uses (the rendezvous, and the
-    probe's and self-check's forwards while ranks load at their own pace), waits ``START_TIMEOUT``."""
+    carries each step's batch, the group of the steps' collectives (all-reduces, and the hidden
+    states between pipeline stages), whose collectives time out after ``timeout`` seconds, and the
+    all-reduces' groups (start-up's, steps'): the whole world, or with pipeline stages this rank's
+    stage. The default group, which the start-up uses (the rendezvous, and the probe's and
+    self-check's forwards while ranks load at their own pace), waits ``START_TIMEOUT``."""
     import torch.distributed as dist
 
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -174,16 +182,30 @@ def join(topology: Topology, device_type: str, timeout: float) -> tuple[object, 
         timeout=timedelta(seconds=max(timeout, START_TIMEOUT)),
     )
     steps = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout))
+    reducers = (None, steps)
+    if topology.pipeline > 1:  # each stage's all-reduces among its own ranks (every rank makes every group)
+        for stage in range(topology.pipeline):
+            ranks = list(range(stage * topology.tensor, (stage + 1) * topology.tensor))
+            pair = tuple(
+                dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=seconds))
+                for seconds in (max(timeout, START_TIMEOUT), timeout)
+            )
+            if stage == topology.stage:
+                reducers = pair
     # Rank 0 sends with the step's timeout (a stopped rank must not wedge it); the others wait for
     # the next batch as long as the worker is idle. gloo's timeout is each process's own.
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout) if topology.leader else IDLE_TIMEOUT)
     log.info("rank %d of %d joined (%s)", topology.rank, topology.world, backend)
-    return control, steps
+    return control, steps, reducers
 
 
 def refuse(config: WorkerConfig) -> None:
     """ValueError, in one sentence, for a flag whose work is not split across ranks."""
-    size = f"--tensor-parallel-size {config.tensor_parallel_size}"
+    size = " and ".join(
+        f"--{name}-parallel-size {value}"
+        for name, value in (("tensor", config.tensor_parallel_size), ("pipeline", config.pipeline_parallel_size))
+        if value > 1
+    )
     clashes = {
         "--lora": bool(config.lora),
         "--speculate": config.speculate > 0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +31,21 @@ class CacheShape:
         return sum(self.block_size * heads * (k_dim + v_dim) for heads, k_dim, v_dim in self.layers) * dtype.itemsize
 
 
-def allocate(shape: CacheShape, dtype: torch.dtype, device: torch.device, budget: str, scratch: bool) -> KVCaches:
+def allocate(
+    shape: CacheShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    budget: str,
+    scratch: bool,
+    agree: Callable[[int], int] | None = None,
+) -> KVCaches:
     """Per layer a K and a V tensor of ``[num_blocks, block_size, kv_heads, dim]``, as many
     blocks as ``budget`` (``--kv-cache-memory``) holds, plus one block with ``scratch`` (where CUDA
-    graphs' padding rows write)."""
+    graphs' padding rows write). ``agree``: the count all ranks of a split model use, given ours."""
     per_block = shape.bytes_per_block(dtype)
     num_blocks = budget_bytes(budget, device) // per_block
+    if agree is not None:
+        num_blocks = agree(num_blocks)
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-memory {budget} is less than one block ({per_block} bytes)")
     log.info(

@@ -96,6 +96,8 @@ class ModelRunner:
             raise support.UnsupportedModel(f"{self.architecture} is not supported: {exc}.") from None
         # The reference the self-check compares with is computed now: the fused step and the native forward take transformers' layers.
         check = None if config.skip_self_check else SelfCheck(model, self.layers, self.max_model_len, self.block_size)
+        if self.group is not None:  # --pipeline-parallel-size: the other stages' layers become relays
+            self.group.stage(model)
         self.quantization, fast_decode = (
             ("none", False)
             if self.group is not None  # the C++ step holds whole layers: split ranks run the torch path
@@ -157,17 +159,22 @@ class ModelRunner:
         graphs = use_graphs(config.cuda_graphs, self.device, self.native, backend)
         self.eos_token_ids = _eos_ids(model)
         self.vocab_size = text.vocab_size
-        shape = kv_cache.CacheShape(
-            tuple((layer.kv_heads, layer.k_dim, layer.v_dim) for layer in self.layers), self.block_size
+        own = range(len(self.layers)) if self.group is None or self.group.layers is None else self.group.layers
+        shape = kv_cache.CacheShape(  # a pipeline stage caches its own layers (the others': no heads)
+            tuple((layer.kv_heads * (i in own), layer.k_dim, layer.v_dim) for i, layer in enumerate(self.layers)),
+            self.block_size,
         )
-        self.kv_caches = kv_cache.allocate(shape, self.dtype, self.device, config.kv_cache_memory, scratch=graphs)
+        agree = None if self.group is None else lambda blocks: self.group.fewest(blocks, self.device)
+        self.kv_caches = kv_cache.allocate(
+            shape, self.dtype, self.device, config.kv_cache_memory, scratch=graphs, agree=agree
+        )
         # With graphs the last block is the padding rows' scratch, outside the block manager's blocks.
         self.num_blocks = self.kv_caches[0][0].shape[0] - graphs
         self.guided = GuidedDecoding(
             lambda: load_tokenizer(source, config.cache_dir), self.vocab_size, self.eos_token_ids
         )
         self.sampler = Sampler(self.device, self.guided)
-        backend.prepare([self.kv_caches[i] for i in plain], first.heads)
+        backend.prepare([self.kv_caches[i] for i in plain if self.kv_caches[i][0].numel()], first.heads)
         self.inputs = InputBuilder(self.block_size, self.device, self.kv_caches, backend, self.layers)
         decode_graphs = None
         if graphs:
