@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 from pathlib import Path
 
 import torch
@@ -125,9 +126,21 @@ def image_bytes(seed: int, size: tuple[int, int] = (40, 48), fmt: str = "PNG") -
 
 
 @functools.cache
+def processor(folder: Path) -> object:
+    """The model's processor as the gateway builds it (Qwen-VL's without its video half)."""
+    from transformers import AutoTokenizer
+
+    from common.model_source import image_half
+
+    try:
+        return AutoProcessor.from_pretrained(folder, backend="pil")
+    except ImportError:
+        return image_half(str(folder), AutoTokenizer.from_pretrained(folder))
+
+
+@functools.cache
 def _loaded(folder: Path) -> tuple[object, torch.nn.Module]:
-    processor = AutoProcessor.from_pretrained(folder, backend="pil")
-    return processor, AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    return processor(folder), AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @torch.inference_mode()
@@ -141,3 +154,47 @@ def reference(folder: Path, messages: list[dict], images: list[bytes], max_new_t
     inputs = processor(text=text, images=pil or None, add_special_tokens=False, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+QWEN_TEMPLATE = LLAVA_TEMPLATE.replace("<image>\n", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl") -> torch.nn.Module:
+    """Qwen2-VL or Qwen2.5-VL (``kind``): a tiny M-RoPE decoder and its vision tower (8-pixel patches,
+    2x2 merged), with the PIL image processor and the processor's config as the hub has it (the
+    processor itself wants torchvision for its video half)."""
+    import transformers
+
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
+    tokenizer = _with_image_token(tokenizer, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    ids = {
+        t: tokenizer.convert_tokens_to_ids(f"<|{t}|>") for t in ("vision_start", "vision_end", "image_pad", "video_pad")
+    }
+    text = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(tokenizer), max_position_embeddings=512, rope_parameters={"rope_type": "default",
+        "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    vision = dict(depth=2, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64)
+    vision.update(embed_dim=32, hidden_size=64) if kind == "qwen2_vl" else vision.update(
+        hidden_size=32, intermediate_size=64, window_size=16, fullatt_block_indexes=[1]
+    )
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=text, vision_config=vision, image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
+        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+    )  # fmt: skip
+    config.architectures = [f"{prefix}ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
+    model.generation_config.eos_token_id = None
+    images = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=16 * 16, max_pixels=48 * 48, patch_size=8, merge_size=2, temporal_patch_size=2
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    images.save_pretrained(folder)
+    processor = {"processor_class": f"{prefix}Processor", "image_processor": images.to_dict()}
+    (folder / "processor_config.json").write_text(json.dumps(processor))
+    (folder / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+    return model

@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 from PIL import Image
-from transformers import AutoProcessor
 
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
 from gateway.generate.vision import Vision
 from tests.vision.models import image_bytes, reference
+from tests.vision.models import processor as model_processor
 from worker.build import build_engine
 from worker.config import WorkerConfig
 from worker.models.support import UnsupportedModel
@@ -39,7 +39,7 @@ def engine(llava):
 
 def new_request(llava, rid: str, messages: list[dict], images: list[bytes]) -> NewRequest:
     """The gateway's way: the template rendered, tokenized, each image token expanded by the processor."""
-    processor = AutoProcessor.from_pretrained(llava, backend="pil")
+    processor = model_processor(llava)
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = processor.tokenizer.encode(text, add_special_tokens=False)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
@@ -59,7 +59,7 @@ def run(engine, requests: list[NewRequest]) -> dict[str, tuple[list[int], int]]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", "idefics3", "qwen2_vl", "qwen2_5_vl"])
 def test_images_match_generate_alone_and_batched_with_text(engine, family, request):
     folder = request.getfixturevalue(family)
     served = engine if family == "llava" else build_engine(resolve_model(str(folder)), CONFIG)
@@ -85,7 +85,7 @@ def test_the_prefix_cache_shares_an_image_only_with_itself(engine, llava):
     assert other[1] < 16 and other[0] == reference(llava, ONE, [image_bytes(8)], NEW) != first[0]
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "gemma3", "mllama"])
+@pytest.mark.parametrize("kind", ["qwen3_vl", "gemma3", "mllama"])
 def test_unserved_families_are_refused_by_name(kind):
     class Config:
         model_type = kind

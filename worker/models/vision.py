@@ -23,15 +23,13 @@ from common.images import ImageInput
 from worker.models.support import UnsupportedModel
 from worker.request import Request
 
-# Checked token for token against ``generate`` in float32 (tests/vision/test_vision.py).
-SERVED = {"llava", "idefics3"}
+# Checked token for token against ``generate`` in float32 (tests/vision/test_vision_engine.py).
+SERVED = {"llava", "idefics3", "qwen2_vl", "qwen2_5_vl"}
 
-_MROPE = "its decoder places image tokens with multimodal rotary positions (M-RoPE), which the worker does not compute"
+_DEEPSTACK = "its vision tower's intermediate features are added inside the first decoder layers (DeepStack), which the worker does not do"
 REFUSED: dict[str, str] = {
-    "qwen2_vl": _MROPE,
-    "qwen2_5_vl": _MROPE,
-    "qwen3_vl": _MROPE,
-    "qwen3_vl_moe": _MROPE,
+    "qwen3_vl": _DEEPSTACK,
+    "qwen3_vl_moe": _DEEPSTACK,
     "gemma3": "its image tokens attend to each other in both directions, which the paged causal attention does not do",
     "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
     "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
@@ -66,6 +64,8 @@ class ImageEncoder:
         if self.image_token_id is None:
             self.image_token_id = config.image_token_index
         wanted = inspect.signature(model.model.get_image_features).parameters
+        # M-RoPE (Qwen2-VL, Qwen2.5-VL): image tokens take 3-D rotary positions, from the model's own rule
+        self.mrope = hasattr(model.model, "get_rope_index")
         self.options = {
             name: getattr(config, name)
             for name in ("vision_feature_layer", "vision_feature_select_strategy")
@@ -98,6 +98,34 @@ class ImageEncoder:
         for name, values in image.extra.items():
             tensors[name] = torch.from_numpy(_array(values, image.extra_shapes[name], np.int64)).to(device)
         return tensors
+
+    def positions(self, flat: torch.Tensor, rows: list[tuple[Request, int, int, int]]) -> torch.Tensor:
+        """``[3, 1, tokens]``: the flat batch's positions on M-RoPE's three axes. A prompt position of
+        a request with images takes its 3-D position from ``get_rope_index`` (computed once, at its
+        first chunk); a later one continues from the prompt's largest, as ``generate``'s rope delta
+        does. Every other row's position is the same on the three axes."""
+        out = flat.expand(3, -1, -1).clone()
+        for request, first, start, count in rows:
+            if request.rope_positions is None:
+                request.rope_positions = self._rope_index(request).to(flat.device)
+            table = request.rope_positions
+            prompt = table.shape[1]
+            cached = min(start + count, prompt) - start
+            if cached > 0:
+                out[:, 0, first : first + cached] = table[:, start : start + cached]
+            if start + count > prompt:  # generated tokens: one past the prompt's largest position, then on
+                shift = int(table.max()) + 1 - prompt
+                low = max(cached, 0)
+                out[:, 0, first + low : first + count] += shift
+        return out
+
+    def _rope_index(self, request: Request) -> torch.Tensor:
+        """The prompt's ``[3, prompt tokens]`` positions, by the model's own ``get_rope_index``."""
+        ids = torch.tensor([request.token_ids[: request.num_prompt_tokens]])
+        grids = torch.tensor([i.extra["image_grid_thw"] for i in request.images]).reshape(-1, 3)
+        types = (ids == self.image_token_id).int()
+        positions, _ = self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grids)
+        return positions[:, 0]
 
     def embeds(self, input_ids: torch.Tensor, rows: list[tuple[Request, int, int, int]]) -> torch.Tensor:
         """The flat batch's input embeddings, with image features at the image-token positions of
