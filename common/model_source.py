@@ -188,7 +188,8 @@ def unpack_bundle(packed: bytes, max_size: int = 256 << 20) -> tuple[Any, Any]:
 
 def image_half(folder: str, tokenizer: Any) -> Any:
     """The model's own processor class without its video processor, which needs torchvision here
-    (Qwen2-VL's, Qwen2.5-VL's): the image processor on PIL and the class's own placeholder rule."""
+    (Qwen2-VL's, Qwen2.5-VL's, SmolVLM's): the image processor on PIL and the class's own
+    placeholder rule. The gateway renders templates itself, so the processor's is not needed."""
     import json
 
     import transformers
@@ -201,4 +202,6 @@ def image_half(folder: str, tokenizer: Any) -> Any:
         base.__name__, (base,), {"get_attributes": classmethod(lambda cls: ["image_processor", "tokenizer"])}
     )
     images = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
-    return images_only(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    skip = ("processor_class", "image_processor", "video_processor", "chat_template", "auto_map")
+    options = {k: v for k, v in config.items() if k not in skip}  # SmolVLM's image_seq_len...
+    return images_only(image_processor=images, tokenizer=tokenizer, video_processor=None, **options)

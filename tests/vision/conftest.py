@@ -27,6 +27,13 @@ def idefics3(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smolvlm(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("smolvlm")
+    build_idefics3(tokenizer, folder, kind="SmolVLM")
+    return folder
+
+
+@pytest.fixture(scope="session")
 def qwen2_vl(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("qwen2_vl")
     build_qwen_vl(tokenizer, folder, kind="qwen2_vl")

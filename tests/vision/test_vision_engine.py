@@ -12,7 +12,7 @@ from PIL import Image
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
 from gateway.generate.vision import Vision
-from tests.vision.models import image_bytes, reference
+from tests.vision.models import image_bytes, reference, render
 from tests.vision.models import processor as model_processor
 from worker.build import build_engine
 from worker.config import WorkerConfig
@@ -40,7 +40,7 @@ def engine(llava):
 def new_request(llava, rid: str, messages: list[dict], images: list[bytes]) -> NewRequest:
     """The gateway's way: the template rendered, tokenized, each image token expanded by the processor."""
     processor = model_processor(llava)
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = render(processor, messages)
     ids = processor.tokenizer.encode(text, add_special_tokens=False)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     ids, inputs = Vision(processor).expand(ids, pil)
@@ -59,7 +59,7 @@ def run(engine, requests: list[NewRequest]) -> dict[str, tuple[list[int], int]]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"])
 def test_images_match_generate_alone_and_batched_with_text(engine, family, request):
     folder = request.getfixturevalue(family)
     served = engine if family == "llava" else build_engine(resolve_model(str(folder)), CONFIG)

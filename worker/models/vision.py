@@ -24,7 +24,7 @@ from worker.models.support import UnsupportedModel
 from worker.request import Request
 
 # Checked token for token against ``generate`` in float32 (tests/vision/test_vision_engine.py).
-SERVED = {"llava", "idefics3", "qwen2_vl", "qwen2_5_vl"}
+SERVED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"}
 
 _DEEPSTACK = "its vision tower's intermediate features are added inside the first decoder layers (DeepStack), which the worker does not do"
 REFUSED: dict[str, str] = {
