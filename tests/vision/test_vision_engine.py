@@ -104,3 +104,28 @@ def test_the_kv_store_never_gives_one_image_another_images_blocks(llava, tmp_pat
     second = build_engine(resolve_model(str(llava)), replace(config, max_num_batched_tokens=8, max_prefill_chunk=8))
     got = run(second, [new_request(llava, "s2", ONE, [image_bytes(8)])])["s2"]
     assert got == (reference(llava, ONE, [image_bytes(8)], NEW), 0)
+
+
+def test_an_image_text_gguf_is_refused_in_one_sentence(tmp_path):
+    """llama.cpp's projector file, or a language model file with one beside it: refused by name,
+    never loaded as a text-only causal LM."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from worker.loader import load_model
+
+    def write(name: str, architecture: str) -> str:
+        writer = gguf.GGUFWriter(str(tmp_path / name), architecture)
+        writer.add_tensor("weight", np.zeros(4, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return str(tmp_path / name)
+
+    projector = write("mmproj-tiny-f16.gguf", "clip")
+    text = write("tiny-vlm-q4.gguf", "llama")
+    for path, why in ((projector, "is a vision projector"), (text, "comes with the vision projector mmproj-tiny")):
+        with pytest.raises(UnsupportedModel, match=f"^an image-text GGUF model is not supported: .*{why}.*; serve"):
+            load_model(resolve_model(path), torch.float32, str(tmp_path / "cache"))
