@@ -94,16 +94,19 @@ def test_unserved_families_are_refused_by_name(kind):
         refuse_unserved(Config(), f"X (model type {kind!r})")
 
 
-def test_the_kv_store_never_gives_one_image_another_images_blocks(llava, tmp_path):
-    """Two workers on one store: the second, asked about another image with the same tokens,
-    answers for its own image; its prefill in chunks of 8 tokens, which cut through the image."""
+def test_the_kv_store_keys_image_blocks_by_pixels(llava, tmp_path):
+    """Two workers on one store: the second, asked about another image with the same tokens, reads
+    nothing and answers for its own image (its prefill in chunks of 8 tokens, which cut through the
+    image); asked about the first worker's image, it reads the image's blocks and gives its answer."""
     config = WorkerConfig(dtype="float32", kv_cache_memory="16MiB", kv_store=str(tmp_path))
     first = build_engine(resolve_model(str(llava)), config)
-    run(first, [new_request(llava, "s1", ONE, [image_bytes(7)])])
+    stored = run(first, [new_request(llava, "s1", ONE, [image_bytes(7)])])["s1"]
     first.kv_store.flush()
     second = build_engine(resolve_model(str(llava)), replace(config, max_num_batched_tokens=8, max_prefill_chunk=8))
     got = run(second, [new_request(llava, "s2", ONE, [image_bytes(8)])])["s2"]
     assert got == (reference(llava, ONE, [image_bytes(8)], NEW), 0)
+    again = run(second, [new_request(llava, "s3", ONE, [image_bytes(7)])])["s3"]
+    assert again[0] == stored[0] and again[1] >= 16 and second.kv_store.counters.hits > 0
 
 
 def test_an_image_text_gguf_is_refused_in_one_sentence(tmp_path):
