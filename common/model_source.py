@@ -188,7 +188,7 @@ def unpack_bundle(packed: bytes, max_size: int = 256 << 20) -> tuple[Any, Any]:
 
 def image_half(folder: str, tokenizer: Any) -> Any:
     """The model's own processor class without its video processor, which needs torchvision here
-    (Qwen2-VL's, Qwen2.5-VL's, SmolVLM's): the image processor on PIL and the class's own
+    (Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's, SmolVLM's): the image processor on PIL and the class's own
     placeholder rule. The gateway renders templates itself, so the processor's is not needed."""
     import json
 

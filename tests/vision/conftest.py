@@ -41,6 +41,13 @@ def qwen2_vl(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_vl(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen3_vl")
+    build_qwen_vl(tokenizer, folder, kind="qwen3_vl")
+    return folder
+
+
+@pytest.fixture(scope="session")
 def qwen2_5_vl(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("qwen2_5_vl")
     build_qwen_vl(tokenizer, folder, kind="qwen2_5_vl")

@@ -183,7 +183,7 @@ def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl"
     processor itself wants torchvision for its video half)."""
     import transformers
 
-    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[kind]
     tokenizer = _with_image_token(tokenizer, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     ids = {
         t: tokenizer.convert_tokens_to_ids(f"<|{t}|>") for t in ("vision_start", "vision_end", "image_pad", "video_pad")
@@ -195,9 +195,13 @@ def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl"
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     vision = dict(depth=2, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64)
-    vision.update(embed_dim=32, hidden_size=64) if kind == "qwen2_vl" else vision.update(
-        hidden_size=32, intermediate_size=64, window_size=16, fullatt_block_indexes=[1]
-    )
+    if kind == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=64)
+    elif kind == "qwen2_5_vl":
+        vision.update(hidden_size=32, intermediate_size=64, window_size=16, fullatt_block_indexes=[1])
+    else:  # Qwen3-VL: DeepStack features from the tower's first layer into the decoder's first
+        vision.update(hidden_size=32, intermediate_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        text.update(head_dim=16, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
     config = getattr(transformers, f"{prefix}Config")(
         text_config=text, vision_config=vision, image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
         vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],

@@ -59,7 +59,7 @@ def run(engine, requests: list[NewRequest]) -> dict[str, tuple[list[int], int]]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_images_match_generate_alone_and_batched_with_text(engine, family, request):
     folder = request.getfixturevalue(family)
     served = engine if family == "llava" else build_engine(resolve_model(str(folder)), CONFIG)
@@ -85,7 +85,7 @@ def test_the_prefix_cache_shares_an_image_only_with_itself(engine, llava):
     assert other[1] < 16 and other[0] == reference(llava, ONE, [image_bytes(8)], NEW) != first[0]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_vl", "gemma3", "mllama"])
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "gemma3", "mllama", "llava_onevision", "mistral3"])
 def test_unserved_families_are_refused_by_name(kind):
     class Config:
         model_type = kind

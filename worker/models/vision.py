@@ -8,8 +8,9 @@ positions that hold the model's image token, as transformers' own forward puts t
 (``masked_scatter`` in prompt order). The decoder then runs on ``inputs_embeds`` through the paged
 attention, and decode steps are text as for any model.
 
-Only families whose decoder sees an image as plain causal tokens at ordinary positions are served;
-the others are refused at start by name (``REFUSED``), with the reason.
+Only families whose decoder sees an image as plain causal tokens are served: at ordinary positions,
+or (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) at M-RoPE's 3-D positions, which ``positions`` takes from the
+model's own ``get_rope_index``; Qwen3-VL's DeepStack features go in through ``_DeepStack``. The others are refused at start by name (``REFUSED``), with the reason.
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ from worker.models.support import UnsupportedModel
 from worker.request import Request
 
 # Checked token for token against ``generate`` in float32 (tests/vision/test_vision_engine.py).
-SERVED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"}
+SERVED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 
-_DEEPSTACK = "its vision tower's intermediate features are added inside the first decoder layers (DeepStack), which the worker does not do"
 REFUSED: dict[str, str] = {
-    "qwen3_vl": _DEEPSTACK,
-    "qwen3_vl_moe": _DEEPSTACK,
+    "qwen3_vl_moe": "its image path (a mixture-of-experts decoder with DeepStack) has not been checked exact against generate here",
     "gemma3": "its image tokens attend to each other in both directions, which the paged causal attention does not do",
     "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
     "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
     "llama4": "its image path has not been checked exact against generate here",
+    "llava_onevision": "its processor tiles an image (anyres) only when the prompt holds one, and the gateway expands each image alone",
+    "mistral3": "its processor (PixtralProcessor) needs torchvision, which does not import beside the CPU torch here",
 }
 
 
@@ -64,8 +65,9 @@ class ImageEncoder:
         if self.image_token_id is None:
             self.image_token_id = config.image_token_index
         wanted = inspect.signature(model.model.get_image_features).parameters
-        # M-RoPE (Qwen2-VL, Qwen2.5-VL): image tokens take 3-D rotary positions, from the model's own rule
+        # M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): image tokens take 3-D rotary positions, by the model's own rule
         self.mrope = hasattr(model.model, "get_rope_index")
+        self.deepstack = _DeepStack(model.model.language_model) if _deepstack(config) else None
         self.options = {
             name: getattr(config, name)
             for name in ("vision_feature_layer", "vision_feature_select_strategy")
@@ -85,10 +87,9 @@ class ImageEncoder:
         parts = []
         for tensors in inputs:  # else each image alone, with its own sizes and masks
             out = self.model.model.get_image_features(**tensors, **self.options)
-            features = getattr(out, "pooler_output", out)
-            if isinstance(features, (list, tuple)):
-                features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
-            parts.append(features.reshape(-1, features.shape[-1]))
+            # Qwen3-VL's DeepStack: per decoder layer, features added there; kept beside the main ones
+            layers = [getattr(out, "pooler_output", out), *(getattr(out, "deepstack_features", None) or [])]
+            parts.append(torch.cat([_rows(features) for features in layers], dim=-1))
         return torch.cat(parts).to(dtype)
 
     @staticmethod
@@ -131,6 +132,9 @@ class ImageEncoder:
         """The flat batch's input embeddings, with image features at the image-token positions of
         each ``(request, first flat row, first prompt position, count)`` chunk."""
         embeds = self.model.get_input_embeddings()(input_ids)
+        hidden = embeds.shape[-1]
+        where: list[int] = []  # flat rows that take image features, in order
+        taken: list[torch.Tensor] = []
         for request, first, start, count in rows:
             if request.image_features is None:
                 request.image_features = self.encode(request.images)
@@ -140,10 +144,45 @@ class ImageEncoder:
             features = request.image_features
             for k, p in enumerate(positions):
                 if start <= p < start + count:
-                    embeds[0, first + p - start] = features[k]
+                    embeds[0, first + p - start] = features[k, :hidden]
+                    where.append(first + p - start)
+                    taken.append(features[k, hidden:])
             if start + count >= request.num_prompt_tokens:
                 request.image_features = None  # the prompt is in the cache: its features are not needed again
+        if self.deepstack is not None and where:
+            mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+            mask[0, where] = True
+            stacked = torch.stack(taken)
+            self.deepstack.pending = (mask, list(stacked.split(hidden, dim=-1)))
         return embeds
+
+
+class _DeepStack:
+    """Qwen3-VL adds the tower's intermediate features to the hidden states of its first decoder
+    layers at the image tokens' rows (``visual_pos_masks``, ``deepstack_visual_embeds``). Its forward
+    makes them only from pixel values; the worker runs on embeddings, so a pre-hook on the
+    language model hands over the step's (``pending``: the rows, and the features per layer)."""
+
+    def __init__(self, language_model: torch.nn.Module) -> None:
+        self.pending: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        language_model.register_forward_pre_hook(self._hand_over, with_kwargs=True)
+
+    def _hand_over(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.pending is not None and kwargs.get("visual_pos_masks") is None:
+            kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"] = self.pending
+        self.pending = None
+        return args, kwargs
+
+
+def _deepstack(config: object) -> bool:
+    return bool(getattr(config.vision_config, "deepstack_visual_indexes", None))
+
+
+def _rows(features: torch.Tensor | list | tuple) -> torch.Tensor:
+    """``[tokens, hidden]`` from a tower output: a tensor, or one per image."""
+    if isinstance(features, (list, tuple)):
+        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+    return features.reshape(-1, features.shape[-1])
 
 
 def overlaps_images(request: Request, start: int, count: int) -> bool:
