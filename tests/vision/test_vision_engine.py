@@ -3,13 +3,15 @@ float32: one image, two images and none, batched together; and the prefix cache 
 
 from __future__ import annotations
 
+import functools
 import io
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from common.model_source import resolve_model
+from common.model_source import bundle_tokenizer, resolve_model, unpack_bundle
 from common.protocol import NewRequest, SamplingParams
 from gateway.generate.vision import Vision
 from tests.vision.models import image_bytes, reference, render
@@ -38,10 +40,20 @@ def engine(llava):
     return build_engine(resolve_model(str(llava)), CONFIG)
 
 
-def new_request(llava, rid: str, messages: list[dict], images: list[bytes]) -> NewRequest:
+@functools.cache
+def gateway_processor(folder: Path) -> object:
+    """The processor as a gateway gets it: out of the worker's tokenizer bundle."""
+    tokenizer = model_processor(folder).tokenizer
+    bundle = bundle_tokenizer(tokenizer, tokenizer.chat_template or "", resolve_model(str(folder)))
+    processor = unpack_bundle(bundle.packed)[1]
+    assert processor is not None
+    return processor
+
+
+def new_request(folder: Path, rid: str, messages: list[dict], images: list[bytes]) -> NewRequest:
     """The gateway's way: the template rendered, tokenized, each image token expanded by the processor."""
-    processor = model_processor(llava)
-    text = render(processor, messages)
+    processor = gateway_processor(folder)
+    text = render(model_processor(folder), messages)
     ids = processor.tokenizer.encode(text, add_special_tokens=False)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     ids, inputs = Vision(processor).expand(ids, pil)
