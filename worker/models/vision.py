@@ -133,6 +133,8 @@ class ImageEncoder:
         each ``(request, first flat row, first prompt position, count)`` chunk."""
         embeds = self.model.get_input_embeddings()(input_ids)
         hidden = embeds.shape[-1]
+        if self.deepstack is not None:
+            self.deepstack.pending = None  # never a failed step's
         where: list[int] = []  # flat rows that take image features, in order
         taken: list[torch.Tensor] = []
         for request, first, start, count in rows:
