@@ -84,8 +84,13 @@ def test_images_match_generate_alone_and_batched_with_text(engine, family, reque
     want = {name: reference(folder, m, imgs, NEW) for name, (m, imgs) in cases.items()}
     batched = run(served, [new_request(folder, name, m, imgs) for name, (m, imgs) in cases.items()])
     assert {name: got[0] for name, got in batched.items()} == want
-    alone = run(served, [new_request(folder, "alone", *cases["two"])])
+    alone = run(served, [new_request(folder, "alone", *cases["two"])])  # its blocks from the prefix cache
     assert alone["alone"][0] == want["two"]
+    if family == "qwen2_vl":  # M-RoPE positions (the same code for every Qwen) with prefill chunks cutting images
+        chunked = build_engine(
+            resolve_model(str(folder)), replace(QUICK, max_num_batched_tokens=8, max_prefill_chunk=8)
+        )
+        assert run(chunked, [new_request(folder, "chunked", *cases["two"])])["chunked"][0] == want["two"]
 
 
 def test_the_prefix_cache_shares_an_image_only_with_itself(engine, llava):
