@@ -10,7 +10,7 @@ class ImageInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     bytes): its pixel values, where its tokens sit in the prompt, and a digest of its pixels that
     keys the prefix-cache blocks holding them (equal digests: the same image)."""
 
-    digest: str  # sha256 of the pixel values, hex: mixed into the hashes of the blocks its tokens are in
+    digest: str  # sha256 of the pixel values and their shapes, hex: mixed into the keys of the blocks its tokens are in
     offset: int  # first prompt position of its tokens (placeholders and any markers the processor put around them)
     length: int  # how many prompt positions, from ``offset``, its expansion covers
     pixels: bytes  # float32, little-endian, C order

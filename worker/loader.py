@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from common.model_source import ModelSource, save_to_cache
+from worker.models.support import UnsupportedModel
 from worker.models.vision import is_image_text
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, cache_root: str) -> PreT
         log.info("loading converted weights from %s", cached)
         return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
     fields = _gguf_fields(source)
+    _refuse_image_gguf(source, fields)
     if source.gguf_file is None and is_image_text(AutoConfig.from_pretrained(source.path)):
         return AutoModelForImageTextToText.from_pretrained(source.path, dtype=dtype)  # worker/models/vision.py
     model = AutoModelForCausalLM.from_pretrained(
@@ -56,6 +58,25 @@ def _gguf_fields(source: ModelSource) -> dict | None:
     from gguf import GGUFReader
 
     return GGUFReader(Path(source.path) / source.gguf_file).fields
+
+
+def _refuse_image_gguf(source: ModelSource, fields: dict | None) -> None:
+    """llama.cpp's image-text files (a language model plus a vision projector, ``mmproj``, of
+    architecture ``clip``) are refused: transformers reads no projector file, and the language model
+    alone would take no images."""
+    if fields is None:
+        return
+    name = source.gguf_file
+    if fields["general.architecture"].contents() == "clip":
+        why = f"{name} is a vision projector (llama.cpp's mmproj file, architecture clip), not a language model"
+    else:
+        beside = sorted(p.name for p in Path(source.path).glob("*.gguf") if "mmproj" in p.name.lower())
+        if not beside:
+            return
+        why = f"{name} comes with the vision projector {beside[0]} (llama.cpp's mmproj), which transformers cannot read"
+    raise UnsupportedModel(
+        f"an image-text GGUF model is not supported: {why}; serve the model's transformers checkpoint (safetensors) instead."
+    )
 
 
 def _refuse_lost_experts(fields: dict | None, model: PreTrainedModel) -> None:

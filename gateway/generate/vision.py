@@ -59,8 +59,10 @@ def _image_input(got: Any, offset: int, length: int) -> ImageInput:
     pixels = np.ascontiguousarray(got["pixel_values"], dtype="<f4")
     data = pixels.tobytes()
     extra = {k: np.asarray(v) for k, v in got.items() if k not in _NOT_PIXELS}
+    digest = hashlib.sha256(data)  # and the shapes and sizes: the same bytes cut another way are another image
+    digest.update(repr((pixels.shape, sorted((k, v.shape, v.tolist()) for k, v in extra.items()))).encode())
     return ImageInput(
-        digest=hashlib.sha256(data).hexdigest(),
+        digest=digest.hexdigest(),
         offset=offset,
         length=length,
         pixels=data,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vision.models import build_idefics3, build_llava, image_bytes
+from tests.vision.models import build_idefics3, build_llava, build_qwen_vl, image_bytes
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +23,34 @@ def llava(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def idefics3(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("idefics3")
     build_idefics3(tokenizer, folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smolvlm(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("smolvlm")
+    build_idefics3(tokenizer, folder, kind="SmolVLM")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen2_vl")
+    build_qwen_vl(tokenizer, folder, kind="qwen2_vl")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen3_vl")
+    build_qwen_vl(tokenizer, folder, kind="qwen3_vl")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen2_5_vl")
+    build_qwen_vl(tokenizer, folder, kind="qwen2_5_vl")
     return folder
 
 

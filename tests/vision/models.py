@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 from pathlib import Path
 
 import torch
@@ -64,15 +65,12 @@ def build_llava(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def build_idefics3(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
-    """Idefics3: a tiny Llama decoder and SigLIP tower, pixel-shuffled 4 tokens an image between its
-    ``<fake_token_around_image>`` and ``<global-img>`` markers, with ``Idefics3Processor`` (no image splitting)."""
-    from transformers import (
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3ImageProcessorPil,
-        Idefics3Processor,
-    )
+def build_idefics3(tokenizer, folder: Path, seed: int = 0, kind: str = "Idefics3") -> torch.nn.Module:
+    """Idefics3 or SmolVLM (``kind``): a tiny Llama decoder and SigLIP tower, pixel-shuffled 4 tokens
+    an image between its ``<fake_token_around_image>`` and ``<global-img>`` markers, with its
+    processor (no image splitting; SmolVLM's config written as the hub has it, its processor wanting
+    torchvision for its video half)."""
+    import transformers
 
     tokenizer = _with_image_token(tokenizer, ["<image>", "<fake_token_around_image>", "<global-img>"])
     text = dict(
@@ -83,24 +81,37 @@ def build_idefics3(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8
     )  # fmt: skip
-    config = Idefics3Config(
+    config = getattr(transformers, f"{kind}Config")(
         text_config=text,
         vision_config=vision,
         scale_factor=2,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
     )
-    config.architectures = ["Idefics3ForConditionalGeneration"]
+    config.architectures = [f"{kind}ForConditionalGeneration"]
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).eval()
     model.generation_config.eos_token_id = None
     edge = {"longest_edge": IMAGE_SIZE}
-    images = Idefics3ImageProcessorPil(do_image_splitting=False, size=edge, max_image_size=edge)
-    processor = Idefics3Processor(
-        image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=LLAVA_TEMPLATE
-    )
+    images = getattr(transformers, f"{kind}ImageProcessorPil")(do_image_splitting=False, size=edge, max_image_size=edge)
     model.save_pretrained(folder)
-    processor.save_pretrained(folder)
+    if kind == "Idefics3":
+        processor = transformers.Idefics3Processor(
+            image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=LLAVA_TEMPLATE
+        )
+        processor.save_pretrained(folder)
+    else:
+        _save_image_half(folder, tokenizer, images, f"{kind}Processor", LLAVA_TEMPLATE, image_seq_len=4)
     return model
+
+
+def _save_image_half(folder: Path, tokenizer, images, processor_class: str, template: str, **options) -> None:
+    """A processor's files as the hub has them, where its class does not construct here (its video
+    processor needs torchvision): the tokenizer, the image processor and ``processor_config.json``."""
+    tokenizer.save_pretrained(folder)
+    images.save_pretrained(folder)
+    config = {"processor_class": processor_class, "image_processor": images.to_dict(), **options}
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").write_text(template)
 
 
 def _with_image_token(tokenizer, tokens: str | list[str]):
@@ -125,9 +136,29 @@ def image_bytes(seed: int, size: tuple[int, int] = (40, 48), fmt: str = "PNG") -
 
 
 @functools.cache
+def processor(folder: Path) -> object:
+    """The model's processor as the gateway builds it (Qwen-VL's without its video half)."""
+    from transformers import AutoTokenizer
+
+    from common.model_source import image_half
+
+    try:
+        return AutoProcessor.from_pretrained(folder, backend="pil")
+    except ImportError:
+        return image_half(str(folder), AutoTokenizer.from_pretrained(folder))
+
+
+def render(processor, messages: list[dict]) -> str:
+    """The conversation through the model's chat template (the processor's, else the tokenizer's)."""
+    template = getattr(processor, "chat_template", None)
+    return processor.tokenizer.apply_chat_template(
+        messages, chat_template=template, add_generation_prompt=True, tokenize=False
+    )
+
+
+@functools.cache
 def _loaded(folder: Path) -> tuple[object, torch.nn.Module]:
-    processor = AutoProcessor.from_pretrained(folder, backend="pil")
-    return processor, AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    return processor(folder), AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @torch.inference_mode()
@@ -136,8 +167,52 @@ def reference(folder: Path, messages: list[dict], images: list[bytes], max_new_t
     from PIL import Image
 
     processor, model = _loaded(folder)
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = render(processor, messages)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     inputs = processor(text=text, images=pil or None, add_special_tokens=False, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+QWEN_TEMPLATE = LLAVA_TEMPLATE.replace("<image>\n", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl") -> torch.nn.Module:
+    """Qwen2-VL or Qwen2.5-VL (``kind``): a tiny M-RoPE decoder and its vision tower (8-pixel patches,
+    2x2 merged), with the PIL image processor and the processor's config as the hub has it (the
+    processor itself wants torchvision for its video half)."""
+    import transformers
+
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[kind]
+    tokenizer = _with_image_token(tokenizer, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    ids = {
+        t: tokenizer.convert_tokens_to_ids(f"<|{t}|>") for t in ("vision_start", "vision_end", "image_pad", "video_pad")
+    }
+    text = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(tokenizer), max_position_embeddings=512, rope_parameters={"rope_type": "default",
+        "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    vision = dict(depth=2, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64)
+    if kind == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=64)
+    elif kind == "qwen2_5_vl":
+        vision.update(hidden_size=32, intermediate_size=64, window_size=16, fullatt_block_indexes=[1])
+    else:  # Qwen3-VL: DeepStack features from the tower's first layer into the decoder's first
+        vision.update(hidden_size=32, intermediate_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        text.update(head_dim=16, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=text, vision_config=vision, image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
+        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+    )  # fmt: skip
+    config.architectures = [f"{prefix}ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
+    model.generation_config.eos_token_id = None
+    images = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=16 * 16, max_pixels=48 * 48, patch_size=8, merge_size=2, temporal_patch_size=2
+    )
+    model.save_pretrained(folder)
+    _save_image_half(folder, tokenizer, images, f"{prefix}Processor", QWEN_TEMPLATE)
+    return model

@@ -3,17 +3,19 @@ float32: one image, two images and none, batched together; and the prefix cache 
 
 from __future__ import annotations
 
+import functools
 import io
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from PIL import Image
-from transformers import AutoProcessor
 
-from common.model_source import resolve_model
+from common.model_source import bundle_tokenizer, resolve_model, unpack_bundle
 from common.protocol import NewRequest, SamplingParams
 from gateway.generate.vision import Vision
-from tests.vision.models import image_bytes, reference
+from tests.vision.models import image_bytes, reference, render
+from tests.vision.models import processor as model_processor
 from worker.build import build_engine
 from worker.config import WorkerConfig
 from worker.models.support import UnsupportedModel
@@ -30,6 +32,7 @@ NONE = [{"role": "user", "content": "Hello there"}]
 
 
 CONFIG = WorkerConfig(dtype="float32", kv_cache_memory="16MiB")
+QUICK = replace(CONFIG, skip_self_check=True)
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +40,20 @@ def engine(llava):
     return build_engine(resolve_model(str(llava)), CONFIG)
 
 
-def new_request(llava, rid: str, messages: list[dict], images: list[bytes]) -> NewRequest:
+@functools.cache
+def gateway_processor(folder: Path) -> object:
+    """The processor as a gateway gets it: out of the worker's tokenizer bundle."""
+    tokenizer = model_processor(folder).tokenizer
+    bundle = bundle_tokenizer(tokenizer, tokenizer.chat_template or "", resolve_model(str(folder)))
+    processor = unpack_bundle(bundle.packed)[1]
+    assert processor is not None
+    return processor
+
+
+def new_request(folder: Path, rid: str, messages: list[dict], images: list[bytes]) -> NewRequest:
     """The gateway's way: the template rendered, tokenized, each image token expanded by the processor."""
-    processor = AutoProcessor.from_pretrained(llava, backend="pil")
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    processor = gateway_processor(folder)
+    text = render(model_processor(folder), messages)
     ids = processor.tokenizer.encode(text, add_special_tokens=False)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     ids, inputs = Vision(processor).expand(ids, pil)
@@ -59,20 +72,25 @@ def run(engine, requests: list[NewRequest]) -> dict[str, tuple[list[int], int]]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_images_match_generate_alone_and_batched_with_text(engine, family, request):
+    """Two images of different sizes in two messages (text between and after them: M-RoPE's
+    positions past each image) beside a text-only request, then alone. One image against
+    generate: the prefix-cache test."""
     folder = request.getfixturevalue(family)
-    served = engine if family == "llava" else build_engine(resolve_model(str(folder)), CONFIG)
-    cases = {
-        "one": (ONE, [image_bytes(1)]),
-        "two": (TWO, [image_bytes(1), image_bytes(2, (64, 30))]),
-        "none": (NONE, []),
-    }
+    # the others without the start's self-check (text positions against the eager forward; LLaVA's runs it)
+    served = engine if family == "llava" else build_engine(resolve_model(str(folder)), QUICK)
+    cases = {"two": (TWO, [image_bytes(1), image_bytes(2, (64, 30))]), "none": (NONE, [])}
     want = {name: reference(folder, m, imgs, NEW) for name, (m, imgs) in cases.items()}
     batched = run(served, [new_request(folder, name, m, imgs) for name, (m, imgs) in cases.items()])
     assert {name: got[0] for name, got in batched.items()} == want
-    alone = run(served, [new_request(folder, "alone", *cases["two"])])
+    alone = run(served, [new_request(folder, "alone", *cases["two"])])  # its blocks from the prefix cache
     assert alone["alone"][0] == want["two"]
+    if family == "qwen2_vl":  # M-RoPE positions (the same code for every Qwen) with prefill chunks cutting images
+        chunked = build_engine(
+            resolve_model(str(folder)), replace(QUICK, max_num_batched_tokens=8, max_prefill_chunk=8)
+        )
+        assert run(chunked, [new_request(folder, "chunked", *cases["two"])])["chunked"][0] == want["two"]
 
 
 def test_the_prefix_cache_shares_an_image_only_with_itself(engine, llava):
@@ -85,7 +103,7 @@ def test_the_prefix_cache_shares_an_image_only_with_itself(engine, llava):
     assert other[1] < 16 and other[0] == reference(llava, ONE, [image_bytes(8)], NEW) != first[0]
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "gemma3", "mllama"])
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "gemma3", "mllama", "llava_onevision", "mistral3"])
 def test_unserved_families_are_refused_by_name(kind):
     class Config:
         model_type = kind
@@ -94,13 +112,41 @@ def test_unserved_families_are_refused_by_name(kind):
         refuse_unserved(Config(), f"X (model type {kind!r})")
 
 
-def test_the_kv_store_never_gives_one_image_another_images_blocks(llava, tmp_path):
-    """Two workers on one store: the second, asked about another image with the same tokens,
-    answers for its own image; its prefill in chunks of 8 tokens, which cut through the image."""
-    config = WorkerConfig(dtype="float32", kv_cache_memory="16MiB", kv_store=str(tmp_path))
+def test_the_kv_store_keys_image_blocks_by_pixels(llava, tmp_path):
+    """Two workers on one store: the second, asked about another image with the same tokens, reads
+    nothing and answers for its own image (its prefill in chunks of 8 tokens, which cut through the
+    image); asked about the first worker's image, it reads the image's blocks and gives its answer."""
+    config = replace(QUICK, kv_store=str(tmp_path))
     first = build_engine(resolve_model(str(llava)), config)
-    run(first, [new_request(llava, "s1", ONE, [image_bytes(7)])])
+    stored = run(first, [new_request(llava, "s1", ONE, [image_bytes(7)])])["s1"]
     first.kv_store.flush()
     second = build_engine(resolve_model(str(llava)), replace(config, max_num_batched_tokens=8, max_prefill_chunk=8))
     got = run(second, [new_request(llava, "s2", ONE, [image_bytes(8)])])["s2"]
     assert got == (reference(llava, ONE, [image_bytes(8)], NEW), 0)
+    again = run(second, [new_request(llava, "s3", ONE, [image_bytes(7)])])["s3"]
+    assert again[0] == stored[0] and again[1] >= 16 and second.kv_store.counters.hits > 0
+
+
+def test_an_image_text_gguf_is_refused_in_one_sentence(tmp_path):
+    """llama.cpp's projector file, or a language model file with one beside it: refused by name,
+    never loaded as a text-only causal LM."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from worker.loader import load_model
+
+    def write(name: str, architecture: str) -> str:
+        writer = gguf.GGUFWriter(str(tmp_path / name), architecture)
+        writer.add_tensor("weight", np.zeros(4, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return str(tmp_path / name)
+
+    projector = write("mmproj-tiny-f16.gguf", "clip")
+    text = write("tiny-vlm-q4.gguf", "llama")
+    for path, why in ((projector, "is a vision projector"), (text, "comes with the vision projector mmproj-tiny")):
+        with pytest.raises(UnsupportedModel, match=f"^an image-text GGUF model is not supported: .*{why}.*; serve"):
+            load_model(resolve_model(path), torch.float32, str(tmp_path / "cache"))

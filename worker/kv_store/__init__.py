@@ -4,7 +4,7 @@ The prefix cache (worker/block_manager.py) keeps blocks only in one worker's mem
 ``--kv-store`` every full prompt block a worker computes is also written, behind the steps, to a
 store that other workers (and this one after a restart) read instead of computing the prompt again.
 
-    record.py       keys (chained over full blocks, seeded by the fingerprint) and the checked record
+    record.py       keys (chained over full blocks and their images' pixel digests, seeded by the fingerprint), the checked record
     fingerprint.py  what makes blocks valid for a worker: weights, config, dtype, layout, quantization
     tier.py         the interface of a place that keeps records (Tier)
     disk.py         a folder, shared by the processes that mount it (atomic renames, LRU by a size bound)

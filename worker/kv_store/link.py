@@ -69,6 +69,7 @@ class Lookup:
     waited_s: float = 0.0  # the scheduler's wait for it
     salt: bytes = b""  # its prefix-cache salt (an API key's, an adapter's): its keys are its tenant's alone
     retain_s: float = 0.0  # its blocks' retention (a ttl): written, or renewed, with their end time
+    marks: list[bytes] = field(default_factory=list)  # per block, the pixel digests of the images it holds tokens of
 
 
 @dataclass(slots=True)
@@ -111,11 +112,13 @@ class KVStore:
         cache holds now; a prompt whose logprobs are wanted reuses nothing but is still written."""
         size = self.block_size
         full = request.num_prompt_tokens // size
-        if not full or request.images:  # image blocks: keyed by tokens here, which the images' pixels do not change
-            return  # not one full block (or an image-text prompt): nothing to read or write
+        if not full:
+            return  # not one full block: nothing to read or write
         end = 0 if request.sampling.prompt_logprobs is not None else (request.num_prompt_tokens - 1) // size
         job = Lookup(tuple(request.token_ids[: full * size]), min(cached_blocks, end), end)
         job.salt = (request.cache_salt or "").encode()
+        if request.images:  # a block holding an image's tokens is keyed by its pixels too, as in the prefix cache
+            job.marks = [b"".join(d.encode() for d in request.block_key(i, size)[size:]) for i in range(full)]
         job.retain_s = request.retain_s
         if job.retain_s:  # keyed now: its blocks' retention is renewed even if the prefix cache serves them
             job.blocks = self._keys(job)
@@ -200,7 +203,7 @@ class KVStore:
     def _keys(self, job: Lookup) -> list[Block]:
         size = self.block_size
         chunks = [record.token_bytes(job.tokens[i * size : (i + 1) * size]) for i in range(len(job.tokens) // size)]
-        keys = record.chain_keys(self.fingerprint + job.salt, job.tokens, size, len(chunks))
+        keys = record.chain_keys(self.fingerprint + job.salt, job.tokens, size, len(chunks), job.marks)
         return [Block(k, c) for k, c in zip(keys, chunks)]
 
     def _read(self, job: Lookup) -> None:

@@ -28,12 +28,17 @@ HEADER_BYTES = _HEADER.size
 Buffer = bytes | bytearray | memoryview
 
 
-def chain_keys(fingerprint: bytes, token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
-    """The keys of the first ``num_blocks`` full blocks of ``token_ids``."""
+def chain_keys(
+    fingerprint: bytes, token_ids: Sequence[int], block_size: int, num_blocks: int, marks: Sequence[bytes] = ()
+) -> list[bytes]:
+    """The keys of the first ``num_blocks`` full blocks of ``token_ids``; ``marks[i]`` (where given)
+    goes into block i's key beside its tokens: the pixel digests of the images it holds tokens of."""
     keys: list[bytes] = []
     parent = fingerprint
     for index in range(num_blocks):
         chunk = token_bytes(token_ids[index * block_size : (index + 1) * block_size])
+        if index < len(marks):
+            chunk += marks[index]
         parent = hashlib.blake2b(parent + chunk, digest_size=KEY_BYTES).digest()
         keys.append(parent)
     return keys

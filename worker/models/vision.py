@@ -8,8 +8,9 @@ positions that hold the model's image token, as transformers' own forward puts t
 (``masked_scatter`` in prompt order). The decoder then runs on ``inputs_embeds`` through the paged
 attention, and decode steps are text as for any model.
 
-Only families whose decoder sees an image as plain causal tokens at ordinary positions are served;
-the others are refused at start by name (``REFUSED``), with the reason.
+Only families whose decoder sees an image as plain causal tokens are served: at ordinary positions,
+or (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) at M-RoPE's 3-D positions, which ``positions`` takes from the
+model's own ``get_rope_index``; Qwen3-VL's DeepStack features go in through ``_DeepStack``. The others are refused at start by name (``REFUSED``), with the reason.
 """
 
 from __future__ import annotations
@@ -23,19 +24,17 @@ from common.images import ImageInput
 from worker.models.support import UnsupportedModel
 from worker.request import Request
 
-# Checked token for token against ``generate`` in float32 (tests/vision/test_vision.py).
-SERVED = {"llava", "idefics3"}
+# Checked token for token against ``generate`` in float32 (tests/vision/test_vision_engine.py).
+SERVED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 
-_MROPE = "its decoder places image tokens with multimodal rotary positions (M-RoPE), which the worker does not compute"
 REFUSED: dict[str, str] = {
-    "qwen2_vl": _MROPE,
-    "qwen2_5_vl": _MROPE,
-    "qwen3_vl": _MROPE,
-    "qwen3_vl_moe": _MROPE,
+    "qwen3_vl_moe": "its image path (a mixture-of-experts decoder with DeepStack) has not been checked exact against generate here",
     "gemma3": "its image tokens attend to each other in both directions, which the paged causal attention does not do",
     "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
     "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
     "llama4": "its image path has not been checked exact against generate here",
+    "llava_onevision": "its processor tiles an image (anyres) only when the prompt holds one, and the gateway expands each image alone",
+    "mistral3": "its processor (PixtralProcessor) needs torchvision, which does not import beside the CPU torch here",
 }
 
 
@@ -66,6 +65,9 @@ class ImageEncoder:
         if self.image_token_id is None:
             self.image_token_id = config.image_token_index
         wanted = inspect.signature(model.model.get_image_features).parameters
+        # M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): image tokens take 3-D rotary positions, by the model's own rule
+        self.mrope = hasattr(model.model, "get_rope_index")
+        self.deepstack = _DeepStack(model.model.language_model) if _deepstack(config) else None
         self.options = {
             name: getattr(config, name)
             for name in ("vision_feature_layer", "vision_feature_select_strategy")
@@ -85,10 +87,9 @@ class ImageEncoder:
         parts = []
         for tensors in inputs:  # else each image alone, with its own sizes and masks
             out = self.model.model.get_image_features(**tensors, **self.options)
-            features = getattr(out, "pooler_output", out)
-            if isinstance(features, (list, tuple)):
-                features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
-            parts.append(features.reshape(-1, features.shape[-1]))
+            # Qwen3-VL's DeepStack: per decoder layer, features added there; kept beside the main ones
+            layers = [getattr(out, "pooler_output", out), *(getattr(out, "deepstack_features", None) or [])]
+            parts.append(torch.cat([_rows(features) for features in layers], dim=-1))
         return torch.cat(parts).to(dtype)
 
     @staticmethod
@@ -99,10 +100,43 @@ class ImageEncoder:
             tensors[name] = torch.from_numpy(_array(values, image.extra_shapes[name], np.int64)).to(device)
         return tensors
 
+    def positions(self, flat: torch.Tensor, rows: list[tuple[Request, int, int, int]]) -> torch.Tensor:
+        """``[3, 1, tokens]``: the flat batch's positions on M-RoPE's three axes. A prompt position of
+        a request with images takes its 3-D position from ``get_rope_index`` (computed once, at its
+        first chunk); a later one continues from the prompt's largest, as ``generate``'s rope delta
+        does. Every other row's position is the same on the three axes."""
+        out = flat.expand(3, -1, -1).clone()
+        for request, first, start, count in rows:
+            if request.rope_positions is None:
+                request.rope_positions = self._rope_index(request).to(flat.device)
+            table = request.rope_positions
+            prompt = table.shape[1]
+            cached = min(start + count, prompt) - start
+            if cached > 0:
+                out[:, 0, first : first + cached] = table[:, start : start + cached]
+            if start + count > prompt:  # generated tokens: one past the prompt's largest position, then on
+                shift = int(table.max()) + 1 - prompt
+                low = max(cached, 0)
+                out[:, 0, first + low : first + count] += shift
+        return out
+
+    def _rope_index(self, request: Request) -> torch.Tensor:
+        """The prompt's ``[3, prompt tokens]`` positions, by the model's own ``get_rope_index``."""
+        ids = torch.tensor([request.token_ids[: request.num_prompt_tokens]])
+        grids = torch.tensor([i.extra["image_grid_thw"] for i in request.images]).reshape(-1, 3)
+        types = (ids == self.image_token_id).int()
+        positions, _ = self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grids)
+        return positions[:, 0]
+
     def embeds(self, input_ids: torch.Tensor, rows: list[tuple[Request, int, int, int]]) -> torch.Tensor:
         """The flat batch's input embeddings, with image features at the image-token positions of
         each ``(request, first flat row, first prompt position, count)`` chunk."""
         embeds = self.model.get_input_embeddings()(input_ids)
+        hidden = embeds.shape[-1]
+        if self.deepstack is not None:
+            self.deepstack.pending = None  # never a failed step's
+        where: list[int] = []  # flat rows that take image features, in order
+        taken: list[torch.Tensor] = []
         for request, first, start, count in rows:
             if request.image_features is None:
                 request.image_features = self.encode(request.images)
@@ -112,10 +146,45 @@ class ImageEncoder:
             features = request.image_features
             for k, p in enumerate(positions):
                 if start <= p < start + count:
-                    embeds[0, first + p - start] = features[k]
+                    embeds[0, first + p - start] = features[k, :hidden]
+                    where.append(first + p - start)
+                    taken.append(features[k, hidden:])
             if start + count >= request.num_prompt_tokens:
                 request.image_features = None  # the prompt is in the cache: its features are not needed again
+        if self.deepstack is not None and where:
+            mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+            mask[0, where] = True
+            stacked = torch.stack(taken)
+            self.deepstack.pending = (mask, list(stacked.split(hidden, dim=-1)))
         return embeds
+
+
+class _DeepStack:
+    """Qwen3-VL adds the tower's intermediate features to the hidden states of its first decoder
+    layers at the image tokens' rows (``visual_pos_masks``, ``deepstack_visual_embeds``). Its forward
+    makes them only from pixel values; the worker runs on embeddings, so a pre-hook on the
+    language model hands over the step's (``pending``: the rows, and the features per layer)."""
+
+    def __init__(self, language_model: torch.nn.Module) -> None:
+        self.pending: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        language_model.register_forward_pre_hook(self._hand_over, with_kwargs=True)
+
+    def _hand_over(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.pending is not None and kwargs.get("visual_pos_masks") is None:
+            kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"] = self.pending
+        self.pending = None
+        return args, kwargs
+
+
+def _deepstack(config: object) -> bool:
+    return bool(getattr(config.vision_config, "deepstack_visual_indexes", None))
+
+
+def _rows(features: torch.Tensor | list | tuple) -> torch.Tensor:
+    """``[tokens, hidden]`` from a tower output: a tensor, or one per image."""
+    if isinstance(features, (list, tuple)):
+        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+    return features.reshape(-1, features.shape[-1])
 
 
 def overlaps_images(request: Request, start: int, count: int) -> bool:

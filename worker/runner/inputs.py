@@ -40,6 +40,8 @@ class FlatInputs:
     lora_segments: list[tuple[LoraRef, int, int]] = field(default_factory=list)  # (adapter, first, end) rows
     # (request, first row, first prompt position, count) of chunks holding image tokens (worker/models/vision.py)
     image_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # the same for every row of a request with images: M-RoPE models give those rows 3-D positions
+    rope_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -98,6 +100,7 @@ class InputBuilder:
         prefills: list[PrefillSpan] = []
         lora_segments: list[tuple[LoraRef, int, int]] = []
         image_rows: list[tuple[Request, int, int, int]] = []
+        rope_rows: list[tuple[Request, int, int, int]] = []
         for request, n in rows:
             start = request.num_computed_tokens
             first = len(input_ids)
@@ -115,8 +118,10 @@ class InputBuilder:
                 prefills.append(self.prefill_span(request, first, n))
             if request.lora is not None:
                 _extend(lora_segments, request.lora, first, first + n)
-            if request.images and overlaps_images(request, start, n):
-                image_rows.append((request, first, start, n))
+            if request.images:
+                rope_rows.append((request, first, start, n))
+                if overlaps_images(request, start, n):
+                    image_rows.append(rope_rows[-1])
         metadata = AttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=self.tensor(slots),
@@ -135,6 +140,7 @@ class InputBuilder:
             metadata=metadata,
             lora_segments=lora_segments,
             image_rows=image_rows,
+            rope_rows=rope_rows,
         )
 
     @staticmethod
@@ -258,6 +264,7 @@ class InputBuilder:
             [request],
             [],
             metadata,
+            rope_rows=[(request, 0, request.num_computed_tokens, n)] if request.images else [],
         )
 
 

@@ -110,12 +110,15 @@ class ExecutionPaths:
         if self.native is not None:
             return self.native(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices, lora)
         ids: dict[str, torch.Tensor] = {"input_ids": inputs.input_ids}
+        positions = inputs.positions
         if self.vision is not None and inputs.image_rows:
             ids = {"inputs_embeds": self.vision.embeds(inputs.input_ids, inputs.image_rows)}
+        if self.vision is not None and self.vision.mrope:
+            positions = self.vision.positions(positions, inputs.rope_rows)
         with step_metadata(inputs.metadata):  # for the layers that do not pass kwargs on to attention
             return self.model(
                 **ids,
-                position_ids=inputs.positions,
+                position_ids=positions,
                 logits_to_keep=inputs.logits_indices,
                 use_cache=False,
             ).logits[0]
