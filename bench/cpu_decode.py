@@ -75,7 +75,7 @@ def main() -> None:
         ids = torch.full((rows,), 100)
 
         def step() -> torch.Tensor:
-            return fused(ids, positions, runner.kv_caches, slots, tables, positions + 1, args.context + 1)
+            return fused(ids, positions, runner.kv_caches, slots, tables, positions + 1)
 
         seconds = median_s(step)
         moved = weights + rows * (args.context + 1) * kv_per_token

@@ -117,13 +117,15 @@ class WorkerProc(Inbound):
         self.open()
         try:
             events: dict = {}
+            poller, polled = zmq.Poller(), []
             while not self.stopping:
                 wait_s = self.turn(events)
                 if self.stopping:
                     break
-                poller = zmq.Poller()
-                for watched in self.watched():
-                    poller.register(watched, zmq.POLLIN)
+                if (watched := self.watched()) != polled:  # a poller per change of links, not per turn (per token)
+                    poller, polled = zmq.Poller(), watched
+                    for item in watched:
+                        poller.register(item, zmq.POLLIN)
                 events = dict(poller.poll(int(wait_s * 1000)))
         finally:
             self.close()
