@@ -12,18 +12,16 @@ from typing import Any, Literal
 
 import msgspec
 from litestar import Controller, Request, Response, delete, get, post
-from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.http.auth import caller_owner
-from gateway.http.routes.common import CONVERSATION, documented, json_response
+from gateway.http.routes.common import CONVERSATION, StateStore, documented, json_response
 from gateway.http.routes.response_items import ItemList, page
 from gateway.http.routes.response_runs import input_items
 from gateway.schemas.responses import InputItem
 from gateway.state.conversations import MAX_ITEMS_AT_ONCE
 from gateway.state.limits import check_metadata
-from gateway.state.service import StateService
 
 
 class ConversationBody(msgspec.Struct, kw_only=True):
@@ -69,18 +67,14 @@ class ConversationsController(Controller):
     path = "/v1/conversations"
 
     @post("/", status_code=200, responses=documented(Conversation, "the conversation"))
-    async def create(
-        self, request: Request, stored: NamedDependency[StateService], data: JSONBody[ConversationBody]
-    ) -> Response:
+    async def create(self, request: Request, stored: StateStore, data: JSONBody[ConversationBody]) -> Response:
         metadata = check_metadata(data.metadata)
         return json_response(
             await stored.store.conversations.create(caller_owner(request), metadata, _items(data.items))
         )
 
     @get("/{conversation_id:str}", responses=documented(Conversation, "the conversation"))
-    async def retrieve(
-        self, request: Request, stored: NamedDependency[StateService], conversation_id: FromPath[str]
-    ) -> Response:
+    async def retrieve(self, request: Request, stored: StateStore, conversation_id: FromPath[str]) -> Response:
         found = CONVERSATION.found(
             await stored.store.conversations.get(conversation_id, caller_owner(request)), conversation_id
         )
@@ -92,11 +86,7 @@ class ConversationsController(Controller):
         responses=documented(Conversation, "the conversation, its metadata replaced"),
     )
     async def update(
-        self,
-        request: Request,
-        stored: NamedDependency[StateService],
-        conversation_id: FromPath[str],
-        data: JSONBody[dict[str, Any]],
+        self, request: Request, stored: StateStore, conversation_id: FromPath[str], data: JSONBody[dict[str, Any]]
     ) -> Response:
         metadata = check_metadata(data.get("metadata"))
         found = await stored.store.conversations.update(conversation_id, caller_owner(request), metadata)
@@ -105,9 +95,7 @@ class ConversationsController(Controller):
     @delete(
         "/{conversation_id:str}", status_code=200, responses=documented(DeletedConversation, "the conversation is gone")
     )
-    async def remove(
-        self, request: Request, stored: NamedDependency[StateService], conversation_id: FromPath[str]
-    ) -> Response:
+    async def remove(self, request: Request, stored: StateStore, conversation_id: FromPath[str]) -> Response:
         CONVERSATION.found(
             await stored.store.conversations.delete(conversation_id, caller_owner(request)), conversation_id
         )
@@ -115,11 +103,7 @@ class ConversationsController(Controller):
 
     @post("/{conversation_id:str}/items", status_code=200, responses=documented(ItemList, "the items added"))
     async def add_items(
-        self,
-        request: Request,
-        stored: NamedDependency[StateService],
-        conversation_id: FromPath[str],
-        data: JSONBody[ItemsBody],
+        self, request: Request, stored: StateStore, conversation_id: FromPath[str], data: JSONBody[ItemsBody]
     ) -> Response:
         added = CONVERSATION.found(
             await stored.store.conversations.add(conversation_id, caller_owner(request), _items(data.items)),
@@ -131,7 +115,7 @@ class ConversationsController(Controller):
     async def list_items(
         self,
         request: Request,
-        stored: NamedDependency[StateService],
+        stored: StateStore,
         conversation_id: FromPath[str],
         limit: FromQuery[int] = 20,
         order: FromQuery[Literal["asc", "desc"]] = "desc",
@@ -144,11 +128,7 @@ class ConversationsController(Controller):
 
     @get("/{conversation_id:str}/items/{item_id:str}", responses=documented(None, "the item"))
     async def retrieve_item(
-        self,
-        request: Request,
-        stored: NamedDependency[StateService],
-        conversation_id: FromPath[str],
-        item_id: FromPath[str],
+        self, request: Request, stored: StateStore, conversation_id: FromPath[str], item_id: FromPath[str]
     ) -> Response:
         item = await stored.store.conversations.item(conversation_id, caller_owner(request), item_id)
         if item is None:
@@ -163,11 +143,7 @@ class ConversationsController(Controller):
         responses=documented(Conversation, "the conversation"),
     )
     async def remove_item(
-        self,
-        request: Request,
-        stored: NamedDependency[StateService],
-        conversation_id: FromPath[str],
-        item_id: FromPath[str],
+        self, request: Request, stored: StateStore, conversation_id: FromPath[str], item_id: FromPath[str]
     ) -> Response:
         store, owner = stored.store.conversations, caller_owner(request)
         if not await store.delete_item(conversation_id, owner, item_id):
