@@ -4,6 +4,8 @@ lowest priority on the pool's idle capacity (gateway/batch/runner.py), results i
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
@@ -39,6 +41,10 @@ class BatchObject(msgspec.Struct):
     object: str = "batch"
 
 
+# The batches as a route takes them (Litestar's ``batches`` dependency, gateway/http/app.py).
+BatchStore: TypeAlias = NamedDependency[Batches]
+
+
 class BatchesController(Controller):
     path = "/v1/batches"
 
@@ -48,7 +54,7 @@ class BatchesController(Controller):
         request: Request,
         data: JSONBody[BatchBody],
         files: NamedDependency[Files],
-        batches: NamedDependency[Batches],
+        batches: BatchStore,
         batch_runner: NamedDependency[BatchRunner],
     ) -> Response:
         if data.endpoint not in ENDPOINTS:
@@ -76,18 +82,14 @@ class BatchesController(Controller):
 
     @get("/", responses=documented(ItemList, "the caller's batches, newest first"))
     async def index(
-        self,
-        request: Request,
-        batches: NamedDependency[Batches],
-        limit: FromQuery[int] = 20,
-        after: FromQuery[str | None] = None,
+        self, request: Request, batches: BatchStore, limit: FromQuery[int] = 20, after: FromQuery[str | None] = None
     ) -> Response:
         check_limit(limit)
         data, more = await batches.list(caller_owner(request), limit, after)
         return json_response(list_page(data, more))
 
     @get("/{batch_id:str}", responses=documented(BatchObject, "the batch"))
-    async def retrieve(self, request: Request, batch_id: FromPath[str], batches: NamedDependency[Batches]) -> Response:
+    async def retrieve(self, request: Request, batch_id: FromPath[str], batches: BatchStore) -> Response:
         found = BATCH.found(await batches.get(batch_id, caller_owner(request)), batch_id)
         return json_response(found)
 
@@ -96,7 +98,7 @@ class BatchesController(Controller):
         self,
         request: Request,
         batch_id: FromPath[str],
-        batches: NamedDependency[Batches],
+        batches: BatchStore,
         batch_runner: NamedDependency[BatchRunner],
     ) -> Response:
         found = BATCH.found(await batches.cancel(batch_id, caller_owner(request)), batch_id)

@@ -10,14 +10,12 @@ from typing import Literal
 
 import msgspec
 from litestar import Controller, Request, Response, get, post
-from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 
 from gateway.errors import InvalidRequest
 from gateway.http.auth import caller_owner
-from gateway.http.routes.common import RESPONSE, documented, json_response
+from gateway.http.routes.common import RESPONSE, StateStore, documented, json_response
 from gateway.schemas.responses import ResponseObject
-from gateway.state.service import StateService
 
 CANCEL_WAIT_S = 10.0  # how long a cancel waits for another gateway to stop the response
 
@@ -54,7 +52,7 @@ class ResponseItemsController(Controller):
     async def input_items(
         self,
         request: Request,
-        stored: NamedDependency[StateService],
+        stored: StateStore,
         response_id: FromPath[str],
         limit: FromQuery[int] = 20,
         order: FromQuery[Literal["asc", "desc"]] = "desc",
@@ -73,9 +71,7 @@ class ResponseItemsController(Controller):
         status_code=200,
         responses=documented(ResponseObject, "the response, cancelled"),
     )
-    async def cancel(
-        self, request: Request, stored: NamedDependency[StateService], response_id: FromPath[str]
-    ) -> Response:
+    async def cancel(self, request: Request, stored: StateStore, response_id: FromPath[str]) -> Response:
         owner, state = caller_owner(request), stored
         found = RESPONSE.found(
             await state.store.get(response_id, owner) if response_id.startswith("resp_") else None, response_id

@@ -41,7 +41,7 @@ from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.served_model import ServedModel
 from gateway.http.auth import caller_owner
 from gateway.http.routes import stream_runs
-from gateway.http.routes.common import RESPONSE, documented, json_response
+from gateway.http.routes.common import RESPONSE, StateStore, documented, json_response
 from gateway.http.routes.conversations import conversation_id
 from gateway.http.routes.response_output import Output
 from gateway.http.routes.response_runs import (
@@ -120,7 +120,7 @@ class ResponsesController(Controller):
     async def retrieve(
         self,
         request: Request,
-        stored: NamedDependency[StateService],
+        stored: StateStore,
         response_id: FromPath[str],
         stream: FromQuery[bool] = False,
         starting_after: FromQuery[int] = -1,
@@ -139,9 +139,7 @@ class ResponsesController(Controller):
         status_code=200,
         responses=documented(DeletedResponse, "the response is forgotten"),
     )
-    async def remove(
-        self, request: Request, stored: NamedDependency[StateService], response_id: FromPath[str]
-    ) -> Response:
+    async def remove(self, request: Request, stored: StateStore, response_id: FromPath[str]) -> Response:
         state = stored
         if not response_id.startswith("resp_"):  # another dialect's stream (stream_runs.py) is not a response
             raise not_stored("response", response_id, "response_id")
