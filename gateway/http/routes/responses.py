@@ -88,10 +88,10 @@ class ResponsesController(Controller):
     async def create(
         self,
         request: Request,
+        stored: StateStore,
         data: JSONBody[ResponsesRequest],
         models: NamedDependency[ModelRegistry],
         caller: NamedDependency[Caller],
-        stored: NamedDependency[StateService],
         files: NamedDependency[Files | None],
     ) -> Response:
         req, state = data, stored
