@@ -288,7 +288,9 @@ def main() -> None:
         default=1,
         help="simulated workers in this process (their loops share one thread and one poller)",
     )
-    parser.add_argument("--name", default="fake-worker", help="worker name (a fleet's are NAME-0, NAME-1, ...)")
+    parser.add_argument(
+        "--name", "--worker-name", default="fake-worker", help="worker name (a fleet's are NAME-0, NAME-1, ...)"
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--heartbeat-liveness", type=int, default=5)
     parser.add_argument("--model-info", help="fleet: a file caching the tokenizer's ModelInfo (built on first use)")

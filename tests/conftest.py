@@ -121,10 +121,13 @@ class Server:
             stop(process)
 
 
-def worker_argv(gateway: str, name: str | None = None, *extra: str) -> list[str]:
+def worker_argv(gateway: str, name: str | None = None, *extra: str, fake_info: str | Path | None = None) -> list[str]:
     """``llmpool worker`` arguments: a worker (of the default model unless ``extra`` says otherwise)
-    dialing ``gateway`` (one address or several, comma-separated), named ``name``, with ``extra``."""
-    return ["worker", "--gateway-address", gateway, *(["--worker-name", name] if name else []), *extra]
+    dialing ``gateway`` (one address or several, comma-separated), named ``name``, with ``extra``.
+    ``fake_info``: a model-less worker instead (bench/fake_worker.py), its tokenizer's ModelInfo
+    cached in that file."""
+    program = ["bench.fake_worker", "--model-info", str(fake_info)] if fake_info else ["worker"]
+    return [*program, "--gateway-address", gateway, *(["--worker-name", name] if name else []), *extra]
 
 
 def start_serve(name: str, workers: int, *extra: str, env: dict[str, str] | None = None) -> Server:

@@ -200,7 +200,7 @@ def test_table_puts_servers_side_by_side_with_ratios():
 def test_a_fleet_process_registers_many_workers_with_every_gateway(tmp_path):
     """bench/fake_worker.py --count: 8 simulated workers in one process, each registered with both
     of two real gateways, answer requests through either."""
-    from tests.conftest import free_port, spawn, stop, wait_until
+    from tests.conftest import free_port, spawn, stop, wait_until, worker_argv
 
     gateways = [(free_port(), free_port()) for _ in range(2)]
     processes = [
@@ -208,17 +208,7 @@ def test_a_fleet_process_registers_many_workers_with_every_gateway(tmp_path):
         for i, (http, zmq) in enumerate(gateways)
     ]
     addresses = ",".join(f"tcp://127.0.0.1:{zmq}" for _, zmq in gateways)
-    fleet = [
-        "bench.fake_worker",
-        "--gateway-address",
-        addresses,
-        "--count",
-        "8",
-        "--name",
-        "sim",
-        "--model-info",
-        str(tmp_path / "model-info"),
-    ]
+    fleet = worker_argv(addresses, "sim", "--count", "8", fake_info=tmp_path / "model-info")
     processes.append(spawn(fleet, "fleet-workers"))
     try:
         for http, _ in gateways:

@@ -103,7 +103,8 @@ def room(module: str) -> str:
 
 
 # Who may import whom among the gateway's rooms: http -> generate -> fleet, with policy, state,
-# schemas and ops beside them; the flat modules (config, errors) are for everyone.
+# schemas and ops beside them; the flat modules (config, errors) are for everyone. Schemas are a
+# room, not http/schemas: the core reads the bodies' sampling fields, and generate never imports http.
 ROOM_IMPORTS = {
     "http": {"generate", "fleet", "policy", "state", "schemas", "ops", "batch"},
     "batch": {"policy", "state"},

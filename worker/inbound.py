@@ -1,7 +1,7 @@
-"""What the worker's socket loop does with what arrives from a gateway (worker/proc.py extends
-this): a message is read as it comes, even mid-step (``_drain_socket``); what is for the engine
+"""What the worker's socket loop does with what arrives from a gateway (worker/proc.py owns one
+``Inbound``): a message is read as it comes, even mid-step (``read``); what is for the engine
 (new requests, aborts, adapter loads) waits in the inbox until the engine is held between two steps
-(``_apply_inbox``). A model description is answered at once. An AddRequests that does not decode
+(``apply``). A model description is answered at once. An AddRequests that does not decode
 keeps the requests that do, and the others are answered with an error rather than left waiting.
 """
 
@@ -28,7 +28,7 @@ from worker.handshake import GatewayLink
 from worker.lora.registry import answer
 from worker.stepper import Stepped
 
-log = logging.getLogger("worker.proc")
+log = logging.getLogger(__name__)
 
 
 class Refused(NamedTuple):
@@ -41,16 +41,25 @@ Inbox = list[tuple[GatewayLink, AddRequests | Abort | Refused | protocol.LoraCom
 
 
 class Inbound:
-    """The worker's state these read and change (set by ``WorkerProc.__init__``)."""
+    """The messages that arrived for the engine, and which gateway owns each request it runs."""
 
-    engine: Stepped
-    name: str
-    ready: Ready
-    tokenizer: TokenizerBundle | None
-    owner: dict[str, GatewayLink]
-    _inbox: Inbox
+    def __init__(self, engine: Stepped, name: str, ready: Ready, tokenizer: TokenizerBundle | None) -> None:
+        self.engine = engine
+        self.name = name
+        self.ready = ready
+        self.tokenizer = tokenizer
+        self.owner: dict[str, GatewayLink] = {}  # request id -> the gateway that sent it
+        self._inbox: Inbox = []  # what arrived for the engine, applied between steps
 
-    def _drain_socket(self, link: GatewayLink) -> bool:
+    def waiting(self) -> bool:
+        """Something waits for the engine's next hold."""
+        return bool(self._inbox)
+
+    def arrived(self) -> int:
+        """How many new requests wait for the engine (a heartbeat sent mid-step counts them)."""
+        return sum(len(msg.requests) for _, msg in self._inbox if isinstance(msg, AddRequests))
+
+    def read(self, link: GatewayLink) -> bool:
         """Read every message waiting on a link (a step may be running: what is for the engine
         waits in the inbox); True if anything valid arrived."""
         got = False
@@ -76,7 +85,7 @@ class Inbound:
                 log.warning("unexpected %s from the gateway at %s", type(msg).__name__, link.address)
         return got
 
-    def _apply_inbox(self) -> None:
+    def apply(self) -> None:
         """Engine held: hand it what arrived, in order; aborted requests' final outputs go back to
         the gateways that asked."""
         inbox, self._inbox = self._inbox, []

@@ -32,16 +32,11 @@ from collections import deque
 import zmq
 
 from common.model_source import TokenizerBundle
-from common.protocol import (
-    AddRequests,
-    Ready,
-    RequestOutput,
-    StepOutputs,
-)
+from common.protocol import Ready, RequestOutput, StepOutputs
 from worker.gateways import Gateways
 from worker.handshake import GatewayLink
 from worker.heartbeat import Vitals
-from worker.inbound import Inbound, Inbox
+from worker.inbound import Inbound
 from worker.lora.registry import lora_info
 from worker.stepper import Stepped, Stepper, StepThread
 from worker.threads import AdaptiveTeam
@@ -49,7 +44,7 @@ from worker.threads import AdaptiveTeam
 log = logging.getLogger(__name__)
 
 
-class WorkerProc(Inbound):
+class WorkerProc:
     """Connects to every gateway, registers, and runs the engine loop until told to stop."""
 
     def __init__(
@@ -91,9 +86,9 @@ class WorkerProc(Inbound):
         self.stopping = False
         self.drain_timeout = drain_timeout
         self.draining_since: float | None = None
-        self.owner: dict[str, GatewayLink] = {}  # request id -> the gateway that sent it
+        self.inbound = Inbound(engine, self.name, self.ready, tokenizer)  # what arrives, and who owns what
+        self.owner = self.inbound.owner  # request id -> the gateway that sent it
         self.vitals = Vitals()
-        self._inbox: Inbox = []  # what arrived for the engine, applied between steps
         self._stepper = stepper or StepThread()
         self._outbox: deque[StepOutputs] = deque()  # outputs of the steps that ended, to send
 
@@ -157,7 +152,7 @@ class WorkerProc(Inbound):
         for link in list(self.gateways.links.values()):
             if link.stirred(events):
                 link.read_monitor()
-                if self._drain_socket(link) and not link.heard:  # the gateway only talks to workers it registered
+                if self.inbound.read(link) and not link.heard:  # the gateway only talks to workers it registered
                     log.info("registered with the gateway at %s as %s", link.address, self.name)
                     link.heard = True
         now = time.monotonic()
@@ -172,8 +167,7 @@ class WorkerProc(Inbound):
             if self.stopping:
                 return 0.0
         elif self.gateways.heartbeat_due(now):  # a step runs (it may be long): say we are alive meanwhile
-            arrived = sum(len(msg.requests) for _, msg in self._inbox if isinstance(msg, AddRequests))
-            self.gateways.send_heartbeats(now, self.vitals.during_step(arrived))
+            self.gateways.send_heartbeats(now, self.vitals.during_step(self.inbound.arrived()))
         now = time.monotonic()
         wait_s = self.gateways.interval
         for link in self.gateways.links.values():
@@ -187,13 +181,13 @@ class WorkerProc(Inbound):
         return wait_s
 
     def _needs_engine(self, now: float) -> bool:
-        return bool(self._inbox) or self.draining_since is not None or self.gateways.due_or_silent(now)
+        return self.inbound.waiting() or self.draining_since is not None or self.gateways.due_or_silent(now)
 
     def _tend_engine(self) -> None:
         """The engine is ours between two steps: hand it what arrived, end a drain that is done,
         drop silent gateways' requests, and send the heartbeats that are due."""
         self._send_outputs()  # every step that ended: before any abort's outputs or heartbeat
-        self._apply_inbox()
+        self.inbound.apply()
         now = time.monotonic()
         if self.draining_since is not None and (
             not self.engine.has_work() or now - self.draining_since > self.drain_timeout
@@ -207,7 +201,7 @@ class WorkerProc(Inbound):
         """Engine held: drop every gateway silent for too long (its requests are aborted)."""
         for link in list(self.gateways.links.values()):
             if self.gateways.silent(now, link):
-                self._drain_socket(link)  # read what is waiting before judging
+                self.inbound.read(link)  # read what is waiting before judging
                 now = time.monotonic()
                 if self.gateways.silent(now, link):
                     log.warning("no word from the gateway at %s for %.1f s", link.address, now - link.last_heard)
@@ -260,5 +254,3 @@ class WorkerProc(Inbound):
             self.engine.abort(dropped)
             log.warning("gateway %s silent: dropped its %d requests", link.address, len(dropped))
         self.gateways.close(link, now)
-
-    # ---- messages ------------------------------------------------------------------------------

@@ -36,10 +36,10 @@ from gateway.generate.events import (
 )
 from gateway.generate.lanes import unless_disconnected
 from gateway.generate.reasoning import ReasoningParser
-from gateway.generate.request import CoreRequest
+from gateway.generate.request import CoreRequest, request_id
 from gateway.generate.served_model import ServedModel, TextDelta
 from gateway.generate.tools import ToolCall, ToolOutputParser
-from gateway.generate.validation import Prepared, prepare, request_id
+from gateway.generate.validation import Prepared, prepare
 from gateway.ops import tracing
 from gateway.policy.admission import Slot
 from gateway.policy.caller import Caller

@@ -19,8 +19,9 @@ from common.protocol import NewRequest, RequestOutput
 from gateway.errors import GenerationFailed, InvalidRequest, RequestTimeout
 from gateway.generate.core import admit
 from gateway.generate.lanes import unless_disconnected
+from gateway.generate.request import request_id
 from gateway.generate.served_model import ServedModel
-from gateway.generate.validation import check_token_ids, request_id
+from gateway.generate.validation import check_token_ids
 from gateway.ops import tracing
 from gateway.ops.metrics import RequestClock
 from gateway.policy.admission import Slot

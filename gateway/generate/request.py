@@ -1,8 +1,10 @@
 """The core's request: what a dialect translated its body into, before any check (``core.start``
-checks it)."""
+checks it); and the id it runs under (``request_id``: the client's X-Request-Id, or a fresh one)."""
 
 from __future__ import annotations
 
+import re
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,3 +85,14 @@ class CoreRequest:
         }
         attributes.update({k: v for k, v in optional.items() if v is not None})
         return attributes
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def request_id(header: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token, else a fresh one; it follows the request
+    into the worker (it is the wire request id) and comes back in the response's X-Request-Id."""
+    if header and _REQUEST_ID.fullmatch(header):
+        return f"{header}-{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its id
+    return uuid.uuid4().hex

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,24 +55,8 @@ async def prepare(served: ServedModel, req: CoreRequest, caller: Caller | None =
     requests. Only a caller's request may bring its own template (where the server allows them), and the caller's
     hanging up stops that template's render."""
     checked, images = _check(served, req, caller), []  # images: a chat's, fetched and expanded below
-    if checked.messages is not None:  # a request's own template renders under a budget
-        budget = Budget() if req.template is not None else None
-        refs = image_refs(checked.messages)  # images: fetched, decoded and expanded on the big-job lane
-        render = functools.partial(prompt_with_images, served, refs) if refs else served.chat_prompt_ids
-        with tracing.span("template+tokenize"):
-            ids = await served.run_in_pool(
-                render,
-                checked.messages,
-                req.template,
-                checked.variables,
-                req.add_generation_prompt,
-                budget,
-                size=checked.chars + (SMALL_JOB_CHARS + 1 if refs else 0),
-                budget=budget,
-                caller=caller,
-            )
-        ids, images = ids if refs else (ids, [])
-        prompts = [ids]
+    if checked.messages is not None:
+        prompts, images = await _rendered(served, checked, req.template, req.add_generation_prompt, caller)
     else:
         with tracing.span("tokenize"):
             prompts = await served.run_in_pool(
@@ -117,6 +100,30 @@ async def prepare(served: ServedModel, req: CoreRequest, caller: Caller | None =
                 ReasoningParser(markers, thinking.state) if markers is not None and thinking is not None else None
             )
     return Prepared(prompts, news, checked.plan, checked.parsers, checked.stops, thinkers)
+
+
+async def _rendered(
+    served: ServedModel, checked: _Checked, template: str | None, add_generation_prompt: bool, caller: Caller | None
+) -> tuple[list[list[int]], list]:
+    """A chat's prompt: the template rendered and tokenized off the event loop, with its images
+    fetched, decoded and expanded on the big-job lane. A request's own template renders under a budget."""
+    budget = Budget() if template is not None else None
+    refs = image_refs(checked.messages)
+    render = functools.partial(prompt_with_images, served, refs) if refs else served.chat_prompt_ids
+    with tracing.span("template+tokenize"):
+        ids = await served.run_in_pool(
+            render,
+            checked.messages,
+            template,
+            checked.variables,
+            add_generation_prompt,
+            budget,
+            size=checked.chars + (SMALL_JOB_CHARS + 1 if refs else 0),
+            budget=budget,
+            caller=caller,
+        )
+    ids, images = ids if refs else (ids, [])
+    return [ids], images
 
 
 @dataclass(slots=True)
@@ -336,14 +343,3 @@ def max_new_tokens(requested: int | None, param: str, prompt_len: int, max_model
             code="context_length_exceeded",
         )
     return limit - prompt_len if requested is None else requested
-
-
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-
-
-def request_id(header: str | None) -> str:
-    """The client's X-Request-Id when it is a sane token, else a fresh one; it follows the request
-    into the worker (it is the wire request id) and comes back in the response's X-Request-Id."""
-    if header and _REQUEST_ID.fullmatch(header):
-        return f"{header}-{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its id
-    return uuid.uuid4().hex

@@ -79,13 +79,35 @@ def provide_stored(state: State) -> StateService:
     return state.state
 
 
+def provide_files(state: State) -> Files | None:
+    """The Files API's service where the app has one (an app built for in-process tests may not)."""
+    return state.get("files")
+
+
+def provide_batches(state: State) -> Batches:
+    return state.batches
+
+
+def provide_batch_runner(state: State) -> BatchRunner | None:
+    return state.get("batch_runner")
+
+
+def provide_quotas(state: State) -> Quotas:
+    return state.quotas
+
+
 # The services the routes take as parameters (Litestar's dependency injection), instead of reading
-# the application's state: the models, the caller of the request (gateway/policy/caller.py), and the
-# state store. tests/gateway/test_dialects.py provides its own.
+# the application's state: the models, the caller of the request (gateway/policy/caller.py), the
+# state store, files and batches (and the runner to wake), managed keys' quotas. The lifespan
+# below puts them on the state; tests/gateway/conftest.py provides its own models and store.
 DEPENDENCIES = {
     "models": Provide(provide_models, sync_to_thread=False),
     "caller": Provide(caller_of, sync_to_thread=False),
     "stored": Provide(provide_stored, sync_to_thread=False),
+    "files": Provide(provide_files, sync_to_thread=False),
+    "batches": Provide(provide_batches, sync_to_thread=False),
+    "batch_runner": Provide(provide_batch_runner, sync_to_thread=False),
+    "quotas": Provide(provide_quotas, sync_to_thread=False),
 }
 
 

@@ -5,19 +5,35 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import pytest
 from litestar import Litestar
+from litestar.di import Provide
 from litestar.exceptions import WebSocketDisconnect
 from litestar.testing import TestClient
 
+from gateway.generate.model_registry import ModelRegistry
 from gateway.http.routes.responses_ws import SocketLimits, responses_socket
+from gateway.state.files import Files
+from gateway.state.service import StateService
+
+
+def _blank(kind: type) -> Callable[[], object]:
+    """A service of that type, never called: no event these tests send starts a response."""
+    return lambda: kind.__new__(kind)
+
+
+def _app(limits: SocketLimits) -> Litestar:
+    kinds = {"models": ModelRegistry, "stored": StateService, "files": Files}
+    services = {name: Provide(_blank(kind), sync_to_thread=False) for name, kind in kinds.items()}
+    app = Litestar(route_handlers=[responses_socket], dependencies=services)
+    app.state.websocket_limits = limits
+    return app
 
 
 def _client(idle: float, max_age: float) -> TestClient:
-    app = Litestar(route_handlers=[responses_socket])
-    app.state.websocket_limits = SocketLimits(idle_timeout=idle, max_age=max_age)
-    return TestClient(app)
+    return TestClient(_app(SocketLimits(idle_timeout=idle, max_age=max_age)))
 
 
 def test_an_idle_socket_is_closed():
@@ -56,8 +72,7 @@ def test_a_draining_gateway_closes_its_sockets_with_service_restart():
     from gateway.http.server import HttpLimits, uvicorn_config
     from tests.conftest import free_port
 
-    app = Litestar(route_handlers=[responses_socket])
-    app.state.websocket_limits = SocketLimits()
+    app = _app(SocketLimits())
     port = free_port()
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, HttpLimits(), 5.0))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -280,8 +280,8 @@ def test_a_worker_twice_as_fast_gets_about_twice_the_requests(tmp_path):
         spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address], "speed-gateway")
     )
     for name, token_ms in (("fast", "0.5"), ("slow", "1.0")):
-        args = ["bench.fake_worker", "--gateway-address", server.zmq_address, "--name", name, "--token-ms", token_ms]
-        server.processes.append(spawn([*args, "--model-info", str(tmp_path / "model-info.msgpack")], f"speed-{name}"))
+        args = worker_argv(server.zmq_address, name, "--token-ms", token_ms, fake_info=tmp_path / "model-info.msgpack")
+        server.processes.append(spawn(args, f"speed-{name}"))
     try:
         server.wait_for_workers(2, timeout=120)
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)

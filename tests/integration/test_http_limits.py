@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import MODEL, Server, free_port, spawn, wait_until
+from tests.conftest import MODEL, Server, free_port, spawn, wait_until, worker_argv
 
 HEADER_TIMEOUT, BODY_TIMEOUT, KEEP_ALIVE, MAX_CONNECTIONS = 1.0, 1.5, 1.0, 64
 LIMITS = [
@@ -40,7 +40,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, *LIMITS], "http-limits-gateway")
     )
     info = str(tmp_path_factory.mktemp("model-info") / "model-info.msgpack")
-    worker = ["bench.fake_worker", "--gateway-address", server.zmq_address, "--step-ms", "20", "--model-info", info]
+    worker = worker_argv(server.zmq_address, None, "--step-ms", "20", fake_info=info)
     server.processes.append(spawn(worker, "http-limits-worker"))
     try:
         server.wait_for_workers(1, timeout=120)

@@ -276,13 +276,8 @@ def test_chaos_soak_all_dialects_hostile_clients_a_worker_killed_and_the_gateway
         server.wait_for_workers(2)
         round_(ROUNDS)  # the restarted worker serves too
 
-        def all_free() -> bool:
-            listed = server.workers()
-            return len(listed) == 2 and all(
-                w["inflight"] == 0 and w["free_blocks"] == w["total_blocks"] for w in listed
-            )
-
-        wait_until(all_free, 20, "every KV block free and nothing in flight")
+        server.wait_idle(20, "every KV block free and nothing in flight")
+        assert len(server.workers()) == 2
         after = {"gateway": rss_kib(gateway.pid), "w-b": rss_kib(workers["w-b"].pid)}
         resumed = server.get("/workers").json()["resumed"]
         # SIGTERM mid-round: the streams in flight finish (--shutdown-grace), then the gateway exits.

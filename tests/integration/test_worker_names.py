@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import signal
 
-from tests.conftest import ARTIFACTS, Server, free_port, spawn, wait_until
+from tests.conftest import ARTIFACTS, Server, free_port, spawn, wait_until, worker_argv
 
 BEATS = ["--heartbeat-interval", "0.5", "--heartbeat-liveness", "3"]
 
@@ -24,16 +24,7 @@ def test_a_second_worker_with_a_taken_name_is_refused_not_flapped(tmp_path):
     server.processes.append(
         spawn(["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, *BEATS], "names-gateway")
     )
-    worker = [
-        "bench.fake_worker",
-        "--gateway-address",
-        server.zmq_address,
-        "--name",
-        "twin",
-        "--model-info",
-        str(tmp_path / "info"),
-        *BEATS,
-    ]
+    worker = worker_argv(server.zmq_address, "twin", *BEATS, fake_info=tmp_path / "info")
     try:
         first = spawn(worker, "names-first")
         server.processes.append(first)

@@ -29,7 +29,6 @@ def build_llava(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -37,11 +36,7 @@ def build_llava(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
 
     tokenizer = _with_image_token(tokenizer, "<image>")
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
-    text = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=len(tokenizer), max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    text = _text_config(tokenizer)
     vision = CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         image_size=IMAGE_SIZE, patch_size=8, projection_dim=32,
@@ -73,11 +68,7 @@ def build_idefics3(tokenizer, folder: Path, seed: int = 0, kind: str = "Idefics3
     import transformers
 
     tokenizer = _with_image_token(tokenizer, ["<image>", "<fake_token_around_image>", "<global-img>"])
-    text = dict(
-        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    text = _text_config(tokenizer).to_dict()
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8
     )  # fmt: skip
@@ -122,6 +113,16 @@ def _with_image_token(tokenizer, tokens: str | list[str]):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _text_config(tokenizer) -> object:
+    """The decoder of both: families.py's tiny Llama over the tokenizer's vocabulary and its special tokens."""
+    from tests.worker.families import family_config
+
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    return family_config("llama", dict(vocab_size=len(tokenizer)) | ids)
 
 
 def image_bytes(seed: int, size: tuple[int, int] = (40, 48), fmt: str = "PNG") -> bytes:

@@ -130,9 +130,14 @@ REFUSED: dict[str, tuple[str, dict, str]] = {
 
 def family_config(model_type: str, extra: dict) -> object:
     """The family's config class with ``COMMON`` sizes where it has the field, then ``extra``
-    (a None in ``extra`` leaves the class default: Falcon's head_dim is computed)."""
+    (a None in ``extra`` leaves the class default: Falcon's head_dim is computed). A ``COMMON``
+    size that is another name of a field ``extra`` sets (``num_local_experts`` for ``num_experts``)
+    is left out, so that ``extra`` wins."""
     default = AutoConfig.for_model(model_type)
-    settings = {name: value for name, value in COMMON.items() if hasattr(default, name)} | extra
+    aliases = getattr(default, "attribute_map", {})
+    chosen = {aliases.get(name, name) for name in extra}
+    common = {n: v for n, v in COMMON.items() if hasattr(default, n) and aliases.get(n, n) not in chosen}
+    settings = common | extra
     return AutoConfig.for_model(model_type, **{name: value for name, value in settings.items() if value is not None})
 
 

@@ -45,17 +45,12 @@ def default_model_adapter(folder: Path, seed: int) -> Path:
     """A random rank-4 adapter of q and v in the first layer of the default model (SmolLM2-135M: its
     projection shapes, one layer of its 30, a vocabulary it never touches): peft's files without
     loading the 135M model, for tests that need an adapter the server accepts, not its exact text."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        num_hidden_layers=1,
-        vocab_size=64,
-    )
+    from tests.worker.families import family_config
+
+    sizes = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    config = family_config("llama", sizes | dict(num_hidden_layers=1, vocab_size=64))
     torch.manual_seed(seed)
     base = folder.parent / f"{folder.name}-base"
     LlamaForCausalLM(config).save_pretrained(base)

@@ -23,14 +23,8 @@ NEW_TOKENS = 20
 
 
 def run(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
-    for i, ids in enumerate(prompts):
-        engine.add_request(NewRequest(f"r{i}", ids, NEW_TOKENS, SamplingParams(temperature=0)))
-    out: dict[str, list[int]] = {}
-    while engine.has_work():
-        for o in engine.step().outputs:
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
-    return out
+    news = [NewRequest(f"r{i}", ids, NEW_TOKENS, SamplingParams(temperature=0)) for i, ids in enumerate(prompts)]
+    return {request_id: tokens(outputs) for request_id, outputs in drain(engine, news).items()}
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import pytest
 
 from common.model_source import resolve_model
 from common.protocol import NewRequest, SamplingParams
+from tests.worker.factories import drain
 from worker.build import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -29,15 +30,6 @@ def engine() -> Engine:
 def new(request_id: str, prompt: list[int], max_tokens: int = 30, traced: bool = True) -> NewRequest:
     sampling = SamplingParams(temperature=0)
     return NewRequest(request_id, prompt, max_tokens, sampling, ignore_eos=True, trace_context=TRACE if traced else {})
-
-
-def drain(engine: Engine) -> dict[str, list]:
-    out: dict[str, list] = {}
-    while engine.has_work():
-        for o in engine.step().outputs:
-            out.setdefault(o.request_id, []).append(o)
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    return out
 
 
 def names(outputs: list) -> list[str]:

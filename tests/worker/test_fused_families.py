@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
+from tests.worker.families import family_config
 from worker import kernels
 from worker.models.family import FAST_FAMILIES, describe
 from worker.models.fused_decode import FusedDecode
@@ -19,15 +20,7 @@ from worker.models.shapes import NotFast
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="needs the C++ kernels")
 
-SIZES = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-)
+SIZES = dict(vocab_size=128, pad_token_id=0, bos_token_id=0, eos_token_id=0)  # beyond families.py's COMMON
 FEATURES = {  # what each family switches on beyond the sizes
     "mistral": {"sliding_window": 8},
     "ministral": {"sliding_window": 8},
@@ -60,9 +53,7 @@ PROMPT = 40
 
 
 def tiny(kind: str, **extra: object) -> torch.nn.Module:
-    config = AutoConfig.for_model(
-        kind, **SIZES, **FEATURES.get(kind, {}), **extra, pad_token_id=0, bos_token_id=0, eos_token_id=0
-    )
+    config = family_config(kind, SIZES | FEATURES.get(kind, {}) | extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():  # norms at their initial values (1, or 0 with Gemma's 1 + w) would hide a misread one

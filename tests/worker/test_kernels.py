@@ -296,18 +296,12 @@ def test_any_batch_decode_needs_every_projection_packed(quantization, intermedia
     """An MLP width a packer cannot block (down_proj's K: int8 packs groups of 64, q4 of 32) stays
     in the row layout, whose matrix-vector loops only suit a few rows: such a model keeps large
     batches on the torch path."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
+    from tests.worker.families import family_config
     from worker.models.fused_decode import FusedDecode
 
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=intermediate,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = family_config("llama", dict(intermediate_size=intermediate, num_hidden_layers=1))
     fused = FusedDecode(LlamaForCausalLM(config).eval(), quantization=quantization)
     assert fused.any_batch is any_batch
     assert fused.weights[2].dim() == 4  # the shapes that do block are packed either way (slot 2: QKV)
@@ -353,18 +347,12 @@ def test_auto_quantization_recognises_weights_on_a_4bit_grid():
 def test_quantized_decode_weights_are_made_once_then_read_from_the_cache(quantization, tmp_path, monkeypatch):
     """The second worker start of a model reads the decode kernel's weights from the conversion
     cache, equal to the ones it made; a folder from an older layout of the same kind is removed."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
+    from tests.worker.families import family_config
     from worker.models import fused_decode
 
-    config = Qwen2Config(  # QKV bias: every kind of tensor the decode weights hold
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = family_config("qwen2", {})  # QKV bias: every kind of tensor the decode weights hold
     model = Qwen2ForCausalLM(config).eval()
     stale = tmp_path / f"{quantization}-packed-000000000000"
     stale.mkdir()

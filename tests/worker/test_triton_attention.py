@@ -253,8 +253,9 @@ def test_the_fused_decode_step_matches_the_torch_path(monkeypatch):
     """LlamaForward with the Triton decode path (rotary + cache write, then paged attention: the Triton
     kernel, or FlashInfer's schedule, here its stand-in) gives the logits and cache contents of its
     torch path (rotary in torch, index_copy_, eager attention)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
+    from tests.worker.families import family_config
     from tests.worker.test_flashinfer_attention import ContractWrapper
     from worker.attention import AttentionMetadata, DecodeGroup, EagerDecode, flashinfer_decode
     from worker.models.llama import LlamaForward
@@ -265,15 +266,7 @@ def test_the_fused_decode_step_matches_the_torch_path(monkeypatch):
     )
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    config = family_config("llama", dict(vocab_size=100))
     forward = LlamaForward(LlamaForCausalLM(config).eval().to(DEVICE))
     lengths = [5, 17, 30]
     tables = torch.tensor([[1, 0], [2, 3], [4, 5]], device=DEVICE)

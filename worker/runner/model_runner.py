@@ -65,6 +65,19 @@ class ModelRunner:
 
     def __init__(self, source: ModelSource, config: WorkerConfig, pooling: PoolingSpec | None = None) -> None:
         """``pooling``: the model also pools its last hidden states (``--pooling`` on a causal LM)."""
+        model, text, config = self._load(source, config, pooling)
+        # The reference the self-check compares with is computed now: the fused step and the native forward take transformers' layers.
+        check = None if config.skip_self_check else SelfCheck(model, self.layers, self.max_model_len, self.block_size)
+        if self.group is not None:  # --pipeline-parallel-size: the other stages' layers become relays
+            self.group.stage(model)
+        fused, only_rows, own = self._pick_forward(source, config, pooling, model, text, check is not None)
+        decode_graphs = self._allocate(source, config, model, text, fused, only_rows)
+        if check is not None:
+            self._self_check(check, own, decode_graphs)
+
+    def _load(self, source: ModelSource, config: WorkerConfig, pooling: PoolingSpec | None) -> tuple:
+        """Step 1: the device and dtype, the model loaded (and sharded), refused early when it cannot
+        be served, its layers learned. Returns the model, its text config and the device's config."""
         self.threads = team_size(config.threads)
         torch.set_num_threads(self.threads)
         self.device = pick_device(config.device)
@@ -94,10 +107,19 @@ class ModelRunner:
             self.layers = learn_layers(model)
         except support.UnsupportedModel as exc:
             raise support.UnsupportedModel(f"{self.architecture} is not supported: {exc}.") from None
-        # The reference the self-check compares with is computed now: the fused step and the native forward take transformers' layers.
-        check = None if config.skip_self_check else SelfCheck(model, self.layers, self.max_model_len, self.block_size)
-        if self.group is not None:  # --pipeline-parallel-size: the other stages' layers become relays
-            self.group.stage(model)
+        return model, text, config
+
+    def _pick_forward(
+        self,
+        source: ModelSource,
+        config: WorkerConfig,
+        pooling: PoolingSpec | None,
+        model: torch.nn.Module,
+        text: object,
+        checked: bool,
+    ) -> tuple:
+        """Step 2: the decode path (C++ step and its weights, or torch), the forward (native or
+        transformers'), the LoRA registry. Returns the fused step, rows-only, and the model's own family."""
         self.quantization, fast_decode = (
             ("none", False)
             if self.group is not None  # the C++ step holds whole layers: split ranks run the torch path
@@ -113,7 +135,7 @@ class ModelRunner:
         # The model's own weights, described while its layers are still there (the native forward
         # takes them): where the self-check fails only auto's rounding, the step serves these.
         own = None
-        if check is not None and config.quantization == "auto" and fused is not None and self.quantization != "none":
+        if checked and config.quantization == "auto" and fused is not None and self.quantization != "none":
             own = describe_family(model)
         impl = config.model_impl
         if pooling is not None:  # the native forward takes over the layers that a pooling forward runs (wrong vectors)
@@ -137,6 +159,19 @@ class ModelRunner:
         )
         if self.native is not None and self.device.type == "cpu":
             keep_off_files(model)  # what is left of it after the native forward took the layers
+        return fused, only_rows, own
+
+    def _allocate(
+        self,
+        source: ModelSource,
+        config: WorkerConfig,
+        model: torch.nn.Module,
+        text: object,
+        fused: object,
+        only_rows: bool,
+    ) -> DecodeGraphs | None:
+        """Step 3: the decode backend, the KV cache, the sampler, the inputs and the execution paths
+        (with CUDA graphs where they apply). Returns the decode graphs, if any."""
         # The decode kernels run plain causal layers only (worker/attention/paged.py); a model with
         # none (latent attention: keys wider than values) decodes through the masked gather instead.
         plain = [i for i, layer in enumerate(self.layers) if layer.plain]
@@ -185,8 +220,7 @@ class ModelRunner:
         self.paths = ExecutionPaths(
             self.model, self.native, fused, self.inputs, decode_graphs, rows_only=only_rows, vision=self.vision
         )
-        if check is not None:
-            self._self_check(check, own, decode_graphs)
+        return decode_graphs
 
     def _self_check(self, check: SelfCheck, own: Family | None, graphs: DecodeGraphs | None) -> None:
         """The start-up self-check. Where ``--quantization auto`` chose int8 or q4 weights for the C++

@@ -9,12 +9,15 @@ key cache's lifetime (the heartbeat interval; at once on the gateway that revoke
 from __future__ import annotations
 
 import msgspec
-from litestar import Controller, Request, Response, delete, get, patch, post
+from litestar import Controller, Response, delete, get, patch, post
+from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.http.routes.common import documented, json_response
+from gateway.policy.quotas import Quotas
 from gateway.state.keys import LIMITS, KeyRecord, KeyStore
+from gateway.state.service import StateService
 
 
 class KeySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -44,20 +47,15 @@ class KeyList(msgspec.Struct):
     object: str = "list"
 
 
-def _keys(request: Request) -> KeyStore:
-    return request.app.state.quotas.store
-
-
-async def _found(request: Request, key_id: str) -> KeyRecord:
-    key = await _keys(request).get(key_id)
+async def _found(keys: KeyStore, key_id: str) -> KeyRecord:
+    key = await keys.get(key_id)
     if key is None:
         raise NotFound(f"No API key with id {key_id!r}", param="key_id", code="not_found")
     return key
 
 
-async def _with_usage(request: Request, keys: list[KeyRecord]) -> list[dict]:
+async def _with_usage(state: StateService, keys: list[KeyRecord]) -> list[dict]:
     """Each key's view with its usage this month (UTC), fleet-wide."""
-    state = request.app.state.state
     totals = await state.usage.month_totals(state.store.db)
     return [{**key.view(), "usage_this_month": totals.get(key.owner, {})} for key in keys]
 
@@ -66,38 +64,44 @@ class KeysController(Controller):
     path = "/admin/keys"
 
     @post("/", status_code=201, responses=documented(None, "the key, with its secret (shown only now)"))
-    async def create(self, request: Request, data: JSONBody[KeySettings]) -> Response:
+    async def create(self, data: JSONBody[KeySettings], quotas: NamedDependency[Quotas]) -> Response:
         settings = data.given()
         if "name" not in settings:
             raise InvalidRequest("`name` is required", param="name")
-        key = await _keys(request).create(**settings)
+        key = await quotas.store.create(**settings)
         response = json_response(key.view())
         response.status_code = 201
         return response
 
     @get("/", responses=documented(KeyList, "every key, revoked ones too, with this month's usage"))
-    async def list_keys(self, request: Request) -> Response:
-        return json_response(KeyList(await _with_usage(request, await _keys(request).list())))
+    async def list_keys(self, quotas: NamedDependency[Quotas], stored: NamedDependency[StateService]) -> Response:
+        return json_response(KeyList(await _with_usage(stored, await quotas.store.list())))
 
     @get("/{key_id:str}", responses=documented(None, "the key (never its secret)"))
-    async def retrieve(self, request: Request, key_id: FromPath[str]) -> Response:
-        return json_response((await _with_usage(request, [await _found(request, key_id)]))[0])
+    async def retrieve(
+        self, key_id: FromPath[str], quotas: NamedDependency[Quotas], stored: NamedDependency[StateService]
+    ) -> Response:
+        return json_response((await _with_usage(stored, [await _found(quotas.store, key_id)]))[0])
 
     @post("/{key_id:str}", status_code=200, responses=documented(None, "the key as changed"))
-    async def update(self, request: Request, key_id: FromPath[str], data: JSONBody[KeySettings]) -> Response:
-        return await self._update(request, key_id, data)
+    async def update(
+        self, key_id: FromPath[str], data: JSONBody[KeySettings], quotas: NamedDependency[Quotas]
+    ) -> Response:
+        return await self._update(quotas, key_id, data)
 
     @patch("/{key_id:str}", status_code=200, responses=documented(None, "the key as changed"))
-    async def patch(self, request: Request, key_id: FromPath[str], data: JSONBody[KeySettings]) -> Response:
-        return await self._update(request, key_id, data)
+    async def patch(
+        self, key_id: FromPath[str], data: JSONBody[KeySettings], quotas: NamedDependency[Quotas]
+    ) -> Response:
+        return await self._update(quotas, key_id, data)
 
-    async def _update(self, request: Request, key_id: str, data: KeySettings) -> Response:
-        key = await _found(request, key_id)
-        request.app.state.quotas.cache.forget(key)
-        return json_response((await _keys(request).update(key_id, **data.given())).view())
+    async def _update(self, quotas: Quotas, key_id: str, data: KeySettings) -> Response:
+        key = await _found(quotas.store, key_id)
+        quotas.cache.forget(key)
+        return json_response((await quotas.store.update(key_id, **data.given())).view())
 
     @delete("/{key_id:str}", status_code=200, responses=documented(None, "the key, revoked"))
-    async def revoke(self, request: Request, key_id: FromPath[str]) -> Response:
-        key = await _found(request, key_id)
-        request.app.state.quotas.cache.forget(key)
-        return json_response({**(await _keys(request).revoke(key_id)).view(), "deleted": True})
+    async def revoke(self, key_id: FromPath[str], quotas: NamedDependency[Quotas]) -> Response:
+        key = await _found(quotas.store, key_id)
+        quotas.cache.forget(key)
+        return json_response({**(await quotas.store.revoke(key_id)).view(), "deleted": True})

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import msgspec
 from litestar import Response
+from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
@@ -17,9 +18,12 @@ from gateway.http.streaming import SSE_HEADERS, sse_events
 from gateway.policy.caller import Caller
 from gateway.schemas.chat import CompletionTokensDetails, ErrorBody, PromptTokensDetails
 from gateway.schemas.chat import Usage as OpenAIUsage
+from gateway.state.service import StateService
 
 _encoder = msgspec.json.Encoder()
 T = TypeVar("T")
+# The state store as a route takes it (Litestar's ``stored`` dependency, gateway/http/app.py).
+StateStore: TypeAlias = NamedDependency[StateService]
 
 
 def json_response(payload: Any, request_id: str | None = None) -> Response:

@@ -16,11 +16,11 @@ from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.http.auth import caller_owner
-from gateway.http.routes.common import CONVERSATION, documented, json_response
+from gateway.http.routes.common import CONVERSATION, StateStore, documented, json_response
 from gateway.http.routes.response_items import ItemList, page
 from gateway.http.routes.response_runs import input_items
 from gateway.schemas.responses import InputItem
-from gateway.state.conversations import MAX_ITEMS_AT_ONCE, Conversations
+from gateway.state.conversations import MAX_ITEMS_AT_ONCE
 from gateway.state.limits import check_metadata
 
 
@@ -63,21 +63,21 @@ def conversation_id(conversation: str | dict | None) -> str | None:
     return conversation["id"]
 
 
-def _store(request: Request) -> Conversations:
-    return request.app.state.state.store.conversations
-
-
 class ConversationsController(Controller):
     path = "/v1/conversations"
 
     @post("/", status_code=200, responses=documented(Conversation, "the conversation"))
-    async def create(self, request: Request, data: JSONBody[ConversationBody]) -> Response:
+    async def create(self, request: Request, stored: StateStore, data: JSONBody[ConversationBody]) -> Response:
         metadata = check_metadata(data.metadata)
-        return json_response(await _store(request).create(caller_owner(request), metadata, _items(data.items)))
+        return json_response(
+            await stored.store.conversations.create(caller_owner(request), metadata, _items(data.items))
+        )
 
     @get("/{conversation_id:str}", responses=documented(Conversation, "the conversation"))
-    async def retrieve(self, request: Request, conversation_id: FromPath[str]) -> Response:
-        found = CONVERSATION.found(await _store(request).get(conversation_id, caller_owner(request)), conversation_id)
+    async def retrieve(self, request: Request, stored: StateStore, conversation_id: FromPath[str]) -> Response:
+        found = CONVERSATION.found(
+            await stored.store.conversations.get(conversation_id, caller_owner(request)), conversation_id
+        )
         return json_response(found)
 
     @post(
@@ -86,23 +86,28 @@ class ConversationsController(Controller):
         responses=documented(Conversation, "the conversation, its metadata replaced"),
     )
     async def update(
-        self, request: Request, conversation_id: FromPath[str], data: JSONBody[dict[str, Any]]
+        self, request: Request, stored: StateStore, conversation_id: FromPath[str], data: JSONBody[dict[str, Any]]
     ) -> Response:
         metadata = check_metadata(data.get("metadata"))
-        found = await _store(request).update(conversation_id, caller_owner(request), metadata)
+        found = await stored.store.conversations.update(conversation_id, caller_owner(request), metadata)
         return json_response(CONVERSATION.found(found, conversation_id))
 
     @delete(
         "/{conversation_id:str}", status_code=200, responses=documented(DeletedConversation, "the conversation is gone")
     )
-    async def remove(self, request: Request, conversation_id: FromPath[str]) -> Response:
-        CONVERSATION.found(await _store(request).delete(conversation_id, caller_owner(request)), conversation_id)
+    async def remove(self, request: Request, stored: StateStore, conversation_id: FromPath[str]) -> Response:
+        CONVERSATION.found(
+            await stored.store.conversations.delete(conversation_id, caller_owner(request)), conversation_id
+        )
         return json_response(DeletedConversation(conversation_id))
 
     @post("/{conversation_id:str}/items", status_code=200, responses=documented(ItemList, "the items added"))
-    async def add_items(self, request: Request, conversation_id: FromPath[str], data: JSONBody[ItemsBody]) -> Response:
+    async def add_items(
+        self, request: Request, stored: StateStore, conversation_id: FromPath[str], data: JSONBody[ItemsBody]
+    ) -> Response:
         added = CONVERSATION.found(
-            await _store(request).add(conversation_id, caller_owner(request), _items(data.items)), conversation_id
+            await stored.store.conversations.add(conversation_id, caller_owner(request), _items(data.items)),
+            conversation_id,
         )
         return json_response(page(added, max(1, min(len(added), 100)), "asc", None))
 
@@ -110,17 +115,22 @@ class ConversationsController(Controller):
     async def list_items(
         self,
         request: Request,
+        stored: StateStore,
         conversation_id: FromPath[str],
         limit: FromQuery[int] = 20,
         order: FromQuery[Literal["asc", "desc"]] = "desc",
         after: FromQuery[str | None] = None,
     ) -> Response:
-        items = CONVERSATION.found(await _store(request).items(conversation_id, caller_owner(request)), conversation_id)
+        items = CONVERSATION.found(
+            await stored.store.conversations.items(conversation_id, caller_owner(request)), conversation_id
+        )
         return json_response(page(items, limit, order, after))
 
     @get("/{conversation_id:str}/items/{item_id:str}", responses=documented(None, "the item"))
-    async def retrieve_item(self, request: Request, conversation_id: FromPath[str], item_id: FromPath[str]) -> Response:
-        item = await _store(request).item(conversation_id, caller_owner(request), item_id)
+    async def retrieve_item(
+        self, request: Request, stored: StateStore, conversation_id: FromPath[str], item_id: FromPath[str]
+    ) -> Response:
+        item = await stored.store.conversations.item(conversation_id, caller_owner(request), item_id)
         if item is None:
             raise NotFound(
                 f"No item {item_id!r} in conversation {conversation_id!r}", param="item_id", code="not_found"
@@ -132,8 +142,10 @@ class ConversationsController(Controller):
         status_code=200,
         responses=documented(Conversation, "the conversation"),
     )
-    async def remove_item(self, request: Request, conversation_id: FromPath[str], item_id: FromPath[str]) -> Response:
-        store, owner = _store(request), caller_owner(request)
+    async def remove_item(
+        self, request: Request, stored: StateStore, conversation_id: FromPath[str], item_id: FromPath[str]
+    ) -> Response:
+        store, owner = stored.store.conversations, caller_owner(request)
         if not await store.delete_item(conversation_id, owner, item_id):
             raise NotFound(
                 f"No item {item_id!r} in conversation {conversation_id!r}", param="item_id", code="not_found"

@@ -11,6 +11,7 @@ from typing import Literal
 import msgspec
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.datastructures import UploadFile
+from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 
 from gateway.errors import GatewayError, InvalidRequest
@@ -39,15 +40,6 @@ class DeletedFile(msgspec.Struct):
     deleted: bool = True
 
 
-def files_of(request: Request) -> Files:
-    return request.app.state.files
-
-
-def files_if_any(request: Request) -> Files | None:
-    """The Files API's service where the app has one (an app built for in-process tests may not)."""
-    return request.app.state.get("files")
-
-
 def list_page(data: list[dict], has_more: bool) -> ItemList:
     return ItemList(data, data[0]["id"] if data else None, data[-1]["id"] if data else None, has_more)
 
@@ -61,7 +53,7 @@ class FilesController(Controller):
     path = "/v1/files"
 
     @post("/", status_code=200, responses=documented(FileObject, "the file, stored"))
-    async def upload(self, request: Request) -> Response:
+    async def upload(self, request: Request, files: NamedDependency[Files]) -> Response:
         form = await request.form()
         upload, purpose = form.get("file"), form.get("purpose")
         if not isinstance(upload, UploadFile):
@@ -71,36 +63,37 @@ class FilesController(Controller):
                 f"`purpose` must be one of {', '.join(UPLOAD_PURPOSES)}; got {purpose!r}", param="purpose"
             )
         content = await upload.read()
-        made = await files_of(request).create(caller_owner(request), purpose, upload.filename or "upload", content)
+        made = await files.create(caller_owner(request), purpose, upload.filename or "upload", content)
         return json_response(made)
 
     @get("/", responses=documented(ItemList, "the caller's files, newest first unless `order=asc`"))
     async def index(
         self,
         request: Request,
+        files: NamedDependency[Files],
         purpose: FromQuery[str | None] = None,
         limit: FromQuery[int] = 100,
         after: FromQuery[str | None] = None,
         order: FromQuery[Literal["asc", "desc"]] = "desc",
     ) -> Response:
         check_limit(limit, 10_000)
-        data, more = await files_of(request).list(caller_owner(request), purpose, limit, after, order == "asc")
+        data, more = await files.list(caller_owner(request), purpose, limit, after, order == "asc")
         return json_response(list_page(data, more))
 
     @get("/{file_id:str}", responses=documented(FileObject, "the file"))
-    async def retrieve(self, request: Request, file_id: FromPath[str]) -> Response:
-        found = FILE.found(await files_of(request).get(file_id, caller_owner(request)), file_id)
+    async def retrieve(self, request: Request, file_id: FromPath[str], files: NamedDependency[Files]) -> Response:
+        found = FILE.found(await files.get(file_id, caller_owner(request)), file_id)
         return json_response(found)
 
     @get("/{file_id:str}/content", responses=documented(None, "the file's bytes"))
-    async def content(self, request: Request, file_id: FromPath[str]) -> Response:
+    async def content(self, request: Request, file_id: FromPath[str], files: NamedDependency[Files]) -> Response:
         try:
-            found = await files_of(request).content(file_id, caller_owner(request))
+            found = await files.content(file_id, caller_owner(request))
         except ContentUnavailable as exc:
             raise GatewayError(str(exc), param="file_id", code="file_content_unavailable") from exc
         return Response(content=FILE.found(found, file_id), media_type="application/octet-stream")
 
     @delete("/{file_id:str}", status_code=200, responses=documented(DeletedFile, "the file is gone"))
-    async def remove(self, request: Request, file_id: FromPath[str]) -> Response:
-        FILE.found(await files_of(request).delete(file_id, caller_owner(request)), file_id)
+    async def remove(self, request: Request, file_id: FromPath[str], files: NamedDependency[Files]) -> Response:
+        FILE.found(await files.delete(file_id, caller_owner(request)), file_id)
         return json_response(DeletedFile(file_id))

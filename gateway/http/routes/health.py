@@ -3,10 +3,11 @@ as JSON), /metrics (Prometheus)."""
 
 from __future__ import annotations
 
-from litestar import Request, Response, get
+from litestar import Response, get
 from litestar.di import NamedDependency
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.batch.runner import BatchRunner
 from gateway.generate.model_registry import ModelRegistry
 from gateway.http.routes.common import json_response
 
@@ -34,8 +35,10 @@ async def ready(models: NamedDependency[ModelRegistry]) -> Response:
 
 
 @get("/workers")
-async def workers(request: Request, models: NamedDependency[ModelRegistry]) -> Response:
-    runner = getattr(request.app.state, "batch_runner", None)  # this gateway's share of the batch work
+async def workers(
+    models: NamedDependency[ModelRegistry], batch_runner: NamedDependency[BatchRunner | None]
+) -> Response:
+    runner = batch_runner  # this gateway's share of the batch work
     return json_response({**models.client.snapshot(), "batch_runner": runner.snapshot() if runner else None})
 
 

@@ -14,9 +14,8 @@ from litestar.params import FromPath, FromQuery
 
 from gateway.errors import InvalidRequest
 from gateway.http.auth import caller_owner
-from gateway.http.routes.common import RESPONSE, documented, json_response
+from gateway.http.routes.common import RESPONSE, StateStore, documented, json_response
 from gateway.schemas.responses import ResponseObject
-from gateway.state.service import StateService
 
 CANCEL_WAIT_S = 10.0  # how long a cancel waits for another gateway to stop the response
 
@@ -53,13 +52,17 @@ class ResponseItemsController(Controller):
     async def input_items(
         self,
         request: Request,
+        stored: StateStore,
         response_id: FromPath[str],
         limit: FromQuery[int] = 20,
         order: FromQuery[Literal["asc", "desc"]] = "desc",
         after: FromQuery[str | None] = None,
     ) -> Response:
-        store = request.app.state.state.store
-        found = await store.input_items(response_id, caller_owner(request)) if response_id.startswith("resp_") else None
+        found = (
+            await stored.store.input_items(response_id, caller_owner(request))
+            if response_id.startswith("resp_")
+            else None
+        )
         items = RESPONSE.found(found, response_id)  # another dialect's logged stream (stream_runs.py) is not a response
         return json_response(page(items, limit, order, after))
 
@@ -68,9 +71,8 @@ class ResponseItemsController(Controller):
         status_code=200,
         responses=documented(ResponseObject, "the response, cancelled"),
     )
-    async def cancel(self, request: Request, response_id: FromPath[str]) -> Response:
-        owner = caller_owner(request)
-        state: StateService = request.app.state.state
+    async def cancel(self, request: Request, stored: StateStore, response_id: FromPath[str]) -> Response:
+        owner, state = caller_owner(request), stored
         found = RESPONSE.found(
             await state.store.get(response_id, owner) if response_id.startswith("resp_") else None, response_id
         )

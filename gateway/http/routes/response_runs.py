@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar import Litestar
 from litestar.connection import ASGIConnection
 from litestar.response import Stream
 
@@ -211,10 +210,9 @@ def last_event(connection: ASGIConnection) -> tuple[str, int] | None:
     return stream, int(seq)
 
 
-async def follow(app: Litestar, response_id: str, owner: str, after: int) -> AsyncIterator[bytes]:
+async def follow(state: StateService, response_id: str, owner: str, after: int) -> AsyncIterator[bytes]:
     """Events above ``after``, from wherever the stream runs: here (memory), on another gateway
     (its log, read every POLL_S), or nowhere because its gateway died (then it is taken over here)."""
-    state: StateService = app.state.state
     last = after
     while True:
         run = state.runs.get(response_id)
@@ -245,6 +243,7 @@ async def resume_stream(connection: ASGIConnection, owner: str) -> Stream | None
     if named is None:
         return None
     stream_id, after = named
-    if await connection.app.state.state.store.get(stream_id, owner) is None:
+    state: StateService = connection.app.state.state
+    if await state.store.get(stream_id, owner) is None:
         raise not_stored("stream", stream_id, "Last-Event-ID")
-    return sse_stream(follow(connection.app, stream_id, owner, after))
+    return sse_stream(follow(state, stream_id, owner, after))

@@ -41,9 +41,8 @@ from gateway.generate.model_registry import ModelRegistry
 from gateway.generate.served_model import ServedModel
 from gateway.http.auth import caller_owner
 from gateway.http.routes import stream_runs
-from gateway.http.routes.common import RESPONSE, documented, json_response
+from gateway.http.routes.common import RESPONSE, StateStore, documented, json_response
 from gateway.http.routes.conversations import conversation_id
-from gateway.http.routes.files import files_if_any
 from gateway.http.routes.response_output import Output
 from gateway.http.routes.response_runs import (
     Turn,
@@ -89,15 +88,16 @@ class ResponsesController(Controller):
     async def create(
         self,
         request: Request,
+        stored: StateStore,
         data: JSONBody[ResponsesRequest],
         models: NamedDependency[ModelRegistry],
         caller: NamedDependency[Caller],
-        stored: NamedDependency[StateService],
+        files: NamedDependency[Files | None],
     ) -> Response:
         req, state = data, stored
         if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
             return resumed
-        started = await start_response(req, models.get(req.model), caller, state, files_if_any(request))
+        started = await start_response(req, models.get(req.model), caller, state, files)
         response, generation = started.response, started.generation
         if req.stream:
             return sse_stream(with_ids(started.events(), response.id), generation.request_id)
@@ -120,17 +120,18 @@ class ResponsesController(Controller):
     async def retrieve(
         self,
         request: Request,
+        stored: StateStore,
         response_id: FromPath[str],
         stream: FromQuery[bool] = False,
         starting_after: FromQuery[int] = -1,
     ) -> Response:
-        found = await _stored(request, response_id)
+        found = await _stored(request, stored, response_id)
         if stream:
             if not found.background and not found.running and starting_after < 0 and last_event(request) is None:
                 raise InvalidRequest("only background responses can be streamed again once they ended", param="stream")
             named = last_event(request)  # EventSource reconnects with the last id it saw
             after = named[1] if named is not None and named[0] == response_id else starting_after
-            return sse_stream(follow(request.app, response_id, caller_owner(request), after))
+            return sse_stream(follow(stored, response_id, caller_owner(request), after))
         return Response(content=found.body, media_type="application/json")
 
     @delete(
@@ -138,8 +139,8 @@ class ResponsesController(Controller):
         status_code=200,
         responses=documented(DeletedResponse, "the response is forgotten"),
     )
-    async def remove(self, request: Request, response_id: FromPath[str]) -> Response:
-        state: StateService = request.app.state.state
+    async def remove(self, request: Request, stored: StateStore, response_id: FromPath[str]) -> Response:
+        state = stored
         if not response_id.startswith("resp_"):  # another dialect's stream (stream_runs.py) is not a response
             raise not_stored("response", response_id, "response_id")
         state.runs.cancel(response_id, requested=False)
@@ -147,10 +148,9 @@ class ResponsesController(Controller):
         return json_response(DeletedResponse(response_id))
 
 
-async def _stored(request: Request, response_id: str):  # a StoredResponse
+async def _stored(request: Request, state: StateService, response_id: str):  # a StoredResponse
     """The caller's stored response: another key's is a 404, as an absent one."""
-    store = request.app.state.state.store
-    found = await store.get(response_id, caller_owner(request)) if response_id.startswith("resp_") else None
+    found = await state.store.get(response_id, caller_owner(request)) if response_id.startswith("resp_") else None
     return RESPONSE.found(found, response_id)  # another dialect's stream (stream_runs.py) is not a response
 
 

@@ -25,14 +25,17 @@ from typing import Any
 
 import msgspec
 from litestar import WebSocket, websocket
+from litestar.di import NamedDependency
 from litestar.exceptions import WebSocketDisconnect
 
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.fleet.dispatch import PINNED, Pin
+from gateway.generate.model_registry import ModelRegistry
 from gateway.http.auth import caller_key, caller_owner
 from gateway.http.routes.responses import start_response
 from gateway.policy.caller import Caller
 from gateway.schemas.responses import ResponsesRequest
+from gateway.state.files import Files
 from gateway.state.service import StateService
 
 log = logging.getLogger(__name__)
@@ -80,10 +83,12 @@ class SocketLimits:
 
 
 class Session:
-    """One socket: its sends (one at a time), its response in flight, the last conversation, its pin."""
+    """One socket: its sends (one at a time), its response in flight, the last conversation, its pin;
+    the services its responses use (the handler's dependencies)."""
 
-    def __init__(self, socket: WebSocket) -> None:
+    def __init__(self, socket: WebSocket, models: ModelRegistry, state: StateService, files: Files | None) -> None:
         self.socket = socket
+        self.models, self.state, self.files = models, state, files
         self.lock = asyncio.Lock()
         self.turn: asyncio.Task | None = None
         self.local: dict[str, list[dict[str, Any]]] = {}  # the last response's conversation, by its id
@@ -101,12 +106,10 @@ class Session:
     async def respond(self, req: ResponsesRequest) -> None:
         """One response: its events as frames; a refused request is an error event."""
         socket = self.socket
-        state: StateService = socket.app.state.state
         caller = Caller(owner=caller_owner(socket), key=caller_key(socket), address=(socket.client or (None,))[0])
         try:
-            started = await start_response(
-                req, socket.app.state.models.get(req.model), caller, state, socket.app.state.get("files"), self.local
-            )
+            served = self.models.get(req.model)
+            started = await start_response(req, served, caller, self.state, self.files, self.local)
             async for event in started.events():
                 await self.send(event.data)
         except GatewayError as exc:
@@ -119,10 +122,15 @@ class Session:
 
 
 @websocket(["/v1/responses", "/responses"])
-async def responses_socket(socket: WebSocket) -> None:
+async def responses_socket(
+    socket: WebSocket,
+    models: NamedDependency[ModelRegistry],
+    stored: NamedDependency[StateService],
+    files: NamedDependency[Files | None],
+) -> None:
     config = socket.app.state.websocket_limits
     await socket.accept()
-    session = Session(socket)
+    session = Session(socket, models, stored, files)
     PINNED.set(session.pin)  # this handler's task (and the runs it starts) prefer the socket's worker
     closes_at = time.monotonic() + config.max_age
     try:

@@ -19,9 +19,9 @@ from gateway.errors import InvalidRequest
 from gateway.generate import core
 from gateway.generate.events import Usage
 from gateway.generate.model_registry import ModelRegistry
-from gateway.generate.request import CoreRequest
+from gateway.generate.request import CoreRequest, request_id
 from gateway.generate.served_model import ServedModel, TextDelta, now_s
-from gateway.generate.validation import check_token_ids, request_id
+from gateway.generate.validation import check_token_ids
 from gateway.http.routes import chat, completions
 from gateway.http.routes.common import documented, event_stream, json_response, openai_usage
 from gateway.http.routes.tokens_parse import chat_reader

@@ -14,12 +14,16 @@ from __future__ import annotations
 import time
 
 import msgspec
-from litestar import Request, Response, get
+from litestar import Response, get
+from litestar.di import NamedDependency
 from litestar.params import FromQuery
 
 from gateway.errors import InvalidRequest
 from gateway.http.routes.common import documented, json_response
+from gateway.policy.quotas import Quotas
+from gateway.state.batches import Batches
 from gateway.state.records import key_label
+from gateway.state.service import StateService
 from gateway.state.usage import day_of
 
 
@@ -32,7 +36,9 @@ class UsageReport(msgspec.Struct):
 
 @get("/v1/usage", responses=documented(UsageReport, "usage per key, model and day"))
 async def usage(
-    request: Request,
+    stored: NamedDependency[StateService],
+    quotas: NamedDependency[Quotas],
+    batches: NamedDependency[Batches],
     start: FromQuery[str | None] = None,
     end: FromQuery[str | None] = None,
     key: FromQuery[str | None] = None,
@@ -48,12 +54,12 @@ async def usage(
         except ValueError:
             raise InvalidRequest(f"`{name}` must be a day as YYYY-MM-DD; got {value!r}", param=name) from None
     if batch is not None:
-        rows = await request.app.state.batches.usage(None if batch == "*" else batch)
+        rows = await batches.usage(None if batch == "*" else batch)
         data = [{**row, "key": key_label(row.pop("owner"))} for row in rows]
         return json_response(UsageReport([r for r in data if key in (None, r["key"])], start, end))
-    state = request.app.state.state
+    state = stored
     rows = await state.usage.report(state.store.db, start, end, None, model)
-    managed = {key_label(k.owner): k for k in await request.app.state.quotas.store.list()}
+    managed = {key_label(k.owner): k for k in await quotas.store.list()}
     for row in rows:
         if row["key"] in managed:
             row["key_id"], row["key_name"] = managed[row["key"]].id, managed[row["key"]].name
