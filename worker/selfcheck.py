@@ -6,7 +6,9 @@ attention chunk (so the window really cuts) prefilled in two chunks beside the f
 step, then decode steps of both together and one of the long one alone. The tokens fed are fixed
 and the short sequence is the long one's beginning, so one reference forward in transformers
 (eager attention, same dtype) gives the logits of every position checked, computed up front (the
-native forward frees transformers' layers).
+native forward frees transformers' layers). The tokens are drawn again (a few times at most) while
+a checked position is a near-tie of more than five tokens, where rounding noise, not the step,
+decides the top-5 rule (``TIE_MARGIN``).
 
 The rule (vLLM's, as the tests use it): in float32 with unquantized weights, the same top token at
 every position (near-ties within ``TIE`` aside) and logits within ``EXACT_TOLERANCE`` of the
@@ -41,6 +43,12 @@ DECODE_STEPS = 2  # decode steps of the short prompt beside the long one (which 
 TIE = 1e-4  # float32: a top-token swap between logits closer than this (relative) is summation order
 EXACT_TOLERANCE = 1e-3  # float32: largest logit difference allowed, relative to the largest logit
 TOP_K = 5
+# Quantized weights: a checked position where more than TOP_K tokens lie within this (relative to
+# the largest logit) of the reference's top one tests rounding noise, not the step: which of the
+# tied tokens wins there turns on the last bits of the prompt's cache (torch's AVX2 and AVX-512
+# kernels differ there), so the self-check draws its tokens again, up to DRAWS times, to avoid one.
+TIE_MARGIN = 0.02
+DRAWS = 4  # each a reference forward of the long prompt (window + 5 tokens on a sliding-window model)
 
 
 @dataclass(slots=True)
@@ -67,10 +75,19 @@ class SelfCheck:
         long_len = max(SHORT_PROMPT + DECODE_STEPS, min(long_len, max_model_len - DECODE_STEPS - 2))
         self.window = window if window is not None and long_len > window else None  # the window cuts the long prompt
         # The short sequence is the long one's beginning, so one reference forward gives both's logits.
-        tokens = torch.randint(0, vocab, (long_len + DECODE_STEPS + 1,), generator=generator).tolist()
-        logits = (
-            reference_logits(model, tokens, len(tokens) - SHORT_PROMPT + 1).float().cpu()
-        )  # from position SHORT_PROMPT - 1 on
+        best = None
+        for self.draws in range(1, DRAWS + 1):  # the draw whose checked positions are furthest from a near-tie
+            tokens = torch.randint(0, vocab, (long_len + DECODE_STEPS + 1,), generator=generator).tolist()
+            logits = (
+                reference_logits(model, tokens, len(tokens) - SHORT_PROMPT + 1).float().cpu()
+            )  # from position SHORT_PROMPT - 1 on
+            at = long_len - SHORT_PROMPT  # the long prompt's last token
+            checked = torch.cat([logits[: DECODE_STEPS + 1], logits[at : at + DECODE_STEPS + 1]])  # the rows compared
+            if best is None or tie_margin(checked) > best[0]:
+                best = (tie_margin(checked), tokens, logits)
+            if best[0] >= TIE_MARGIN:
+                break
+        self.margin, tokens, logits = best
         self.sequences = [
             CheckSequence(
                 tokens[:SHORT_PROMPT], tokens[SHORT_PROMPT : SHORT_PROMPT + DECODE_STEPS], logits[: DECODE_STEPS + 1]
@@ -118,9 +135,12 @@ class SelfCheck:
                     request.token_ids.append(sequence.continuation[seen[request.request_id]])
                 seen[request.request_id] += 1
         log.info(
-            "self-check passed in %.2f s (reference %.2f s): %d positions against transformers' eager forward, %s%s",
+            "self-check passed in %.2f s (reference %.2f s, %d draw(s), tie margin %.3f): %d positions against "
+            "transformers' eager forward, %s%s",
             time.perf_counter() - started + self.reference_s,
             self.reference_s,
+            self.draws,
+            self.margin,
             sum(seen.values()),
             "float32 top tokens and logits" if exact else f"top-{TOP_K} closeness",
             f", one prompt past the {self.window}-token window" if self.window else "",
@@ -182,6 +202,13 @@ def compare(ours: torch.Tensor, reference: torch.Tensor, exact: bool) -> str | N
     if mine not in reference.topk(TOP_K).indices or theirs not in ours.topk(TOP_K).indices:
         return f"the top token {mine} and the reference's {theirs} are not each in the other's top {TOP_K}"
     return None
+
+
+def tie_margin(logits: torch.Tensor) -> float:
+    """The smallest gap, over the rows of ``logits`` ``[positions, vocab]``, between the top logit
+    and the (TOP_K + 1)-th, relative to the row's largest magnitude."""
+    top = logits.topk(TOP_K + 1, dim=-1).values
+    return float(((top[:, 0] - top[:, -1]) / (logits.abs().amax(dim=-1) + 1e-6)).min())
 
 
 @torch.inference_mode()
