@@ -194,9 +194,9 @@ class ModelRunner:
         graphs = use_graphs(config.cuda_graphs, self.device, self.native, backend)
         self.eos_token_ids = _eos_ids(model)
         self.vocab_size = text.vocab_size
-        own = range(len(self.layers)) if self.group is None or self.group.layers is None else self.group.layers
+        staged = range(len(self.layers)) if self.group is None or self.group.layers is None else self.group.layers
         shape = kv_cache.CacheShape(  # a pipeline stage caches its own layers (the others': no heads)
-            tuple((layer.kv_heads * (i in own), layer.k_dim, layer.v_dim) for i, layer in enumerate(self.layers)),
+            tuple((layer.kv_heads * (i in staged), layer.k_dim, layer.v_dim) for i, layer in enumerate(self.layers)),
             self.block_size,
         )
         agree = None if self.group is None else lambda blocks: self.group.fewest(blocks, self.device)
