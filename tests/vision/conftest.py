@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import http.server
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,31 +27,25 @@ def idefics3(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
-def smolvlm(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("smolvlm")
-    build_idefics3(tokenizer, folder, kind="SmolVLM")
-    return folder
+LATER = {  # built on first use, by family
+    "smolvlm": partial(build_idefics3, kind="SmolVLM"),
+    "qwen2_vl": partial(build_qwen_vl, kind="qwen2_vl"),
+    "qwen2_5_vl": partial(build_qwen_vl, kind="qwen2_5_vl"),
+    "qwen3_vl": partial(build_qwen_vl, kind="qwen3_vl"),
+}
 
 
 @pytest.fixture(scope="session")
-def qwen2_vl(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("qwen2_vl")
-    build_qwen_vl(tokenizer, folder, kind="qwen2_vl")
-    return folder
+def vlm(tokenizer, tmp_path_factory: pytest.TempPathFactory, llava: Path, idefics3: Path) -> Callable[[str], Path]:
+    """The folder of a family's tiny model, by the family's name."""
+    folders = {"llava": llava, "idefics3": idefics3}
 
+    def folder(family: str) -> Path:
+        if family not in folders:
+            folders[family] = tmp_path_factory.mktemp(family)
+            LATER[family](tokenizer, folders[family])
+        return folders[family]
 
-@pytest.fixture(scope="session")
-def qwen3_vl(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("qwen3_vl")
-    build_qwen_vl(tokenizer, folder, kind="qwen3_vl")
-    return folder
-
-
-@pytest.fixture(scope="session")
-def qwen2_5_vl(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("qwen2_5_vl")
-    build_qwen_vl(tokenizer, folder, kind="qwen2_5_vl")
     return folder
 
 

@@ -73,11 +73,11 @@ def run(engine, requests: list[NewRequest]) -> dict[str, tuple[list[int], int]]:
 
 
 @pytest.mark.parametrize("family", ["llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-def test_images_match_generate_alone_and_batched_with_text(engine, family, request):
+def test_images_match_generate_alone_and_batched_with_text(engine, family, vlm):
     """Two images of different sizes in two messages (text between and after them: M-RoPE's
     positions past each image) beside a text-only request, then alone. One image against
     generate: the prefix-cache test."""
-    folder = request.getfixturevalue(family)
+    folder = vlm(family)
     # the others without the start's self-check (text positions against the eager forward; LLaVA's runs it)
     served = engine if family == "llava" else build_engine(resolve_model(str(folder)), QUICK)
     cases = {"two": (TWO, [image_bytes(1), image_bytes(2, (64, 30))]), "none": (NONE, [])}
