@@ -218,7 +218,7 @@ async def open_state(app: Litestar, config: GatewayConfig, client: WorkerClient,
     state.hooks.append(rules.quotas.sync)
     client.loras.table = LoraTable(db)  # runtime LoRA adapters are the fleet's (gateway/fleet/lora.py)
     state.hooks.append(partial(client.loras.sync, client.models))
-    state.start(lambda response_id, gateway: take_over(app, response_id, gateway))
+    state.start(lambda response_id, gateway: take_over(state, models, response_id, gateway))
     return state
 
 

@@ -236,14 +236,13 @@ async def follow(state: StateService, response_id: str, owner: str, after: int) 
         await asyncio.sleep(POLL_S)
 
 
-async def resume_stream(connection: ASGIConnection, owner: str) -> Stream | None:
+async def resume_stream(connection: ASGIConnection, state: StateService, owner: str) -> Stream | None:
     """The answer to a request that names the last event its client saw (``Last-Event-ID``): the
     rest of that stream, from wherever it runs; None when the request names none."""
     named = last_event(connection)
     if named is None:
         return None
     stream_id, after = named
-    state: StateService = connection.app.state.state
     if await state.store.get(stream_id, owner) is None:
         raise not_stored("stream", stream_id, "Last-Event-ID")
     return sse_stream(follow(state, stream_id, owner, after))

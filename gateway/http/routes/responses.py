@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar import Controller, Litestar, Request, Response, delete, get, post
+from litestar import Controller, Request, Response, delete, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
 
@@ -95,7 +95,7 @@ class ResponsesController(Controller):
         files: NamedDependency[Files | None],
     ) -> Response:
         req, state = data, stored
-        if (resumed := await resume_stream(request, caller.owner)) is not None:  # a client reconnecting
+        if (resumed := await resume_stream(request, state, caller.owner)) is not None:  # a client reconnecting
             return resumed
         started = await start_response(req, models.get(req.model), caller, state, files)
         response, generation = started.response, started.generation
@@ -252,13 +252,17 @@ async def start_response(
 
 
 async def resume(
-    app: Litestar, response: ResponseObject, turn: Turn, chunks: list[RequestOutput], logged: list[Event]
+    state: StateService,
+    models: ModelRegistry,
+    response: ResponseObject,
+    turn: Turn,
+    chunks: list[RequestOutput],
+    logged: list[Event],
 ) -> None:
     """Run on here a response a dead gateway was running (``response_runs.take_over``): its prompt
     as the token ids it ran, its logged chunks replayed before the worker continues."""
-    state: StateService = app.state.state
     req = turn.request
-    served = app.state.models.get(req.model)
+    served = models.get(req.model)
     greq = core_request(req, [])
     greq.messages, greq.prompts = None, [turn.prompt]
     greq.replay, greq.owner, greq.meter = chunks, turn.owner, state.usage
@@ -295,11 +299,10 @@ def _envelope(served: ServedModel, req: ResponsesRequest) -> ResponseObject:
     )
 
 
-async def take_over(app: Litestar, response_id: str, dead_gateway: str) -> bool:
+async def take_over(state: StateService, models: ModelRegistry, response_id: str, dead_gateway: str) -> bool:
     """Continue here a response (or another dialect's stream, ``stream_runs.py``) whose gateway died:
     claim it (one gateway wins), replay its logged chunks, and run it on. False when another gateway
     claimed it first, or it cannot run here."""
-    state: StateService = app.state.state
     row = await state.store.db.fetchone(
         "SELECT owner, body, input_items, request, background FROM responses WHERE id = ?", response_id
     )
@@ -317,7 +320,7 @@ async def take_over(app: Litestar, response_id: str, dead_gateway: str) -> bool:
     )
     if "dialect" in blob:
         try:
-            await stream_runs.resume(app, response_id, row[0], blob, chunks, logged)
+            await stream_runs.resume(state, models, response_id, row[0], blob, chunks, logged)
         except Exception as exc:
             log.error("stream %s could not be taken over: %s", response_id, exc)
             return False
@@ -326,7 +329,7 @@ async def take_over(app: Litestar, response_id: str, dead_gateway: str) -> bool:
     response = msgspec.json.decode(row[1], type=ResponseObject)
     turn = Turn(row[0], bytes(row[2]), blob["messages"], req, blob["prompt"], blob.get("conversation"))
     try:
-        await resume(app, response, turn, chunks, logged)
+        await resume(state, models, response, turn, chunks, logged)
     except Exception as exc:
         log.error("response %s could not be taken over: %s", response_id, exc)
         response.status = "failed"

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar import Litestar
 from litestar.connection import ASGIConnection
 from litestar.response import Stream
 
@@ -79,7 +78,7 @@ async def start_stream(
 ) -> Stream | tuple[core.Generation, StreamId]:
     """The opening the logged dialects share: for a reconnecting client, the rest of its stream;
     otherwise the generation started, and a stream it may log answered at once, logged."""
-    if (resumed := await resume_stream(request, caller.owner)) is not None:
+    if (resumed := await resume_stream(request, state, caller.owner)) is not None:
         return resumed
     generation = await core.start(models.get(data.model), req, caller)
     ident = StreamId.new(DIALECTS[name].prefix)
@@ -134,16 +133,21 @@ def logged_stream(
 
 
 async def resume(
-    app: Litestar, stream_id: str, owner: str, blob: dict, chunks: list[RequestOutput], logged: list[Event]
+    state: StateService,
+    models: ModelRegistry,
+    stream_id: str,
+    owner: str,
+    blob: dict,
+    chunks: list[RequestOutput],
+    logged: list[Event],
 ) -> None:
     """Run on here a stream a dead gateway was running (``responses.take_over`` found it is not a response)."""
-    state: StateService = app.state.state
     dialect = DIALECTS[blob["dialect"]]
     data = msgspec.convert(blob["body"], dialect.body)
     greq = dialect.core_request(data)
     greq.messages, greq.prompts = None, [blob["prompt"]]
     greq.replay, greq.owner, greq.meter = chunks, owner, state.usage
-    generation = await core.start(app.state.models.get(data.model), greq)
+    generation = await core.start(models.get(data.model), greq)
     row = await state.store.db.fetchone("SELECT model FROM responses WHERE id = ?", stream_id)
     record = ResponseRecord(
         id=stream_id,
