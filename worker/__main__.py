@@ -8,11 +8,18 @@ import logging
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from common.config import add_flags, from_namespace
 from common.logs import setup_logging
 from common.model_source import bundle_tokenizer, load_tokenizer, read_chat_template, resolve_model
 from worker.config import ALL_WORKER_FLAGS, EXIT_UNSUPPORTED, WorkerConfig
+
+if TYPE_CHECKING:  # torch comes with these: imported after the arguments are parsed
+    from common.model_source import ModelSource
+    from worker.engine import Engine
+    from worker.proc import WorkerProc
+    from worker.stepper import StepThread
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,12 +46,43 @@ def main(argv: list[str] | None = None) -> None:
         children = start_local_ranks(topology, argv) if topology is not None else []
     except ValueError as exc:
         fail_to_start(config, name, curve_keys, exc)
-    from worker.build import build_engine  # heavy imports (torch) after argument parsing
-    from worker.parallel import group as parallel
-    from worker.proc import WorkerProc
     from worker.stepper import StepThread
 
     stepper = StepThread()  # steps run off the socket thread, on the thread that loads the model
+    config, group, engine, source, bundle = _start(config, name, curve_keys, topology, children, stepper)
+    proc = _proc(config, name, curve_keys, engine, source, bundle, stepper)
+    proc.install_signal_handlers()
+    # Everything loaded so far (model modules, tokenizer, torch's own objects) lives as long as the
+    # process: keep it out of the collector's scans. A full collection walked it all, costing 263 ms
+    # over 128 batch-1 decode steps (2 ms a token on average, in pauses of tens of ms); after
+    # freezing, 4 ms.
+    gc.freeze()
+    runner = engine.runner
+    logging.getLogger(__name__).info(
+        "worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks
+    )
+    if group is not None:
+        group.arm()
+    proc.run()
+    if group is not None:
+        group.close()  # the step thread has ended (proc.run stops it): no step's collectives are left
+    if engine.kv_store is not None:
+        engine.kv_store.close()
+
+
+def _start(
+    config: WorkerConfig,
+    name: str,
+    curve_keys: tuple[str, str] | None,
+    topology: object,
+    children: list,
+    stepper: StepThread,
+) -> tuple:
+    """Step 1: the parallel group joined, the engine built on the step thread, the tokenizer bundled.
+    Any failure is said once, to the log and to the gateways, and ends the process."""
+    from worker.build import build_engine  # heavy imports (torch) after argument parsing
+    from worker.parallel import group as parallel
+
     group = None
     try:
         config, group = parallel.start(config, topology, children)  # the group joined
@@ -52,15 +90,29 @@ def main(argv: list[str] | None = None) -> None:
             engine = stepper.call(build_engine, resolve_model(config.model, config.served_model_name), config)
             follow_rank_zero(engine, stepper)
         source = resolve_model(config.model, config.served_model_name)
-        engine = stepper.call(
-            build_engine, source, config
-        )  # first: an unsupported model is refused before anything else
+        # first: an unsupported model is refused before anything else
+        engine = stepper.call(build_engine, source, config)
         tokenizer = load_tokenizer(source, config.cache_dir)  # cached after the first run (GGUF: about 3 s once)
         bundle = bundle_tokenizer(
             tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None)), source
         )
-    except Exception as exc:  # said once, to the log and to the gateways, then the exit code tells the launcher
+    except Exception as exc:  # the exit code tells the launcher
         fail_to_start(config, name, curve_keys, exc)
+    return config, group, engine, source, bundle
+
+
+def _proc(
+    config: WorkerConfig,
+    name: str,
+    curve_keys: tuple[str, str] | None,
+    engine: Engine,
+    source: ModelSource,
+    bundle: object,
+    stepper: StepThread,
+) -> WorkerProc:
+    """Step 2: the socket loop around the engine, with its adaptive thread team and KV events."""
+    from worker.proc import WorkerProc
+
     runner = engine.runner
     team = None
     if config.adaptive_threads and runner.device.type == "cpu":
@@ -89,22 +141,7 @@ def main(argv: list[str] | None = None) -> None:
 
         engine.blocks.events = KvEventPublisher(config.kv_events_endpoint)
         stepper.call(engine.blocks.events.start)  # the engine thread owns the socket
-    proc.install_signal_handlers()
-    # Everything loaded so far (model modules, tokenizer, torch's own objects) lives as long as the
-    # process: keep it out of the collector's scans. A full collection walked it all, costing 263 ms
-    # over 128 batch-1 decode steps (2 ms a token on average, in pauses of tens of ms); after
-    # freezing, 4 ms.
-    gc.freeze()
-    logging.getLogger(__name__).info(
-        "worker ready: %s on %s (%s), %d KV blocks", source.name, runner.device, runner.dtype, runner.num_blocks
-    )
-    if group is not None:
-        group.arm()
-    proc.run()
-    if group is not None:
-        group.close()  # the step thread has ended (proc.run stops it): no step's collectives are left
-    if engine.kv_store is not None:
-        engine.kv_store.close()
+    return proc
 
 
 def follow_rank_zero(engine: object, stepper: object) -> None:

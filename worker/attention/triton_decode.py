@@ -233,18 +233,9 @@ def paged_decode_attention(
     zeros). Head h reads KV head ``h // (heads // kv_heads)``. ``splits`` defaults to ``num_splits``.
     Only shapes steer the launch, so this is safe inside CUDA graph capture.
     """
+    _check(query, k_cache, v_cache, block_tables)
     rows, heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if heads % kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"query {tuple(query.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
-        )
-    if block_size & (block_size - 1) or query.dtype != k_cache.dtype or query.dtype != v_cache.dtype:
-        raise ValueError(
-            f"block size {block_size} must be a power of two and dtypes must match ({query.dtype}, {k_cache.dtype})"
-        )
-    if query.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or block_tables.stride(1) != 1:
-        raise ValueError("query, caches and block tables need a contiguous last dimension")
     splits = splits or num_splits(rows, kv_heads)
     group = heads // kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -287,23 +278,45 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays exact, not TF32
     )
     if splits > 1:
-        _combine_kernel[(rows, heads)](
-            partial,
-            lse,
-            out,
-            partial.stride(0),
-            partial.stride(1),
-            partial.stride(2),
-            lse.stride(0),
-            lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-        )
+        _combine(partial, lse, out, splits)
     return out
+
+
+def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+    """Shapes, dtypes and strides the kernels rely on, refused in one sentence each."""
+    _, heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if heads % kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+        )
+    if block_size & (block_size - 1) or query.dtype != k_cache.dtype or query.dtype != v_cache.dtype:
+        raise ValueError(
+            f"block size {block_size} must be a power of two and dtypes must match ({query.dtype}, {k_cache.dtype})"
+        )
+    if query.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("query, caches and block tables need a contiguous last dimension")
+
+
+def _combine(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: int) -> None:
+    """Stage 2: each row and head's splits, weighted by their log-sum-exps, into ``out``."""
+    rows, heads, head_dim = out.shape
+    _combine_kernel[(rows, heads)](
+        partial,
+        lse,
+        out,
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        SPLITS=splits,
+        SPLITS_PAD=triton.next_power_of_2(splits),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+    )
 
 
 class TritonDecode(DecodeBackend):

@@ -102,6 +102,19 @@ def _layer_type(config: object, index: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
 
 
+def _block_norms(block: torch.nn.Module, index: int) -> list[Norm | None]:
+    """The block's norms before and after attention, and before and after the MLP."""
+    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    found = {name: getattr(block, name, None) for name in names}
+    if found["pre_feedforward_layernorm"] is not None:  # Gemma 2/3: norms before and after each block
+        modules = [found[name] for name in names]
+    elif found["input_layernorm"] is None:  # OLMo 2: norms after each block only
+        modules = [None, found["post_attention_layernorm"], None, found["post_feedforward_layernorm"]]
+    else:  # before each block (in parallel blocks, the MLP's own or the shared one)
+        modules = [found["input_layernorm"], None, found["post_attention_layernorm"], None]
+    return [None if m is None else norm(m, f"layer {index} norm") for m in modules]
+
+
 def _layer(index: int, block: torch.nn.Module, config: object, rope_types: list[str | None], head_dim: int) -> Layer:
     attn = block.self_attn
     layer_type = _layer_type(config, index)
@@ -109,32 +122,8 @@ def _layer(index: int, block: torch.nn.Module, config: object, rope_types: list[
         raise NotFast(f"layer {index} is of type {layer_type!r}")
     q, k, v, qkv_bias = _qkv(attn, config, head_dim)
     o_mod = getattr(attn, "o_proj", None) or attn.dense
-    norms = {
-        name: getattr(block, name, None)
-        for name in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        )
-    }
     parallel = _parallel(block, config)
-    if norms["pre_feedforward_layernorm"] is not None:  # Gemma 2/3: norms before and after each block
-        pre_a, post_a, pre_m, post_m = (
-            norms["input_layernorm"],
-            norms["post_attention_layernorm"],
-            norms["pre_feedforward_layernorm"],
-            norms["post_feedforward_layernorm"],
-        )
-    elif norms["input_layernorm"] is None:  # OLMo 2: norms after each block only
-        pre_a, post_a, pre_m, post_m = (
-            None,
-            norms["post_attention_layernorm"],
-            None,
-            norms["post_feedforward_layernorm"],
-        )
-    else:  # before each block (in parallel blocks, the MLP's own or the shared one)
-        pre_a, post_a, pre_m, post_m = norms["input_layernorm"], None, norms["post_attention_layernorm"], None
+    attn_norm, post_attn_norm, mlp_norm, post_mlp_norm = _block_norms(block, index)
     q_norm, k_norm, qk = _qk_norms(attn, head_dim)
     rope_set = _rope_set(config, index, layer_type, rope_types)
     window = (
@@ -143,10 +132,10 @@ def _layer(index: int, block: torch.nn.Module, config: object, rope_types: list[
         else 0
     )
     layer = Layer(
-        attn_norm=None if pre_a is None else norm(pre_a, f"layer {index} norm"),
-        post_attn_norm=None if post_a is None else norm(post_a, f"layer {index} norm"),
-        mlp_norm=None if pre_m is None else norm(pre_m, f"layer {index} norm"),
-        post_mlp_norm=None if post_m is None else norm(post_m, f"layer {index} norm"),
+        attn_norm=attn_norm,
+        post_attn_norm=post_attn_norm,
+        mlp_norm=mlp_norm,
+        post_mlp_norm=post_mlp_norm,
         qkv=[q, k, v],
         qkv_bias=qkv_bias,
         o=o_mod.weight.detach(),

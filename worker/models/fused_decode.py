@@ -25,7 +25,7 @@ from worker.models import family as family_module
 from worker.models import measure, shapes
 from worker.models.family import describe
 from worker.models.measure import halve, rotary_tables
-from worker.models.shapes import QK_NONE, Family, Norm, NotFast
+from worker.models.shapes import QK_NONE, Family, Layer, Norm, NotFast
 from worker.quantization import OFF_GRID, fit_q4, on_4bit_grid, pack_int8, pack_q4, quantize_int8
 
 # Per-layer slots, in the order of decode_step.cpp's Slot enum.
@@ -223,72 +223,77 @@ def _numbers(f: Family) -> tuple[list[int], list[float]]:
     return ints, floats
 
 
-def _layout(f: Family, model: torch.nn.Module, quantization: str, packed: bool) -> dict[str, torch.Tensor]:
-    """Flat names for a safetensors file: ``w.{layer}.{slot}``, ``e.{expert}.{part}``, the final norm and the head."""
+class _Layout:
+    """Flat names for a safetensors file, gathered in ``out``: ``w.{layer}.{slot}``,
+    ``e.{expert}.{part}``, the final norm and the head."""
 
-    def int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __init__(self, quantization: str, packed: bool, keep_finer: bool) -> None:
+        self.quantization, self.packed, self.keep_finer = quantization, packed, keep_finer
+        self.out: dict[str, torch.Tensor] = {}
+        self.expert = 0
+
+    def int8(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, scale = quantize_int8(weight)
-        return pack_int8(q, scale) if packed else (q, scale)
+        return pack_int8(q, scale) if self.packed else (q, scale)
 
-    # A 4-bit file keeps some matrices finer (llama.cpp's Q4_K_M: attention values and some FFN
-    # downs in Q6_K): from such a model those stay at int8 rather than being rounded onto 4 bits.
-    keep_finer = quantization == "q4" and on_4bit_grid(model)
-
-    def matrix(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if quantization == "int8":
-            return int8(weight)
-        if quantization == "q4":
+    def matrix(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.quantization == "int8":
+            return self.int8(weight)
+        if self.quantization == "q4":
             q, dm, worst = fit_q4(weight)
-            if keep_finer and worst > OFF_GRID:
-                return int8(weight)
-            return pack_q4(q, dm) if packed else (q, dm)
+            if self.keep_finer and worst > OFF_GRID:
+                return self.int8(weight)
+            return pack_q4(q, dm) if self.packed else (q, dm)
         return weight.contiguous(), None
 
-    out: dict[str, torch.Tensor] = {}
-
-    def put(prefix: str, name: str, value: torch.Tensor | None) -> None:
+    def put(self, prefix: str, name: str, value: torch.Tensor | None) -> None:
         if value is not None:
-            out[f"{prefix}.{name}"] = value.contiguous()
+            self.out[f"{prefix}.{name}"] = value.contiguous()
 
-    def put_norm(prefix: str, name: str, norm: Norm | None) -> None:
+    def put_matrix(self, prefix: str, name: str, weight: torch.Tensor | None) -> None:
+        if weight is not None:
+            w, scale = self.matrix(weight)
+            self.put(prefix, f"{name}_w", w)
+            self.put(prefix, f"{name}_scale", scale)
+
+    def put_norm(self, prefix: str, name: str, norm: Norm | None) -> None:
         if norm is not None:
-            put(prefix, f"{name}_w", norm.weight)
-            put(prefix, f"{name}_b", norm.bias)
+            self.put(prefix, f"{name}_w", norm.weight)
+            self.put(prefix, f"{name}_b", norm.bias)
 
-    expert = 0
-    for i, layer in enumerate(f.layers):
-        p = f"w.{i}"
-        put_norm(p, "attn_norm", layer.attn_norm)
-        put_norm(p, "post_attn_norm", layer.post_attn_norm)
-        put_norm(p, "mlp_norm", layer.mlp_norm)
-        put_norm(p, "post_mlp_norm", layer.post_mlp_norm)
+    def layer(self, p: str, layer: Layer) -> None:
+        for name in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm"):
+            self.put_norm(p, name, getattr(layer, name))
         for name, weight in (("qkv", torch.cat(layer.qkv)), ("o", layer.o), ("up", layer.up), ("down", layer.down)):
-            if weight is not None:
-                w, scale = matrix(weight)
-                put(p, f"{name}_w", w)
-                put(p, f"{name}_scale", scale)
-        put(p, "qkv_bias", layer.qkv_bias)
-        put(p, "o_bias", layer.o_bias)
-        put(p, "up_bias", layer.up_bias)
-        put(p, "down_bias", layer.down_bias)
+            self.put_matrix(p, name, weight)
+        for name in ("qkv_bias", "o_bias", "up_bias", "down_bias"):
+            self.put(p, name, getattr(layer, name))
         if layer.qk_norm != QK_NONE:
-            put(p, "q_norm", layer.q_norm.weight)
-            put(p, "k_norm", layer.k_norm.weight)
-        put(p, "router_w", layer.router)
-        put(p, "shared_gate_w", layer.shared_gate)
+            self.put(p, "q_norm", layer.q_norm.weight)
+            self.put(p, "k_norm", layer.k_norm.weight)
+        self.put(p, "router_w", layer.router)
+        self.put(p, "shared_gate_w", layer.shared_gate)
         for gate_up, down in layer.experts:
-            for name, weight in (("up", gate_up), ("down", down)):
-                w, scale = matrix(weight)
-                put(f"e.{expert}", f"{name}_w", w)
-                put(f"e.{expert}", f"{name}_scale", scale)
-            expert += 1
+            self.put_matrix(f"e.{self.expert}", "up", gate_up)
+            self.put_matrix(f"e.{self.expert}", "down", down)
+            self.expert += 1
+
+
+def _layout(f: Family, model: torch.nn.Module, quantization: str, packed: bool) -> dict[str, torch.Tensor]:
+    """The model's decode weights laid out for the C++ step (``_Layout``)."""
+    # A 4-bit file keeps some matrices finer (llama.cpp's Q4_K_M: attention values and some FFN
+    # downs in Q6_K): from such a model those stay at int8 rather than being rounded onto 4 bits.
+    layout = _Layout(quantization, packed, quantization == "q4" and on_4bit_grid(model))
+    for i, layer in enumerate(f.layers):
+        layout.layer(f"w.{i}", layer)
+    out = layout.out
     out["final_norm_w"] = f.final_norm.weight.contiguous()
     if f.final_norm.bias is not None:
         out["final_norm_b"] = f.final_norm.bias.contiguous()
     # The head (tied to the embeddings in small models) is int8 under q4 too: GGUF files keep it at
     # 8 bits (Q8_0 in the default model), and 4 bits there cost the most accuracy per byte saved.
     head = model.lm_head.weight.detach()
-    out["lm_head"], scale = int8(head) if quantization != "none" else (head.contiguous(), None)
+    out["lm_head"], scale = layout.int8(head) if quantization != "none" else (head.contiguous(), None)
     if scale is not None:
         out["lm_head_scale"] = scale
     return out
