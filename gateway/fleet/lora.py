@@ -3,7 +3,7 @@ current by the answers to load and unload commands), and the commands themselves
 worker of the model and awaited (vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``).
 
 The adapters loaded and unloaded at runtime are the fleet's: recorded in the state database
-(gateway/state/lora.py) before any worker is told. Each heartbeat every gateway reads that record
+(gateway/state/adapters.py) before any worker is told. Each heartbeat every gateway reads that record
 and sends each worker the commands that bring it there (``LoraCommands.sync``): a worker that joins
 or restarts gets the runtime adapters and drops the unloaded ones, and a gateway learns of a load
 made through another one from the workers' answers (a worker that has the adapter answers at once).
@@ -26,7 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from common.lora import LoraCommand, LoraInfo, LoraResult
 from gateway.errors import GenerationFailed, InvalidRequest, NoWorkerAvailable
-from gateway.state.lora import LoraTable, Wanted
+from gateway.state.adapters import LoraTable, Wanted
 
 if TYPE_CHECKING:
     from gateway.fleet.workers import ModelPool, Narrow, WorkerInfo

@@ -31,6 +31,7 @@ from gateway.generate.tools import PARSERS
 from gateway.http.auth import admin_guard, api_key_guard, caller_of, rate_headers
 from gateway.http.fields import FieldWatch
 from gateway.http.request_body import GatewayRequest
+from gateway.http.routes.adapters import LoraController
 from gateway.http.routes.admin_keys import KeysController
 from gateway.http.routes.batches import BatchesController
 from gateway.http.routes.chat import ChatController
@@ -40,7 +41,6 @@ from gateway.http.routes.decisions import DecisionsController
 from gateway.http.routes.embeddings import EmbeddingsController
 from gateway.http.routes.files import FilesController
 from gateway.http.routes.health import health, metrics, ready, workers
-from gateway.http.routes.lora import LoraController
 from gateway.http.routes.messages import MessagesController
 from gateway.http.routes.models import ModelsController
 from gateway.http.routes.rerank import rerank, score
@@ -48,7 +48,7 @@ from gateway.http.routes.response_items import ResponseItemsController
 from gateway.http.routes.responses import ResponsesController, take_over
 from gateway.http.routes.responses_ws import SocketLimits, responses_socket
 from gateway.http.routes.tokenize import TokenizeController
-from gateway.http.routes.tokens_io import TokensController
+from gateway.http.routes.tokens_io import TokensController, abort_beat
 from gateway.http.routes.ui import UI_ROUTES
 from gateway.http.routes.usage import usage
 from gateway.ops import tracing
@@ -58,11 +58,11 @@ from gateway.policy.auth import parse_keys
 from gateway.policy.priority import POLICIES
 from gateway.policy.quotas import Quotas
 from gateway.policy.rules import Rules
+from gateway.state.adapters import LoraTable
 from gateway.state.batches import Batches
 from gateway.state.file_store import check_files_url, open_file_store
 from gateway.state.files import Files
 from gateway.state.keys import KeyStore
-from gateway.state.lora import LoraTable
 from gateway.state.service import StateService
 from gateway.state.store import Limits
 from gateway.state.usage import UsageMeter
@@ -218,6 +218,7 @@ async def open_state(app: Litestar, config: GatewayConfig, client: WorkerClient,
     state.hooks.append(rules.quotas.sync)
     client.loras.table = LoraTable(db)  # runtime LoRA adapters are the fleet's (gateway/fleet/lora.py)
     state.hooks.append(partial(client.loras.sync, client.models))
+    state.hooks.append(partial(abort_beat, state.aborts))  # /abort_requests made on another gateway
     state.start(lambda response_id, gateway: take_over(state, models, response_id, gateway))
     return state
 

@@ -185,7 +185,7 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     ),
     (
         5,
-        "LoRA adapters loaded and unloaded at runtime, per model (gateway/state/lora.py)",
+        "LoRA adapters loaded and unloaded at runtime, per model (gateway/state/adapters.py)",
         [
             # path NULL: unloaded (kept, so a worker that rejoins with it is told to drop it)
             """CREATE TABLE lora_adapters (
@@ -196,6 +196,11 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 PRIMARY KEY (model, name)
             )""",
         ],
+    ),
+    (
+        6,
+        "Request ids /abort_requests asked to stop, for the gateway that runs them (gateway/state/aborts.py)",
+        ["CREATE TABLE aborts (id TEXT PRIMARY KEY, at {real} NOT NULL)"],
     ),
 ]
 

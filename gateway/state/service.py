@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from gateway.state.aborts import Aborts
 from gateway.state.leases import Leases
 from gateway.state.runs import Runs
 from gateway.state.store import Limits, StateStore
@@ -28,6 +29,7 @@ class StateService:
         self.usage = usage
         self.runs = Runs()
         self.leases = Leases(store.db, store.gateway_id, lease_s)
+        self.aborts = Aborts(store.db)
         self.interval = interval
         self.purge_interval = purge_interval
         self.take_over: TakeOver | None = None

@@ -274,7 +274,7 @@ def test_usage_per_key_in_the_usage_report_and_the_keys_list(fleet):
     assert listed[made["id"]]["usage_this_month"]["requests"] == 1
 
 
-# ---- runtime LoRA adapters: the fleet's, as keys are (gateway/fleet/lora.py, gateway/state/lora.py) ----
+# ---- runtime LoRA adapters: the fleet's, as keys are (gateway/fleet/lora.py, gateway/state/adapters.py) ----
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway.state.adapters import LoraTable
 from gateway.state.db import connect
-from gateway.state.lora import LoraTable
 from gateway.state.migrations import migrate
 
 

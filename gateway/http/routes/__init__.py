@@ -16,7 +16,7 @@ tokens_io.py                  vLLM's token-in/token-out endpoints: render, /infe
                               tokens_parse.py (derender's tool calls and thinking, read as chat reads them)
 decisions.py                  OpenAI's Decisions API (/v1/decisions)
 models.py                     /v1/models
-lora.py                       vLLM's runtime LoRA load and unload
+adapters.py                   vLLM's runtime LoRA load and unload
 conversations.py, files.py,   the stored-object APIs (conversations, files, batches)
 batches.py
 admin_keys.py, usage.py       the operator's routes (managed keys, usage)

@@ -35,6 +35,8 @@ from gateway.schemas.tokens import (
     GenerateRequest,
     GenerateResponse,
 )
+from gateway.state.aborts import Aborts
+from gateway.state.service import StateService
 
 # Generate requests in flight on this gateway, by the id the client gave: /abort_requests sets their event.
 _RUNNING: dict[str, asyncio.Event] = {}
@@ -65,6 +67,13 @@ def _rendered(served: ServedModel, ids: list[int], data: Any, max_tokens: int | 
         "kv_transfer_params": None,
         "prompt": served.tokenizer.decode(ids, skip_special_tokens=False),
     }
+
+
+async def abort_beat(aborts: Aborts) -> None:
+    """A heartbeat's share: the generate requests other gateways were asked to stop, stopped here."""
+    for ident in await aborts.new():
+        if ident in _RUNNING:
+            _RUNNING[ident].set()
 
 
 class TokensController(Controller):
@@ -128,14 +137,17 @@ class TokensController(Controller):
         return json_response(body, generation.request_id)
 
     @post("/abort_requests", status_code=200, responses=documented(None))
-    async def abort_requests(self, data: JSONBody[AbortRequest]) -> Response:
-        """Stop generate requests of this gateway by their ids; each ends with ``finish_reason: abort``.
-        The answer names the ids found running here (vLLM's body is empty; a JSON object keeps the
-        route's documented type)."""
+    async def abort_requests(self, data: JSONBody[AbortRequest], stored: NamedDependency[StateService]) -> Response:
+        """Stop generate requests by their ids (``finish_reason: abort``): those running here now, the
+        others at the next heartbeat of the gateway running them (gateway/state/aborts.py). The answer
+        names both (vLLM's body is empty; a JSON object keeps the route's documented type)."""
         found = [ident for ident in data.request_ids if ident in _RUNNING]
         for ident in found:
             _RUNNING[ident].set()
-        return Response(content={"aborted": found}, status_code=200)
+        elsewhere = [ident for ident in data.request_ids if ident not in _RUNNING]
+        if elsewhere:
+            await stored.aborts.post(elsewhere)
+        return Response(content={"aborted": found, "passed_on": elsewhere}, status_code=200)
 
     @post("/v1/chat/completions/derender", status_code=200, responses=documented(None))
     async def derender_chat(
