@@ -156,18 +156,24 @@ def test_responses_are_created_continued_read_and_deleted_statefully(server):
             assert call(remove, "delete", path_parameters={"response_id": response_id}).status_code == 200
             assert call(read, "read", path_parameters={"response_id": response_id}).status_code == 404
 
-    run_state_machine_as_test(
-        Responses,
-        settings=settings(
-            max_examples=12,
-            stateful_step_count=8,
-            deadline=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-            database=None,
-        ),
-    )
+    def reached() -> bool:  # the phase did reach its states
+        return statuses["continue"].count(200) >= 3 and statuses["delete"].count(200) >= 3
+
+    # The fixed walk follows the server's answers (a refused body stores nothing to go on from), so
+    # after the suite's earlier traffic it can reach fewer states: then a walk of its own goes on.
+    for derandomize, examples in ((True, 12), (False, 24)):
+        run_state_machine_as_test(
+            Responses,
+            settings=settings(
+                max_examples=examples,
+                stateful_step_count=8,
+                deadline=None,
+                derandomize=derandomize,
+                suppress_health_check=list(HealthCheck),
+                database=None,
+            ),
+        )
+        if reached():
+            break
     print({kind: len(codes) for kind, codes in statuses.items()})
-    assert statuses["continue"].count(200) >= 3 and statuses["delete"].count(200) >= 3, (
-        statuses
-    )  # the phase did reach its states
+    assert reached(), statuses

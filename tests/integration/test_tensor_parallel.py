@@ -1,12 +1,12 @@
 """``--tensor-parallel-size 2`` and ``--pipeline-parallel-size 2`` on the CPU (gloo), through
-``llmpool serve``: every worker is two real rank processes, and its float32 greedy text is
+``llmpool serve``: every worker is two (or four) real rank processes, and its float32 greedy text is
 transformers' ``generate``'s token for token (so a one-rank worker's: tests/worker/test_families.py
 holds that one to ``generate`` too), alone and batched, through chunked prefill, a prefix-cache hit
 and a preemption. A tiny random Llama with attention biases runs the native forward (the row-split
-o_proj's bias is added once), split by heads or (``llama-pp``) by layers; a Qwen3-MoE transformers'
-own classes (q/k norms per head, a dense layer and a MoE one: experts cut, router whole). Killing a
-rank ends its worker, whose stream resumes on another worker exactly, and the launcher restarts the
-group; a rank (or a stage) that hangs ends its group after ``--dist-timeout``.
+o_proj's bias is added once), split by heads, or (``llama-pp``, four ranks) by layers and heads; a
+Qwen3-MoE transformers' own classes (q/k norms per head, a dense layer and a MoE one: experts cut,
+router whole). Killing a rank ends its worker, whose stream resumes on another worker exactly, and
+the launcher restarts the group; a rank (or a stage) that hangs ends its group after ``--dist-timeout``.
 """
 
 from __future__ import annotations
@@ -85,10 +85,11 @@ def served(models) -> Server:
 
 @pytest.fixture(scope="module")
 def staged(served, models):
-    """The llama as ``llama-pp``: two pipeline stages (one layer each, all its heads: the same 12
-    blocks per rank as two tensor shares), joined to the same gateway."""
-    flags = list(FLAGS)
-    flags[flags.index("--tensor-parallel-size") : flags.index("--tensor-parallel-size") + 2] = PP_FLAGS
+    """The llama as ``llama-pp``: four ranks, two pipeline stages of two tensor shares each (one
+    layer and half its heads a rank: 6 KiB holds the same 12 blocks per rank as the others' 12 KiB),
+    joined to the same gateway."""
+    flags = [*FLAGS, *PP_FLAGS]
+    flags[flags.index("12KiB")] = "6KiB"
     argv = ["--model", str(models["llama"]), "--served-model-name", "llama-pp", *flags]
     worker = spawn(worker_argv(served.zmq_address, "llama-pp", *argv), "pp-worker")
     try:
@@ -132,8 +133,8 @@ def ranks(server: Server) -> dict[str, list[psutil.Process]]:
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3-moe", "llama-pp"])
-def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model, request):
-    """Two tensor shares, or (``llama-pp``) two pipeline stages."""
+def test_the_ranks_give_generates_tokens_alone_and_batched(served, models, model, request):
+    """Two tensor shares, or (``llama-pp``) two pipeline stages of two tensor shares each."""
     if model == "llama-pp":
         request.getfixturevalue("staged")
     expected = generate(models[model.removesuffix("-pp")], PROMPTS)
@@ -150,15 +151,19 @@ def test_two_ranks_give_generates_tokens_alone_and_batched(served, models, model
     assert preempted(), f"no {model} request was preempted in three batches"
 
 
-def test_each_worker_is_two_live_rank_processes_and_one_worker_to_the_gateway(served, staged):
+def test_each_worker_is_live_rank_processes_and_one_worker_to_the_gateway(served, staged):
     assert sorted(w["model"] for w in served.workers()) == ["llama", "llama-pp", "qwen3-moe"]
     groups = ranks(served)
     assert sorted(groups) == ["llama-worker-0", "qwen3-moe-worker-0"]
     staged_leader = psutil.Process(staged.pid)
-    for leader, follower in [*groups.values(), (staged_leader, staged_leader.children()[0])]:
-        assert follower.is_running() and follower.status() != psutil.STATUS_ZOMBIE
-        assert follower.ppid() == leader.pid  # rank 0 started it; a separate process, not a thread
-        assert follower.environ()["RANK"] == "1" and follower.environ()["WORLD_SIZE"] == "2"
+    for leader, followers in [*((g[0], g[1:]) for g in groups.values()), (staged_leader, staged_leader.children())]:
+        size = len(followers) + 1
+        assert size == (4 if leader is staged_leader else 2)
+        assert sorted(f.environ()["RANK"] for f in followers) == [str(r) for r in range(1, size)]
+        for follower in followers:
+            assert follower.is_running() and follower.status() != psutil.STATUS_ZOMBIE
+            assert follower.ppid() == leader.pid  # rank 0 started it; a separate process, not a thread
+            assert follower.environ()["WORLD_SIZE"] == str(size)
 
 
 def test_a_killed_rank_ends_its_worker_and_its_stream_resumes_elsewhere_exactly(served, models):
@@ -209,7 +214,9 @@ def leader_and_follower(server: Server, extra, name: str) -> tuple[psutil.Proces
 def test_a_hung_stage_ends_its_pipeline_worker(served, staged):
     """Stage 1 stopped (not dead): rank 0's next step times out after --dist-timeout and it exits."""
     leader = psutil.Process(staged.pid)
-    leader.children()[0].suspend()
+    for rank in leader.children():
+        if rank.environ()["RANK"] in ("2", "3"):  # stage 1's two tensor shares
+            rank.suspend()
     body = {"model": "llama-pp", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
     post = lambda: httpx.post(served.base_url + "/v1/completions", json=body, timeout=20)  # noqa: E731
     threading.Thread(target=post, daemon=True).start()  # its answer (none: no other llama-pp worker) is not waited for
