@@ -32,7 +32,7 @@ from gateway.config import ALL_GATEWAY_FLAGS
 from worker.config import ALL_WORKER_FLAGS, EXIT_UNSUPPORTED
 from worker.threads import team_size
 
-log = logging.getLogger("launcher")
+log = logging.getLogger(__name__)
 
 LAUNCHER_FLAGS = [
     Flag("workers", 1, "Local worker processes to start, per model", int),

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL, free_port, spawn, stop, wait_until, worker_argv
+from tests.integration.test_tokens_io import aborted_mid_stream
 
 KEYS = ("fleet-k1", "fleet-k2")
 ADMIN = "fleet-admin"
@@ -175,26 +176,9 @@ def _create(client: openai.OpenAI, prompt: str):
 def test_an_abort_sent_to_the_other_gateway_stops_a_generate_stream(fleet):
     """A router may send /abort_requests to any gateway of the fleet: B passes the id it does not run
     on through the store, and A, which runs it, stops it at its next heartbeat."""
-    body = {
-        "model": MODEL,
-        "request_id": "fleet-abort-me",
-        "token_ids": [1, 2, 3],
-        "stream": True,
-        "sampling_params": {"max_tokens": 2000, "ignore_eos": True},
-    }
     auth = {"Authorization": f"Bearer {KEYS[0]}"}
-    finishes = []
-    with httpx.stream("POST", fleet.url(0) + "/inference/v1/generate", json=body, headers=auth, timeout=120) as sse:
-        lines = sse.iter_lines()
-        for line in lines:
-            if line.startswith("data: {"):
-                ids = {"request_ids": ["fleet-abort-me"]}
-                passed = httpx.post(fleet.url(1) + "/abort_requests", json=ids, headers=auth, timeout=30)
-                assert passed.json() == {"aborted": [], "passed_on": ["fleet-abort-me"]}, passed.text
-                break
-        for line in lines:
-            if line.startswith("data: {"):
-                finishes += [c["finish_reason"] for c in json.loads(line[6:])["choices"]]
+    answer, finishes = aborted_mid_stream(fleet.url(0), fleet.url(1), ["fleet-abort-me"], auth)
+    assert answer == {"aborted": [], "passed_on": ["fleet-abort-me"]}, answer
     assert finishes[-1] == "abort" and len(finishes) < 2000
 
 

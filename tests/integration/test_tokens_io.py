@@ -86,30 +86,34 @@ def test_generate_salts_its_cached_blocks_with_cache_salt(server):
     assert cached("salt-a") >= 64 and cached("salt-b") == 0
 
 
-def test_abort_ends_a_streamed_generate(server):
+def aborted_mid_stream(base: str, abort_base: str, ids: list[str], headers: dict | None = None) -> tuple[dict, list]:
+    """A long generate stream on ``base`` (its id ``ids[0]``), and ``ids`` sent to ``abort_base``'s
+    /abort_requests once its first chunk came: the abort's answer, and the finish reasons after it."""
     body = {
         "model": MODEL,
-        "request_id": "abort-me",
+        "request_id": ids[0],
         "token_ids": [1, 2, 3],
         "stream": True,
         "sampling_params": {"max_tokens": 2000, "ignore_eos": True},
     }
-    finishes = []
-    with httpx.stream("POST", server.base_url + "/inference/v1/generate", json=body, timeout=60) as response:
+    answer, finishes = {}, []
+    with httpx.stream("POST", base + "/inference/v1/generate", json=body, headers=headers, timeout=120) as response:
         lines = response.iter_lines()
         for line in lines:
             if line.startswith("data: {"):
-                aborted = server.post("/abort_requests", json={"request_ids": ["abort-me", "not-running"]})
-                assert aborted.status_code == 200 and aborted.json() == {
-                    "aborted": ["abort-me"],
-                    "passed_on": ["not-running"],
-                }
+                aborted = httpx.post(abort_base + "/abort_requests", json={"request_ids": ids}, headers=headers)
+                answer = aborted.json()
                 break
         for line in lines:
             if line.startswith("data: {"):
                 finishes += [c["finish_reason"] for c in json.loads(line[6:])["choices"]]
-    assert finishes[-1] == "abort"
-    assert len(finishes) < 2000
+    return answer, finishes
+
+
+def test_abort_ends_a_streamed_generate(server):
+    answer, finishes = aborted_mid_stream(server.base_url, server.base_url, ["abort-me", "not-running"])
+    assert answer == {"aborted": ["abort-me"], "passed_on": ["not-running"]}
+    assert finishes[-1] == "abort" and len(finishes) < 2000
 
 
 def test_token_io_errors_name_the_field(server):
