@@ -246,8 +246,8 @@ async def start_response(
     run = None
     if req.store and (req.stream or req.background):
         run = start_run(state, response, turn, lambda run: _logged(builder, generation, run))
-        if req.background:  # its row is committed before its id goes out: any gateway can be asked about it
-            await state.store.writer.sync()
+        # its row is committed before its id goes out: any gateway can be asked about it, or resume it
+        await state.store.writer.sync()
     return Started(response, turn, history, generation, builder, run)
 
 

@@ -83,7 +83,9 @@ async def start_stream(
     generation = await core.start(models.get(data.model), req, caller)
     ident = StreamId.new(DIALECTS[name].prefix)
     if data.stream and data.store is not False and len(generation.news) == 1:  # one prompt, one choice
-        return logged_stream(state, caller.owner, name, generation, data, ident)
+        stream = logged_stream(state, caller.owner, name, generation, data, ident)
+        await state.store.writer.sync()  # its row committed before an id goes out: any gateway can resume it
+        return stream
     return generation, ident
 
 
