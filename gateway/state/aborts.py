@@ -22,12 +22,10 @@ class Aborts:
     async def post(self, request_ids: list[str]) -> None:
         """Ask every gateway to stop these ids."""
         now = time.time()
-        for request_id in request_ids:
-            await self.db.execute(
-                "INSERT INTO aborts (id, at) VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET at = excluded.at",
-                request_id,
-                now,
-            )
+        await self.db.executemany(
+            "INSERT INTO aborts (id, at) VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET at = excluded.at",
+            [(request_id, now) for request_id in request_ids],
+        )
 
     async def new(self) -> list[str]:
         """The ids asked to stop since the last call (each once), the old rows forgotten."""
