@@ -36,6 +36,7 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -51,69 +52,51 @@ from bench.plot import plot
 from bench.report import ratios, table
 from bench.stats import summarize
 
+# ``parser.add_argument``, handed to each group of flags below
+AddFlag = Callable[..., argparse.Action]
+
 
 def parse_args() -> argparse.Namespace:
+    """The flags, group by group; ``--help`` lists them in the order they are added here."""
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add = parser.add_argument
+    for group in (_workload_flags, _peer_flags, _fleet_flags, _server_flags, _output_flags):
+        group(parser.add_argument)
+    return parser.parse_args()
+
+
+def _workload_flags(add: AddFlag) -> None:
+    """What is sent: the workload's shape, the concurrency levels and how many requests each."""
     add("--workload", choices=workloads.WORKLOADS, default="chat")
     add(
         "--input-len",
         type=int,
         help="random / long-context: prompt tokens, chat template included (1024 / 4096); agent: the system prompt's (4000)",
     )
-    add(
-        "--output-len",
-        "--max-tokens",
-        type=int,
-        default=128,
-        help="tokens generated per request",
-    )
-    add(
-        "--concurrency",
-        help="comma-separated levels (chat 1,8,32,64; random 1,8,32; long-context 1; gateway 1,256)",
-    )
-    add(
-        "--num-prompts",
-        type=int,
-        help="requests per level (default max(4, 2 x concurrency))",
-    )
+    add("--output-len", "--max-tokens", type=int, default=128, help="tokens generated per request")
+    add("--concurrency", help="comma-separated levels (chat 1,8,32,64; random 1,8,32; long-context 1; gateway 1,256)")
+    add("--num-prompts", type=int, help="requests per level (default max(4, 2 x concurrency))")
     add("--seed", type=int, default=0, help="random prompts' seed")
+
+
+def _peer_flags(add: AddFlag) -> None:
+    """Which servers are measured: ours (or a running one), the peers compared with it, the model."""
     add("--url", help="benchmark this running server instead of starting one")
     add("--label", default="llmpool", help="our server's name in the table")
-    add(
-        "--peer",
-        action="append",
-        default=[],
-        help="[LABEL=]URL of another OpenAI-compatible server (repeatable)",
-    )
-    add(
-        "--start-llama-server",
-        metavar="PATH",
-        help="start this llama-server binary on the model's GGUF as a peer",
-    )
-    add(
-        "--llama-server-arg",
-        action="append",
-        default=[],
-        help="extra flag for llama-server (repeatable)",
-    )
+    add("--peer", action="append", default=[], help="[LABEL=]URL of another OpenAI-compatible server (repeatable)")
+    add("--start-llama-server", metavar="PATH", help="start this llama-server binary on the model's GGUF as a peer")
+    add("--llama-server-arg", action="append", default=[], help="extra flag for llama-server (repeatable)")
     add("--peer-threads", type=int, default=2, help="llama-server's -t")
     add("--model", default="SmolLM2-135M-Instruct")
-    add(
-        "--gateway-overhead",
-        action="store_true",
-        help="the gateway alone, with a worker that has no model",
-    )
-    add(
-        "--fake-step-ms",
-        type=float,
-        default=0.0,
-        help="with --gateway-overhead: the model-less worker's step time",
-    )
+
+
+def _fleet_flags(add: AddFlag) -> None:
+    """The gateway alone (``--gateway-overhead``) and at scale with simulated workers (bench/fleet.py)."""
+    add("--gateway-overhead", action="store_true", help="the gateway alone, with a worker that has no model")
+    add("--fake-step-ms", type=float, default=0.0, help="with --gateway-overhead: the model-less worker's step time")
     add(
         "--fake-workers",
         help="with --gateway-overhead: comma-separated fleet sizes (bench/fleet.py), e.g. 16,64,256,1024",
@@ -125,40 +108,48 @@ def parse_args() -> argparse.Namespace:
     add("--routing-only", action="store_true", help="the fleet run's in-process routing measurement alone")
     add("--cpu-window", type=float, default=10.0, help="seconds over which the idle gateways' CPU is read")
     add("--heartbeat-interval", type=float, default=1.0, help="fleet: gateways' and workers' heartbeat interval")
+
+
+def _server_flags(add: AddFlag) -> None:
+    """The server this starts (without ``--url``): how many workers, and any `llmpool serve` flag the
+    other groups do not name."""
     add("--workers", type=int, default=1, help="workers of the server this starts")
-    add(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra flag for `llmpool serve` (repeatable)",
-    )
-    add(
-        "--baseline",
-        action="store_true",
-        help="also run transformers' generate, one request at a time",
-    )
-    add(
-        "--out",
-        default="bench-results",
-        help="folder for results-MODE.json and bench-MODE.png",
-    )
-    return parser.parse_args()
+    add("--server-arg", action="append", default=[], help="extra flag for `llmpool serve` (repeatable)")
+
+
+def _output_flags(add: AddFlag) -> None:
+    """The transformers baseline, off by default (it is slow), and where results go."""
+    add("--baseline", action="store_true", help="also run transformers' generate, one request at a time")
+    add("--out", default="bench-results", help="folder for results-MODE.json and bench-MODE.png")
 
 
 def main() -> None:
+    """Each step a function of its own, in the order a run takes: the prompts, the baseline (alone
+    on the machine), the servers, the report."""
     args = parse_args()
     if args.fake_workers:
         run_fleet(args)
         return
     mode = "gateway-overhead" if args.gateway_overhead else args.workload
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else list(workloads.DEFAULT_LEVELS[mode])
+    work = build_work(args, levels)
+    out = Path(args.out)
+    results = header(args, mode, work)
+    if args.baseline:
+        results["baseline"] = run_baseline(args, work, levels)
+    results["servers"] = measure_servers(args, work, levels, out)
+    report(results, args.baseline, out)
+
+
+def build_work(args: argparse.Namespace, levels: list[int]) -> workloads.Workload:
+    """The prompts of every level; workloads other than chat count tokens, so they load the tokenizer."""
     tokenizer = None
     if args.workload != "chat":
         from common.config import CACHE_DIR
         from common.model_source import load_tokenizer, resolve_model
 
         tokenizer = load_tokenizer(resolve_model(args.model), CACHE_DIR.env_default())
-    work = workloads.build(
+    return workloads.build(
         args.workload,
         levels,
         args.num_prompts,
@@ -167,27 +158,36 @@ def main() -> None:
         tokenizer,
         args.seed,
     )
-    out = Path(args.out)
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform()}
-    results: dict = {
+
+
+def header(args: argparse.Namespace, mode: str, work: workloads.Workload) -> dict:
+    """What the results were measured with, first in the JSON so a reader sees it before the figures."""
+    return {
         "mode": mode,
         "workload": args.workload,
         "input_len": work.input_len,
-    }
-    results |= {
         "output_len": work.output_len,
         "fake_step_ms": args.fake_step_ms,
         "model": args.model,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
     }
-    results["machine"] = machine
-    if args.baseline:
-        from bench.baseline import run_baseline
 
-        prompts = work.levels[levels[0]][: workloads.requests_per_level(1, args.num_prompts)]
-        timings, wall = run_baseline(args.model, prompts, len(prompts), work.output_len)
-        results["baseline"] = summarize(1, timings, wall)
-        print(table({"transformers generate": [results["baseline"]]}, {}), flush=True)
 
+def run_baseline(args: argparse.Namespace, work: workloads.Workload, levels: list[int]) -> dict:
+    """``--baseline``: transformers' generate on the first level's prompts, one request at a time;
+    run before any server starts, so it has the machine to itself."""
+    from bench.baseline import run_baseline as generate
+
+    prompts = work.levels[levels[0]][: workloads.requests_per_level(1, args.num_prompts)]
+    timings, wall = generate(args.model, prompts, len(prompts), work.output_len)
+    row = summarize(1, timings, wall)
+    print(table({"transformers generate": [row]}, {}), flush=True)
+    return row
+
+
+def measure_servers(args: argparse.Namespace, work: workloads.Workload, levels: list[int], out: Path) -> dict:
+    """Start ours (unless ``--url``) and llama-server if asked, run every level on every server, and
+    stop what was started whatever happens."""
     processes: list[subprocess.Popen] = []
     peers = [servers.parse_peer(p) for p in args.peer]
     try:
@@ -202,10 +202,9 @@ def main() -> None:
             process, peer_url = start_llama_server(args, work, max(levels), out)
             processes.append(process)
             measured.append(servers.Server("llama.cpp", peer_url))
-        results["servers"] = run_all(measured, servers.served_name(args.model), work, levels)
+        return run_all(measured, servers.served_name(args.model), work, levels)
     finally:
         servers.stop(processes)
-    report(results, args.baseline, out)
 
 
 def run_fleet(args: argparse.Namespace) -> None:
