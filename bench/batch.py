@@ -97,7 +97,8 @@ def medians(runs: list[dict]) -> dict:
     return {key: round(statistics.median(run[key] for run in runs), 2) for key in KEYS}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The flags; what is left after ``--`` goes to `llmpool serve`."""
     parser = argparse.ArgumentParser(prog="python -m bench.batch", description=__doc__)
     parser.add_argument("--url", help="an already running llmpool (default: start `llmpool serve`)")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -120,7 +121,56 @@ def main() -> None:
     )
     parser.add_argument("--out", default="docs/bench/batch.json")
     parser.add_argument("serve_args", nargs="*", help="more flags for `llmpool serve` (after --)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def level_rounds(url: str, args: argparse.Namespace, level: int, last: bool) -> tuple[list, list, dict]:
+    """``--rounds`` runs of one level alone and beside a batch, the order turning round by round so
+    neither side always has the warmer machine; with ``--finish``, the ``last`` level's last round
+    lets its batch run to the end (what that batch did comes back, else an empty dict)."""
+    requests = level * args.num_prompts
+    alone, loaded, finished = [], [], {}
+    for round_ in range(args.rounds):
+        finish = args.finish and last and round_ == args.rounds - 1
+        if round_ % 2:
+            loaded.append(beside_batch(url, args, level, requests, False)[0])
+            alone.append(chat_level(url, args.model, level, requests, args.output_len))
+        else:
+            alone.append(chat_level(url, args.model, level, requests, args.output_len))
+            run, done = beside_batch(url, args, level, requests, finish)
+            loaded.append(run)
+            if done:
+                finished = done
+                print("finished:", json.dumps(finished), flush=True)
+        print(json.dumps({"concurrency": level, "round": round_, "alone": alone[-1], "with_batch": loaded[-1]}))
+    return alone, loaded, finished
+
+
+def level_row(level: int, alone: list[dict], loaded: list[dict]) -> dict:
+    """One level's medians over rounds and what the batch does to them, every run kept beside."""
+    typical = {"alone": medians(alone), "with_batch": medians(loaded)}
+    return {
+        "concurrency": level,
+        "median_of_rounds": typical,
+        "with_over_alone": {key: round(typical["with_batch"][key] / typical["alone"][key], 3) for key in KEYS},
+        "batch_requests_per_s_beside": statistics.median(r["batch_requests_per_s_beside"] for r in loaded),
+        "alone": alone,
+        "with_batch": loaded,
+    }
+
+
+def batch_alone(url: str, args: argparse.Namespace) -> float:
+    """Requests/s of a batch (at most 256 lines) with nothing beside it: how fast it runs on the whole pool."""
+    batch_id = start_batch(url, args.model, min(args.batch, 256), args.batch_output_len)
+    started = time.monotonic()
+    while (state := batch_state(url, batch_id))["status"] != "completed":
+        time.sleep(0.5)
+    return round(state["request_counts"]["completed"] / (time.monotonic() - started), 2)
+
+
+def main() -> None:
+    """Every level's rounds, then the batch alone; the servers this started are stopped whatever happens."""
+    args = parse_args()
     processes, url = ([], args.url) if args.url else servers.start_llmpool(1, args.serve_args, False)
     results: dict = {
         "levels": [],
@@ -133,40 +183,13 @@ def main() -> None:
         chat_level(url, args.model, 2, 2, 8)  # warm-up
         levels = list(map(int, args.levels.split(",")))
         for level in levels:
-            requests = level * args.num_prompts
-            alone, loaded = [], []
-            for round_ in range(args.rounds):
-                finish = args.finish and level == levels[-1] and round_ == args.rounds - 1
-                if round_ % 2:
-                    loaded.append(beside_batch(url, args, level, requests, False)[0])
-                    alone.append(chat_level(url, args.model, level, requests, args.output_len))
-                else:
-                    alone.append(chat_level(url, args.model, level, requests, args.output_len))
-                    run, finished = beside_batch(url, args, level, requests, finish)
-                    loaded.append(run)
-                    if finished:
-                        results["finished"] = finished
-                        print("finished:", json.dumps(finished), flush=True)
-                print(json.dumps({"concurrency": level, "round": round_, "alone": alone[-1], "with_batch": loaded[-1]}))
-            typical = {"alone": medians(alone), "with_batch": medians(loaded)}
-            row = {
-                "concurrency": level,
-                "median_of_rounds": typical,
-                "with_over_alone": {key: round(typical["with_batch"][key] / typical["alone"][key], 3) for key in KEYS},
-                "batch_requests_per_s_beside": statistics.median(r["batch_requests_per_s_beside"] for r in loaded),
-                "alone": alone,
-                "with_batch": loaded,
-            }
+            alone, loaded, finished = level_rounds(url, args, level, level == levels[-1])
+            if finished:
+                results["finished"] = finished
+            row = level_row(level, alone, loaded)
             results["levels"].append(row)
             print(json.dumps({k: row[k] for k in ("concurrency", "median_of_rounds", "with_over_alone")}), flush=True)
-        # The batch alone: how fast it runs on the whole pool.
-        batch_id = start_batch(url, args.model, min(args.batch, 256), args.batch_output_len)
-        started = time.monotonic()
-        while (state := batch_state(url, batch_id))["status"] != "completed":
-            time.sleep(0.5)
-        results["batch_alone_requests_per_s"] = round(
-            state["request_counts"]["completed"] / (time.monotonic() - started), 2
-        )
+        results["batch_alone_requests_per_s"] = batch_alone(url, args)
         print("batch alone:", results["batch_alone_requests_per_s"], "requests/s", flush=True)
     finally:
         servers.stop(processes)
