@@ -3,7 +3,8 @@ with two gateways, at several N. Three figures per N:
 
 * routing: what the gateway's WorkerClient spends per request choosing a worker and queuing the
   request (``submit`` + the tick's ``_flush``), measured in-process against N registered workers
-  (real DEALER sockets), in µs; with the cost of handling one worker heartbeat and of sending one;
+  (real DEALER sockets), in µs; with the cost of handling one worker heartbeat and of sending one
+  (bench/fleet_routing.py);
 * heartbeat CPU: the first gateway's process CPU time over a window with no request in flight, over
   the window's wall time (/proc/<pid>/stat), in % of a core;
 * requests/s: short streamed chat requests through the first gateway at one concurrency.
@@ -16,31 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import cProfile
-import functools
-import inspect
-import io
 import os
-import pstats
-import random
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
-import zlib
 from pathlib import Path
-from statistics import median
 
 import httpx
-import msgspec
-import zmq
 
 from bench import servers
+from bench.fleet_routing import profile_top, routing_cost
 from bench.load import run_level
 from bench.stats import summarize
-from common import protocol
 from common.model_source import DEFAULT_MODEL
-from common.protocol import DescribeModel, Heartbeat, ModelInfo, NewRequest, Ready, SamplingParams
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -57,158 +47,6 @@ def cpu_percent(pids: list[int], window_s: float) -> list[float]:
     time.sleep(window_s)
     wall = time.monotonic() - start
     return [round(100 * (cpu_seconds(p) - b) / wall, 2) for p, b in zip(pids, before, strict=True)]
-
-
-# ---- routing, in-process --------------------------------------------------------------------------
-
-
-def _ready(name: str) -> Ready:
-    return Ready(name, DEFAULT_MODEL, 8192, 10**7, 16, 4096, "none", "none", tokenizer_digest="bench")
-
-
-def _answer_describe(dealers: list[zmq.Socket]) -> None:
-    """A gateway that learns tokenizers from its workers asks one for it: answer with an empty one
-    (a bare WorkerClient has nothing to load it into) so the workers that wait on it are admitted."""
-    for sock in dealers:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if isinstance(protocol.decode(frames), DescribeModel):
-                sock.send_multipart(
-                    protocol.encode(ModelInfo(DEFAULT_MODEL, "bench", zlib.compress(msgspec.msgpack.encode({}))))
-                )
-
-
-async def routing_cost(
-    workers: int, requests: int, batch: int, prompt_len: int, profile: cProfile.Profile | None = None
-) -> dict:
-    """CPU µs per request of ``submit`` + ``_flush`` with ``workers`` registered, ``batch`` submits per
-    loop tick, and of the HTTP side's ``limits()``; CPU µs to handle one worker heartbeat (receive,
-    decode, dispatch) and to send one."""
-    from gateway.fleet.worker_client import WorkerClient
-
-    address = f"ipc://{tempfile.gettempdir()}/llmpool-fleet-{uuid.uuid4().hex[:8]}"
-    # Single-model gateways take the model at construction, multi-model ones with each submit.
-    single_model = "model" in inspect.signature(WorkerClient).parameters
-    client = WorkerClient(
-        address, **({"model": DEFAULT_MODEL} if single_model else {}), heartbeat_interval=3600, heartbeat_liveness=5
-    )
-    submit = (
-        client.submit
-        if single_model
-        else functools.partial(lambda new, submit: submit(new, DEFAULT_MODEL), submit=client.submit)
-    )
-    await client.start()
-    context = zmq.Context()
-    context.set(zmq.MAX_SOCKETS, workers + 64)
-    dealers = []
-    try:
-        for i in range(workers):
-            sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, f"sim-{i}".encode())
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            sock.send_multipart(protocol.encode(_ready(f"sim-{i}")))
-            dealers.append(sock)
-        deadline = time.monotonic() + 60
-        while len(client.workers) < workers and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-            _answer_describe(dealers)
-        if len(client.workers) < workers:
-            raise RuntimeError(f"only {len(client.workers)} of {workers} workers registered")
-        receive_us, send_us = await heartbeat_cost(client, dealers)
-
-        rng = random.Random(0)
-        news = [
-            NewRequest(
-                f"r{i}", [rng.randrange(1000, 40000) for _ in range(prompt_len)], 8, SamplingParams(temperature=0.8)
-            )
-            for i in range(requests)
-        ]
-        per_request = []
-        for start in range(0, requests, batch):
-            group = news[start : start + batch]
-            if profile is not None:
-                profile.enable()
-            t0 = time.thread_time_ns()  # CPU time of this thread: the other processes on the machine don't count
-            streams = [submit(new) for new in group]
-            client._flush()
-            elapsed = time.thread_time_ns() - t0
-            if profile is not None:
-                profile.disable()
-            per_request.append(elapsed / 1000 / len(group))
-            for stream in streams:  # finish them, so load stays as at a steady state
-                client.dispatch.end(stream)
-            if start // batch % 64 == 63:
-                await asyncio.sleep(0)  # let the loop run (send futures, the scheduled flush)
-                _drain(dealers)
-        _drain(dealers)
-        # The HTTP side asks for the workers' limits on every request too (twice for a chat request).
-        limits = client.limits if single_model else functools.partial(client.limits, DEFAULT_MODEL)
-        t0 = time.thread_time_ns()
-        for _ in range(1000):
-            limits()
-        limits_us = (time.thread_time_ns() - t0) / 1000 / 1000
-        return {
-            "workers": workers,
-            "batch": batch,
-            "requests": requests,
-            "prompt_tokens": prompt_len,
-            "routing_us_median": round(median(per_request), 2),
-            "routing_us_mean": round(sum(per_request) / len(per_request), 2),
-            "limits_us": round(limits_us, 2),
-            "heartbeat_receive_us": round(receive_us, 2),
-            "heartbeat_send_us": round(send_us, 2),
-        }
-    finally:
-        for sock in dealers:
-            sock.close()
-        context.term()
-        await client.stop()
-
-
-async def heartbeat_cost(client, dealers: list[zmq.Socket], rounds: int = 5) -> tuple[float, float]:
-    """CPU µs of this (the event loop's) thread per worker heartbeat received through the socket
-    (zmq.asyncio receive, decode, dispatch) and per gateway heartbeat sent (encoded once, ``_send``)."""
-    infos = list(client.workers.values())
-    beat = protocol.encode(Heartbeat(running=3, free_blocks=600_000, total_blocks=625_000, steps=10, tokens_per_s=50.0))
-    target = sum(w.heartbeats for w in infos) + rounds * len(dealers)
-    for _ in range(rounds):
-        for sock in dealers:
-            sock.send_multipart(beat)
-    start = time.thread_time()
-    deadline = time.monotonic() + 60
-    while sum(w.heartbeats for w in infos) < target and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    receive_us = (time.thread_time() - start) * 1e6 / (rounds * len(dealers))
-    start = time.thread_time()
-    for _ in range(rounds):
-        for info in infos:
-            client._send(info.identity, protocol.encode(Heartbeat()))
-        await asyncio.sleep(0)  # the send futures' callbacks
-    send_us = (time.thread_time() - start) * 1e6 / (rounds * len(infos))
-    _drain(dealers)
-    return receive_us, send_us
-
-
-def _drain(dealers: list[zmq.Socket]) -> None:
-    for sock in dealers:
-        while True:
-            try:
-                sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-
-
-def profile_top(profile: cProfile.Profile, lines: int = 12) -> list[str]:
-    """The functions that took the most time of their own, one line each."""
-    stream = io.StringIO()
-    pstats.Stats(profile, stream=stream).sort_stats("tottime").print_stats(lines)
-    rows = [row.strip() for row in stream.getvalue().splitlines()]
-    start = next(i for i, row in enumerate(rows) if row.startswith("ncalls"))
-    return [row for row in rows[start : start + 1 + lines] if row]
 
 
 # ---- end to end -----------------------------------------------------------------------------------
@@ -231,25 +69,13 @@ def start_fleet(
 ) -> tuple[list[subprocess.Popen], list[subprocess.Popen], list[str]]:
     """``gateways`` gateways and ``workers`` simulated workers in ``processes`` processes, each worker
     registered with every gateway; returns once every gateway lists them all."""
-    python = sys.executable
     ports = [(servers.free_port(), servers.free_port()) for _ in range(gateways)]
     heartbeat = ["--heartbeat-interval", str(interval)]
     gateway_procs = [
-        subprocess.Popen(
-            [
-                python,
-                "-m",
-                "gateway",
-                "--port",
-                str(http),
-                "--zmq-bind",
-                f"tcp://127.0.0.1:{zmq_port}",
-                *heartbeat,
-                *extra,
-            ],
-            cwd=root,
-            stdout=_log(f"gateway-{i}"),
-            stderr=subprocess.STDOUT,
+        _spawn(
+            ["gateway", "--port", str(http), "--zmq-bind", f"tcp://127.0.0.1:{zmq_port}", *heartbeat, *extra],
+            root,
+            f"gateway-{i}",
         )
         for i, (http, zmq_port) in enumerate(ports)
     ]
@@ -257,33 +83,33 @@ def start_fleet(
     for url in urls:  # up first: workers that connect earlier re-register when the gateway is slow to start
         servers.wait_ready(url, "/workers", gateway_procs, lambda r: r.status_code == 200, timeout_s=180)
     addresses = ",".join(f"tcp://127.0.0.1:{zmq_port}" for _, zmq_port in ports)
-    shares = [workers // processes + (i < workers % processes) for i in range(processes)]
-    fleet_procs = [
-        subprocess.Popen(
-            [
-                python,
-                "-m",
-                "bench.fake_worker",
-                "--gateway-address",
-                addresses,
-                "--count",
-                str(share),
-                "--name",
-                f"fleet{i}",
-            ]
-            + ["--step-ms", str(step_ms), "--model-info", str(model_info), *heartbeat],
-            cwd=root,
-            stdout=_log(f"fleet{i}"),
-            stderr=subprocess.STDOUT,
-        )
-        for i, share in enumerate(shares)
-        if share
-    ]
+    flags = ["--step-ms", str(step_ms), "--model-info", str(model_info), *heartbeat]
+    fleet_procs = start_workers(workers, processes, addresses, flags, root)
     for url in urls:
         servers.wait_ready(
             url, "/workers", gateway_procs + fleet_procs, lambda r: len(r.json()["workers"]) == workers, timeout_s=180
         )
     return gateway_procs, fleet_procs, urls
+
+
+def start_workers(workers: int, processes: int, addresses: str, flags: list[str], root: Path) -> list[subprocess.Popen]:
+    """``workers`` simulated workers shared out as evenly as can be over ``processes`` fake_worker
+    processes (none started with no share), each worker registered with every address."""
+    shares = [workers // processes + (i < workers % processes) for i in range(processes)]
+    return [
+        _spawn(
+            ["bench.fake_worker", "--gateway-address", addresses, "--count", str(share), "--name", f"fleet{i}", *flags],
+            root,
+            f"fleet{i}",
+        )
+        for i, share in enumerate(shares)
+        if share
+    ]
+
+
+def _spawn(module: list[str], root: Path, name: str) -> subprocess.Popen:
+    """``python -m MODULE...`` from ``root`` (its tree first on sys.path), its output in NAME's log."""
+    return subprocess.Popen([sys.executable, "-m", *module], cwd=root, stdout=_log(name), stderr=subprocess.STDOUT)
 
 
 def measure_fleet(workers: int, args, model_info: Path, root: Path) -> dict:
