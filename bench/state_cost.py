@@ -144,7 +144,7 @@ async def level(
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--baseline-tree",
@@ -161,96 +161,142 @@ def main() -> None:
     )
     parser.add_argument("--step-ms", type=float, default=10.0, help="--fake-worker: its step time")
     parser.add_argument("--out", type=Path, default=Path("bench-results/state-cost.json"))
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    """Start every configuration's server, run the rounds, stop them all (whatever happens), then
+    write and print the medians."""
+    args = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers
 
-    from tests.conftest import ARTIFACTS, REPO, free_port, stop, wait_until
+    from tests.conftest import ARTIFACTS, stop
     from tests.postgres import Postgres
 
     postgres = Postgres(durable=True)
-    configs = {
-        "none": (args.baseline_tree, None, False)
-        if args.baseline_tree
-        else (REPO, f"sqlite:///{postgres.folder}/bench-none.db", False),
-        "sqlite": (REPO, f"sqlite:///{postgres.folder}/bench-state.db", True),
-        "postgresql": (REPO, postgres.database("bench"), True),
-    }
-    servers, gateways, processes = {}, {}, []
+    configs = configurations(args.baseline_tree, postgres)
     postmaster = int((postgres.data / "postmaster.pid").read_text().split()[0])
     ARTIFACTS.mkdir(exist_ok=True)
-
-    def start(command: list[str], cwd: Path, env: dict[str, str], name: str) -> subprocess.Popen:
-        log = open(ARTIFACTS / f"state-cost-{name}.log", "ab")
-        process = subprocess.Popen(
-            [sys.executable, "-m", *command], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT
-        )  # its tree first on sys.path
-        processes.append(process)
-        return process
-
+    processes: list[subprocess.Popen] = []
     try:
-        for name, (tree, url, _) in configs.items():
-            port, zmq = free_port(), free_port()
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"LLMPOOL_STATE_URL": url} if url else {})}
-            address = ["--port", str(port), "--zmq-bind", f"tcp://127.0.0.1:{zmq}"]
-            if args.fake_worker:
-                gateways[name] = start(["gateway", *address], tree, env, name).pid
-                start(
-                    [
-                        "bench.fake_worker",
-                        "--gateway-address",
-                        f"tcp://127.0.0.1:{zmq}",
-                        "--step-ms",
-                        str(args.step_ms),
-                    ],
-                    REPO,
-                    env,
-                    f"{name}-worker",
-                )
-            else:
-                gateways[name] = start(["launcher", "serve", *address, "--workers", "1"], tree, env, name).pid
-            servers[name] = port
-        import httpx
-
-        for name, port in servers.items():
-            wait_until(
-                lambda port=port: httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200,
-                600,
-                f"{name} ready",
-            )
-            if not args.fake_worker:  # the launcher's gateway child
-                (gateways[name],) = [
-                    pid for pid in children(gateways[name]) if b"gateway" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                ]
-        workloads = args.workloads.split(",")
-        runs: dict[str, list[dict]] = {f"{n}/{w}": [] for n in configs for w in workloads}
-        for round_ in range(args.rounds):
-            for name, (_, _, store) in configs.items():
-                for workload in workloads:
-                    result = asyncio.run(
-                        level(
-                            servers[name],
-                            workload,
-                            args.streams,
-                            args.requests,
-                            args.tokens,
-                            store,
-                            gateways[name],
-                            postmaster,
-                        )
-                    )
-                    runs[f"{name}/{workload}"].append(result)
-                    print(f"round {round_ + 1} {name:10s} {workload:9s} {json.dumps(result)}", flush=True)
+        ports, gateways = start_servers(configs, args, processes)
+        wait_ready(ports, gateways, args.fake_worker)
+        runs = run_rounds(configs, args, ports, gateways, postmaster)
     finally:
         for process in processes:
             stop(process, 30)
         postgres.stop()
+    write_summary(runs, args.out)
+
+
+def configurations(baseline_tree: Path | None, postgres) -> dict[str, tuple[Path, str | None, bool]]:
+    """Each configuration's tree, state URL and whether its requests ask to be stored. "none" is the
+    baseline tree with no store, or without one this tree on SQLite with nothing stored."""
+    from tests.conftest import REPO
+
+    return {
+        "none": (baseline_tree, None, False)
+        if baseline_tree
+        else (REPO, f"sqlite:///{postgres.folder}/bench-none.db", False),
+        "sqlite": (REPO, f"sqlite:///{postgres.folder}/bench-state.db", True),
+        "postgresql": (REPO, postgres.database("bench"), True),
+    }
+
+
+def _start(command: list[str], cwd: Path, env: dict[str, str], name: str, processes: list) -> subprocess.Popen:
+    """``python -m COMMAND`` from ``cwd`` (its tree first on sys.path), logged to the test artifacts;
+    added to ``processes`` at once so it is stopped whatever happens next."""
+    from tests.conftest import ARTIFACTS
+
+    log = open(ARTIFACTS / f"state-cost-{name}.log", "ab")
+    process = subprocess.Popen([sys.executable, "-m", *command], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    processes.append(process)
+    return process
+
+
+def start_servers(configs: dict, args: argparse.Namespace, processes: list) -> tuple[dict[str, int], dict[str, int]]:
+    """Each configuration's server: a gateway and a fake worker (``--fake-worker``), else `llmpool serve`
+    with one worker. Returns their HTTP ports and the pids whose CPU is measured (the launcher's
+    pid for now: ``wait_ready`` puts its gateway child's in its place)."""
+    from tests.conftest import REPO, free_port
+
+    ports, gateways = {}, {}
+    for name, (tree, url, _) in configs.items():
+        port, zmq = free_port(), free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"LLMPOOL_STATE_URL": url} if url else {})}
+        address = ["--port", str(port), "--zmq-bind", f"tcp://127.0.0.1:{zmq}"]
+        if args.fake_worker:
+            gateways[name] = _start(["gateway", *address], tree, env, name, processes).pid
+            worker = [
+                "bench.fake_worker",
+                "--gateway-address",
+                f"tcp://127.0.0.1:{zmq}",
+                "--step-ms",
+                str(args.step_ms),
+            ]
+            _start(worker, REPO, env, f"{name}-worker", processes)
+        else:
+            serve = ["launcher", "serve", *address, "--workers", "1"]
+            gateways[name] = _start(serve, tree, env, name, processes).pid
+        ports[name] = port
+    return ports, gateways
+
+
+def wait_ready(ports: dict[str, int], gateways: dict[str, int], fake_worker: bool) -> None:
+    """Every server answers /ready; a launcher's pid is replaced by its gateway child's, the process
+    whose CPU the store adds to."""
+    import httpx
+
+    from tests.conftest import wait_until
+
+    for name, port in ports.items():
+        wait_until(
+            lambda port=port: httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200,
+            600,
+            f"{name} ready",
+        )
+        if not fake_worker:  # the launcher's gateway child
+            (gateways[name],) = [
+                pid for pid in children(gateways[name]) if b"gateway" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            ]
+
+
+def run_rounds(
+    configs: dict, args: argparse.Namespace, ports: dict[str, int], gateways: dict[str, int], postmaster: int
+) -> dict[str, list[dict]]:
+    """``--rounds`` rounds, each running every configuration and workload in turn, so they all see
+    the machine in the same states; runs by "configuration/workload"."""
+    workloads = args.workloads.split(",")
+    runs: dict[str, list[dict]] = {f"{n}/{w}": [] for n in configs for w in workloads}
+    for round_ in range(args.rounds):
+        for name, (_, _, store) in configs.items():
+            for workload in workloads:
+                result = asyncio.run(
+                    level(
+                        ports[name],
+                        workload,
+                        args.streams,
+                        args.requests,
+                        args.tokens,
+                        store,
+                        gateways[name],
+                        postmaster,
+                    )
+                )
+                runs[f"{name}/{workload}"].append(result)
+                print(f"round {round_ + 1} {name:10s} {workload:9s} {json.dumps(result)}", flush=True)
+    return runs
+
+
+def write_summary(runs: dict[str, list[dict]], out: Path) -> None:
+    """Medians over rounds beside every run, to ``out``; the medians printed, one line a run kind."""
     medians = ("output_tok_s", "gateway_cpu_us_per_token", "postgres_cpu_us_per_token")
     summary = {
         key: {**{f"{m}_median": statistics.median(r[m] for r in rs) for m in medians}, "runs": rs}
         for key, rs in runs.items()
     }
-    args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1))
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1))
     for key, value in summary.items():
         figures = " ".join(f"{m} {value[m + '_median']:8.1f}" for m in medians)
         print(f"{key:22s} {figures}")
