@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -43,6 +45,23 @@ def step_timer(model: str):  # -> a no-argument callable timing one step, in ms
     return lambda: median_s(lambda: fused(ids, positions, runner.kv_caches, slots, tables, positions + 1), 30) * 1e3
 
 
+def cpu_s(launcher: int) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) of the launcher's gateway and worker children."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {"gateway": 0.0, "worker": 0.0}
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[1]) != launcher:  # stat[1]: the parent's pid
+                continue
+            role = (proc / "cmdline").read_bytes().split(b"\0")[2].decode()  # python -m <role>
+        except (OSError, IndexError, ValueError):
+            continue
+        if role in used:
+            used[role] += (int(stat[11]) + int(stat[12])) / tick  # utime, stime
+    return used
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -60,13 +79,17 @@ def main() -> None:
         rounds = []
         for _ in range(args.rounds):
             step = step_ms()
+            before = cpu_s(processes[0].pid)
             timings, wall = asyncio.run(run_level(url, name, PROMPTS, 1, args.requests, 128))
-            tpot = summarize(1, timings, wall)["median_tpot_ms"]
+            after, row = cpu_s(processes[0].pid), summarize(1, timings, wall)
+            tpot, tokens = row["median_tpot_ms"], max(row["total_output_tokens"], 1)
             rounds.append({"step_ms": round(step, 3), "tpot_ms": tpot, "ratio": round(tpot / step, 2)})
+            rounds[-1] |= {f"{r}_cpu_ms_per_token": round((after[r] - before[r]) * 1e3 / tokens, 3) for r in after}
             print(json.dumps(rounds[-1]), flush=True)
     finally:
         servers.stop(processes)
-    report = {key: statistics.median(r[key] for r in rounds) for key in ("step_ms", "tpot_ms", "ratio")}
+    keys = ("step_ms", "tpot_ms", "ratio", "gateway_cpu_ms_per_token", "worker_cpu_ms_per_token")
+    report = {key: statistics.median(r[key] for r in rounds) for key in keys}
     report |= {"threads": torch.get_num_threads(), "rounds": rounds}
     print(json.dumps({k: v for k, v in report.items() if k != "rounds"}))
     if args.out:
