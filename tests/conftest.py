@@ -130,8 +130,9 @@ def worker_argv(gateway: str, name: str | None = None, *extra: str, fake_info: s
     return [*program, "--gateway-address", gateway, *(["--worker-name", name] if name else []), *extra]
 
 
-def start_serve(name: str, workers: int, *extra: str, env: dict[str, str] | None = None) -> Server:
-    """``llmpool serve`` (the launcher) with ``workers`` local workers, waited on until they registered."""
+def start_serve(name: str, workers: int, *extra: str, env: dict[str, str] | None = None, wait: bool = True) -> Server:
+    """``llmpool serve`` (the launcher) with ``workers`` local workers, waited on until they registered
+    (``wait=False``: not waited on, so several start at once; ``wait_for_workers`` then)."""
     api_key = (env or {}).get("LLMPOOL_API_KEY", "").split(",")[0] or None
     server = Server(free_port(), free_port(), api_key=api_key)
     args = [
@@ -147,7 +148,8 @@ def start_serve(name: str, workers: int, *extra: str, env: dict[str, str] | None
     ]
     server.processes.append(spawn(args, name, env))
     try:
-        server.wait_for_workers(workers)
+        if wait:
+            server.wait_for_workers(workers)
     except BaseException:
         server.stop()
         raise

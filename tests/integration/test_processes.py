@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -103,9 +104,21 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_launcher_stops_everything_on_sigint():
-    server = start_serve("launcher-SIGINT", 1)
-    launcher = server.processes[0]
+@pytest.fixture(scope="module")
+def launchers() -> Iterator[dict[str, Server]]:
+    """Two serving launchers for the signal tests, started together (their workers load side by side)."""
+    servers = {name: start_serve(f"launcher-{name}", 1, wait=False) for name in ("SIGINT", "killed")}
+    try:
+        for server in servers.values():
+            server.wait_for_workers(1)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def test_launcher_stops_everything_on_sigint(launchers):
+    launcher = launchers["SIGINT"].processes[0]
     children = _children(launcher.pid)
     assert len(children) >= 2, "a gateway and a worker expected"
     launcher.send_signal(signal.SIGINT)
@@ -113,10 +126,10 @@ def test_launcher_stops_everything_on_sigint():
     wait_until(lambda: not any(_alive(pid) for pid in children), 15, "every child to exit")
 
 
-def test_killed_launcher_leaves_no_orphans():
-    server = start_serve("launcher-killed", 1)
-    launcher = server.processes[0]
+def test_killed_launcher_leaves_no_orphans(launchers):
+    launcher = launchers["killed"].processes[0]
     children = _children(launcher.pid)
+    assert len(children) >= 2, "a gateway and a worker expected"
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(timeout=10)
     wait_until(lambda: not any(_alive(pid) for pid in children), 20, "children to die with the launcher")
@@ -248,8 +261,16 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
         "--curve-authorized-keys",
         str(keys / "authorized"),
     ]
+    logs = {name: ARTIFACTS / f"{name}.log" for name in ("curve-gateway", "curve-nokeys", "curve-stranger")}
+    starts = {name: path.stat().st_size if path.exists() else 0 for name, path in logs.items()}
+
+    def logged(name: str) -> str:
+        return logs[name].read_bytes()[starts[name] :].decode(errors="replace") if logs[name].exists() else ""
+
     server.processes.append(spawn(gateway_args, "curve-gateway", FAST_HEARTBEAT))
     try:
+        # The three workers load side by side: the trusted one, one without keys, one with a key
+        # the gateway does not know.
         server.processes.append(
             spawn(
                 worker_argv(
@@ -264,20 +285,7 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
                 FAST_HEARTBEAT,
             )
         )
-        server.wait_for_workers(1)
-        logs = {name: ARTIFACTS / f"{name}.log" for name in ("curve-gateway", "curve-nokeys", "curve-stranger")}
-        starts = {name: path.stat().st_size if path.exists() else 0 for name, path in logs.items()}
-
-        def logged(name: str) -> str:
-            return logs[name].read_bytes()[starts[name] :].decode(errors="replace") if logs[name].exists() else ""
-
-        server.processes.append(
-            spawn(
-                worker_argv(server.zmq_address, "no-keys"),
-                "curve-nokeys",
-                FAST_HEARTBEAT,
-            )
-        )
+        server.processes.append(spawn(worker_argv(server.zmq_address, "no-keys"), "curve-nokeys", FAST_HEARTBEAT))
         server.processes.append(
             spawn(
                 worker_argv(
@@ -292,6 +300,7 @@ def test_curve_lets_only_authorized_workers_in(tmp_path):
                 FAST_HEARTBEAT,
             )
         )
+        server.wait_for_workers(1)
         # Both reach the handshake and are refused, and both sides say so (not merely still loading).
         wait_until(
             lambda: "handshake with the gateway" in logged("curve-nokeys") and "refused" in logged("curve-stranger"),
