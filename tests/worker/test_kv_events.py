@@ -104,3 +104,17 @@ def rebuild_from(batches: list[tuple[int, bytes]], block_size: int) -> tuple[set
             else:
                 held.difference_update(event["block_hashes"])
     return held, seqs, kinds
+
+
+def test_serve_gives_each_local_worker_its_own_event_ports():
+    """``llmpool serve --workers N``: a bound tcp port (PUB and replay alike) is offset by the worker's
+    index, as vLLM offsets its data-parallel ranks; other endpoints are left as given."""
+    from launcher.cli import _own_events
+
+    env = {"LLMPOOL_KV_EVENTS_ENDPOINT": "tcp://*:5557", "LLMPOOL_KV_EVENTS_REPLAY_ENDPOINT": "tcp://*:5600"}
+    assert _own_events(env, 0) == {}
+    assert _own_events(env, 2) == {
+        "LLMPOOL_KV_EVENTS_ENDPOINT": "tcp://*:5559",
+        "LLMPOOL_KV_EVENTS_REPLAY_ENDPOINT": "tcp://*:5602",
+    }
+    assert _own_events({"LLMPOOL_KV_EVENTS_ENDPOINT": "tcp://10.0.0.1:5557"}, 1) == {}  # connects: one subscriber
