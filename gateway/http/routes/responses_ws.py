@@ -205,13 +205,15 @@ async def _serve(session: Session, config: SocketLimits, draining: asyncio.Event
 
 
 async def _next_text(socket: WebSocket, wait: float, draining: asyncio.Event) -> str | None:
-    """The client's next text frame, or None after ``wait`` seconds or when the gateway starts draining."""
+    """The client's next text frame, or None after ``wait`` seconds or when the gateway starts draining
+    (once it has, only the timer wakes: the caller polls its turn's end)."""
     receive = asyncio.ensure_future(socket.receive_text())
-    woken = asyncio.ensure_future(draining.wait())
+    waiters = {receive} if draining.is_set() else {receive, asyncio.ensure_future(draining.wait())}
     try:
-        done, _ = await asyncio.wait((receive, woken), timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        woken.cancel()
+        for waiter in waiters - {receive}:
+            waiter.cancel()
     if receive in done:
         return receive.result()
     receive.cancel()
