@@ -139,7 +139,7 @@ def test_launcher_restarts_a_crashed_worker_then_sigterm_lets_a_running_stream_f
         os.kill(worker_pid, signal.SIGKILL)
         # The restarted worker registers under the same name; the gateway drops the dead entry at once.
         wait_until(
-            lambda: [w["identity"] for w in server.workers()] not in ([], [old["identity"]]), 90, "a restarted worker"
+            lambda: [w["identity"] for w in server.workers()] not in ([], [old["identity"]]), 180, "a restarted worker"
         )
         assert [w["name"] for w in server.workers()] == [old["name"]]
         assert (

@@ -161,7 +161,7 @@ async def responses_socket(
     session = Session(socket, models, stored, files)
     PINNED.set(session.pin)  # this handler's task (and the runs it starts) prefer the socket's worker
     drain.open += 1
-    code = 1000
+    code = None
     try:
         code = await _serve(session, config, drain.draining)
     except WebSocketDisconnect:
@@ -169,9 +169,11 @@ async def responses_socket(
     finally:
         await _end_turn(session)
         session.pin.open = False  # no longer counted in /workers
-        drain.closed()
-    if socket.connection_state != "disconnect":
-        await socket.close(code=code)
+        try:
+            if code is not None and socket.connection_state != "disconnect":
+                await socket.close(code=code)  # before the drain counts it closed: uvicorn's shutdown follows
+        finally:
+            drain.closed()
 
 
 async def _serve(session: Session, config: SocketLimits, draining: asyncio.Event) -> int:
