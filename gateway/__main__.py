@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-import uvicorn
-
 from common.config import add_flags, from_namespace, parse_size
 from common.logs import setup_logging
 from gateway.config import ALL_GATEWAY_FLAGS, GatewayConfig
 from gateway.http.app import create_app
-from gateway.http.server import HttpLimits, uvicorn_config
+from gateway.http.server import GatewayServer, HttpLimits, uvicorn_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +33,7 @@ def http_limits(config: GatewayConfig) -> HttpLimits:
 def main(argv: list[str] | None = None) -> None:
     config = from_namespace(GatewayConfig, build_parser().parse_args(argv))
     setup_logging("gateway", config.log_level, config.log_format)
-    server = uvicorn.Server(
+    server = GatewayServer(
         uvicorn_config(create_app(config), config.host, config.port, http_limits(config), config.shutdown_grace)
     )
     try:

@@ -313,10 +313,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _own_events(env: dict[str, str], index: int) -> dict[str, str]:
-    """Each local worker its own bound KV-events port (--kv-events-endpoint tcp://*:5557: worker 0 on
-    5557, worker 1 on 5558, ...), as vLLM offsets it by data-parallel rank; others are as given."""
-    endpoint = env.get("LLMPOOL_KV_EVENTS_ENDPOINT", "")
-    host, _, port = endpoint.rpartition(":")
-    if not index or not endpoint.startswith("tcp://") or "*" not in host or not port.isdigit():
-        return {}
-    return {"LLMPOOL_KV_EVENTS_ENDPOINT": f"{host}:{int(port) + index}"}
+    """Each local worker its own bound KV-events ports (--kv-events-endpoint tcp://*:5557: worker 0 on
+    5557, worker 1 on 5558, ...; the replay endpoint likewise), as vLLM offsets them by data-parallel
+    rank; others are as given."""
+    own = {}
+    for name in ("LLMPOOL_KV_EVENTS_ENDPOINT", "LLMPOOL_KV_EVENTS_REPLAY_ENDPOINT"):
+        host, _, port = env.get(name, "").rpartition(":")
+        if index and host.startswith("tcp://") and "*" in host and port.isdigit():
+            own[name] = f"{host}:{int(port) + index}"
+    return own

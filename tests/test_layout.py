@@ -46,7 +46,8 @@ def test_zmq_is_confined_to_the_socket_modules():
         for p in (REPO / pkg).rglob("*.py")
         if "zmq" in imported_modules(p)
     }
-    # worker/kv_events.py: the KV-event PUB socket (--kv-events-endpoint), opened and used on the engine thread only.
+    # worker/kv_events.py: the KV-event PUB socket (--kv-events-endpoint), used on the engine thread only, and its
+    # replay ROUTER (--kv-events-replay-endpoint), used on its own thread only.
     assert users == {
         "gateway/fleet/worker_client.py",
         "worker/proc.py",

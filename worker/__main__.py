@@ -139,7 +139,9 @@ def _proc(
     if config.kv_events_endpoint:
         from worker.kv_events import KvEventPublisher
 
-        engine.blocks.events = KvEventPublisher(config.kv_events_endpoint)
+        engine.blocks.events = KvEventPublisher(
+            config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint
+        )
         stepper.call(engine.blocks.events.start)  # the engine thread owns the socket
     return proc
 

@@ -57,6 +57,12 @@ WORKER_FLAGS = [
         "tcp://*:PORT binds, tcp://HOST:PORT connects to a subscriber that bound (worker/kv_events.py); off when not given",
     ),
     Flag(
+        "kv-events-replay-endpoint",
+        None,
+        "With --kv-events-endpoint: a ZeroMQ ROUTER address (bound, e.g. tcp://*:5558) where a subscriber that joined late "
+        "or missed batches asks for them again from a sequence number (vLLM's replay; the last 10,000 batches); off when not given",
+    ),
+    Flag(
         "kv-store",
         None,
         "A second tier for prefix-cache blocks that outlives the worker and is shared by the pool: a folder (workers of this "
@@ -228,6 +234,7 @@ class WorkerConfig(SharedConfig):
     max_prefill_chunk: int = 0
     prefix_caching: bool = True
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
     kv_store: str | None = None
     kv_store_size: str = "10GiB"
     max_model_len: int = 0

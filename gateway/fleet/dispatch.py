@@ -17,7 +17,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import deque
+import weakref
+from collections import Counter, deque
 from collections.abc import Callable
 from contextvars import ContextVar
 
@@ -45,9 +46,11 @@ log = logging.getLogger(__name__)
 
 class Pin:
     """The worker a client's requests stay on while it can take them (a Responses WebSocket: its KV
-    stays warm); the first request's worker is chosen as any other's."""
+    stays warm); the first request's worker is chosen as any other's. ``/workers`` counts each
+    worker's open pins (``pinned_sockets``) until the socket closes (``open`` False)."""
 
     identity: bytes | None = None
+    open: bool = True
 
 
 # The pin of the task submitting (set by the WebSocket route; tasks it starts inherit it).
@@ -79,6 +82,7 @@ class Dispatcher:
         self.roster = Roster(interval, liveness, learns, reachable, self.outbox)
         self.affinity = PrefixAffinity(affinity_slack) if affinity_slack is not None else None
         self.streams: dict[str, RequestStream] = {}
+        self.pins: weakref.WeakSet[Pin] = weakref.WeakSet()  # the WebSockets' pins (their worker, in /workers)
         self.add_messages_sent = 0
         self.recovery = Recovery(
             self.roster, self.outbox, self.streams, clock, liveness, max_retries, self._assign, self.end
@@ -101,8 +105,9 @@ class Dispatcher:
         ]
 
     def snapshot(self) -> dict:
+        pinned = Counter(pin.identity for pin in self.pins if pin.open)
         return {
-            **self.roster.snapshot(),
+            **self.roster.snapshot(pinned),
             "inflight": len(self.streams),
             "add_messages_sent": self.add_messages_sent,
             "resumed": self.resumed,
@@ -177,6 +182,7 @@ class Dispatcher:
             )
         if pin is not None:
             pin.identity = worker.identity
+            self.pins.add(pin)
         worker.outstanding_tokens += stream.cost
         if not worker.inflight:
             worker.last_progress = self.clock()  # the progress clock starts with the work

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from common.protocol import DescribeModel, Goodbye, Heartbeat, Message, ModelInfo, Ready, WorkerError
@@ -247,9 +247,11 @@ class Roster:
             if pool.digest is None and not pool.learning:
                 self._ask_description(pool, now)
 
-    def snapshot(self) -> dict:
+    def snapshot(self, pinned: Mapping[bytes | None, int] | None = None) -> dict:
+        """The pool for /workers; ``pinned``: the open WebSockets pinned to each worker."""
+        pinned = pinned or {}
         return {
-            "workers": [w.snapshot() for w in self.workers.values()],
+            "workers": [w.snapshot(pinned.get(w.identity, 0)) for w in self.workers.values()],
             "joining": [{"name": ready.worker_name, "model": ready.model} for ready, _ in self.joining.values()],
             "departed": list(self.departed),
             "departures": self.departures,

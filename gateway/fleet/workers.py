@@ -65,7 +65,7 @@ class WorkerInfo:
         holds = self.inflight and (self.load.running or self.load.waiting)
         return bool(holds) and now - self.last_progress > limit
 
-    def snapshot(self) -> dict:
+    def snapshot(self, pinned: int = 0) -> dict:
         return {
             "name": self.ready.worker_name,
             "identity": self.identity.decode(errors="replace"),
@@ -77,6 +77,7 @@ class WorkerInfo:
             "inflight": len(self.inflight),
             "outstanding_tokens": self.outstanding_tokens,
             "requests_assigned": self.requests_assigned,
+            "pinned_sockets": pinned,  # Responses WebSockets whose turns stay on this worker
             "running": self.load.running,
             "waiting": self.load.waiting,
             "free_blocks": self.load.free_blocks,

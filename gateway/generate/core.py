@@ -39,7 +39,7 @@ from gateway.generate.reasoning import ReasoningParser
 from gateway.generate.request import CoreRequest, request_id
 from gateway.generate.served_model import ServedModel, TextDelta
 from gateway.generate.tools import ToolCall, ToolOutputParser
-from gateway.generate.validation import Prepared, prepare
+from gateway.generate.validation import Prepared, check, prepare
 from gateway.ops import tracing
 from gateway.policy.admission import Slot
 from gateway.policy.caller import Caller
@@ -93,6 +93,16 @@ def cache_keys(caller: Caller | None, shared: bool, sampling: object) -> tuple[s
 async def prompt_ids(served: ServedModel, req: CoreRequest, caller: Caller | None = None) -> list[list[int]]:
     """The prompts as token ids, after the same checks as ``start`` (for counting tokens)."""
     return (await prepare(served, req, caller, admit=False)).prompts
+
+
+async def chat_text(served: ServedModel, req: CoreRequest) -> str | None:
+    """A chat request's prompt as the server's template renders it, after the same checks, not
+    tokenized (None: not a chat): ``prompt_ids`` without the tokenizing, most of its cost."""
+    checked = check(served, req, None)
+    if checked.messages is None:
+        return None
+    args = (checked.messages, req.add_generation_prompt, checked.variables)
+    return await served.run_in_pool(served.template.render, *args, size=checked.chars)
 
 
 async def admit(

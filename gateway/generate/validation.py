@@ -54,7 +54,7 @@ async def prepare(served: ServedModel, req: CoreRequest, caller: Caller | None =
     """Check ``req`` and tokenize its prompt; with ``admit``, also check each prompt's budget and build the wire
     requests. Only a caller's request may bring its own template (where the server allows them), and the caller's
     hanging up stops that template's render."""
-    checked, images = _check(served, req, caller), []  # images: a chat's, fetched and expanded below
+    checked, images = check(served, req, caller), []  # images: a chat's, fetched and expanded below
     if checked.messages is not None:
         prompts, images = await _rendered(served, checked, req.template, req.add_generation_prompt, caller)
     else:
@@ -142,7 +142,7 @@ class _Checked:
     budget: int | None  # thinking tokens before the worker ends the thinking (None: no bound)
 
 
-def _check(served: ServedModel, req: CoreRequest, caller: Caller | None) -> _Checked:
+def check(served: ServedModel, req: CoreRequest, caller: Caller | None) -> _Checked:
     """Every check that needs no tokens, cheapest first; the tools last, and with them the conversation as the
     template will read it."""
     if not 1 <= req.n <= MAX_N:

@@ -46,7 +46,7 @@ from gateway.http.routes.models import ModelsController
 from gateway.http.routes.rerank import rerank, score
 from gateway.http.routes.response_items import ResponseItemsController
 from gateway.http.routes.responses import ResponsesController, take_over
-from gateway.http.routes.responses_ws import SocketLimits, responses_socket
+from gateway.http.routes.responses_ws import SocketDrain, SocketLimits, responses_socket
 from gateway.http.routes.tokenize import TokenizeController
 from gateway.http.routes.tokens_io import TokensController, abort_beat
 from gateway.http.routes.ui import UI_ROUTES
@@ -340,5 +340,6 @@ def create_app(config: GatewayConfig) -> Litestar:
         openapi_config=openapi_config(guards),
     )
     app.state.websocket_limits = SocketLimits(config.websocket_idle_timeout, config.websocket_max_age)
+    app.state.websocket_drain = SocketDrain()
     app.asgi_handler = head_as_get(app.asgi_handler)  # routing happens inside it: HEAD must become GET first
     return app

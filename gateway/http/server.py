@@ -233,6 +233,20 @@ def raise_fd_limit(max_connections: int) -> None:
             log.warning("--max-connections %d: this process may open only %d files (ulimit -Hn)", max_connections, new)
 
 
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown first lets the open WebSockets end their responses in flight
+    and close themselves (the app's ``state.websocket_drain``): uvicorn's own shutdown would close
+    them at once with 1012, cutting a response mid-stream, while it lets HTTP responses finish."""
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        for server in self.servers:
+            server.close()  # no new connections while the sockets drain (uvicorn closes them again: harmless)
+        drain = getattr(getattr(self.config.app, "state", None), "websocket_drain", None)
+        if drain is not None and not self.force_exit:
+            await drain.drain(self.config.timeout_graceful_shutdown or 0.0)
+        await super().shutdown(sockets)
+
+
 def uvicorn_config(app: Any, host: str, port: int, limits: HttpLimits, graceful_shutdown: float) -> uvicorn.Config:
     """The gateway's uvicorn settings: httptools with ``limits``, uvloop when installed, no access log."""
     raise_fd_limit(limits.max_connections)

@@ -25,7 +25,7 @@ import zmq
 
 from launcher.cli import make_keys
 from tests.conftest import MODEL, Server, free_port, spawn, start_serve, stop, wait_until, worker_argv
-from tests.worker.test_kv_events import rebuild
+from tests.worker.test_kv_events import rebuild, rebuild_from, replayed
 
 API_KEY = "fleet-key"
 # Default heartbeats (1 s, 5 missed): three model workers share two cores here, and a step may take seconds.
@@ -234,13 +234,15 @@ def test_a_gateway_killed_mid_load_leaves_the_other_serving_and_relearns_the_poo
 
 def test_a_prompt_cache_key_goes_to_one_worker_through_either_gateway(fleet):
     """... and the joining worker's KV events (a real worker process, --kv-events-endpoint), read by
-    a subscriber from its start, rebuild the block set whose size /workers shows."""
-    events = f"ipc://{fleet.keys.parent}/kv-events-b"
+    a subscriber from its start, rebuild the block set whose size /workers shows; a subscriber that
+    joins last replays them all from seq 0 (--kv-events-replay-endpoint) and rebuilds the same set."""
+    events, replay = f"ipc://{fleet.keys.parent}/kv-events-b", f"ipc://{fleet.keys.parent}/kv-replay-b"
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.connect(events)  # before the worker binds: ZeroMQ connects once it does
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     tiny = str(fleet.keys.parent / "tiny-qwen")
     extra = ("--model", tiny, "--dtype", "float32", "--max-model-len", "1024", "--kv-events-endpoint", events)
+    extra += ("--kv-events-replay-endpoint", replay)
     fleet.start_worker(3, "tiny-qwen", *extra, name="tiny-qwen-b")
     for i in (0, 1):
         wait_until(lambda i=i: fleet.models(i)["tiny-qwen"]["workers"] == 2, 120, f"gateway {i}: 2 tiny-qwen workers")
@@ -268,6 +270,8 @@ def test_a_prompt_cache_key_goes_to_one_worker_through_either_gateway(fleet):
         return {w["name"]: w["cached_blocks"] for w in fleet.get(0, "/workers").json()["workers"]}["tiny-qwen-b"]
 
     wait_until(lambda: shown() == len(held), 10, f"/workers showing the {len(held)} blocks the events hold")
+    late = replayed(replay, 0)
+    assert [seq for seq, _ in late] == seqs and rebuild_from(late, block_size=16)[0] == held
 
 
 def test_a_worker_twice_as_fast_gets_about_twice_the_requests(tmp_path):

@@ -3,6 +3,7 @@ and the commands that compose.yaml runs, run here as plain processes (no Docker 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,6 +17,8 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from tests.conftest import ARTIFACTS, MODEL, REPO, Server, free_port, spawn, start_serve, stop, wait_until, worker_argv
 from tests.integration.test_faults import stream_text
@@ -137,7 +140,8 @@ def test_killed_launcher_leaves_no_orphans(launchers):
 
 def test_launcher_restarts_a_crashed_worker_then_sigterm_lets_a_running_stream_finish():
     """One ``llmpool serve`` for its life: a crashed worker comes back under its name; then SIGTERM
-    mid-stream: the stream ends whole, the launcher exits 0, and every child with it."""
+    mid-stream: the stream ends whole, a Responses WebSocket's response in flight ends whole and
+    only then is the socket closed with 1012, the launcher exits 0, and every child with it."""
     server = start_serve("launcher-restart", 1)
     launcher = server.processes[0]
     try:
@@ -148,7 +152,7 @@ def test_launcher_restarts_a_crashed_worker_then_sigterm_lets_a_running_stream_f
         os.kill(worker_pid, signal.SIGKILL)
         # The restarted worker registers under the same name; the gateway drops the dead entry at once.
         wait_until(
-            lambda: [w["identity"] for w in server.workers()] not in ([], [old["identity"]]), 90, "a restarted worker"
+            lambda: [w["identity"] for w in server.workers()] not in ([], [old["identity"]]), 180, "a restarted worker"
         )
         assert [w["name"] for w in server.workers()] == [old["name"]]
         assert (
@@ -158,8 +162,20 @@ def test_launcher_restarts_a_crashed_worker_then_sigterm_lets_a_running_stream_f
         )
         children = _children(launcher.pid)
         assert len(children) >= 2, "a gateway and a worker expected"
+        socket = connect(server.base_url.replace("http://", "ws://") + "/v1/responses")
+        body = {"model": MODEL, "input": "Tell me a story.", "max_output_tokens": 64, "ignore_eos": True}
+        socket.send(json.dumps({"type": "response.create", **body}))
+        while json.loads(socket.recv(60))["type"] != "response.output_text.delta":
+            pass
         text, tokens = stream_text(sdk(server), lambda count: count == 5 and launcher.send_signal(signal.SIGTERM))
         assert tokens == 48 and text, "the running stream finished"
+        events = []
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                events.append(json.loads(socket.recv(60)))
+        final = events[-1]  # whole: all 64 tokens (incomplete: max_output_tokens), then the close
+        assert final["type"] == "response.incomplete" and final["response"]["usage"]["output_tokens"] == 64, final
+        assert closed.value.rcvd.code == 1012, closed.value
         assert launcher.wait(timeout=60) == 0
         wait_until(lambda: not any(_alive(pid) for pid in children), 15, "every child to exit")
     finally:

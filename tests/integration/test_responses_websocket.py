@@ -10,7 +10,7 @@ import json
 
 from websockets.asyncio.client import connect
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, wait_until
 
 TURNS = ("My name is Ada. Say hello to me.", "What is my name?")
 SETTINGS = {"model": MODEL, "max_output_tokens": 12, "temperature": 0}
@@ -51,13 +51,24 @@ def _final(events: list[dict]) -> dict:
 
 
 def test_two_turns_over_a_socket_equal_the_http_path(server, client):
+    """... and both land on the worker /workers shows the socket pinned to (the second turn's
+    prompt extends the first's, so the KV blocks it reuses are that worker's)."""
     expected = _http_turns(client)
+
+    def pins() -> dict[str, tuple[int, int]]:
+        return {w["name"]: (w["pinned_sockets"], w["requests_assigned"]) for w in server.workers()}
 
     async def over_socket(store: bool) -> list[list[dict]]:
         async with connect(_url(server)) as ws:
+            before = pins()
             first = await _turn(ws, input=TURNS[0], store=store)
             second = await _turn(ws, input=TURNS[1], store=store, previous_response_id=_final(first)["id"])
-            return [first, second]
+            during = pins()
+        (pinned,) = [name for name, (count, _) in during.items() if count]  # one socket, one worker
+        assert during[pinned] == (1, before[pinned][1] + 2), (before, during)  # both turns went there
+        assert all(assigned == before[name][1] for name, (_, assigned) in during.items() if name != pinned)
+        wait_until(lambda: not any(count for count, _ in pins().values()), 10, "the closed socket's pin gone")
+        return [first, second]
 
     for store in (True, False):  # store: false continues from the socket's memory
         got = asyncio.run(over_socket(store))

@@ -1,6 +1,8 @@
 """KV events (worker/kv_events.py) over a real ZeroMQ PUB/SUB pair: a subscriber that rebuilds the
 worker's cached block set from them holds exactly what the block manager holds, through prefix
-hits and evictions; the payload is vLLM's (tagged events in a timestamped batch)."""
+hits and evictions; the payload is vLLM's (tagged events in a timestamped batch). A subscriber that
+joins late asks the replay socket (vLLM's ROUTER framing) for every batch from 0 and rebuilds the
+same set."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ from worker.kv_events import KvEventPublisher
 
 def test_a_subscriber_rebuilds_the_block_set_from_the_events(tmp_path):
     engine = Engine(FakeRunner(num_blocks=8), WorkerConfig(block_size=4))
-    publisher = KvEventPublisher(f"ipc://{tmp_path}/kv-events", topic="kv")
+    publisher = KvEventPublisher(f"ipc://{tmp_path}/kv-events", topic="kv", replay_endpoint=f"ipc://{tmp_path}/replay")
     engine.blocks.events = publisher
-    publisher._open()
+    publisher.start()
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.connect(publisher.endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
@@ -37,11 +39,36 @@ def test_a_subscriber_rebuilds_the_block_set_from_the_events(tmp_path):
 
     held, seqs, kinds = rebuild(sub, topic=b"kv", block_size=4)
     sub.close(linger=0)
-    publisher.close()
     assert seqs == list(range(len(seqs))) and seqs
     assert kinds == {"AllBlocksCleared", "BlockStored", "BlockRemoved"}  # the small cache had to evict
     assert held == set(engine.blocks._cached) and engine.blocks.num_cached_blocks == len(held)
     assert engine.load().cached_blocks == len(held)  # what /workers shows as cached_blocks
+
+    late = replayed(publisher.replay.endpoint, 0)
+    assert [seq for seq, _ in late] == seqs and rebuild_from(late, block_size=4)[0] == held
+    assert [seq for seq, _ in replayed(publisher.replay.endpoint, 3)] == seqs[3:]
+    assert replayed(publisher.replay.endpoint, None) == []  # a malformed request gets the end marker alone
+    publisher.close()
+
+
+def replayed(endpoint: str, start: int | None) -> list[tuple[int, bytes]]:
+    """What a replay socket answers a request for the batches from ``start`` (a malformed request
+    when None), as a vLLM subscriber asks: a DEALER, so the empty delimiter is sent by hand."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", b"bad" if start is None else start.to_bytes(8, "big")])
+    batches = []
+    try:
+        while True:
+            assert dealer.poll(10_000), "no end marker from the replay socket"
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert payload == b""
+                return batches
+            batches.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        dealer.close(linger=0)
 
 
 def rebuild(
@@ -49,12 +76,20 @@ def rebuild(
 ) -> tuple[set[int], list[int], set[str]]:
     """The block hashes a subscriber holds after reading every batch sent (until ``wait_s`` of
     quiet), the batches' sequence numbers, and the event types seen."""
-    held: set[int] = set()
-    seqs, kinds = [], set()
+    batches = []
     while sub.poll(wait_s * 1000):
         got, seq, payload = sub.recv_multipart()
         assert got == topic
-        seqs.append(int.from_bytes(seq, "big"))
+        batches.append((int.from_bytes(seq, "big"), payload))
+    return rebuild_from(batches, block_size)
+
+
+def rebuild_from(batches: list[tuple[int, bytes]], block_size: int) -> tuple[set[int], list[int], set[str]]:
+    """The block hashes held after applying ``batches`` (sequence number, payload) in order."""
+    held: set[int] = set()
+    seqs, kinds = [], set()
+    for seq, payload in batches:
+        seqs.append(seq)
         raw = msgspec.msgpack.decode(payload)
         assert isinstance(raw["ts"], float) and abs(raw["ts"] - time.time()) < 60
         for event in raw["events"]:
@@ -69,3 +104,17 @@ def rebuild(
             else:
                 held.difference_update(event["block_hashes"])
     return held, seqs, kinds
+
+
+def test_serve_gives_each_local_worker_its_own_event_ports():
+    """``llmpool serve --workers N``: a bound tcp port (PUB and replay alike) is offset by the worker's
+    index, as vLLM offsets its data-parallel ranks; other endpoints are left as given."""
+    from launcher.cli import _own_events
+
+    env = {"LLMPOOL_KV_EVENTS_ENDPOINT": "tcp://*:5557", "LLMPOOL_KV_EVENTS_REPLAY_ENDPOINT": "tcp://*:5600"}
+    assert _own_events(env, 0) == {}
+    assert _own_events(env, 2) == {
+        "LLMPOOL_KV_EVENTS_ENDPOINT": "tcp://*:5559",
+        "LLMPOOL_KV_EVENTS_REPLAY_ENDPOINT": "tcp://*:5602",
+    }
+    assert _own_events({"LLMPOOL_KV_EVENTS_ENDPOINT": "tcp://10.0.0.1:5557"}, 1) == {}  # connects: one subscriber

@@ -247,6 +247,49 @@ def test_an_unreachable_redis_is_a_clear_error_at_start():
         open_tier(f"redis://user:secret@127.0.0.1:{free_port()}/0", fingerprint(), 1)
 
 
+def test_retained_blocks_outlast_unretained_ones_in_redis_until_their_ttl(redis_url):
+    """Each key expires its idle time after its last use or its retention's end; a plain use never
+    shortens a retention; and under a memory bound (volatile-ttl, as the fixture's server runs) the
+    server evicts unretained blocks, keeping the retained ones."""
+    import redis
+
+    from worker.kv_store import open_tier
+    from worker.kv_store.redis_tier import IDLE_S
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    tier = open_tier(redis_url, fingerprint(), 1)
+    kept, plain = blocks_of(list(range(100, 116))), blocks_of(list(range(200, 216)))
+    now = time.time()
+    for block in kept:
+        block.keep_until = now + 3600
+        assert tier.ensure(block, [payload(block)]) > 0
+    for block in plain:
+        assert tier.ensure(block, [payload(block)]) > 0
+
+    def ends(blocks: list[Block]) -> list[float]:
+        return [client.pexpiretime(tier._key(b)) / 1000 - IDLE_S for b in blocks]
+
+    assert all(now + 3599 <= end <= time.time() + 3600 for end in ends(kept))
+    assert all(now - 1 <= end <= time.time() for end in ends(plain))
+    kept[0].keep_until = 0.0
+    assert tier.ensure(kept[0], [payload(kept[0])]) == 0  # there already: a plain use of a retained block ...
+    assert ends(kept[:1])[0] >= now + 3599  # ... keeps its retention
+
+    big = bytes(16 << 10)
+    config = client.config_get("maxmemory")
+    client.config_set("maxmemory", client.info("memory")["used_memory"] + (256 << 10))
+    try:
+        fillers = blocks_of(list(range(1000, 1000 + 4 * 48)))
+        for block in fillers:  # 768 KiB of plain blocks into 256 KiB of room
+            tier.ensure(block, [big])
+        assert client.info("stats")["evicted_keys"] > 0
+        assert all(client.exists(tier._key(b)) for b in kept)
+    finally:
+        client.config_set("maxmemory", config["maxmemory"])
+        client.flushdb()
+
+
 def test_admin_stats_and_clear(tmp_path):
     first, _, _ = store_engine(tmp_path)
     run(first, list(range(100, 118)))

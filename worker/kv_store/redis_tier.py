@@ -4,16 +4,22 @@ One key per block, ``llmpool:kv:<fingerprint>:<key>``, holding the same record a
 (worker/kv_store/record.py), checked the same way. ``SET ... NX`` writes a block whole or not at all,
 so many workers write without locks. Reads go in pipelined windows of READ_WINDOW blocks.
 
-The size bound is the server's: run Redis with ``maxmemory`` and ``maxmemory-policy allkeys-lru``
-(it then evicts the least recently used blocks; a read or a ``TOUCH`` marks a block used).
-``--kv-store-size`` bounds disk stores only; a Redis without ``maxmemory`` is warned about at start.
-The size and evictions reported are the server's (``used_memory``, ``evicted_keys``).
+The size bound is the server's: run Redis with ``maxmemory`` and ``maxmemory-policy volatile-ttl``.
+Each block's key expires ``IDLE_S`` after its last use, or after its retention ends when a request
+asked for one (``Block.keep_until``: ``cache_control`` ttl, ``prompt_cache_retention``); each use
+moves the expiry later, never earlier (``GT``). Under ``volatile-ttl`` Redis evicts the key whose
+expiry comes first: the least recently used block, and a retained one only after every block used
+before its retention ends, the order the folder store keeps by modification time. Under
+``allkeys-lru`` eviction ignores retention (a worker warns at start). ``--kv-store-size`` bounds disk
+stores only; a Redis without ``maxmemory`` is warned about at start. The size and evictions
+reported are the server's (``used_memory``, ``evicted_keys``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -29,6 +35,7 @@ log = logging.getLogger(__name__)
 PREFIX = "llmpool:kv:"
 READ_WINDOW = 16
 TIMEOUT_S = 5.0
+IDLE_S = 7 * 86400  # a block nobody used (or retained) for a week expires, even with memory to spare
 
 
 def connect(url: str) -> redis.Redis:
@@ -48,14 +55,18 @@ class RedisTier:
             self.client.set(PREFIX + "store-id", uuid.uuid4().hex, nx=True)
             self.store_id = self.client.get(PREFIX + "store-id").decode()
             self.client.set(f"{PREFIX}{fingerprint.hex}", json.dumps(fingerprint.describe(), indent=2), nx=True)
-            bounded = int(
-                self.client.info("memory").get("maxmemory", 0) or 0
-            )  # INFO, not CONFIG: managed Redis often refuses CONFIG
+            memory = self.client.info("memory")  # INFO, not CONFIG: managed Redis often refuses CONFIG
         except redis.RedisError as exc:
             raise ValueError(f"--kv-store {self.description}: {type(exc).__name__}: {exc}") from None
-        if not bounded:
+        if not int(memory.get("maxmemory", 0) or 0):
             log.warning(
-                "KV store: the Redis server has no maxmemory: nothing bounds the store's size (set maxmemory and allkeys-lru)"
+                "KV store: the Redis server has no maxmemory: nothing bounds the store's size (set maxmemory and volatile-ttl)"
+            )
+        elif memory.get("maxmemory_policy") != "volatile-ttl":
+            log.warning(
+                "KV store: the Redis server evicts by %s: retained blocks (cache_control ttl, prompt_cache_retention) "
+                "go like others; set maxmemory-policy volatile-ttl",
+                memory.get("maxmemory_policy"),
             )
 
     def _key(self, block: Block) -> bytes:
@@ -96,10 +107,14 @@ class RedisTier:
 
     def ensure(self, block: Block, payload: Sequence[Buffer]) -> int:
         key = self._key(block)
-        if self.client.touch(key):
+        expires_ms = int((max(time.time(), block.keep_until) + IDLE_S) * 1000)  # its last use, or retention's end
+        pipe = self.client.pipeline(transaction=False)
+        pipe.touch(key)
+        pipe.pexpireat(key, expires_ms, gt=True)  # later, never earlier: a plain use keeps a retention
+        if pipe.execute()[0]:
             return 0
         data = b"".join([record.header(self.fingerprint, block.key, block.tokens, payload), *payload])
-        return len(data) if self.client.set(key, data, nx=True) else 0
+        return len(data) if self.client.set(key, data, nx=True, pxat=expires_ms) else 0
 
     def maintain(self) -> None:
         info = self.client.info()  # memory and stats

@@ -7,10 +7,18 @@
   its last breakpoint that the cache did not hold, ``cache_read_input_tokens`` those it served, and
   ``input_tokens`` the rest (after the breakpoint). Where the breakpoint falls in the rendered
   prompt is measured, not guessed: the request is rendered again with a marker block right after
-  its last breakpoint, and the two prompts part where the breakpoint ends.
+  its last breakpoint, and the prompt's tokens are counted up to the marker, from their bytes: a
+  byte-level BPE token string holds one character per byte. That costs the render, not a second
+  tokenizing (3-7x more: ``breakpoint_tokens``); where the bytes do not add up (another kind of
+  tokenizer, a template that put more than the marker in, images) the marked prompt is tokenized
+  too, and the two prompts part where the breakpoint ends.
 """
 
 from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Any
 
 import msgspec
 
@@ -81,11 +89,30 @@ async def marked_tokens(generation: core.Generation, data: MessagesRequest) -> i
         return 0
     prompt = generation.prompts[0]
     try:
+        text = await core.chat_text(generation.served, core_request(marked))
+        if text is not None and (upto := breakpoint_tokens(generation.served.tokenizer, prompt, text)) is not None:
+            return upto
         (other,) = await core.prompt_ids(generation.served, core_request(marked))
     except GatewayError:  # the marker broke a check: count the whole prompt as written
         return len(prompt)
     same = next((k for k, (a, b) in enumerate(zip(prompt, other)) if a != b), min(len(prompt), len(other)))
     return same
+
+
+def breakpoint_tokens(tokenizer: Any, prompt: list[int], marked: str) -> int | None:
+    """The tokens of ``prompt`` that end before the marker in ``marked`` (its render with the
+    marker), from each token's bytes: a byte-level BPE's token strings hold one character per byte,
+    an added token its text. None unless those bytes are exactly ``marked`` without the marker."""
+    cut = marked.find(MARK)
+    if cut < 0:
+        return None
+    head = len(marked[:cut].encode())
+    added = tokenizer.added_tokens_decoder
+    tokens = tokenizer.convert_ids_to_tokens(prompt)
+    sizes = [len(added[i].content.encode()) if i in added else len(t) for i, t in zip(prompt, tokens)]
+    if sum(sizes) != head + len(marked[cut + len(MARK) :].encode()):
+        return None
+    return bisect.bisect_right(list(itertools.accumulate(sizes)), head)
 
 
 def anthropic_usage(usage: Usage, upto: int = 0) -> AnthropicUsage:

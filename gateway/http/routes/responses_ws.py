@@ -11,8 +11,10 @@ A bad event gets OpenAI's WebSocket error event, ``{"type": "error", "status": 4
 and the socket stays open. The socket's turns go to one worker while it lives (its KV stays warm;
 ``gateway.fleet.dispatch.PINNED``). It is closed (code 1000) after ``--websocket-idle-timeout``
 seconds without a response in flight or an event from the client, and at ``--websocket-max-age``
-(60 minutes, as OpenAI's) after an error event with code ``websocket_connection_limit_reached``; a
-gateway that shuts down closes its sockets with code 1012 (uvicorn's "service restart").
+(60 minutes, as OpenAI's) after an error event with code ``websocket_connection_limit_reached``. A
+gateway that drains (SIGTERM) lets each socket's response in flight end, then closes the socket with
+code 1012 ("service restart": reconnect elsewhere), within ``--shutdown-grace`` (``SocketDrain``,
+which gateway/http/server.py runs before uvicorn's own shutdown, which would cut them at once).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from litestar import WebSocket, websocket
 from litestar.di import NamedDependency
 from litestar.exceptions import WebSocketDisconnect
 
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import GatewayError, InvalidRequest, NoWorkerAvailable
 from gateway.fleet.dispatch import PINNED, Pin
 from gateway.generate.model_registry import ModelRegistry
 from gateway.http.auth import caller_key, caller_owner
@@ -72,6 +74,32 @@ def create_request(text: str) -> ResponsesRequest:
         raise InvalidRequest(f"invalid `response.create`: {exc}") from None
     req.stream = True
     return req
+
+
+class SocketDrain:
+    """The gateway's open sockets, told when it drains: each ends its response in flight, then closes
+    with 1012 (``app.state.websocket_drain``)."""
+
+    def __init__(self) -> None:
+        self.draining = asyncio.Event()
+        self.open = 0
+        self._closed = asyncio.Event()
+
+    async def drain(self, timeout: float) -> None:
+        """Tell every socket, then wait for them all to close, at most ``timeout`` seconds."""
+        self.draining.set()
+        if self.open:
+            log.info("draining %d WebSocket(s): their responses in flight end first", self.open)
+            self._closed.clear()
+            try:
+                await asyncio.wait_for(self._closed.wait(), timeout)
+            except TimeoutError:
+                log.warning("%d WebSocket(s) still open after %g s: closing them", self.open, timeout)
+
+    def closed(self) -> None:
+        self.open -= 1
+        if not self.open:
+            self._closed.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,37 +156,71 @@ async def responses_socket(
     stored: NamedDependency[StateService],
     files: NamedDependency[Files | None],
 ) -> None:
-    config = socket.app.state.websocket_limits
+    config, drain = socket.app.state.websocket_limits, socket.app.state.websocket_drain
     await socket.accept()
     session = Session(socket, models, stored, files)
     PINNED.set(session.pin)  # this handler's task (and the runs it starts) prefer the socket's worker
-    closes_at = time.monotonic() + config.max_age
+    drain.open += 1
+    code = None
     try:
-        while True:
-            now = time.monotonic()
-            if now >= closes_at:
-                limit = InvalidRequest(
-                    f"this WebSocket reached its {config.max_age:g}-second limit; open a new one",
-                    code="websocket_connection_limit_reached",
-                )
-                await session.send(error_event(limit))
-                break
-            idle_at = session.last_active + config.idle_timeout
-            if not session.busy and now >= idle_at:
-                break
-            wait = closes_at - now if session.busy else min(closes_at, idle_at) - now
-            try:
-                text = await asyncio.wait_for(socket.receive_text(), wait)
-            except TimeoutError:
-                continue
-            session.last_active = time.monotonic()
-            await _on_event(session, text)
+        code = await _serve(session, config, drain.draining)
     except WebSocketDisconnect:
         pass
     finally:
         await _end_turn(session)
-    if socket.connection_state != "disconnect":
-        await socket.close(code=1000)
+        session.pin.open = False  # no longer counted in /workers
+        try:
+            if code is not None and socket.connection_state != "disconnect":
+                await socket.close(code=code)  # before the drain counts it closed: uvicorn's shutdown follows
+        finally:
+            drain.closed()
+
+
+async def _serve(session: Session, config: SocketLimits, draining: asyncio.Event) -> int:
+    """The socket's events until it should close (idle, too old, or its gateway draining): the close code."""
+    closes_at = time.monotonic() + config.max_age
+    while True:
+        now = time.monotonic()
+        if draining.is_set() and not session.busy:
+            return 1012  # the response in flight, if any, has ended
+        if now >= closes_at:
+            limit = InvalidRequest(
+                f"this WebSocket reached its {config.max_age:g}-second limit; open a new one",
+                code="websocket_connection_limit_reached",
+            )
+            await session.send(error_event(limit))
+            return 1000
+        idle_at = session.last_active + config.idle_timeout
+        if not session.busy and now >= idle_at:
+            return 1000
+        wait = closes_at - now if session.busy else min(closes_at, idle_at) - now
+        if draining.is_set():
+            wait = min(wait, 0.1)  # watch the response in flight end
+        text = await _next_text(session.socket, wait, draining)
+        if text is not None and draining.is_set():  # a draining socket starts nothing new
+            await session.send(
+                error_event(NoWorkerAvailable("the gateway is shutting down: reconnect", code="server_shutting_down"))
+            )
+        elif text is not None:
+            session.last_active = time.monotonic()
+            await _on_event(session, text)
+
+
+async def _next_text(socket: WebSocket, wait: float, draining: asyncio.Event) -> str | None:
+    """The client's next text frame, or None after ``wait`` seconds or when the gateway starts draining
+    (once it has, only the timer wakes: the caller polls its turn's end)."""
+    receive = asyncio.ensure_future(socket.receive_text())
+    waiters = {receive} if draining.is_set() else {receive, asyncio.ensure_future(draining.wait())}
+    try:
+        done, _ = await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters - {receive}:
+            waiter.cancel()
+    if receive in done:
+        return receive.result()
+    receive.cancel()
+    await asyncio.gather(receive, return_exceptions=True)
+    return None
 
 
 async def _on_event(session: Session, text: str) -> None:
