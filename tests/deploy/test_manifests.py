@@ -155,7 +155,8 @@ def test_workers_keep_models_on_a_volume(overlay):
         claims = {c["metadata"]["name"] for c in worker["spec"]["volumeClaimTemplates"]}
         mounts = {m["name"]: m["mountPath"] for m in container(worker)["volumeMounts"]}
         assert mounts["model-cache"] == env(worker)["LLMPOOL_CACHE_DIR"] and "model-cache" in claims
-        assert env(worker)["LLMPOOL_KERNEL_DIR"].startswith(env(worker)["LLMPOOL_CACHE_DIR"] + "/")
+        # the image's kernels, built for every CPU of its platform, not a build of the node's own
+        assert "LLMPOOL_KERNEL_DIR" not in env(worker)
         assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > float(
             env(worker)["LLMPOOL_DRAIN_TIMEOUT"]
         )

@@ -1,5 +1,6 @@
 """Process-level behaviour: separate gateway and worker over tcp, worker crashes, launcher shutdown,
-and the commands that compose.yaml runs, run here as plain processes (no Docker engine here)."""
+and the commands that compose.yaml runs, run here as plain processes (the containers themselves:
+tests/deploy/test_docker_real.py)."""
 
 from __future__ import annotations
 
@@ -182,10 +183,10 @@ def test_launcher_restarts_a_crashed_worker_then_sigterm_lets_a_running_stream_f
         server.stop()
 
 
-COMPOSE_FILES = [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]]
+COMPOSE_FILES = [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"], ["compose.yaml", "compose.offline.yaml"]]
 
 
-@pytest.mark.parametrize("files", COMPOSE_FILES, ids=["cpu", "gpu-override"])
+@pytest.mark.parametrize("files", COMPOSE_FILES, ids=["cpu", "gpu-override", "offline-override"])
 def test_compose_files_are_valid(files):
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (scripts/setup.sh --test installs it where apt-get works)")
