@@ -36,4 +36,5 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1 && ! timeout 120 docker pull -
     echo "base image $BASE: $(( $(date +%s) - started )) s"
 fi
 
+export LLMPOOL_DOCKER_TESTS=1  # the suite leaves the module out otherwise (its budget)
 exec .venv/bin/python -m pytest -s -p no:cacheprovider --durations=10 tests/deploy/test_docker_real.py "$@"

@@ -2,9 +2,12 @@
 PostgreSQL as containers, chat requests through both gateways, a stored response read back through the
 other gateway (the shared PostgreSQL), then `down`.
 
-Minutes, not seconds (an image build, a fleet start), so it is its own module, marked slow; run it with
-``scripts/docker_check.sh``. It starts ``dockerd`` itself where the binary is here and no engine
-answers (root), and is skipped only where no engine can start. Where the local Debian base image
+Minutes, not seconds: a cold image build takes about 22 minutes on two cores (the three kernel
+variants and torch's dependencies), a warm one seconds, and the fleet's first start about two more.
+So the README's test command, which keeps to its 30-minute budget, leaves it out unless
+``LLMPOOL_DOCKER_TESTS=1``; ``scripts/docker_check.sh`` sets it, installs the engine, and runs it. Asked
+for, it starts ``dockerd`` itself where the binary is here and no engine answers (root), and is skipped
+only where no engine can start. Where the local Debian base image
 ``llmpool-debian:bookworm`` exists (no image registry reachable: the script makes it), it builds with
 compose.offline.yaml, handing the host's ``PIP_CERT`` and ``PIP_FIND_LINKS`` wheels to the build;
 elsewhere with compose.yaml alone (python:3.11-slim and postgres:16 from Docker Hub).
@@ -27,7 +30,13 @@ import pytest
 from tests.conftest import ARTIFACTS, MODEL, REPO, wait_until
 from worker import cpu
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("LLMPOOL_DOCKER_TESTS") != "1",
+        reason="the image build takes minutes (22 cold): scripts/docker_check.sh runs this (LLMPOOL_DOCKER_TESTS=1)",
+    ),
+]
 
 PROJECT = "llmpool-docker-test"
 OFFLINE_BASE = "llmpool-debian:bookworm"
