@@ -20,6 +20,9 @@ from gateway.errors import InvalidRequest
 from gateway.generate.media import MediaRules, load_image
 
 _NOT_PIXELS = ("input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids")
+# Processors whose expansion puts text around an image (Gemma 3's "\n\n" before and after it), which
+# tokenizes with its neighbours: they expand the whole prompt at once, as generate's caller does.
+WHOLE_PROMPT = {"Gemma3Processor"}
 
 
 class Vision:
@@ -29,6 +32,7 @@ class Vision:
         self.processor = processor
         self.image_token: str = processor.image_token
         self.image_token_id: int = processor.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.whole_prompt = type(processor).__name__ in WHOLE_PROMPT
 
     def expand(self, ids: list[int], images: list[Any], param: str = "messages") -> tuple[list[int], list[ImageInput]]:
         """``ids`` with each image token expanded for its image (in order), and the images' inputs."""
@@ -39,6 +43,8 @@ class Vision:
                 "(the chat template must render each image part once)",
                 param=param,
             )
+        if self.whole_prompt and images:
+            return self._expand_whole(ids, images)
         out: list[int] = []
         inputs: list[ImageInput] = []
         last = 0
@@ -50,6 +56,29 @@ class Vision:
             out.extend(expansion)
             last = position + 1
         out.extend(ids[last:])
+        return out, inputs
+
+    def _expand_whole(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's text through the processor with all its images (the ids as the reference
+        tokenizes them); each image's inputs from the image processor alone (images are processed
+        one by one there), placed at its run of image tokens."""
+        processor = self.processor
+        text = processor.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        got = processor(text=text, images=images, add_special_tokens=False, return_tensors="np")
+        out = [int(t) for t in got["input_ids"][0]]
+        expanded = set(getattr(processor, "image_token_ids", [self.image_token_id]))
+        runs: list[list[int]] = []
+        for p, token in enumerate(out):
+            if token in expanded:
+                if runs and runs[-1][1] == p:
+                    runs[-1][1] = p + 1
+                else:
+                    runs.append([p, p + 1])
+        unused = set(getattr(processor, "unused_input_names", []))
+        inputs = []
+        for (low, high), image in zip(runs, images, strict=True):
+            alone = processor.image_processor(images=[image], return_tensors="np")
+            inputs.append(_image_input({k: v for k, v in alone.items() if k not in unused}, low, high - low))
         return out, inputs
 
 
