@@ -22,7 +22,8 @@ from gateway.generate.media import MediaRules, load_image
 _NOT_PIXELS = ("input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids")
 # Processors whose expansion puts text around an image (Gemma 3's "\n\n" before and after it), which
 # tokenizes with its neighbours: they expand the whole prompt at once, as generate's caller does.
-WHOLE_PROMPT = {"Gemma3Processor"}
+# LLaVA-OneVision's tiles an image (anyres) only when the prompt holds one.
+WHOLE_PROMPT = {"Gemma3Processor", "LlavaOnevisionProcessor"}
 
 
 class Vision:
@@ -60,13 +61,15 @@ class Vision:
 
     def _expand_whole(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
         """The prompt's text through the processor with all its images (the ids as the reference
-        tokenizes them); each image's inputs from the image processor alone (images are processed
-        one by one there), placed at its run of image tokens."""
+        tokenizes them); each image's share of the outputs (its row of each per-image output, the
+        others whole) placed at its run of image tokens."""
+        import numpy as np
+
         processor = self.processor
         text = processor.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         got = processor(text=text, images=images, add_special_tokens=False, return_tensors="np")
         out = [int(t) for t in got["input_ids"][0]]
-        expanded = set(getattr(processor, "image_token_ids", [self.image_token_id]))
+        expanded = set(processor.image_token_ids) - {None} or {self.image_token_id}
         runs: list[list[int]] = []
         for p, token in enumerate(out):
             if token in expanded:
@@ -74,11 +77,14 @@ class Vision:
                     runs[-1][1] = p + 1
                 else:
                     runs.append([p, p + 1])
-        unused = set(getattr(processor, "unused_input_names", []))
+        if len(runs) != len(images):
+            raise InvalidRequest(f"{len(images)} images with no text between some of them: put text between images")
+        shared = set(getattr(processor, "unused_input_names", [])) | set(_NOT_PIXELS) - {"pixel_values"}
+        outputs = {k: np.asarray(v) for k, v in got.items() if k not in shared}
         inputs = []
-        for (low, high), image in zip(runs, images, strict=True):
-            alone = processor.image_processor(images=[image], return_tensors="np")
-            inputs.append(_image_input({k: v for k, v in alone.items() if k not in unused}, low, high - low))
+        for i, (low, high) in enumerate(runs):
+            alone = {k: v[i : i + 1] if len(v) == len(images) else v for k, v in outputs.items()}
+            inputs.append(_image_input(alone, low, high - low))
         return out, inputs
 
 

@@ -253,3 +253,32 @@ def build_gemma3(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return model
+
+
+def build_llava_onevision(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """LLaVA-OneVision: a tiny Llama decoder and SigLIP tower over anyres tiles of 32 pixels (a lone
+    image tiled, each of several not), with its processor's files as the hub has them (the class
+    wants torchvision for its video half)."""
+    import transformers
+
+    tokenizer = _with_image_token(tokenizer, ["<image>", "<video>"])
+    grid = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8
+    )  # fmt: skip
+    config = transformers.LlavaOnevisionConfig(
+        text_config=_text_config(tokenizer).to_dict(), vision_config=vision, image_grid_pinpoints=grid,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), video_token_id=tokenizer.convert_tokens_to_ids("<video>"),
+        vision_feature_select_strategy="full", vision_feature_layer=-1,
+    )  # fmt: skip
+    config.architectures = ["LlavaOnevisionForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.LlavaOnevisionForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    images = transformers.LlavaOnevisionImageProcessorPil(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_grid_pinpoints=grid
+    )
+    model.save_pretrained(folder)
+    options = dict(num_image_tokens=16, vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9")
+    _save_image_half(folder, tokenizer, images, "LlavaOnevisionProcessor", LLAVA_TEMPLATE, **options)
+    return model

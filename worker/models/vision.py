@@ -26,7 +26,7 @@ from worker.models.support import UnsupportedModel
 from worker.request import Request
 
 # Checked token for token against ``generate`` in float32 (tests/vision/test_vision_engine.py).
-SERVED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"}
+SERVED = {"llava", "llava_onevision", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"}
 # Families whose image tokens attend to each other both ways (each contiguous run of them, as transformers'
 # ``token_type_ids`` mask makes it): the prompt chunks' attention opens up within a run (worker/attention/paged.py),
 # and no chunk ends inside one (worker/scheduler.py), so each run is computed whole, as generate computes it.
@@ -37,7 +37,6 @@ REFUSED: dict[str, str] = {
     "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
     "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
     "llama4": "its image path has not been checked exact against generate here",
-    "llava_onevision": "its processor tiles an image (anyres) only when the prompt holds one, and the gateway expands each image alone",
     "mistral3": "its processor (PixtralProcessor) needs torchvision, which does not import beside the CPU torch here",
 }
 
@@ -75,7 +74,7 @@ class ImageEncoder:
         self.deepstack = _DeepStack(model.model.language_model) if _deepstack(config) else None
         self.options = {
             name: getattr(config, name)
-            for name in ("vision_feature_layer", "vision_feature_select_strategy")
+            for name in ("vision_feature_layer", "vision_feature_select_strategy", "vision_aspect_ratio")
             if name in wanted and hasattr(config, name)
         }
 
@@ -89,6 +88,9 @@ class ImageEncoder:
         inputs = [self._tensors(i, device, dtype) for i in images]
         if len({tuple((k, v.shape[1:]) for k, v in sorted(t.items())) for t in inputs}) == 1:
             inputs = [{k: torch.cat([t[k] for t in inputs]) for k in inputs[0]}]  # one call, as generate makes it
+            counts = inputs[0].get("batch_num_images")  # LLaVA-OneVision's images per sample (alone: tiled)
+            if counts is not None and int(counts.sum()) != len(images):  # each image carried the prompt's count
+                inputs[0]["batch_num_images"] = counts[:1]
         parts = []
         for tensors in inputs:  # else each image alone, with its own sizes and masks
             out = self.model.model.get_image_features(**tensors, **self.options)
