@@ -45,7 +45,7 @@ class Vision:
                 param=param,
             )
         if self.whole_prompt and images:
-            return self._expand_whole(ids, images)
+            return self._expand_whole(ids, images, param)
         out: list[int] = []
         inputs: list[ImageInput] = []
         last = 0
@@ -59,7 +59,7 @@ class Vision:
         out.extend(ids[last:])
         return out, inputs
 
-    def _expand_whole(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
+    def _expand_whole(self, ids: list[int], images: list[Any], param: str) -> tuple[list[int], list[ImageInput]]:
         """The prompt's text through the processor with all its images (the ids as the reference
         tokenizes them); each image's share of the outputs (its row of each per-image output, the
         others whole) placed at its run of image tokens."""
@@ -78,7 +78,9 @@ class Vision:
                 else:
                     runs.append([p, p + 1])
         if len(runs) != len(images):
-            raise InvalidRequest(f"{len(images)} images with no text between some of them: put text between images")
+            raise InvalidRequest(
+                f"{len(images)} images with no text between some of them: put text between images", param=param
+            )
         shared = set(getattr(processor, "unused_input_names", [])) | set(_NOT_PIXELS) - {"pixel_values"}
         outputs = {k: np.asarray(v) for k, v in got.items() if k not in shared}
         inputs = []
