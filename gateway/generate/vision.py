@@ -6,7 +6,8 @@ and fails to import beside the CPU one, and the gateway imports no torch. The ch
 each image part as the processor's image token; ``expand`` replaces each such token with what the
 processor makes of it for that image (its placeholders, with any markers around them) and keeps
 the processor's pixel values for the worker, which runs the vision encoder
-(worker/models/vision.py). The token counts are the processor's own, so ``/tokenize``, usage and
+(worker/models/vision.py). A processor whose expansion depends on the rest of the prompt
+(``WHOLE_PROMPT``: Gemma 3, LLaVA-OneVision) runs once over the whole prompt instead. The token counts are the processor's own, so ``/tokenize``, usage and
 the prompt budget count image tokens as the model sees them.
 """
 
