@@ -113,7 +113,7 @@ def test_the_prefix_cache_shares_an_image_only_with_itself(engine, llava):
     assert other[1] < 16 and other[0] == reference(llava, ONE, [image_bytes(8)], NEW) != first[0]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "mllama", "mistral3"])
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "mllama", "mistral3", "llama4"])
 def test_unserved_families_are_refused_by_name(kind):
     class Config:
         model_type = kind

@@ -36,7 +36,7 @@ REFUSED: dict[str, str] = {
     "qwen3_vl_moe": "its image path (a mixture-of-experts decoder with DeepStack) has not been checked exact against generate here",
     "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
     "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
-    "llama4": "its image path has not been checked exact against generate here",
+    "llama4": "its image processor (Llama4ImageProcessor, no PIL one in this transformers) needs torchvision, which does not import beside the CPU torch here",
     "mistral3": "its processor (PixtralProcessor) needs torchvision, which does not import beside the CPU torch here",
 }
 
