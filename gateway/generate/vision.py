@@ -78,6 +78,12 @@ class Vision:
                     runs[-1][1] = p + 1
                 else:
                     runs.append([p, p + 1])
+        if len(got["pixel_values"]) != len(images):  # Gemma 3's pan-and-scan: crops of one image, each its own run
+            raise InvalidRequest(
+                f"the model's processor made {len(got['pixel_values'])} crops of {len(images)} images, "
+                "which this server does not serve (turn off do_pan_and_scan)",
+                param=param,
+            )
         if len(runs) != len(images):
             raise InvalidRequest(
                 f"{len(images)} images with no text between some of them: put text between images", param=param
