@@ -39,6 +39,7 @@ LATER = {  # built on first use, by family
     "qwen2_vl": partial(build_qwen_vl, kind="qwen2_vl"),
     "qwen2_5_vl": partial(build_qwen_vl, kind="qwen2_5_vl"),
     "qwen3_vl": partial(build_qwen_vl, kind="qwen3_vl"),
+    "qwen3_vl_moe": partial(build_qwen_vl, kind="qwen3_vl_moe"),
     "gemma3": build_gemma3,
     "llava_onevision": build_llava_onevision,
 }

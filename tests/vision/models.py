@@ -184,7 +184,9 @@ def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl"
     processor itself wants torchvision for its video half)."""
     import transformers
 
-    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[kind]
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}[
+        kind
+    ]
     tokenizer = _with_image_token(tokenizer, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     ids = {
         t: tokenizer.convert_tokens_to_ids(f"<|{t}|>") for t in ("vision_start", "vision_end", "image_pad", "video_pad")
@@ -203,6 +205,8 @@ def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl"
     else:  # Qwen3-VL: DeepStack features from the tower's first layer into the decoder's first
         vision.update(hidden_size=32, intermediate_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0])
         text.update(head_dim=16, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
+        if kind == "qwen3_vl_moe":  # its decoder's MLPs are 4 experts, 2 a token
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     config = getattr(transformers, f"{prefix}Config")(
         text_config=text, vision_config=vision, image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
         vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
@@ -215,7 +219,8 @@ def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl"
         min_pixels=16 * 16, max_pixels=48 * 48, patch_size=8, merge_size=2, temporal_patch_size=2
     )
     model.save_pretrained(folder)
-    _save_image_half(folder, tokenizer, images, f"{prefix}Processor", QWEN_TEMPLATE)
+    processor = "Qwen3VLProcessor" if kind == "qwen3_vl_moe" else f"{prefix}Processor"  # the MoE has none of its own
+    _save_image_half(folder, tokenizer, images, processor, QWEN_TEMPLATE)
     return model
 
 

@@ -26,14 +26,23 @@ from worker.models.support import UnsupportedModel
 from worker.request import Request
 
 # Checked token for token against ``generate`` in float32 (tests/vision/test_vision_engine.py).
-SERVED = {"llava", "llava_onevision", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"}
+SERVED = {
+    "llava",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "gemma3",
+}
 # Families whose image tokens attend to each other both ways (each contiguous run of them, as transformers'
 # ``token_type_ids`` mask makes it): the prompt chunks' attention opens up within a run (worker/attention/paged.py),
 # and no chunk ends inside one (worker/scheduler.py), so each run is computed whole, as generate computes it.
 BOTH_WAYS = {"gemma3"}
 
 REFUSED: dict[str, str] = {
-    "qwen3_vl_moe": "its image path (a mixture-of-experts decoder with DeepStack) has not been checked exact against generate here",
     "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
     "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
     "llama4": "its image processor (Llama4ImageProcessor, no PIL one in this transformers) needs torchvision, which does not import beside the CPU torch here",
