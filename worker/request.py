@@ -83,6 +83,8 @@ class Request:
     priority: int = 0  # lower is more urgent: the scheduler's order and preemption follow it
     images: list[ImageInput] = field(default_factory=list)  # an image-text model's images (worker/models/vision.py)
     image_features: object = None  # their encoder outputs while the prompt is prefilling (a tensor; None: not run)
+    # Gemma 3: the prompt ranges of image tokens that attend to each other both ways (no chunk ends inside one)
+    both_ways: list[tuple[int, int]] = field(default_factory=list)
     rope_positions: object = None  # M-RoPE models: the prompt's 3-D positions, [3, prompt tokens] (None: not computed)
     tenant: str | None = None  # the gateway's cache salt for its API key (None: shared with every key)
     retain_s: float = 0.0  # its prompt's cached blocks are kept ahead of others' this long (5m, 1h, 24h retention)

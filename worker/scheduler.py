@@ -173,6 +173,7 @@ class Scheduler:
                 context = request.num_computed_tokens + num_tokens
                 scaled = self.max_prefill_chunk * PREFILL_REFERENCE_CONTEXT // max(context, PREFILL_REFERENCE_CONTEXT)
                 num_tokens = min(num_tokens, max(scaled, MIN_PREFILL_CHUNK))
+            num_tokens = _whole_runs(request, num_tokens)
         return num_tokens
 
     def _charge(self, request: Request, num_tokens: int) -> None:
@@ -317,3 +318,16 @@ class Scheduler:
         if self.kv_store is not None:
             self.kv_store.cancel(request)
         self.blocks.free(request)
+
+
+def _whole_runs(request: Request, num_tokens: int) -> int:
+    """A chunk that would end inside a run of tokens attending both ways (Gemma 3's images) ends before
+    it, or, starting inside or at it, after it: the run's tokens are computed together, as generate does."""
+    start = request.num_computed_tokens
+    end = start + num_tokens
+    if num_tokens <= 0:
+        return num_tokens
+    for low, high in request.both_ways:
+        if low < end < high:
+            return low - start if low > start else high - start
+    return num_tokens

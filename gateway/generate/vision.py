@@ -6,7 +6,8 @@ and fails to import beside the CPU one, and the gateway imports no torch. The ch
 each image part as the processor's image token; ``expand`` replaces each such token with what the
 processor makes of it for that image (its placeholders, with any markers around them) and keeps
 the processor's pixel values for the worker, which runs the vision encoder
-(worker/models/vision.py). The token counts are the processor's own, so ``/tokenize``, usage and
+(worker/models/vision.py). A processor whose expansion depends on the rest of the prompt
+(``WHOLE_PROMPT``: Gemma 3, LLaVA-OneVision) runs once over the whole prompt instead. The token counts are the processor's own, so ``/tokenize``, usage and
 the prompt budget count image tokens as the model sees them.
 """
 
@@ -20,6 +21,10 @@ from gateway.errors import InvalidRequest
 from gateway.generate.media import MediaRules, load_image
 
 _NOT_PIXELS = ("input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids")
+# Processors whose expansion puts text around an image (Gemma 3's "\n\n" before and after it), which
+# tokenizes with its neighbours: they expand the whole prompt at once, as generate's caller does.
+# LLaVA-OneVision's tiles an image (anyres) only when the prompt holds one.
+WHOLE_PROMPT = {"Gemma3Processor", "LlavaOnevisionProcessor"}
 
 
 class Vision:
@@ -29,6 +34,7 @@ class Vision:
         self.processor = processor
         self.image_token: str = processor.image_token
         self.image_token_id: int = processor.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.whole_prompt = type(processor).__name__ in WHOLE_PROMPT
 
     def expand(self, ids: list[int], images: list[Any], param: str = "messages") -> tuple[list[int], list[ImageInput]]:
         """``ids`` with each image token expanded for its image (in order), and the images' inputs."""
@@ -39,6 +45,8 @@ class Vision:
                 "(the chat template must render each image part once)",
                 param=param,
             )
+        if self.whole_prompt and images:
+            return self._expand_whole(ids, images, param)
         out: list[int] = []
         inputs: list[ImageInput] = []
         last = 0
@@ -50,6 +58,42 @@ class Vision:
             out.extend(expansion)
             last = position + 1
         out.extend(ids[last:])
+        return out, inputs
+
+    def _expand_whole(self, ids: list[int], images: list[Any], param: str) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's text through the processor with all its images (the ids as the reference
+        tokenizes them); each image's share of the outputs (its row of each per-image output, the
+        others whole) placed at its run of image tokens."""
+        import numpy as np
+
+        processor = self.processor
+        text = processor.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        got = processor(text=text, images=images, add_special_tokens=False, return_tensors="np")
+        out = [int(t) for t in got["input_ids"][0]]
+        expanded = set(processor.image_token_ids) - {None} or {self.image_token_id}
+        runs: list[list[int]] = []
+        for p, token in enumerate(out):
+            if token in expanded:
+                if runs and runs[-1][1] == p:
+                    runs[-1][1] = p + 1
+                else:
+                    runs.append([p, p + 1])
+        if len(got["pixel_values"]) != len(images):  # Gemma 3's pan-and-scan: crops of one image, each its own run
+            raise InvalidRequest(
+                f"the model's processor made {len(got['pixel_values'])} crops of {len(images)} images, "
+                "which this server does not serve (turn off do_pan_and_scan)",
+                param=param,
+            )
+        if len(runs) != len(images):
+            raise InvalidRequest(
+                f"{len(images)} images with no text between some of them: put text between images", param=param
+            )
+        shared = set(getattr(processor, "unused_input_names", [])) | set(_NOT_PIXELS) - {"pixel_values"}
+        outputs = {k: np.asarray(v) for k, v in got.items() if k not in shared}
+        inputs = []
+        for i, (low, high) in enumerate(runs):
+            alone = {k: v[i : i + 1] if len(v) == len(images) else v for k, v in outputs.items()}
+            inputs.append(_image_input(alone, low, high - low))
         return out, inputs
 
 

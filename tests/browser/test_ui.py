@@ -90,6 +90,29 @@ def test_playground_streams_an_answer_token_by_token(server: Server, page):
     shot(page, "playground")
 
 
+def test_an_attached_image_goes_as_an_image_url_part(server: Server, page):
+    """A file picked in the composer goes with the message as a data: URI ``image_url`` part; the
+    session's text-only model refuses it (400), and the page says so."""
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), "teal").save(png, "PNG")
+    page.goto(server.base_url + "/")
+    page.set_input_files("#image", files=[{"name": "a.png", "mimeType": "image/png", "buffer": png.getvalue()}])
+    page.wait_for_selector("#attached img")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        send(page, "What is this?", max_tokens=4)
+    content = sent.value.post_data_json["messages"][-1]["content"]
+    assert content[0]["image_url"]["url"].startswith("data:image/png;base64,") and content[0]["type"] == "image_url"
+    assert content[1:] == [{"type": "text", "text": "What is this?"}]
+    page.wait_for_selector("#chat-error:not([hidden])")
+    assert "does not take images" in page.inner_text("#chat-error")
+    assert page.locator(".msg.user img").count() == 1 and page.locator("#attached img").count() == 0
+    page.console_errors[:] = [e for e in page.console_errors if "status of 400" not in e]  # the refusal, expected
+
+
 def test_stop_ends_the_generation_and_the_worker_frees_it(server: Server, page):
     page.goto(server.base_url + "/")
     send(page, "Write a very long story about the history of the world, in great detail.", max_tokens=3000)

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.vision.models import build_idefics3, build_llava, build_qwen_vl, image_bytes
+from tests.vision.models import (
+    build_gemma3,
+    build_idefics3,
+    build_llava,
+    build_llava_onevision,
+    build_qwen_vl,
+    image_bytes,
+)
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +39,9 @@ LATER = {  # built on first use, by family
     "qwen2_vl": partial(build_qwen_vl, kind="qwen2_vl"),
     "qwen2_5_vl": partial(build_qwen_vl, kind="qwen2_5_vl"),
     "qwen3_vl": partial(build_qwen_vl, kind="qwen3_vl"),
+    "qwen3_vl_moe": partial(build_qwen_vl, kind="qwen3_vl_moe"),
+    "gemma3": build_gemma3,
+    "llava_onevision": build_llava_onevision,
 }
 
 

@@ -115,14 +115,14 @@ def _with_image_token(tokenizer, tokens: str | list[str]):
     return tokenizer
 
 
-def _text_config(tokenizer) -> object:
-    """The decoder of both: families.py's tiny Llama over the tokenizer's vocabulary and its special tokens."""
+def _text_config(tokenizer, family: str = "llama", **extra) -> object:
+    """The decoder: families.py's tiny ``family`` (Llama) over the tokenizer's vocabulary and its special tokens."""
     from tests.worker.families import family_config
 
     ids = dict(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-    return family_config("llama", dict(vocab_size=len(tokenizer)) | ids)
+    return family_config(family, dict(vocab_size=len(tokenizer)) | ids | extra)
 
 
 def image_bytes(seed: int, size: tuple[int, int] = (40, 48), fmt: str = "PNG") -> bytes:
@@ -184,7 +184,9 @@ def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl"
     processor itself wants torchvision for its video half)."""
     import transformers
 
-    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[kind]
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}[
+        kind
+    ]
     tokenizer = _with_image_token(tokenizer, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     ids = {
         t: tokenizer.convert_tokens_to_ids(f"<|{t}|>") for t in ("vision_start", "vision_end", "image_pad", "video_pad")
@@ -203,6 +205,8 @@ def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl"
     else:  # Qwen3-VL: DeepStack features from the tower's first layer into the decoder's first
         vision.update(hidden_size=32, intermediate_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0])
         text.update(head_dim=16, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
+        if kind == "qwen3_vl_moe":  # its decoder's MLPs are 4 experts, 2 a token
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     config = getattr(transformers, f"{prefix}Config")(
         text_config=text, vision_config=vision, image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
         vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
@@ -215,5 +219,71 @@ def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl"
         min_pixels=16 * 16, max_pixels=48 * 48, patch_size=8, merge_size=2, temporal_patch_size=2
     )
     model.save_pretrained(folder)
-    _save_image_half(folder, tokenizer, images, f"{prefix}Processor", QWEN_TEMPLATE)
+    processor = "Qwen3VLProcessor" if kind == "qwen3_vl_moe" else f"{prefix}Processor"  # the MoE has none of its own
+    _save_image_half(folder, tokenizer, images, processor, QWEN_TEMPLATE)
+    return model
+
+
+PROJECTION_SCALE = 0.1
+GEMMA3_TEMPLATE = LLAVA_TEMPLATE.replace("<image>\n", "<start_of_image>")
+
+
+def build_gemma3(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """Gemma 3: a tiny Gemma 3 decoder (sliding-window and global layers) and SigLIP tower pooled to
+    4 tokens an image, between ``<start_of_image>`` and ``<end_of_image>``, with ``Gemma3Processor``."""
+    import transformers
+
+    marks = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = _with_image_token(tokenizer, list(marks.values()))
+    tokenizer._set_model_specific_special_tokens(special_tokens=marks)  # the processor reads them by name
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in marks.items()}
+    text = _text_config(tokenizer, "gemma3_text", sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
+    )  # fmt: skip
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers starts its projection at zeros: images would change nothing
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=PROJECTION_SCALE)
+    model.generation_config.eos_token_id = None
+    images = transformers.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = transformers.Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_length=4, chat_template=GEMMA3_TEMPLATE
+    )
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model
+
+
+def build_llava_onevision(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """LLaVA-OneVision: a tiny Llama decoder and SigLIP tower over anyres tiles of 32 pixels (a lone
+    image tiled, each of several not), with its processor's files as the hub has them (the class
+    wants torchvision for its video half)."""
+    import transformers
+
+    tokenizer = _with_image_token(tokenizer, ["<image>", "<video>"])
+    grid = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8
+    )  # fmt: skip
+    config = transformers.LlavaOnevisionConfig(
+        text_config=_text_config(tokenizer).to_dict(), vision_config=vision, image_grid_pinpoints=grid,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), video_token_id=tokenizer.convert_tokens_to_ids("<video>"),
+        vision_feature_select_strategy="full", vision_feature_layer=-1,
+    )  # fmt: skip
+    config.architectures = ["LlavaOnevisionForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.LlavaOnevisionForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    images = transformers.LlavaOnevisionImageProcessorPil(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_grid_pinpoints=grid
+    )
+    model.save_pretrained(folder)
+    options = dict(num_image_tokens=16, vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9")
+    _save_image_half(folder, tokenizer, images, "LlavaOnevisionProcessor", LLAVA_TEMPLATE, **options)
     return model

@@ -21,6 +21,7 @@ class PrefillSpan:
     num_computed: int  # tokens of this sequence already in the cache before this step
     block_table: torch.Tensor  # [num_blocks_of_sequence]
     mask: torch.Tensor | None  # [1, 1, num_tokens, context] causal mask with an offset; None if no prefix
+    both_ways: tuple[tuple[int, int], ...] = ()  # prompt ranges attending to each other both ways (Gemma 3's images)
 
 
 @dataclass(slots=True)

@@ -8,7 +8,8 @@ writes its new keys/values into the paged cache (``slot_mapping``) and then, per
   go to the step's decode backend (worker/attention/chooser.py: the C++ kernel on a CPU, FlashInfer
   or Triton on CUDA, the eager gather elsewhere); prompt chunks use SDPA, a first chunk exactly as
   ``generate`` does, a later one over the cached prefix gathered from the cache.
-- every other layer, a lone float32 decode row, and models whose reference is their eager
+- every other layer, a chunk holding image tokens that attend to each other both ways (Gemma 3's,
+  ``PrefillSpan.both_ways``), a lone float32 decode row, and models whose reference is their eager
   attention: the model's own attention function over the sequence's gathered context, with the
   mask the model builds for the layer (sliding window, chunked), so softcaps and sinks are applied
   as ``generate`` applies them.
@@ -109,7 +110,7 @@ def _prompt_chunk(
     model runs SDPA, else the model's attention function under the layer's own mask."""
     end = span.start + span.num_tokens
     q = query[:, :, span.start : end]
-    if sdpa:
+    if sdpa and not span.both_ways:
         if span.num_computed == 0:  # a whole prompt, or its first chunk: exactly what generate computes
             out, _ = sdpa_attention_forward(
                 module,
@@ -132,12 +133,26 @@ def _prompt_chunk(
     memo = (id(layer.mask), span.start)
     if memo not in meta.masks:
         meta.masks[memo] = span_mask(layer.mask, span.num_computed, span.num_tokens, query.device)
+        if span.both_ways:
+            meta.masks[memo] = _open_runs(*meta.masks[memo], span)
     start, mask = meta.masks[memo]
     if span.num_computed == 0 and start == 0:  # all its keys are this step's: no need to read them back
         keys, values = key[:, :, span.start : end], value[:, :, span.start : end]
     else:
         keys, values = gather_context(cache, span.block_table.unsqueeze(0), start, span.num_computed + span.num_tokens)
     return reference_attention(layer, module, q, keys, values, mask.unsqueeze(0), kwargs)
+
+
+def _open_runs(start: int, mask: torch.Tensor, span: PrefillSpan) -> tuple[int, torch.Tensor]:
+    """The layer's mask with each run of ``span.both_ways`` open both ways: a query also sees the later
+    keys of its own run (transformers' ``token_type_ids`` overlay; those keys are inside every window)."""
+    queries = torch.arange(span.num_computed, span.num_computed + span.num_tokens, device=mask.device).unsqueeze(1)
+    keys = torch.arange(start, span.num_computed + span.num_tokens, device=mask.device).unsqueeze(0)
+    opened = mask.clone()
+    for low, high in span.both_ways:
+        inside = (queries >= low) & (queries < high) & (keys > queries) & (keys < high)
+        opened |= inside
+    return start, opened
 
 
 def _reference_rows(

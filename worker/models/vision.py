@@ -10,7 +10,8 @@ attention, and decode steps are text as for any model.
 
 Only families whose decoder sees an image as plain causal tokens are served: at ordinary positions,
 or (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) at M-RoPE's 3-D positions, which ``positions`` takes from the
-model's own ``get_rope_index``; Qwen3-VL's DeepStack features go in through ``_DeepStack``. The others are refused at start by name (``REFUSED``), with the reason.
+model's own ``get_rope_index``; Qwen3-VL's DeepStack features go in through ``_DeepStack``; Gemma 3's
+image tokens attend to each other both ways (``BOTH_WAYS``, ``both_ways``). The others are refused at start by name (``REFUSED``), with the reason.
 """
 
 from __future__ import annotations
@@ -25,15 +26,26 @@ from worker.models.support import UnsupportedModel
 from worker.request import Request
 
 # Checked token for token against ``generate`` in float32 (tests/vision/test_vision_engine.py).
-SERVED = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+SERVED = {
+    "llava",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "gemma3",
+}
+# Families whose image tokens attend to each other both ways (each contiguous run of them, as transformers'
+# ``token_type_ids`` mask makes it): the prompt chunks' attention opens up within a run (worker/attention/paged.py),
+# and no chunk ends inside one (worker/scheduler.py), so each run is computed whole, as generate computes it.
+BOTH_WAYS = {"gemma3"}
 
 REFUSED: dict[str, str] = {
-    "qwen3_vl_moe": "its image path (a mixture-of-experts decoder with DeepStack) has not been checked exact against generate here",
-    "gemma3": "its image tokens attend to each other in both directions, which the paged causal attention does not do",
     "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
     "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
-    "llama4": "its image path has not been checked exact against generate here",
-    "llava_onevision": "its processor tiles an image (anyres) only when the prompt holds one, and the gateway expands each image alone",
+    "llama4": "its image processor (Llama4ImageProcessor, no PIL one in this transformers) needs torchvision, which does not import beside the CPU torch here",
     "mistral3": "its processor (PixtralProcessor) needs torchvision, which does not import beside the CPU torch here",
 }
 
@@ -67,10 +79,11 @@ class ImageEncoder:
         wanted = inspect.signature(model.model.get_image_features).parameters
         # M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): image tokens take 3-D rotary positions, by the model's own rule
         self.mrope = hasattr(model.model, "get_rope_index")
+        self.opens_images = config.model_type in BOTH_WAYS
         self.deepstack = _DeepStack(model.model.language_model) if _deepstack(config) else None
         self.options = {
             name: getattr(config, name)
-            for name in ("vision_feature_layer", "vision_feature_select_strategy")
+            for name in ("vision_feature_layer", "vision_feature_select_strategy", "vision_aspect_ratio")
             if name in wanted and hasattr(config, name)
         }
 
@@ -84,6 +97,9 @@ class ImageEncoder:
         inputs = [self._tensors(i, device, dtype) for i in images]
         if len({tuple((k, v.shape[1:]) for k, v in sorted(t.items())) for t in inputs}) == 1:
             inputs = [{k: torch.cat([t[k] for t in inputs]) for k in inputs[0]}]  # one call, as generate makes it
+            counts = inputs[0].get("batch_num_images")  # LLaVA-OneVision's images per sample (alone: tiled)
+            if counts is not None and int(counts.sum()) != len(images):  # each image carried the prompt's count
+                inputs[0]["batch_num_images"] = counts[:1]
         parts = []
         for tensors in inputs:  # else each image alone, with its own sizes and masks
             out = self.model.model.get_image_features(**tensors, **self.options)
@@ -99,6 +115,21 @@ class ImageEncoder:
         for name, values in image.extra.items():
             tensors[name] = torch.from_numpy(_array(values, image.extra_shapes[name], np.int64)).to(device)
         return tensors
+
+    def both_ways(self, request: Request) -> list[tuple[int, int]]:
+        """The prompt ranges ``[start, end)`` whose tokens attend to each other both ways: each run of
+        image tokens, for a family that opens its images' attention (none for the others)."""
+        if not self.opens_images:
+            return []
+        runs: list[tuple[int, int]] = []
+        for p, token in enumerate(request.token_ids[: request.num_prompt_tokens]):
+            if token != self.image_token_id:
+                continue
+            if runs and runs[-1][1] == p:
+                runs[-1] = (runs[-1][0], p + 1)
+            else:
+                runs.append((p, p + 1))
+        return runs
 
     def positions(self, flat: torch.Tensor, rows: list[tuple[Request, int, int, int]]) -> torch.Tensor:
         """``[3, 1, tokens]``: the flat batch's positions on M-RoPE's three axes. A prompt position of

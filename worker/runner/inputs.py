@@ -188,7 +188,8 @@ class InputBuilder:
             keys = torch.arange(computed + n, device=self.device)
             queries = torch.arange(computed, computed + n, device=self.device)
             mask = (keys.unsqueeze(0) <= queries.unsqueeze(1))[None, None]
-        return PrefillSpan(first, n, computed, self.tensor(request.block_ids), mask)
+        both = tuple((low, high) for low, high in request.both_ways if low < computed + n and computed < high)
+        return PrefillSpan(first, n, computed, self.tensor(request.block_ids), mask, both)
 
     def rows(self, batch: ScheduledBatch) -> RowInputs:
         """Logits are kept only for the rows that are sampled: decode rows, and the last token of a

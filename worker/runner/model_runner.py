@@ -262,6 +262,8 @@ class ModelRunner:
         """Per-request sampling state; raises GrammarError for a guided request whose grammar is invalid."""
         if request.guide is not None:
             self.guided.add(request)
+        if self.vision is not None and request.images:
+            request.both_ways = self.vision.both_ways(request)
         self.sampler.add_request(request.request_id, request.sampling.seed)
 
     def remove_request(self, request: Request) -> None:

@@ -3,7 +3,8 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { history: [], controller: null, tps: [] };
+// images: those waiting to go with the next message, as data: URIs (image_url parts; the gateway decodes them)
+const state = { history: [], controller: null, tps: [], images: [] };
 
 // ---- API key -----------------------------------------------------------------------------------
 function apiHeaders(extra = {}) {
@@ -71,13 +72,14 @@ function showError(id, message) {
   $(id).hidden = !message;
 }
 
-function addMessage(role, text) {
+function addMessage(role, text, images = []) {
   const box = document.createElement("div");
   box.className = `msg ${role}`;
   const body = document.createElement("span");
   body.className = "text";
   body.textContent = text;
   box.append(body);
+  for (const url of images) box.append(thumbnail(url));
   $("messages").append(box);
   box.scrollIntoView({ block: "end" });
   return box;
@@ -119,10 +121,34 @@ async function* sseEvents(response) {
   }
 }
 
+function thumbnail(url) {
+  const img = document.createElement("img");
+  img.src = url;
+  img.alt = "image";
+  return img;
+}
+
+function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.onload = () => {
+      state.images.push(reader.result);
+      $("attached").append(thumbnail(reader.result));
+    };
+    reader.readAsDataURL(file);
+  }
+}
+
 async function send(text) {
   showError("chat-error", "");
-  state.history.push({ role: "user", content: text });
-  addMessage("user", text);
+  const images = state.images;
+  state.images = [];
+  $("attached").replaceChildren();
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  const content = images.length ? [...parts, ...(text ? [{ type: "text", text }] : [])] : text;
+  state.history.push({ role: "user", content });
+  addMessage("user", text, images);
   const system = $("system").value.trim();
   const messages = system ? [{ role: "system", content: system }, ...state.history] : [...state.history];
   const box = addMessage("assistant", "");
@@ -192,7 +218,7 @@ function setBusy(busy) {
 $("composer").addEventListener("submit", (event) => {
   event.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || state.controller) return;
+  if ((!text && !state.images.length) || state.controller) return;
   $("prompt").value = "";
   send(text);
 });
@@ -202,9 +228,21 @@ $("prompt").addEventListener("keydown", (event) => {
     $("composer").requestSubmit();
   }
 });
+$("image").addEventListener("change", (event) => {
+  attach(event.target.files);
+  event.target.value = "";
+});
+$("prompt").addEventListener("paste", (event) => attach(event.clipboardData ? event.clipboardData.files : []));
+$("composer").addEventListener("dragover", (event) => event.preventDefault());
+$("composer").addEventListener("drop", (event) => {
+  event.preventDefault();
+  attach(event.dataTransfer.files);
+});
 $("stop").addEventListener("click", () => state.controller && state.controller.abort());
 $("clear").addEventListener("click", () => {
   state.history = [];
+  state.images = [];
+  $("attached").replaceChildren();
   $("messages").replaceChildren();
 });
 $("key-button").addEventListener("click", () => askForKey().then(loadModels));
