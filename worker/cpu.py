@@ -32,8 +32,8 @@ class Variant:
 
 
 # Best first, per architecture. avx512 needs VNNI (Cascade Lake, Ice Lake, Sapphire Rapids, Zen 4 and
-# later); AVX-512 without it (Skylake-X) runs avx2. neon needs the dot-product extension (armv8.2:
-# Graviton 2+, Ampere, Apple M1+, Cortex-A76+).
+# later); AVX-512 without it (Skylake-X) runs avx2, and AVX2 with AVX-VNNI (no AVX-512) avxvnni. neon
+# needs the dot-product extension (armv8.2: Graviton 2+, Ampere, Apple M1+, Cortex-A76+).
 VARIANTS: tuple[Variant, ...] = (
     Variant(
         "avx512",
@@ -42,6 +42,14 @@ VARIANTS: tuple[Variant, ...] = (
         ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"),
         "avx512",
         None,
+    ),
+    Variant(  # AVX2 plus 256-bit VNNI: Alder Lake and later client chips, Zen 4/5 client parts, Sierra Forest
+        "avxvnni",
+        "x86_64",
+        frozenset({"avx2", "fma", "f16c", "bmi2", "avx_vnni"}),
+        ("-march=x86-64-v3", "-mavxvnni", "-mtune=generic"),
+        "avx2",
+        "AVX2_VNNI",
     ),
     Variant(
         "avx2",

@@ -1,6 +1,6 @@
 """The kernel variants against each other (worker/cpu.py, worker/kernels): the packed int8 and q4
-GEMMs give the same bits on avx2 as on avx512 (exact integer sums, the same float folds lane by
-lane), every variant stays within float rounding of the portable one, and a whole quantized decode
+GEMMs give the same bits on avx2, avxvnni and avx512 (exact integer sums, the same float folds lane
+by lane), every variant stays within float rounding of the portable one, and a whole quantized decode
 step agrees across variants. The variant choice and its cap (LLMPOOL_CPU_ISA) are checked here too."""
 
 import pytest
@@ -11,6 +11,15 @@ from worker.quantization import pack_int8, pack_q4, quantize_int8, quantize_q4
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"C++ kernels did not build: {kernels.unavailable_reason()}")
 RUNNABLE = {v.name: v for v in cpu.runnable()}
+SIMD_X86 = ("avx512", "avxvnni", "avx2")  # integer dot products of their own, float folds in one order
+
+
+def assert_simd_equal(got: dict[str, torch.Tensor]) -> None:
+    """The x86 SIMD variants this CPU runs give the same bits (avx2's maddubs pairs, avxvnni's and
+    avx512's vpdpbusd: the same exact integer sums)."""
+    simd = [name for name in SIMD_X86 if name in got]
+    for name in simd[1:]:
+        assert torch.equal(got[name], got[simd[0]]), (name, simd[0])
 
 
 def every_variant(call):
@@ -27,8 +36,7 @@ def test_packed_gemms_agree_across_variants(rows, weights):
     got = every_variant(lambda ops: ops.linear(x, weight, meta, bias))
     for name, out in got.items():
         torch.testing.assert_close(out, got["portable"], atol=1e-5, rtol=1e-5, msg=name)
-    if "avx512" in got and "avx2" in got:
-        assert torch.equal(got["avx2"], got["avx512"])
+    assert_simd_equal(got)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "q4"])
@@ -57,8 +65,7 @@ def test_a_quantized_decode_step_agrees_across_variants(quantization):
         close = (top5 == logits.argmax(-1, keepdim=True)).any(-1).float().mean().item()
         assert close >= (1.0 if quantization == "int8" else 0.95), (name, close)
         torch.testing.assert_close(logits, got["portable"], atol=3e-2, rtol=3e-2, msg=name)
-    if "avx512" in got and "avx2" in got:
-        assert torch.equal(got["avx2"], got["avx512"])
+    assert_simd_equal(got)
 
 
 def test_the_variant_is_the_best_the_cpu_runs_under_the_cap(monkeypatch):
@@ -71,6 +78,10 @@ def test_the_variant_is_the_best_the_cpu_runs_under_the_cap(monkeypatch):
     if cpu.arch() == "x86_64":
         monkeypatch.setattr(cpu, "features", lambda: frozenset({"avx2", "fma", "f16c", "bmi2"}))
         monkeypatch.setenv(cpu.CAP_VARIABLE, "avx512")  # a cap above the CPU: its best
+        assert cpu.chosen().name == "avx2"
+        monkeypatch.setattr(cpu, "features", lambda: frozenset({"avx2", "fma", "f16c", "bmi2", "avx_vnni"}))
+        assert cpu.chosen().name == "avxvnni"  # Alder Lake: AVX-VNNI without AVX-512
+        monkeypatch.setenv(cpu.CAP_VARIABLE, "avx2")  # the held-out check's cap: plain avx2 below it
         assert cpu.chosen().name == "avx2"
         monkeypatch.setattr(cpu, "features", lambda: frozenset({"sse2"}))
         monkeypatch.delenv(cpu.CAP_VARIABLE)

@@ -1,7 +1,9 @@
-// The avx2 variant's vectors (x86-64-v3: AVX2, FMA, F16C; Haswell, Zen 1-3 and every x86 server
-// since, Alder Lake client chips): 16 floats as two 8-float registers, int8 dot products with
-// vpmaddubsw (unsigned x signed byte pairs to int16) and vpmaddwd (int16 pairs to int32). Included
-// by vec.h. Reductions add in the order the avx512 variant's instructions do, so the two agree.
+// The avx2 and avxvnni variants' vectors (x86-64-v3: AVX2, FMA, F16C; Haswell, Zen 1-3 and every x86
+// server since): 16 floats as two 8-float registers, int8 dot products with vpmaddubsw (unsigned x
+// signed byte pairs to int16) and vpmaddwd (int16 pairs to int32), or, compiled with -mavxvnni (the
+// avxvnni variant: Alder Lake and later client chips, Zen 4/5 client parts), vpdpbusd on 256 bits:
+// the same exact integer sums in one instruction. Included by vec.h. Reductions add in the order the
+// avx512 variant's instructions do, so the three agree to the bit.
 #pragma once
 
 #include <immintrin.h>
@@ -128,8 +130,13 @@ inline S8W load_s8w(const int8_t* p) {
 inline __m256i pairs_to_int32(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 inline Acc16 dot_s8(Acc16 acc, const S8W& w, int32_t four) {
   const __m256i x = _mm256_set1_epi32(four);
+#if defined(__AVXVNNI__)
+  return {_mm256_dpbusd_avx_epi32(acc.lo, w.abs_lo, _mm256_sign_epi8(x, w.lo)),
+          _mm256_dpbusd_avx_epi32(acc.hi, w.abs_hi, _mm256_sign_epi8(x, w.hi))};
+#else
   return {_mm256_add_epi32(acc.lo, pairs_to_int32(_mm256_maddubs_epi16(w.abs_lo, _mm256_sign_epi8(x, w.lo)))),
           _mm256_add_epi32(acc.hi, pairs_to_int32(_mm256_maddubs_epi16(w.abs_hi, _mm256_sign_epi8(x, w.hi))))};
+#endif
 }
 
 struct Q4W {  // 64 bytes of packed q4: the low nibbles (inputs k..k+3) and the high ones (k+4..k+7)
@@ -142,12 +149,21 @@ inline Q4W load_q4w(const uint8_t* p) {
   return {_mm256_and_si256(a, low), _mm256_and_si256(b, low), _mm256_and_si256(_mm256_srli_epi16(a, 4), low),
           _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
 }
-// q4 sums stay int16 pairs within a group of 32 inputs (4 dot_q4 calls: at most 8 * 2 * 15 * 127 =
-// 30480 a lane) and widen to int32 once, in q4_float.
 struct Q4Acc {
   __m256i lo, hi;
 };
 inline Q4Acc q4_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+#if defined(__AVXVNNI__)
+// q4 sums go straight to int32 (the nibbles are the unsigned side, the activations the signed one).
+inline Q4Acc dot_q4(Q4Acc acc, const Q4W& w, int32_t x0, int32_t x1) {
+  const __m256i a = _mm256_set1_epi32(x0), b = _mm256_set1_epi32(x1);
+  return {_mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc.lo, w.lo0, a), w.hi0, b),
+          _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc.hi, w.lo1, a), w.hi1, b)};
+}
+inline V16 q4_float(Q4Acc a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+#else
+// q4 sums stay int16 pairs within a group of 32 inputs (4 dot_q4 calls: at most 8 * 2 * 15 * 127 =
+// 30480 a lane) and widen to int32 once, in q4_float.
 inline Q4Acc dot_q4(Q4Acc acc, const Q4W& w, int32_t x0, int32_t x1) {
   const __m256i a = _mm256_set1_epi32(x0), b = _mm256_set1_epi32(x1);
   const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo0, a), _mm256_maddubs_epi16(w.hi0, b));
@@ -155,5 +171,6 @@ inline Q4Acc dot_q4(Q4Acc acc, const Q4W& w, int32_t x0, int32_t x1) {
   return {_mm256_add_epi16(acc.lo, lo), _mm256_add_epi16(acc.hi, hi)};
 }
 inline V16 q4_float(Q4Acc a) { return {_mm256_cvtepi32_ps(pairs_to_int32(a.lo)), _mm256_cvtepi32_ps(pairs_to_int32(a.hi))}; }
+#endif
 
 }  // namespace llmpool
