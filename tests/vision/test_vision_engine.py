@@ -8,6 +8,7 @@ import io
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import pytest
 from PIL import Image
 
@@ -112,6 +113,44 @@ def test_the_prefix_cache_shares_an_image_only_with_itself(engine, llava):
     other = run(engine, [new_request(llava, "p3", ONE, [image_bytes(8)])])["p3"]
     assert again == (first[0], again[1]) and again[1] >= 16  # the image's 16 tokens came from the cache
     assert other[1] < 16 and other[0] == reference(llava, ONE, [image_bytes(8)], NEW) != first[0]
+
+
+FOUR = [{"role": "user", "content": [*[{"type": "image"}] * 4, {"type": "text", "text": "Which differ?"}]}]
+
+
+def test_many_images_are_encoded_over_steps_while_another_request_decodes(engine, llava):
+    """One image a step (the CPU's ``--max-encoder-images-per-step``): a request with 4 images,
+    admitted while a text request decodes, has them encoded in 4 steps, in each of which the text
+    request gets its token; and its answer is still generate's."""
+    calls: dict[int, int] = {}  # step -> images encoded in it
+    encode = engine.runner.vision.encode
+
+    def counted(images):
+        calls[engine.num_steps] = calls.get(engine.num_steps, 0) + len(images)
+        return encode(images)
+
+    talker = msgspec.structs.replace(new_request(llava, "talker", NONE, []), max_new_tokens=40)
+    images = [image_bytes(20 + i) for i in range(4)]
+    engine.add_request(talker)
+    while not any(o.new_token_ids for o in engine.step().outputs):
+        pass
+    engine.runner.vision.encode = counted
+    try:
+        engine.add_request(new_request(llava, "looker", FOUR, images))
+        got: dict[str, list[int]] = {"talker": [], "looker": []}
+        stepped = []  # for each step that encoded images: whether the talker got a token in it
+        while len(got["looker"]) < NEW:
+            step = engine.num_steps
+            outputs = {o.request_id: o.new_token_ids for o in engine.step().outputs}
+            for rid, tokens in outputs.items():
+                got[rid] += tokens
+            if step in calls:
+                stepped.append(bool(outputs.get("talker")))
+    finally:
+        engine.runner.vision.encode = encode
+        engine.abort(["talker"])
+    assert sorted(calls.values()) == [1, 1, 1, 1] and stepped == [True] * 4, (calls, stepped)
+    assert got["looker"] == reference(llava, FOUR, images, NEW)
 
 
 @pytest.mark.parametrize("kind", ["mllama", "mistral3", "llama4"])
