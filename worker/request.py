@@ -107,6 +107,14 @@ class Request:
             if i.offset < start + count and start < i.offset + i.length and k not in self.image_features
         ]
 
+    def encodable(self, num_tokens: int, images: int) -> int:
+        """How many of the next ``num_tokens`` to compute when the step may encode ``images`` more images:
+        the chunk ends before the first image over that budget (vLLM's encoder budget); a later step encodes it."""
+        pending = self.images_to_encode(self.num_computed_tokens, num_tokens)
+        if len(pending) <= images:
+            return num_tokens
+        return max(self.images[pending[images]].offset - self.num_computed_tokens, 0)
+
     @property
     def cache_salt(self) -> str | None:
         """What seeds its prefix-cache hashes: blocks computed under one adapter serve only that adapter,

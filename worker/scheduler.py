@@ -10,8 +10,8 @@ more with larger chunks, so a small cap keeps streaming requests' inter-token la
 long prompt arrives (TGI's ``max_batch_prefill_tokens`` and vLLM's chunked prefill play this role).
 A chunk's attention also grows with the context before it (64 tokens over a 2,000-token prefix took
 75 ms of attention alone), so past ``PREFILL_REFERENCE_CONTEXT`` tokens the cap shrinks in proportion.
-An image-text model's step encodes at most ``max_encoder_images`` images (each in the step whose chunk
-first reaches it): a chunk ends before the first image over that budget.
+Likewise an image-text model's step then encodes at most ``max_encoder_images`` images (each in the
+step whose chunk first reaches it; a chunk ends before the first image over that budget).
 When a running request needs a block and none is free, the most recently admitted request is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed from
 prompt plus the tokens it already generated.
@@ -150,7 +150,7 @@ class Scheduler:
             self.kv_store.release_written()
         interactive = (r for queue in (self.running, self.waiting) for r in queue if r.priority < BATCH_PRIORITY)
         self._yield = next(interactive, None) is not None
-        # Streams decoding in this step cap its prompt tokens; batch rows sitting it out do not.
+        # Streams decoding in this step cap its prompt tokens and images; batch rows sitting it out do not.
         decoding = any(
             r.num_tokens - r.num_computed_tokens == 1
             for r in self.running
@@ -160,8 +160,9 @@ class Scheduler:
         # interactive request arriving meanwhile waits for it to end.
         batch_only = not self._yield and any(r.priority >= BATCH_PRIORITY for r in self.running)
         self._budget = self.max_num_batched_tokens
-        self._encoder_budget = self.max_encoder_images or self.max_num_batched_tokens
-        self._prefill_budget = self.max_prefill_chunk if decoding or batch_only else self.max_num_batched_tokens
+        capped = decoding or batch_only  # alone, a step encodes every image its chunk reaches, batched
+        self._prefill_budget = self.max_prefill_chunk if capped else self.max_num_batched_tokens
+        self._encoder_budget = (capped and self.max_encoder_images) or self.max_num_batched_tokens
         self._make_room()
         preempted = self._schedule_running(batch)
         if not preempted:
@@ -181,7 +182,7 @@ class Scheduler:
                 scaled = self.max_prefill_chunk * PREFILL_REFERENCE_CONTEXT // max(context, PREFILL_REFERENCE_CONTEXT)
                 num_tokens = min(num_tokens, max(scaled, MIN_PREFILL_CHUNK))
             num_tokens = _whole_runs(request, num_tokens)
-            num_tokens = _encodable(request, num_tokens, self._encoder_budget)
+            num_tokens = request.encodable(num_tokens, self._encoder_budget)
         return num_tokens
 
     def _charge(self, request: Request, num_tokens: int) -> None:
@@ -340,11 +341,3 @@ def _whole_runs(request: Request, num_tokens: int) -> int:
         if low < end < high:
             return low - start if low > start else high - start
     return num_tokens
-
-
-def _encodable(request: Request, num_tokens: int, images: int) -> int:
-    """The chunk ends before the first image over the step's encoder budget (vLLM's): a later step encodes it."""
-    pending = request.images_to_encode(request.num_computed_tokens, num_tokens)
-    if len(pending) <= images:
-        return num_tokens
-    return max(request.images[pending[images]].offset - request.num_computed_tokens, 0)
