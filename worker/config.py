@@ -47,8 +47,8 @@ WORKER_FLAGS = [
     Flag(
         "max-encoder-images-per-step",
         0,
-        "Image-text models: most images whose vision encoder runs in one step; a prompt chunk ends before an image over it, "
-        "so a request with many images has them encoded over several steps while other requests keep decoding; 0: 1 on the CPU, 8 on a GPU",
+        "Image-text models: most images the vision encoder runs on in one step while other requests are decoding (a prompt "
+        "chunk ends before an image over it, so a request with many images does not stall their streams); 0: 1 on the CPU, 8 on a GPU",
         int,
     ),
     Flag(
