@@ -2,12 +2,12 @@
 their vision encoder run once per image at prefill.
 
 The gateway's processor expands each image into its placeholder tokens and sends the pixel values
-(common/protocol.ImageInput). Here the encoder turns each image into features once, in the step whose
-prompt chunk first reaches it (at most ``--max-encoder-images-per-step`` images a step: the scheduler ends
-a chunk before an image over that budget, so many images do not make one long step for the streams
-decoding beside them); features are dropped once the image's tokens are computed. Each chunk's embeddings take them at the
-positions that hold the model's image token, as transformers' own forward puts them there
-(``masked_scatter`` in prompt order). The decoder then runs on ``inputs_embeds`` through the paged
+(common/protocol.ImageInput). Here the encoder turns each image into features once, in the step
+whose prompt chunk first reaches it (while others decode, at most ``--max-encoder-images-per-step``
+images a step: the scheduler ends a chunk before an image over that budget, so many images do not
+make one long step for the streams beside them); an image's features are dropped once its tokens
+are computed. Each chunk's embeddings take them at the positions that hold the model's image token,
+as transformers' own forward puts them there (``masked_scatter`` in prompt order). The decoder then runs on ``inputs_embeds`` through the paged
 attention, and decode steps are text as for any model.
 
 Only families whose decoder sees an image as plain causal tokens are served: at ordinary positions,
