@@ -24,6 +24,7 @@ One question each:
     lora              what LoRA rows cost a decode step
     embeddings        embeddings throughput, and their effect on chat
     kv_store          what ``--kv-store`` buys and costs
+    vision            TTFT and ITL of chat with an image beside text alone (a random LLaVA, tiny or 1B-shaped)
     state_cost        what the state store costs the gateway (SQLite, PostgreSQL)
     state_writes      the state store's writes alone
     parallel          replicas against one worker split over ranks, on CPUs

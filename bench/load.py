@@ -124,8 +124,15 @@ async def run_level(
 ) -> tuple[list[RequestTiming], float]:
     """``requests`` requests, at most ``concurrency`` at a time (each with the ``system`` message
     first, when given); returns timings and wall time."""
-    url = urlsplit(base_url)
     bodies = [request_body(model, p, max_tokens, system) for p in prompts]
+    return await run_bodies(base_url, bodies, concurrency, requests)
+
+
+async def run_bodies(
+    base_url: str, bodies: list[bytes], concurrency: int, requests: int
+) -> tuple[list[RequestTiming], float]:
+    """``requests`` chat bodies (taken in turn), at most ``concurrency`` at a time; timings and wall time."""
+    url = urlsplit(base_url)
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)

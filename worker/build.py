@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 def build_engine(source: ModelSource, config: WorkerConfig) -> Engine:
     """Batch limits left at 0 are filled in for the device first: the runner sizes CUDA graphs by them."""
     config = config.for_device(pick_device(config.device).type)
+    if config.max_encoder_images_per_step < 1:
+        raise ValueError("--max-encoder-images-per-step must be at least 1 (0: the device's default)")
     spec = pooling_of(source, config)
     if spec is not None and not spec.generates:
         from worker.runner.pooling_runner import PoolingRunner

@@ -45,6 +45,13 @@ WORKER_FLAGS = [
         int,
     ),
     Flag(
+        "max-encoder-images-per-step",
+        0,
+        "Image-text models: most images the vision encoder runs on in one step while other requests are decoding (a prompt "
+        "chunk ends before an image over it, so a request with many images does not stall their streams); 0: 1 on the CPU, 8 on a GPU",
+        int,
+    ),
+    Flag(
         "prefix-caching",
         True,
         "Reuse the KV blocks of prompt prefixes seen before (a shared system prompt, earlier turns)",
@@ -232,6 +239,7 @@ class WorkerConfig(SharedConfig):
     max_num_seqs: int = 0  # 0: DEVICE_DEFAULTS for the device the worker runs on (for_device)
     max_num_batched_tokens: int = 0
     max_prefill_chunk: int = 0
+    max_encoder_images_per_step: int = 0
     prefix_caching: bool = True
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
@@ -276,8 +284,18 @@ class WorkerConfig(SharedConfig):
 # 8-12 ms and prefills thousands of tokens in one (measured on an H100, README "On a GPU"), as
 # vLLM's defaults assume (256 sequences, an 8,192-token budget).
 DEVICE_DEFAULTS = {
-    "cpu": {"max_num_seqs": 128, "max_num_batched_tokens": 512, "max_prefill_chunk": 64},
-    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_prefill_chunk": 2048},
+    "cpu": {
+        "max_num_seqs": 128,
+        "max_num_batched_tokens": 512,
+        "max_prefill_chunk": 64,
+        "max_encoder_images_per_step": 1,
+    },
+    "cuda": {
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "max_prefill_chunk": 2048,
+        "max_encoder_images_per_step": 8,
+    },
 }
 
 ALL_WORKER_FLAGS = [*SHARED_FLAGS, *MODEL_FLAGS, *WORKER_FLAGS]

@@ -60,6 +60,7 @@ class Engine:
             config.max_prefill_chunk,
             self.speculator,
             self.kv_store,
+            config.max_encoder_images_per_step,
         )
         self.scheduler.max_loras = self.loras.max_loras if self.loras is not None else 0
         self.max_num_seqs = config.max_num_seqs

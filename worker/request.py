@@ -82,7 +82,8 @@ class Request:
     lora: LoraRef | None = None  # its LoRA adapter (None: the base model), set by the engine
     priority: int = 0  # lower is more urgent: the scheduler's order and preemption follow it
     images: list[ImageInput] = field(default_factory=list)  # an image-text model's images (worker/models/vision.py)
-    image_features: object = None  # their encoder outputs while the prompt is prefilling (a tensor; None: not run)
+    # encoder outputs by image index, from the step that reaches an image until its tokens are computed
+    image_features: dict[int, object] = field(default_factory=dict)
     # Gemma 3: the prompt ranges of image tokens that attend to each other both ways (no chunk ends inside one)
     both_ways: list[tuple[int, int]] = field(default_factory=list)
     rope_positions: object = None  # M-RoPE models: the prompt's 3-D positions, [3, prompt tokens] (None: not computed)
@@ -96,6 +97,23 @@ class Request:
         key = tuple(self.token_ids[start : start + size])
         digests = tuple(i.digest for i in self.images if i.offset < start + size and start < i.offset + i.length)
         return key + digests if digests else key
+
+    def images_to_encode(self, start: int, count: int) -> list[int]:
+        """The images whose tokens overlap prompt positions ``[start, start + count)`` and whose encoder
+        has not run yet, in prompt order: a step computing those positions encodes them."""
+        return [
+            k
+            for k, i in enumerate(self.images)
+            if i.offset < start + count and start < i.offset + i.length and k not in self.image_features
+        ]
+
+    def encodable(self, num_tokens: int, images: int) -> int:
+        """How many of the next ``num_tokens`` to compute when the step may encode ``images`` more images:
+        the chunk ends before the first image over that budget (vLLM's encoder budget); a later step encodes it."""
+        pending = self.images_to_encode(self.num_computed_tokens, num_tokens)
+        if len(pending) <= images:
+            return num_tokens
+        return max(self.images[pending[images]].offset - self.num_computed_tokens, 0)
 
     @property
     def cache_salt(self) -> str | None:

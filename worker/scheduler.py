@@ -9,9 +9,12 @@ that also carries up to 64 prompt tokens 44-67 ms (each chunk token one more row
 more with larger chunks, so a small cap keeps streaming requests' inter-token latency steady when a
 long prompt arrives (TGI's ``max_batch_prefill_tokens`` and vLLM's chunked prefill play this role).
 A chunk's attention also grows with the context before it (64 tokens over a 2,000-token prefix took
-75 ms of attention alone), so past ``PREFILL_REFERENCE_CONTEXT`` tokens the cap shrinks in proportion. When a running request needs a block and none is free, the most
-recently admitted request is preempted: its blocks are freed and it goes back to the front of the
-queue, to be recomputed from prompt plus the tokens it already generated.
+75 ms of attention alone), so past ``PREFILL_REFERENCE_CONTEXT`` tokens the cap shrinks in proportion.
+Likewise an image-text model's step then encodes at most ``max_encoder_images`` images (each in the
+step whose chunk first reaches it; a chunk ends before the first image over that budget).
+When a running request needs a block and none is free, the most recently admitted request is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed from
+prompt plus the tokens it already generated.
 
 Priority (``Request.priority``, lower is more urgent; all 0 unless the gateway runs
 ``--scheduling-policy priority`` or batch work): both queues stay ordered by it, arrival order
@@ -95,6 +98,7 @@ class Scheduler:
         max_prefill_chunk: int | None = None,
         speculator: Speculator | None = None,
         kv_store: KVStore | None = None,
+        max_encoder_images: int = 0,
     ) -> None:
         self.blocks = blocks
         self.kv_store = kv_store  # a second tier under the prefix cache (worker/kv_store), when on
@@ -103,12 +107,14 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_encoder_images = max_encoder_images  # images a step may encode (0: no limit); worker/models/vision.py
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.max_loras = 0  # most distinct LoRA adapters running at once (0: no adapters served); worker/lora
         self._budget = 0  # tokens left in the step being scheduled
         self._prefill_budget = 0  # prompt tokens left in it
+        self._encoder_budget = 0  # images it may still encode
         self._yield = False  # interactive work waits or runs: batch work sits this step out
 
     def add(self, request: Request) -> None:
@@ -144,7 +150,7 @@ class Scheduler:
             self.kv_store.release_written()
         interactive = (r for queue in (self.running, self.waiting) for r in queue if r.priority < BATCH_PRIORITY)
         self._yield = next(interactive, None) is not None
-        # Streams decoding in this step cap its prompt tokens; batch rows sitting it out do not.
+        # Streams decoding in this step cap its prompt tokens and images; batch rows sitting it out do not.
         decoding = any(
             r.num_tokens - r.num_computed_tokens == 1
             for r in self.running
@@ -154,7 +160,9 @@ class Scheduler:
         # interactive request arriving meanwhile waits for it to end.
         batch_only = not self._yield and any(r.priority >= BATCH_PRIORITY for r in self.running)
         self._budget = self.max_num_batched_tokens
-        self._prefill_budget = self.max_prefill_chunk if decoding or batch_only else self.max_num_batched_tokens
+        capped = decoding or batch_only  # alone, a step encodes every image its chunk reaches, batched
+        self._prefill_budget = self.max_prefill_chunk if capped else self.max_num_batched_tokens
+        self._encoder_budget = (capped and self.max_encoder_images) or self.max_num_batched_tokens
         self._make_room()
         preempted = self._schedule_running(batch)
         if not preempted:
@@ -174,12 +182,14 @@ class Scheduler:
                 scaled = self.max_prefill_chunk * PREFILL_REFERENCE_CONTEXT // max(context, PREFILL_REFERENCE_CONTEXT)
                 num_tokens = min(num_tokens, max(scaled, MIN_PREFILL_CHUNK))
             num_tokens = _whole_runs(request, num_tokens)
+            num_tokens = request.encodable(num_tokens, self._encoder_budget)
         return num_tokens
 
     def _charge(self, request: Request, num_tokens: int) -> None:
         self._budget -= num_tokens
         if request.num_tokens - request.num_computed_tokens > 1:
             self._prefill_budget -= num_tokens
+            self._encoder_budget -= len(request.images_to_encode(request.num_computed_tokens, num_tokens))
 
     def _make_room(self) -> None:
         """Waiting requests more urgent than running ones take their places when they do not fit

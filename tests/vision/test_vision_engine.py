@@ -3,11 +3,14 @@ float32: one image, two images and none, batched together; and the prefix cache 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import pytest
 from PIL import Image
 
@@ -60,12 +63,15 @@ def new_request(folder: Path, rid: str, messages: list[dict], images: list[bytes
     return NewRequest(rid, ids, NEW, SamplingParams(temperature=0), ignore_eos=True, images=inputs)
 
 
-def run(engine, requests: list[NewRequest]) -> dict[str, tuple[list[int], int]]:
-    """Each request's tokens and cached prompt tokens, all admitted together."""
-    for r in requests:
+def run(engine, requests: list[NewRequest], ahead: int = 0) -> dict[str, tuple[list[int], int]]:
+    """Each request's tokens and cached prompt tokens, all admitted together, but the first ``ahead``
+    one step earlier (decoding when the others come, so these get one image encoded a step)."""
+    for r in requests[:ahead] or requests:
         engine.add_request(r)
     out: dict[str, tuple[list[int], int]] = {r.request_id: ([], 0) for r in requests}
-    for _ in range(100 * len(requests)):  # a step that fails its requests ends them without NEW tokens
+    for step in range(100 * len(requests)):  # a step that fails its requests ends them without NEW tokens
+        for r in requests[ahead:] if step == 1 and ahead else []:
+            engine.add_request(r)
         if all(len(out[r.request_id][0]) >= NEW for r in requests):
             break
         for o in engine.step().outputs:
@@ -81,8 +87,9 @@ def run(engine, requests: list[NewRequest]) -> dict[str, tuple[list[int], int]]:
 )
 def test_images_match_generate_alone_and_batched_with_text(engine, family, vlm):
     """Two images of different sizes in two messages (text between and after them: M-RoPE's
-    positions past each image) beside a text-only request, then alone. One image against
-    generate: the prefix-cache test."""
+    positions past each image) beside a text-only request that decodes meanwhile (so one image is
+    encoded a step, the CPU's ``--max-encoder-images-per-step``), then alone (both in one step).
+    One image against generate: the prefix-cache test."""
     folder = vlm(family)
     # the others without the start's self-check (text positions against the eager forward; LLaVA's runs it)
     served = engine if family == "llava" else build_engine(resolve_model(str(folder)), QUICK)
@@ -90,8 +97,11 @@ def test_images_match_generate_alone_and_batched_with_text(engine, family, vlm):
     if family == "llava_onevision":  # a lone image is tiled (anyres), each of several is not
         cases["one"] = (ONE, [image_bytes(3, (64, 30))])
     want = {name: reference(folder, m, imgs, NEW) for name, (m, imgs) in cases.items()}
-    batched = run(served, [new_request(folder, name, m, imgs) for name, (m, imgs) in cases.items()])
+    ordered = sorted(cases.items(), key=lambda case: case[0] != "none")  # the text request decoding first
+    with encoded(served) as calls:
+        batched = run(served, [new_request(folder, name, m, imgs) for name, (m, imgs) in ordered], ahead=1)
     assert {name: got[0] for name, got in batched.items()} == want
+    assert set(calls.values()) == {1}, calls  # one image a step
     alone = run(served, [new_request(folder, "alone", *cases["two"])])  # its blocks from the prefix cache
     assert alone["alone"][0] == want["two"]
     if family in (
@@ -112,6 +122,51 @@ def test_the_prefix_cache_shares_an_image_only_with_itself(engine, llava):
     other = run(engine, [new_request(llava, "p3", ONE, [image_bytes(8)])])["p3"]
     assert again == (first[0], again[1]) and again[1] >= 16  # the image's 16 tokens came from the cache
     assert other[1] < 16 and other[0] == reference(llava, ONE, [image_bytes(8)], NEW) != first[0]
+
+
+@contextlib.contextmanager
+def encoded(engine) -> Iterator[dict[int, int]]:
+    """Counts the images the engine's vision encoder runs on, by step."""
+    calls: dict[int, int] = {}
+    encode = engine.runner.vision.encode
+
+    def counted(images):
+        calls[engine.num_steps] = calls.get(engine.num_steps, 0) + len(images)
+        return encode(images)
+
+    engine.runner.vision.encode = counted
+    try:
+        yield calls
+    finally:
+        engine.runner.vision.encode = encode
+
+
+FOUR = [{"role": "user", "content": [*[{"type": "image"}] * 4, {"type": "text", "text": "Which differ?"}]}]
+
+
+def test_many_images_are_encoded_over_steps_while_another_request_decodes(engine, llava):
+    """One image a step (the CPU's ``--max-encoder-images-per-step``): a request with 4 images,
+    admitted while a text request decodes, has them encoded in 4 steps, in each of which the text
+    request gets its token; and its answer is still generate's."""
+    talker = msgspec.structs.replace(new_request(llava, "talker", NONE, []), max_new_tokens=40)
+    images = [image_bytes(20 + i) for i in range(4)]
+    engine.add_request(talker)
+    while not any(o.new_token_ids for o in engine.step().outputs):
+        pass
+    with encoded(engine) as calls:
+        engine.add_request(new_request(llava, "looker", FOUR, images))
+        got: dict[str, list[int]] = {"talker": [], "looker": []}
+        stepped = []  # for each step that encoded images: whether the talker got a token in it
+        while len(got["looker"]) < NEW:
+            step = engine.num_steps
+            outputs = {o.request_id: o.new_token_ids for o in engine.step().outputs}
+            for rid, tokens in outputs.items():
+                got[rid] += tokens
+            if step in calls:
+                stepped.append(bool(outputs.get("talker")))
+    engine.abort(["talker"])
+    assert sorted(calls.values()) == [1, 1, 1, 1] and stepped == [True] * 4, (calls, stepped)
+    assert got["looker"] == reference(llava, FOUR, images, NEW)
 
 
 @pytest.mark.parametrize("kind", ["mllama", "mistral3", "llama4"])

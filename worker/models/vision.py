@@ -2,10 +2,12 @@
 their vision encoder run once per image at prefill.
 
 The gateway's processor expands each image into its placeholder tokens and sends the pixel values
-(common/protocol.ImageInput). Here the encoder turns a request's images into features, once, on the
-first prefill chunk that reaches one of them; each chunk's embeddings take those features at the
-positions that hold the model's image token, as transformers' own forward puts them there
-(``masked_scatter`` in prompt order). The decoder then runs on ``inputs_embeds`` through the paged
+(common/protocol.ImageInput). Here the encoder turns each image into features once, in the step
+whose prompt chunk first reaches it (while others decode, at most ``--max-encoder-images-per-step``
+images a step: the scheduler ends a chunk before an image over that budget, so many images do not
+make one long step for the streams beside them); an image's features are dropped once its tokens
+are computed. Each chunk's embeddings take them at the positions that hold the model's image token,
+as transformers' own forward puts them there (``masked_scatter`` in prompt order). The decoder then runs on ``inputs_embeds`` through the paged
 attention, and decode steps are text as for any model.
 
 Only families whose decoder sees an image as plain causal tokens are served: at ordinary positions,
@@ -66,8 +68,8 @@ def refuse_unserved(config: object, architecture: str) -> None:
 
 
 class ImageEncoder:
-    """The model's vision tower and projector, run on each request's images once, and the prompt's
-    embeddings with the features in place."""
+    """The model's vision tower and projector, run on each image once, and the prompt's embeddings
+    with the features in place."""
 
     def __init__(self, model: torch.nn.Module, reference_impl: str) -> None:
         self.model = model
@@ -115,6 +117,23 @@ class ImageEncoder:
         for name, values in image.extra.items():
             tensors[name] = torch.from_numpy(_array(values, image.extra_shapes[name], np.int64)).to(device)
         return tensors
+
+    def _encode_reached(self, request: Request, start: int, count: int) -> None:
+        """Encode the images this chunk reaches that are not encoded yet (the scheduler keeps them
+        within ``--max-encoder-images-per-step``), together where their shapes allow."""
+        pending = request.images_to_encode(start, count)
+        if not pending:
+            return
+        features = self.encode([request.images[k] for k in pending])
+        sizes = [len(self._image_positions(request, request.images[k])) for k in pending]
+        if sum(sizes) != features.shape[0]:
+            raise ValueError(f"the vision encoder gave {features.shape[0]} feature rows for {sum(sizes)} image tokens")
+        request.image_features.update(zip(pending, features.split(sizes)))
+
+    def _image_positions(self, request: Request, image: ImageInput) -> list[int]:
+        """The prompt positions of an image's tokens (its span less any markers around them)."""
+        span = request.token_ids[image.offset : image.offset + image.length]
+        return [image.offset + j for j, t in enumerate(span) if t == self.image_token_id]
 
     def both_ways(self, request: Request) -> list[tuple[int, int]]:
         """The prompt ranges ``[start, end)`` whose tokens attend to each other both ways: each run of
@@ -169,19 +188,18 @@ class ImageEncoder:
         where: list[int] = []  # flat rows that take image features, in order
         taken: list[torch.Tensor] = []
         for request, first, start, count in rows:
-            if request.image_features is None:
-                request.image_features = self.encode(request.images)
-            positions = [
-                p for p, t in enumerate(request.token_ids[: request.num_prompt_tokens]) if t == self.image_token_id
-            ]
-            features = request.image_features
-            for k, p in enumerate(positions):
-                if start <= p < start + count:
-                    embeds[0, first + p - start] = features[k, :hidden]
-                    where.append(first + p - start)
-                    taken.append(features[k, hidden:])
-            if start + count >= request.num_prompt_tokens:
-                request.image_features = None  # the prompt is in the cache: its features are not needed again
+            self._encode_reached(request, start, count)
+            for k, image in enumerate(request.images):
+                if not (image.offset < start + count and start < image.offset + image.length):
+                    continue
+                features = request.image_features[k]
+                for p, row in zip(self._image_positions(request, image), features):
+                    if start <= p < start + count:
+                        embeds[0, first + p - start] = row[:hidden]
+                        where.append(first + p - start)
+                        taken.append(row[hidden:])
+                if image.offset + image.length <= start + count:
+                    del request.image_features[k]  # its tokens are in the cache: its features are not needed again
         if self.deepstack is not None and where:
             mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
             mask[0, where] = True
