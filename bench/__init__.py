@@ -23,6 +23,7 @@ One question each:
     self_check        what the start-up self-check costs
     lora              what LoRA rows cost a decode step
     embeddings        embeddings throughput, and their effect on chat
+    vision            TTFT and ITL with an image beside text alone (a random LLaVA, tiny or 1B shape)
     kv_store          what ``--kv-store`` buys and costs
     vision            TTFT and ITL of chat with an image beside text alone (a random LLaVA, tiny or 1B-shaped)
     state_cost        what the state store costs the gateway (SQLite, PostgreSQL)
