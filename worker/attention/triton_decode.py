@@ -235,16 +235,36 @@ def paged_decode_attention(
     """
     _check(query, k_cache, v_cache, block_tables)
     rows, heads, head_dim = query.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    splits = splits or num_splits(rows, kv_heads)
-    group = heads // kv_heads
-    head_dim_pad = triton.next_power_of_2(head_dim)
+    splits = splits or num_splits(rows, k_cache.shape[2])
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if splits == 1:
         partial, lse = out.unsqueeze(2), out  # stage 1 writes the final output; lse is not touched
     else:
         partial = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=query.device)
         lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device)
+    _split(query, k_cache, v_cache, block_tables, lengths, partial, lse, scaling, splits)
+    if splits > 1:
+        _combine(partial, lse, out, splits)
+    return out
+
+
+def _split(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    scaling: float,
+    splits: int,
+) -> None:
+    """Stage 1: each row's query heads over each split of its context, into ``partial`` and ``lse``.
+    Apart from ``paged_decode_attention`` because the launch is mostly the kernel's arguments."""
+    rows, heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    head_dim_pad = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(rows, kv_heads, splits)](
         query,
         k_cache,
@@ -277,9 +297,6 @@ def paged_decode_attention(
         SPLITS=splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays exact, not TF32
     )
-    if splits > 1:
-        _combine(partial, lse, out, splits)
-    return out
 
 
 def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
