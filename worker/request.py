@@ -95,17 +95,17 @@ class Request:
         image whose tokens it holds (the placeholders are the same for every image)."""
         start = index * size
         key = tuple(self.token_ids[start : start + size])
-        digests = tuple(i.digest for i in self.images if i.offset < start + size and start < i.offset + i.length)
+        digests = tuple(self.images[k].digest for k in self.images_in(start, size))
         return key + digests if digests else key
 
+    def images_in(self, start: int, count: int) -> list[int]:
+        """The indices of the images whose tokens overlap prompt positions ``[start, start + count)``, in prompt order."""
+        return [k for k, i in enumerate(self.images) if i.offset < start + count and start < i.offset + i.length]
+
     def images_to_encode(self, start: int, count: int) -> list[int]:
-        """The images whose tokens overlap prompt positions ``[start, start + count)`` and whose encoder
-        has not run yet, in prompt order: a step computing those positions encodes them."""
-        return [
-            k
-            for k, i in enumerate(self.images)
-            if i.offset < start + count and start < i.offset + i.length and k not in self.image_features
-        ]
+        """The images overlapping ``[start, start + count)`` whose encoder has not run yet: a step
+        computing those positions encodes them."""
+        return [k for k in self.images_in(start, count) if k not in self.image_features]
 
     def encodable(self, num_tokens: int, images: int) -> int:
         """How many of the next ``num_tokens`` to compute when the step may encode ``images`` more images:

@@ -189,10 +189,8 @@ class ImageEncoder:
         taken: list[torch.Tensor] = []
         for request, first, start, count in rows:
             self._encode_reached(request, start, count)
-            for k, image in enumerate(request.images):
-                if not (image.offset < start + count and start < image.offset + image.length):
-                    continue
-                features = request.image_features[k]
+            for k in request.images_in(start, count):
+                image, features = request.images[k], request.image_features[k]
                 for p, row in zip(self._image_positions(request, image), features):
                     if start <= p < start + count:
                         embeds[0, first + p - start] = row[:hidden]
