@@ -23,7 +23,7 @@ fi
 # The worker's C++ kernels (decode attention, the fused decode step), one library per instruction-set
 # variant of this architecture (worker/cpu.py), so the checkout runs on any CPU of it: built once, ~1-2 min
 # each on 2 cores; the worker loads the best variant its CPU executes.
-.venv/bin/python -m worker.kernels --all || echo "note: C++ kernels did not build; workers will run the slower torch path" >&2
+.venv/bin/python -m worker.kernels --all || echo "note: some C++ kernel variants did not build; workers load the best one that did, or the slower torch path" >&2
 # Test tools from Debian: a compose validator (no Docker engine needed), Chromium for the browser tests,
 # PostgreSQL, which the state store's tests start as a process (tests/postgres.py),
 # and Redis for the KV store's shared tier (the tests start their own redis-server process).

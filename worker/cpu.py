@@ -129,14 +129,21 @@ def runnable(flags: frozenset[str] | None = None) -> list[Variant]:
     return [v for v in VARIANTS if v.arch == arch() and v.needs <= flags]
 
 
-def chosen() -> Variant:
-    """The best variant the CPU runs at or under the cap (portable at worst)."""
+def candidates() -> list[Variant]:
+    """The variants the CPU runs at or under the cap, best first, portable last: the worker loads the
+    first that builds (a compiler too old for a variant's flags, gcc 10 and ``-mavxvnni``, falls to the
+    next one rather than to the torch path)."""
     ours = [v for v in VARIANTS if v.arch == arch()]
     if not ours:
         raise RuntimeError(f"no C++ kernel variant for the {arch()} architecture")
     limit = cap()
     allowed = ours[[v.name for v in ours].index(limit) :] if limit else ours
-    return next(v for v in allowed if v.needs <= features() or v.name == "portable")
+    return [v for v in allowed if v.needs <= features() or v.name == "portable"]
+
+
+def chosen() -> Variant:
+    """The best variant the CPU runs at or under the cap (portable at worst)."""
+    return candidates()[0]
 
 
 def native_bf16() -> bool:

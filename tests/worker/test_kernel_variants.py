@@ -91,6 +91,28 @@ def test_the_variant_is_the_best_the_cpu_runs_under_the_cap(monkeypatch):
             cpu.chosen()
 
 
+def test_a_variant_that_does_not_build_falls_to_the_next_one_under_it(monkeypatch):
+    """A compiler too old for the chosen variant's flags (gcc 10 has no -mavxvnni) costs that variant
+    only: the worker loads the next one the CPU runs, whose ops then serve, not the torch path."""
+    first, *rest = cpu.candidates()
+    if not rest:
+        pytest.skip("one variant only under this cap")
+    monkeypatch.setattr(kernels, "_loaded", {k: v for k, v in kernels._loaded.items() if k != first.name})
+    monkeypatch.setattr(kernels, "_errors", {})
+    built = kernels.compile_variant
+
+    def compile_variant(variant):
+        if variant == first:
+            raise RuntimeError("c++: error: unrecognized command-line option")
+        return built(variant)
+
+    monkeypatch.setattr(kernels, "compile_variant", compile_variant)
+    assert kernels.load()
+    assert kernels.active() == rest[0]
+    assert kernels.ops() is getattr(torch.ops, kernels.namespace(rest[0]))
+    assert "unrecognized command-line option" in kernels.unavailable_reason()
+
+
 def test_bf16_is_the_default_only_where_the_cpu_computes_it(monkeypatch):
     """dtype auto: bf16 with AVX512-BF16 or AMX under the avx512 variant; float32 on an AVX2 CPU, or
     under a cap (ours or oneDNN's), where an explicit bf16 is refused in one sentence."""

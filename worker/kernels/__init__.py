@@ -13,8 +13,9 @@ runs). ``compile.py`` builds a variant.
 No maintained paged-attention or small-batch quantized kernel installs with this torch on the CPU
 (IPEX and vLLM's CPU build pin other torch versions), so the few kernels the decode path needs are
 a small extension compiled with the C++ compiler inductor needs anyway. ``scripts/setup.sh`` builds
-every variant of the architecture (``python -m worker.kernels --all``); a worker that cannot load
-its variant logs why and runs the torch path.
+every variant of the architecture (``python -m worker.kernels --all``); a worker that cannot build
+its variant logs why and loads the next one under it (portable last), and the torch path only where
+none builds.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _loaded: dict[str, bool] = {}
 _errors: dict[str, str] = {}
+_fell_back: set[str] = set()
 
 
 def load_variant(variant: cpu.Variant) -> bool:
@@ -46,18 +48,29 @@ def load_variant(variant: cpu.Variant) -> bool:
         _loaded[variant.name] = True
     except Exception as exc:  # no compiler, no headers: the torch path still works
         _loaded[variant.name], _errors[variant.name] = False, f"{type(exc).__name__}: {exc}"
-        log.warning("C++ kernels (%s) unavailable, using the torch path: %s", variant.name, _errors[variant.name])
+        log.warning("C++ kernels (%s) unavailable: %s", variant.name, _errors[variant.name])
     return _loaded[variant.name]
 
 
+def active() -> cpu.Variant | None:
+    """The variant ``load()`` settled on: the chosen one, or the best under it that built (None: none did)."""
+    return next((v for v in cpu.candidates() if load_variant(v)), None)
+
+
 def load() -> bool:
-    """Load (building if needed) the variant this CPU runs; True when ``ops()`` is usable."""
-    return load_variant(cpu.chosen())
+    """Load (building if needed) the variant this CPU runs, or the next one under it where that one
+    does not build; True when ``ops()`` is usable."""
+    variant = active()
+    if variant is not None and variant != cpu.chosen() and variant.name not in _fell_back:
+        _fell_back.add(variant.name)
+        log.warning("C++ kernels: running the %s variant instead of %s", variant.name, cpu.chosen().name)
+    return variant is not None
 
 
 def ops() -> Any:
-    """The chosen variant's ops (``torch.ops.llmpool_<variant>``); call ``load()`` first."""
-    return getattr(torch.ops, namespace(cpu.chosen()))
+    """The loaded variant's ops (``torch.ops.llmpool_<variant>``); call ``load()`` first."""
+    variant = active()
+    return getattr(torch.ops, namespace(variant or cpu.chosen()))
 
 
 def variant_ops(variant: cpu.Variant) -> Any:
@@ -68,4 +81,5 @@ def variant_ops(variant: cpu.Variant) -> Any:
 
 
 def unavailable_reason() -> str | None:
+    """Why the chosen variant is not the one running (its build's error), or None."""
     return _errors.get(cpu.chosen().name)
