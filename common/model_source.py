@@ -163,8 +163,10 @@ def unpack_tokenizer(packed: bytes, max_size: int = 256 << 20) -> Any:  # a tran
 
 def unpack_bundle(packed: bytes, max_size: int = 256 << 20) -> tuple[Any, Any]:
     """(tokenizer, processor or None): an image-text model's bundle also holds its processor, built
-    on the PIL image processors (PyPI's torchvision does not import beside the CPU torch)."""
-    from transformers import AutoProcessor, AutoTokenizer
+    on the PIL image processors (common/processors.py)."""
+    from transformers import AutoTokenizer
+
+    from common.processors import load_processor
 
     raw = zlib.decompressobj().decompress(packed, max_size)
     files = msgspec.msgpack.decode(raw, type=dict[str, bytes])
@@ -177,31 +179,7 @@ def unpack_bundle(packed: bytes, max_size: int = 256 << 20) -> tuple[Any, Any]:
         if not any(name in files for name in PROCESSOR_FILES):
             return tokenizer, None
         try:
-            return tokenizer, AutoProcessor.from_pretrained(folder, backend="pil")
-        except Exception as exc:  # e.g. a processor that needs torchvision: its image half alone, else text only
-            try:
-                return tokenizer, image_half(folder, tokenizer)
-            except Exception:
-                log.warning("the model's processor does not load (%s): requests with images will be refused", exc)
-                return tokenizer, None
-
-
-def image_half(folder: str, tokenizer: Any) -> Any:
-    """The model's own processor class without its video processor, which needs torchvision here
-    (Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's, SmolVLM's): the image processor on PIL and the class's own
-    placeholder rule. The gateway renders templates itself, so the processor's is not needed."""
-    import json
-
-    import transformers
-
-    config = json.loads(Path(folder, "processor_config.json").read_text())
-    base = getattr(transformers, config["processor_class"])
-    if "video_processor" not in base.get_attributes():
-        raise ValueError(f"{base.__name__} did not fail for its video processor")
-    images_only = type(
-        base.__name__, (base,), {"get_attributes": classmethod(lambda cls: ["image_processor", "tokenizer"])}
-    )
-    images = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
-    skip = ("processor_class", "image_processor", "video_processor", "chat_template", "auto_map")
-    options = {k: v for k, v in config.items() if k not in skip}  # SmolVLM's image_seq_len...
-    return images_only(image_processor=images, tokenizer=tokenizer, video_processor=None, **options)
+            return tokenizer, load_processor(folder, tokenizer)
+        except Exception as exc:
+            log.warning("the model's processor does not load (%s): requests with images will be refused", exc)
+            return tokenizer, None

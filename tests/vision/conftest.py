@@ -15,6 +15,7 @@ from tests.vision.models import (
     build_idefics3,
     build_llava,
     build_llava_onevision,
+    build_mistral3,
     build_qwen_vl,
     image_bytes,
 )
@@ -42,6 +43,8 @@ LATER = {  # built on first use, by family
     "qwen3_vl_moe": partial(build_qwen_vl, kind="qwen3_vl_moe"),
     "gemma3": build_gemma3,
     "llava_onevision": build_llava_onevision,
+    "mistral3": build_mistral3,
+    "pixtral": partial(build_mistral3, kind="pixtral"),
 }
 
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 IMAGE_SIZE = 32  # pixels a side after the processor's resize: 16 patches of 8
 
@@ -138,15 +138,12 @@ def image_bytes(seed: int, size: tuple[int, int] = (40, 48), fmt: str = "PNG") -
 
 @functools.cache
 def processor(folder: Path) -> object:
-    """The model's processor as the gateway builds it (Qwen-VL's without its video half)."""
+    """The model's processor as the gateway builds it (Qwen-VL's without its video half, Pixtral's imported for real)."""
     from transformers import AutoTokenizer
 
-    from common.model_source import image_half
+    from common.processors import load_processor
 
-    try:
-        return AutoProcessor.from_pretrained(folder, backend="pil")
-    except ImportError:
-        return image_half(str(folder), AutoTokenizer.from_pretrained(folder))
+    return load_processor(str(folder), AutoTokenizer.from_pretrained(folder))
 
 
 def render(processor, messages: list[dict]) -> str:
@@ -286,4 +283,48 @@ def build_llava_onevision(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Mo
     model.save_pretrained(folder)
     options = dict(num_image_tokens=16, vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9")
     _save_image_half(folder, tokenizer, images, "LlavaOnevisionProcessor", LLAVA_TEMPLATE, **options)
+    return model
+
+
+MISTRAL3_TEMPLATE = LLAVA_TEMPLATE.replace("<image>\n", "[IMG]")
+
+
+def build_mistral3(tokenizer, folder: Path, seed: int = 0, kind: str = "mistral3") -> torch.nn.Module:
+    """Mistral 3, or Pixtral (``kind``: LLaVA's class with a Pixtral tower): a tiny Mistral decoder and
+    Pixtral tower (2-D rotary over 8-pixel patches, each image at its own size up to 48 pixels, or 32),
+    for Mistral 3 2x2 patches merged a token; each row of ``[IMG]`` ends in ``[IMG_BREAK]``, the image
+    in ``[IMG_END]``, with transformers' ``PixtralProcessor`` on PIL."""
+    import transformers
+
+    from common.processors import pixtral_class
+
+    marks = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    tokenizer = _with_image_token(tokenizer, marks)
+    merge, edge = (2, 48) if kind == "mistral3" else (1, 32)
+    vision = dict(
+        model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=edge, patch_size=8,
+    )  # fmt: skip
+    text, image_token = _text_config(tokenizer, "mistral").to_dict(), tokenizer.convert_tokens_to_ids(marks[0])
+    if kind == "mistral3":
+        config = transformers.Mistral3Config(
+            text_config=text, vision_config=vision, spatial_merge_size=merge, image_token_index=image_token
+        )
+    else:  # as mistral-community/pixtral-12b has it
+        config = transformers.LlavaConfig(
+            text_config=text, vision_config=vision, image_token_id=image_token, vision_feature_select_strategy="full"
+        )
+    config.architectures = [
+        "Mistral3ForConditionalGeneration" if kind == "mistral3" else "LlavaForConditionalGeneration"
+    ]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    images = transformers.PixtralImageProcessorPil(size={"longest_edge": edge}, patch_size=8 * merge)
+    processor = pixtral_class()(
+        image_processor=images, tokenizer=tokenizer, patch_size=8, spatial_merge_size=merge, chat_template=MISTRAL3_TEMPLATE,
+        image_token=marks[0], image_break_token=marks[1], image_end_token=marks[2],
+    )  # fmt: skip
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
     return model

@@ -13,7 +13,8 @@ attention, and decode steps are text as for any model.
 Only families whose decoder sees an image as plain causal tokens are served: at ordinary positions,
 or (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) at M-RoPE's 3-D positions, which ``positions`` takes from the
 model's own ``get_rope_index``; Qwen3-VL's DeepStack features go in through ``_DeepStack``; Gemma 3's
-image tokens attend to each other both ways (``BOTH_WAYS``, ``both_ways``). The others are refused at start by name (``REFUSED``), with the reason.
+image tokens attend to each other both ways (``BOTH_WAYS``, ``both_ways``); Mistral 3's and Pixtral's
+images take features at their ``[IMG]`` positions only, not at the row and image ends around them. The others are refused at start by name (``REFUSED``), with the reason.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ SERVED = {
     "qwen3_vl",
     "qwen3_vl_moe",
     "gemma3",
+    "mistral3",
 }
 # Families whose image tokens attend to each other both ways (each contiguous run of them, as transformers'
 # ``token_type_ids`` mask makes it): the prompt chunks' attention opens up within a run (worker/attention/paged.py),
@@ -48,7 +50,6 @@ REFUSED: dict[str, str] = {
     "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
     "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
     "llama4": "its image processor (Llama4ImageProcessor, no PIL one in this transformers) needs torchvision, which does not import beside the CPU torch here",
-    "mistral3": "its processor (PixtralProcessor) needs torchvision, which does not import beside the CPU torch here",
 }
 
 
