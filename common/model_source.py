@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -136,11 +137,27 @@ class TokenizerBundle:
 
 # An image-text model's processor, beside its tokenizer: the gateway expands images with it (gateway/generate/vision.py).
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+PROCESSOR_KWARGS = "llmpool_processor_kwargs.json"  # in a bundle: --mm-processor-kwargs
 
 
-def bundle_tokenizer(tokenizer: Any, chat_template: str, source: ModelSource | None = None) -> TokenizerBundle:
+def processor_options(text: str, has_processor: bool) -> bytes:
+    """``--mm-processor-kwargs`` checked: a JSON object, for a model with a processor (refused at start otherwise)."""
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--mm-processor-kwargs must be a JSON object: {exc}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--mm-processor-kwargs must be a JSON object, not {type(options).__name__}")
+    if not has_processor:
+        raise ValueError("--mm-processor-kwargs is for image-text models; this model has no processor files")
+    return json.dumps(options).encode()
+
+
+def bundle_tokenizer(
+    tokenizer: Any, chat_template: str, source: ModelSource | None = None, processor_kwargs: str | None = None
+) -> TokenizerBundle:
     """Pack a loaded tokenizer's files (a few MB of JSON, about 1 MB compressed), and the model's
-    processor files where ``source`` (a folder) has them."""
+    processor files where ``source`` (a folder) has them, with ``--mm-processor-kwargs`` (JSON)."""
     with tempfile.TemporaryDirectory(prefix="llmpool-tokenizer-") as folder:
         tokenizer.save_pretrained(folder)
         files = {
@@ -149,6 +166,8 @@ def bundle_tokenizer(tokenizer: Any, chat_template: str, source: ModelSource | N
     for name in PROCESSOR_FILES if source is not None and source.gguf_file is None else ():
         if Path(source.path, name).is_file():
             files[name] = Path(source.path, name).read_bytes()
+    if processor_kwargs:
+        files[PROCESSOR_KWARGS] = processor_options(processor_kwargs, any(n in files for n in PROCESSOR_FILES))
     digest = hashlib.sha256()
     for name, data in files.items():
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
@@ -179,7 +198,8 @@ def unpack_bundle(packed: bytes, max_size: int = 256 << 20) -> tuple[Any, Any]:
         if not any(name in files for name in PROCESSOR_FILES):
             return tokenizer, None
         try:
-            return tokenizer, load_processor(folder, tokenizer)
+            options = json.loads(files[PROCESSOR_KWARGS]) if PROCESSOR_KWARGS in files else {}
+            return tokenizer, load_processor(folder, tokenizer, options)
         except Exception as exc:
             log.warning("the model's processor does not load (%s): requests with images will be refused", exc)
             return tokenizer, None

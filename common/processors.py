@@ -29,9 +29,17 @@ log = logging.getLogger(__name__)
 _IMPORT = threading.Lock()
 
 
-def load_processor(folder: str, tokenizer: Any) -> Any:
-    """The model's processor (the saved one), on PIL: its own class, else its image half, else
-    the torchvision-marked class it names imported for real."""
+def load_processor(folder: str, tokenizer: Any, options: dict[str, Any] | None = None) -> Any:
+    """The model's processor (the saved one), on PIL, with ``options`` (``--mm-processor-kwargs``)
+    as its image options, over its class's defaults (as if each call passed them)."""
+    processor = _saved_processor(folder, tokenizer)
+    if options:
+        processor.images_kwargs = {**getattr(processor, "images_kwargs", {}), **options}
+    return processor
+
+
+def _saved_processor(folder: str, tokenizer: Any) -> Any:
+    """Its own class, else its image half, else the torchvision-marked class it names imported for real."""
     from transformers import AutoProcessor
 
     try:

@@ -10,15 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.vision.models import (
-    build_gemma3,
-    build_idefics3,
-    build_llava,
-    build_llava_onevision,
-    build_mistral3,
-    build_qwen_vl,
-    image_bytes,
-)
+from tests.vision.models import build_idefics3, build_llava, build_qwen_vl, image_bytes
+from tests.vision.more_models import build_gemma3, build_llava_onevision, build_mistral3
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +19,7 @@ from PIL import Image
 from common.model_source import bundle_tokenizer, resolve_model, unpack_bundle
 from common.protocol import NewRequest, SamplingParams
 from gateway.generate.vision import Vision
-from tests.vision.models import image_bytes, reference, render
+from tests.vision.models import image_bytes, options, reference, render
 from tests.vision.models import processor as model_processor
 from worker.build import build_engine
 from worker.config import WorkerConfig
@@ -47,7 +49,8 @@ def engine(llava):
 def gateway_processor(folder: Path) -> object:
     """The processor as a gateway gets it: out of the worker's tokenizer bundle."""
     tokenizer = model_processor(folder).tokenizer
-    bundle = bundle_tokenizer(tokenizer, tokenizer.chat_template or "", resolve_model(str(folder)))
+    kwargs = json.dumps(options(folder)) if options(folder) else None  # --mm-processor-kwargs
+    bundle = bundle_tokenizer(tokenizer, tokenizer.chat_template or "", resolve_model(str(folder)), kwargs)
     processor = unpack_bundle(bundle.packed)[1]
     assert processor is not None
     return processor
@@ -173,6 +176,20 @@ def test_unserved_families_are_refused_by_name(kind):
 
     with pytest.raises(UnsupportedModel, match=f"{kind}.*not supported: its"):
         refuse_unserved(Config(), f"X (model type {kind!r})")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ("[1]", "a JSON object, not list"),
+        ("{x", "a JSON object: "),
+        ('{"do_pan_and_scan": true}', "has no processor files"),
+    ],
+)
+def test_mm_processor_kwargs_are_a_json_object_for_an_image_text_model(tokenizer, kwargs, why):
+    """``--mm-processor-kwargs``: refused at start (the worker's bundle) unless a JSON object for a model with a processor."""
+    with pytest.raises(ValueError, match=f"^--mm-processor-kwargs .*{re.escape(why)}"):
+        bundle_tokenizer(tokenizer, "", None, kwargs)
 
 
 def test_the_kv_store_keys_image_blocks_by_pixels(llava, tmp_path):

@@ -24,7 +24,7 @@ import inspect
 import numpy as np
 import torch
 
-from common.images import ImageInput
+from common.images import ImageInput, token_runs
 from worker.models.support import UnsupportedModel
 from worker.request import Request
 
@@ -141,15 +141,7 @@ class ImageEncoder:
         image tokens, for a family that opens its images' attention (none for the others)."""
         if not self.opens_images:
             return []
-        runs: list[tuple[int, int]] = []
-        for p, token in enumerate(request.token_ids[: request.num_prompt_tokens]):
-            if token != self.image_token_id:
-                continue
-            if runs and runs[-1][1] == p:
-                runs[-1] = (runs[-1][0], p + 1)
-            else:
-                runs.append((p, p + 1))
-        return runs
+        return token_runs(request.token_ids[: request.num_prompt_tokens], {self.image_token_id})
 
     def positions(self, flat: torch.Tensor, rows: list[tuple[Request, int, int, int]]) -> torch.Tensor:
         """``[3, 1, tokens]``: the flat batch's positions on M-RoPE's three axes. A prompt position of
