@@ -50,9 +50,9 @@ REFUSED: dict[str, str] = {
     "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
     "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
     "llama4": (
-        "transformers' own Llama4ForConditionalGeneration does not run in this transformers (its forward reads "
-        "image_outputs from the language model's output: an AttributeError, even without images), so generate gives no "
-        "answer to be exact against; and its image processor (Llama4ImageProcessor) exists only on torchvision"
+        "its class (Llama4ForConditionalGeneration) does not run in this transformers (its forward reads image_outputs "
+        "from the language model's output: an AttributeError, even without images), so generate gives no answer to be "
+        "exact against; and its image processor (Llama4ImageProcessor) exists only on torchvision"
     ),
 }
 
