@@ -17,3 +17,17 @@ class ImageInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     shape: list[int]  # of ``pixels``: what the processor's ``pixel_values`` gave for this image alone
     extra: dict[str, list[int]] = {}  # the processor's other per-image outputs (``image_sizes``...), flattened
     extra_shapes: dict[str, list[int]] = {}
+
+
+def token_runs(ids: list[int], tokens: set[int]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of ``ids`` made of ``tokens`` only, in order: an image's runs of
+    placeholders, as the gateway places images and the worker opens their attention."""
+    runs: list[tuple[int, int]] = []
+    for p, token in enumerate(ids):
+        if token not in tokens:
+            continue
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs

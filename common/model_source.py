@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -136,11 +137,27 @@ class TokenizerBundle:
 
 # An image-text model's processor, beside its tokenizer: the gateway expands images with it (gateway/generate/vision.py).
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+PROCESSOR_KWARGS = "llmpool_processor_kwargs.json"  # in a bundle: --mm-processor-kwargs
 
 
-def bundle_tokenizer(tokenizer: Any, chat_template: str, source: ModelSource | None = None) -> TokenizerBundle:
+def processor_options(text: str, has_processor: bool) -> bytes:
+    """``--mm-processor-kwargs`` checked: a JSON object, for a model with a processor (refused at start otherwise)."""
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--mm-processor-kwargs must be a JSON object: {exc}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--mm-processor-kwargs must be a JSON object, not {type(options).__name__}")
+    if not has_processor:
+        raise ValueError("--mm-processor-kwargs is for image-text models; this model has no processor files")
+    return json.dumps(options).encode()
+
+
+def bundle_tokenizer(
+    tokenizer: Any, chat_template: str, source: ModelSource | None = None, processor_kwargs: str | None = None
+) -> TokenizerBundle:
     """Pack a loaded tokenizer's files (a few MB of JSON, about 1 MB compressed), and the model's
-    processor files where ``source`` (a folder) has them."""
+    processor files where ``source`` (a folder) has them, with ``--mm-processor-kwargs`` (JSON)."""
     with tempfile.TemporaryDirectory(prefix="llmpool-tokenizer-") as folder:
         tokenizer.save_pretrained(folder)
         files = {
@@ -149,6 +166,8 @@ def bundle_tokenizer(tokenizer: Any, chat_template: str, source: ModelSource | N
     for name in PROCESSOR_FILES if source is not None and source.gguf_file is None else ():
         if Path(source.path, name).is_file():
             files[name] = Path(source.path, name).read_bytes()
+    if processor_kwargs:
+        files[PROCESSOR_KWARGS] = processor_options(processor_kwargs, any(n in files for n in PROCESSOR_FILES))
     digest = hashlib.sha256()
     for name, data in files.items():
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
@@ -163,8 +182,10 @@ def unpack_tokenizer(packed: bytes, max_size: int = 256 << 20) -> Any:  # a tran
 
 def unpack_bundle(packed: bytes, max_size: int = 256 << 20) -> tuple[Any, Any]:
     """(tokenizer, processor or None): an image-text model's bundle also holds its processor, built
-    on the PIL image processors (PyPI's torchvision does not import beside the CPU torch)."""
-    from transformers import AutoProcessor, AutoTokenizer
+    on the PIL image processors (common/processors.py)."""
+    from transformers import AutoTokenizer
+
+    from common.processors import load_processor
 
     raw = zlib.decompressobj().decompress(packed, max_size)
     files = msgspec.msgpack.decode(raw, type=dict[str, bytes])
@@ -177,31 +198,8 @@ def unpack_bundle(packed: bytes, max_size: int = 256 << 20) -> tuple[Any, Any]:
         if not any(name in files for name in PROCESSOR_FILES):
             return tokenizer, None
         try:
-            return tokenizer, AutoProcessor.from_pretrained(folder, backend="pil")
-        except Exception as exc:  # e.g. a processor that needs torchvision: its image half alone, else text only
-            try:
-                return tokenizer, image_half(folder, tokenizer)
-            except Exception:
-                log.warning("the model's processor does not load (%s): requests with images will be refused", exc)
-                return tokenizer, None
-
-
-def image_half(folder: str, tokenizer: Any) -> Any:
-    """The model's own processor class without its video processor, which needs torchvision here
-    (Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's, SmolVLM's): the image processor on PIL and the class's own
-    placeholder rule. The gateway renders templates itself, so the processor's is not needed."""
-    import json
-
-    import transformers
-
-    config = json.loads(Path(folder, "processor_config.json").read_text())
-    base = getattr(transformers, config["processor_class"])
-    if "video_processor" not in base.get_attributes():
-        raise ValueError(f"{base.__name__} did not fail for its video processor")
-    images_only = type(
-        base.__name__, (base,), {"get_attributes": classmethod(lambda cls: ["image_processor", "tokenizer"])}
-    )
-    images = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
-    skip = ("processor_class", "image_processor", "video_processor", "chat_template", "auto_map")
-    options = {k: v for k, v in config.items() if k not in skip}  # SmolVLM's image_seq_len...
-    return images_only(image_processor=images, tokenizer=tokenizer, video_processor=None, **options)
+            options = json.loads(files[PROCESSOR_KWARGS]) if PROCESSOR_KWARGS in files else {}
+            return tokenizer, load_processor(folder, tokenizer, options)
+        except Exception as exc:
+            log.warning("the model's processor does not load (%s): requests with images will be refused", exc)
+            return tokenizer, None

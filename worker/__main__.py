@@ -93,9 +93,8 @@ def _start(
         # first: an unsupported model is refused before anything else
         engine = stepper.call(build_engine, source, config)
         tokenizer = load_tokenizer(source, config.cache_dir)  # cached after the first run (GGUF: about 3 s once)
-        bundle = bundle_tokenizer(
-            tokenizer, read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None)), source
-        )
+        template = read_chat_template(config.chat_template, getattr(tokenizer, "chat_template", None))
+        bundle = bundle_tokenizer(tokenizer, template, source, config.mm_processor_kwargs)
     except Exception as exc:  # the exit code tells the launcher
         fail_to_start(config, name, curve_keys, exc)
     return config, group, engine, source, bundle

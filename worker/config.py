@@ -52,6 +52,12 @@ WORKER_FLAGS = [
         int,
     ),
     Flag(
+        "mm-processor-kwargs",
+        None,
+        "Image-text models: a JSON object of options for the model's image processor (vLLM's --mm-processor-kwargs), "
+        "e.g. '{\"do_pan_and_scan\": true}' for Gemma 3; the gateways run the processor with them",
+    ),
+    Flag(
         "prefix-caching",
         True,
         "Reuse the KV blocks of prompt prefixes seen before (a shared system prompt, earlier turns)",
@@ -240,6 +246,7 @@ class WorkerConfig(SharedConfig):
     max_num_batched_tokens: int = 0
     max_prefill_chunk: int = 0
     max_encoder_images_per_step: int = 0
+    mm_processor_kwargs: str | None = None  # JSON, read by bundle_tokenizer
     prefix_caching: bool = True
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None

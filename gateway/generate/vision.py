@@ -7,8 +7,10 @@ each image part as the processor's image token; ``expand`` replaces each such to
 processor makes of it for that image (its placeholders, with any markers around them) and keeps
 the processor's pixel values for the worker, which runs the vision encoder
 (worker/models/vision.py). A processor whose expansion depends on the rest of the prompt
-(``WHOLE_PROMPT``: Gemma 3, LLaVA-OneVision) runs once over the whole prompt instead. The token counts are the processor's own, so ``/tokenize``, usage and
-the prompt budget count image tokens as the model sees them.
+(``WHOLE_PROMPT``: Gemma 3, LLaVA-OneVision) runs once over the whole prompt instead; an image
+that Gemma 3's pan-and-scan crops is one image over its runs (its own and one a crop), with their
+pixels. The token counts are the processor's own, so ``/tokenize``, usage and the prompt budget
+count image tokens as the model sees them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from common.images import ImageInput
+from common.images import ImageInput, token_runs
 from gateway.errors import InvalidRequest
 from gateway.generate.media import MediaRules, load_image
 
@@ -62,37 +64,41 @@ class Vision:
 
     def _expand_whole(self, ids: list[int], images: list[Any], param: str) -> tuple[list[int], list[ImageInput]]:
         """The prompt's text through the processor with all its images (the ids as the reference
-        tokenizes them); each image's share of the outputs (its row of each per-image output, the
-        others whole) placed at its run of image tokens."""
+        tokenizes them); each image's share of the outputs (its pixel rows: the image and any
+        pan-and-scan crops; its row of each other per-image output; the others whole) placed over
+        its runs of image tokens (one, or one more a crop)."""
         import numpy as np
 
         processor = self.processor
         text = processor.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        got = processor(text=text, images=images, add_special_tokens=False, return_tensors="np")
+        got = processor(
+            text=text,
+            images=images,
+            add_special_tokens=False,
+            return_tensors="np",
+            return_text_replacement_offsets=True,
+        )
         out = [int(t) for t in got["input_ids"][0]]
         expanded = set(processor.image_token_ids) - {None} or {self.image_token_id}
-        runs: list[list[int]] = []
-        for p, token in enumerate(out):
-            if token in expanded:
-                if runs and runs[-1][1] == p:
-                    runs[-1][1] = p + 1
-                else:
-                    runs.append([p, p + 1])
-        if len(got["pixel_values"]) != len(images):  # Gemma 3's pan-and-scan: crops of one image, each its own run
-            raise InvalidRequest(
-                f"the model's processor made {len(got['pixel_values'])} crops of {len(images)} images, "
-                "which this server does not serve (turn off do_pan_and_scan)",
-                param=param,
-            )
-        if len(runs) != len(images):
+        runs = token_runs(out, expanded)
+        # each image's runs: one, or (Gemma 3's pan-and-scan) one more a crop, whose pixels are rows of their own
+        replaced = got.pop("text_replacement_offsets", None)
+        rows = [1] * len(images)
+        if replaced:
+            encode = processor.tokenizer.encode
+            rows = [len(token_runs(encode(r["replacement"], add_special_tokens=False), expanded)) for r in replaced[0]]
+        if len(rows) != len(images) or len(runs) != sum(rows):
             raise InvalidRequest(
                 f"{len(images)} images with no text between some of them: put text between images", param=param
             )
         shared = set(getattr(processor, "unused_input_names", [])) | set(_NOT_PIXELS) - {"pixel_values"}
         outputs = {k: np.asarray(v) for k, v in got.items() if k not in shared}
         inputs = []
-        for i, (low, high) in enumerate(runs):
+        for i, count in enumerate(rows):
+            first = sum(rows[:i])
             alone = {k: v[i : i + 1] if len(v) == len(images) else v for k, v in outputs.items()}
+            alone["pixel_values"] = outputs["pixel_values"][first : first + count]
+            low, high = runs[first][0], runs[first + count - 1][1]
             inputs.append(_image_input(alone, low, high - low))
         return out, inputs
 

@@ -10,14 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.vision.models import (
-    build_gemma3,
-    build_idefics3,
-    build_llava,
-    build_llava_onevision,
-    build_qwen_vl,
-    image_bytes,
-)
+from tests.vision.models import build_idefics3, build_llava, build_qwen_vl, image_bytes
+from tests.vision.more_models import build_gemma3, build_llava_onevision, build_mistral3
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +36,8 @@ LATER = {  # built on first use, by family
     "qwen3_vl_moe": partial(build_qwen_vl, kind="qwen3_vl_moe"),
     "gemma3": build_gemma3,
     "llava_onevision": build_llava_onevision,
+    "mistral3": build_mistral3,
+    "pixtral": partial(build_mistral3, kind="pixtral"),
 }
 
 

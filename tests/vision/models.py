@@ -1,6 +1,7 @@
-"""Tiny random vision-language models built in-test (seeded, hidden 64, 2 layers), each saved with
-its processor (the PIL image processor: no torchvision here) and a chat template that reads image
-parts, as a checkpoint on the hub comes; and the reference answers of transformers' ``generate``."""
+"""Tiny random vision-language models built in-test (seeded, hidden 64, 2 layers; more in
+more_models.py), each saved with its processor (the PIL image processor: no torchvision here) and
+a chat template that reads image parts, as a checkpoint on the hub comes; and the reference
+answers of transformers' ``generate``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 IMAGE_SIZE = 32  # pixels a side after the processor's resize: 16 patches of 8
 
@@ -34,9 +35,9 @@ def build_llava(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
         LlavaProcessor,
     )
 
-    tokenizer = _with_image_token(tokenizer, "<image>")
+    tokenizer = with_image_token(tokenizer, "<image>")
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
-    text = _text_config(tokenizer)
+    text = text_config(tokenizer)
     vision = CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         image_size=IMAGE_SIZE, patch_size=8, projection_dim=32,
@@ -67,8 +68,8 @@ def build_idefics3(tokenizer, folder: Path, seed: int = 0, kind: str = "Idefics3
     torchvision for its video half)."""
     import transformers
 
-    tokenizer = _with_image_token(tokenizer, ["<image>", "<fake_token_around_image>", "<global-img>"])
-    text = _text_config(tokenizer).to_dict()
+    tokenizer = with_image_token(tokenizer, ["<image>", "<fake_token_around_image>", "<global-img>"])
+    text = text_config(tokenizer).to_dict()
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8
     )  # fmt: skip
@@ -91,11 +92,11 @@ def build_idefics3(tokenizer, folder: Path, seed: int = 0, kind: str = "Idefics3
         )
         processor.save_pretrained(folder)
     else:
-        _save_image_half(folder, tokenizer, images, f"{kind}Processor", LLAVA_TEMPLATE, image_seq_len=4)
+        save_image_half(folder, tokenizer, images, f"{kind}Processor", LLAVA_TEMPLATE, image_seq_len=4)
     return model
 
 
-def _save_image_half(folder: Path, tokenizer, images, processor_class: str, template: str, **options) -> None:
+def save_image_half(folder: Path, tokenizer, images, processor_class: str, template: str, **options) -> None:
     """A processor's files as the hub has them, where its class does not construct here (its video
     processor needs torchvision): the tokenizer, the image processor and ``processor_config.json``."""
     tokenizer.save_pretrained(folder)
@@ -105,7 +106,7 @@ def _save_image_half(folder: Path, tokenizer, images, processor_class: str, temp
     (folder / "chat_template.jinja").write_text(template)
 
 
-def _with_image_token(tokenizer, tokens: str | list[str]):
+def with_image_token(tokenizer, tokens: str | list[str]):
     import copy
 
     tokenizer = copy.deepcopy(tokenizer)
@@ -115,7 +116,7 @@ def _with_image_token(tokenizer, tokens: str | list[str]):
     return tokenizer
 
 
-def _text_config(tokenizer, family: str = "llama", **extra) -> object:
+def text_config(tokenizer, family: str = "llama", **extra) -> object:
     """The decoder: families.py's tiny ``family`` (Llama) over the tokenizer's vocabulary and its special tokens."""
     from tests.worker.families import family_config
 
@@ -138,15 +139,12 @@ def image_bytes(seed: int, size: tuple[int, int] = (40, 48), fmt: str = "PNG") -
 
 @functools.cache
 def processor(folder: Path) -> object:
-    """The model's processor as the gateway builds it (Qwen-VL's without its video half)."""
+    """The model's processor as the gateway builds it (Qwen-VL's without its video half, Pixtral's imported for real)."""
     from transformers import AutoTokenizer
 
-    from common.model_source import image_half
+    from common.processors import load_processor
 
-    try:
-        return AutoProcessor.from_pretrained(folder, backend="pil")
-    except ImportError:
-        return image_half(str(folder), AutoTokenizer.from_pretrained(folder))
+    return load_processor(str(folder), AutoTokenizer.from_pretrained(folder))
 
 
 def render(processor, messages: list[dict]) -> str:
@@ -164,13 +162,14 @@ def _loaded(folder: Path) -> tuple[object, torch.nn.Module]:
 
 @torch.inference_mode()
 def reference(folder: Path, messages: list[dict], images: list[bytes], max_new_tokens: int) -> list[int]:
-    """transformers' greedy answer, float32: the processor's ids and pixels into ``generate``."""
+    """transformers' greedy answer, float32: the processor's ids and pixels (with the model's options)
+    into ``generate``."""
     from PIL import Image
 
     processor, model = _loaded(folder)
     text = render(processor, messages)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-    inputs = processor(text=text, images=pil or None, add_special_tokens=False, return_tensors="pt")
+    inputs = processor(text=text, images=pil or None, add_special_tokens=False, return_tensors="pt", **options(folder))
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
@@ -187,7 +186,7 @@ def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl"
     prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}[
         kind
     ]
-    tokenizer = _with_image_token(tokenizer, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    tokenizer = with_image_token(tokenizer, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     ids = {
         t: tokenizer.convert_tokens_to_ids(f"<|{t}|>") for t in ("vision_start", "vision_end", "image_pad", "video_pad")
     }
@@ -220,70 +219,14 @@ def build_qwen_vl(tokenizer, folder: Path, seed: int = 0, kind: str = "qwen2_vl"
     )
     model.save_pretrained(folder)
     processor = "Qwen3VLProcessor" if kind == "qwen3_vl_moe" else f"{prefix}Processor"  # the MoE has none of its own
-    _save_image_half(folder, tokenizer, images, processor, QWEN_TEMPLATE)
+    save_image_half(folder, tokenizer, images, processor, QWEN_TEMPLATE)
     return model
 
 
-PROJECTION_SCALE = 0.1
-GEMMA3_TEMPLATE = LLAVA_TEMPLATE.replace("<image>\n", "<start_of_image>")
+# The processor's call options a model is served with (``--mm-processor-kwargs``), beside its files.
+OPTIONS = "test_processor_kwargs.json"
 
 
-def build_gemma3(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
-    """Gemma 3: a tiny Gemma 3 decoder (sliding-window and global layers) and SigLIP tower pooled to
-    4 tokens an image, between ``<start_of_image>`` and ``<end_of_image>``, with ``Gemma3Processor``."""
-    import transformers
-
-    marks = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
-    tokenizer = _with_image_token(tokenizer, list(marks.values()))
-    tokenizer._set_model_specific_special_tokens(special_tokens=marks)  # the processor reads them by name
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in marks.items()}
-    text = _text_config(tokenizer, "gemma3_text", sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24)
-    vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8
-    )  # fmt: skip
-    config = transformers.Gemma3Config(
-        text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids["boi_token"],
-        eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
-    )  # fmt: skip
-    config.architectures = ["Gemma3ForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # transformers starts its projection at zeros: images would change nothing
-        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=PROJECTION_SCALE)
-    model.generation_config.eos_token_id = None
-    images = transformers.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    processor = transformers.Gemma3Processor(
-        image_processor=images, tokenizer=tokenizer, image_seq_length=4, chat_template=GEMMA3_TEMPLATE
-    )
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    return model
-
-
-def build_llava_onevision(tokenizer, folder: Path, seed: int = 0) -> torch.nn.Module:
-    """LLaVA-OneVision: a tiny Llama decoder and SigLIP tower over anyres tiles of 32 pixels (a lone
-    image tiled, each of several not), with its processor's files as the hub has them (the class
-    wants torchvision for its video half)."""
-    import transformers
-
-    tokenizer = _with_image_token(tokenizer, ["<image>", "<video>"])
-    grid = [[32, 32], [32, 64], [64, 32], [64, 64]]
-    vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8
-    )  # fmt: skip
-    config = transformers.LlavaOnevisionConfig(
-        text_config=_text_config(tokenizer).to_dict(), vision_config=vision, image_grid_pinpoints=grid,
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), video_token_id=tokenizer.convert_tokens_to_ids("<video>"),
-        vision_feature_select_strategy="full", vision_feature_layer=-1,
-    )  # fmt: skip
-    config.architectures = ["LlavaOnevisionForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = transformers.LlavaOnevisionForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = None
-    images = transformers.LlavaOnevisionImageProcessorPil(
-        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_grid_pinpoints=grid
-    )
-    model.save_pretrained(folder)
-    options = dict(num_image_tokens=16, vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9")
-    _save_image_half(folder, tokenizer, images, "LlavaOnevisionProcessor", LLAVA_TEMPLATE, **options)
-    return model
+def options(folder: Path) -> dict:
+    """The processor options the model in ``folder`` is served with (none for most)."""
+    return json.loads((folder / OPTIONS).read_text()) if (folder / OPTIONS).is_file() else {}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,12 +19,12 @@ from PIL import Image
 from common.model_source import bundle_tokenizer, resolve_model, unpack_bundle
 from common.protocol import NewRequest, SamplingParams
 from gateway.generate.vision import Vision
-from tests.vision.models import image_bytes, reference, render
+from tests.vision.models import image_bytes, options, reference, render
 from tests.vision.models import processor as model_processor
 from worker.build import build_engine
 from worker.config import WorkerConfig
 from worker.models.support import UnsupportedModel
-from worker.models.vision import refuse_unserved
+from worker.models.vision import SERVED, refuse_unserved
 
 NEW = 8
 ONE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
@@ -47,7 +49,8 @@ def engine(llava):
 def gateway_processor(folder: Path) -> object:
     """The processor as a gateway gets it: out of the worker's tokenizer bundle."""
     tokenizer = model_processor(folder).tokenizer
-    bundle = bundle_tokenizer(tokenizer, tokenizer.chat_template or "", resolve_model(str(folder)))
+    kwargs = json.dumps(options(folder)) if options(folder) else None  # --mm-processor-kwargs
+    bundle = bundle_tokenizer(tokenizer, tokenizer.chat_template or "", resolve_model(str(folder)), kwargs)
     processor = unpack_bundle(bundle.packed)[1]
     assert processor is not None
     return processor
@@ -81,10 +84,7 @@ def run(engine, requests: list[NewRequest], ahead: int = 0) -> dict[str, tuple[l
     return out
 
 
-@pytest.mark.parametrize(
-    "family",
-    ["llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava_onevision"],
-)
+@pytest.mark.parametrize("family", [*sorted(SERVED), "pixtral"])  # Pixtral: LLaVA's class, its own tower
 def test_images_match_generate_alone_and_batched_with_text(engine, family, vlm):
     """Two images of different sizes in two messages (text between and after them: M-RoPE's
     positions past each image) beside a text-only request that decodes meanwhile (so one image is
@@ -169,13 +169,27 @@ def test_many_images_are_encoded_over_steps_while_another_request_decodes(engine
     assert got["looker"] == reference(llava, FOUR, images, NEW)
 
 
-@pytest.mark.parametrize("kind", ["mllama", "mistral3", "llama4"])
+@pytest.mark.parametrize("kind", ["mllama", "llama4"])
 def test_unserved_families_are_refused_by_name(kind):
     class Config:
         model_type = kind
 
     with pytest.raises(UnsupportedModel, match=f"{kind}.*not supported: its"):
         refuse_unserved(Config(), f"X (model type {kind!r})")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ("[1]", "a JSON object, not list"),
+        ("{x", "a JSON object: "),
+        ('{"do_pan_and_scan": true}', "has no processor files"),
+    ],
+)
+def test_mm_processor_kwargs_are_a_json_object_for_an_image_text_model(tokenizer, kwargs, why):
+    """``--mm-processor-kwargs``: refused at start (the worker's bundle) unless a JSON object for a model with a processor."""
+    with pytest.raises(ValueError, match=f"^--mm-processor-kwargs .*{re.escape(why)}"):
+        bundle_tokenizer(tokenizer, "", None, kwargs)
 
 
 def test_the_kv_store_keys_image_blocks_by_pixels(llava, tmp_path):

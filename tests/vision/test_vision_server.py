@@ -17,11 +17,13 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def served(llava, vlm) -> Iterator[Server]:
-    """One gateway, and a worker each for the tiny LLaVA (``llava``) and Qwen2-VL (``qwen2-vl``)."""
+    """One gateway, and a worker each for the tiny LLaVA (``llava``, with ``--mm-processor-kwargs``) and
+    Qwen2-VL (``qwen2-vl``)."""
     server = Server(free_port(), free_port())
     gateway = ["gateway", "--port", str(server.port), "--zmq-bind", server.zmq_address, "--max-images-per-request", "2"]
     server.processes.append(spawn(gateway + ["--max-image-bytes", "16KiB"], "vision-gateway"))
     worker = worker_argv(server.zmq_address, "vision-w", "--model", str(llava), "--served-model-name", "llava")
+    worker += ["--mm-processor-kwargs", '{"do_convert_rgb": true}']  # its default: the flag's way to the gateway
     settings = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--skip-self-check"]  # the engine tests run it
     server.processes.append(spawn(worker + settings, "vision-worker"))
     qwen = worker_argv(

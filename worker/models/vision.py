@@ -13,7 +13,8 @@ attention, and decode steps are text as for any model.
 Only families whose decoder sees an image as plain causal tokens are served: at ordinary positions,
 or (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) at M-RoPE's 3-D positions, which ``positions`` takes from the
 model's own ``get_rope_index``; Qwen3-VL's DeepStack features go in through ``_DeepStack``; Gemma 3's
-image tokens attend to each other both ways (``BOTH_WAYS``, ``both_ways``). The others are refused at start by name (``REFUSED``), with the reason.
+image tokens attend to each other both ways (``BOTH_WAYS``, ``both_ways``); Mistral 3's and Pixtral's
+images take features at their ``[IMG]`` positions only, not at the row and image ends around them. The others are refused at start by name (``REFUSED``), with the reason.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import inspect
 import numpy as np
 import torch
 
-from common.images import ImageInput
+from common.images import ImageInput, token_runs
 from worker.models.support import UnsupportedModel
 from worker.request import Request
 
@@ -38,6 +39,7 @@ SERVED = {
     "qwen3_vl",
     "qwen3_vl_moe",
     "gemma3",
+    "mistral3",
 }
 # Families whose image tokens attend to each other both ways (each contiguous run of them, as transformers'
 # ``token_type_ids`` mask makes it): the prompt chunks' attention opens up within a run (worker/attention/paged.py),
@@ -47,8 +49,11 @@ BOTH_WAYS = {"gemma3"}
 REFUSED: dict[str, str] = {
     "paligemma": "its prompt attends bidirectionally (prefix-LM), which the paged causal attention does not do",
     "mllama": "its images enter through cross-attention layers, whose keys the paged KV cache does not hold",
-    "llama4": "its image processor (Llama4ImageProcessor, no PIL one in this transformers) needs torchvision, which does not import beside the CPU torch here",
-    "mistral3": "its processor (PixtralProcessor) needs torchvision, which does not import beside the CPU torch here",
+    "llama4": (
+        "its class (Llama4ForConditionalGeneration) does not run in this transformers (its forward reads image_outputs "
+        "from the language model's output: an AttributeError, even without images), so generate gives no answer to be "
+        "exact against; and its image processor (Llama4ImageProcessor) exists only on torchvision"
+    ),
 }
 
 
@@ -140,15 +145,7 @@ class ImageEncoder:
         image tokens, for a family that opens its images' attention (none for the others)."""
         if not self.opens_images:
             return []
-        runs: list[tuple[int, int]] = []
-        for p, token in enumerate(request.token_ids[: request.num_prompt_tokens]):
-            if token != self.image_token_id:
-                continue
-            if runs and runs[-1][1] == p:
-                runs[-1] = (runs[-1][0], p + 1)
-            else:
-                runs.append((p, p + 1))
-        return runs
+        return token_runs(request.token_ids[: request.num_prompt_tokens], {self.image_token_id})
 
     def positions(self, flat: torch.Tensor, rows: list[tuple[Request, int, int, int]]) -> torch.Tensor:
         """``[3, 1, tokens]``: the flat batch's positions on M-RoPE's three axes. A prompt position of
