@@ -29,6 +29,14 @@ def llama_cpp_dir() -> Path:
     return found[-1]
 
 
+def llama_quantize() -> Path:
+    """The ``llama-quantize`` of any llama.cpp build here (native or ``ISA=avx2``: the files are the same)."""
+    found = sorted((ROOT / ".llama.cpp").glob("build*/bin/llama-quantize"))
+    if not found:
+        raise SystemExit("no llama-quantize: run bench/build_llama_server.sh first")
+    return found[0]
+
+
 def make(out: Path, types: list[str]) -> list[Path]:
     """The GGUF files of the 1B shape, one per type (made once; later calls find them)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -42,7 +50,7 @@ def make(out: Path, types: list[str]) -> list[Path]:
         subprocess.run(
             [sys.executable, str(convert), str(hf), "--outfile", str(source), "--outtype", "bf16"], check=True
         )
-    quantize = ROOT / ".llama.cpp" / "build" / "bin" / "llama-quantize"
+    quantize = llama_quantize()
     for kind, target in zip(types, wanted):
         if not target.is_file():
             subprocess.run([str(quantize), str(source), str(target), kind], check=True)
