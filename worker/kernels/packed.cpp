@@ -58,6 +58,7 @@ template <int first, int R, int NB, typename W, typename A>
 inline void row_sums(const int8_t* xq, int64_t K, const W* w, int64_t block_bytes, A (&iacc)[R][NB]) {
   constexpr bool q4 = std::is_same_v<W, uint8_t>;
   constexpr int64_t inputs = q4 ? 8 : 4, steps = (q4 ? Q4_GROUP : VNNI_GROUP) / inputs;
+#pragma GCC unroll 1  // as the loop was before its trip count was a constant (q4's 4 steps unrolled at 1-2 rows)
   for (int64_t k = 0; k < steps; ++k) {
     std::conditional_t<q4, Q4W, S8W> wv[NB];
     for (int b = 0; b < NB; ++b) {
@@ -94,7 +95,7 @@ inline void pair_sums(const int8_t* xq, int64_t K, const W* w, int64_t block_byt
   constexpr bool q4 = std::is_same_v<W, uint8_t>;
   constexpr int64_t steps = q4 ? Q4_GROUP / 8 : VNNI_GROUP / 8, step_bytes = q4 ? 64 : 128;
   PairAcc rows01 = pair_zero(), rows23 = pair_zero();
-#pragma GCC unroll 1  // q4's 4 steps unrolled spilled a third of the registers
+#pragma GCC unroll 1  // q4's 4 steps unrolled spilled a third of the registers (i8mm, 4 rows)
   for (int64_t s = 0; s < steps; ++s) {
     const W* src = w + s * step_bytes;
     for (int64_t line = 0; line < step_bytes; line += 64)
