@@ -1,8 +1,8 @@
 // The packed int8 and q4 GEMMs of the decode step, written once over the variant's int8 dot
-// products (isa_*.h: vpdpbusd on avx512, vpmaddubsw on avx2, sdot on neon, loops on portable).
-// The integer sums are exact and the float folds run lane by lane in the same order on every
-// variant, so their outputs agree wherever the float operations are fused alike (every variant
-// but portable on x86).
+// products (isa_*.h: vpdpbusd on avx512, vpmaddubsw on avx2, sdot on neon, loops on portable; on
+// neon_i8mm smmla for rows two at a time, pair_sums). The integer sums are exact and the float
+// folds run lane by lane in the same order on every variant, so their outputs agree wherever the
+// float operations are fused alike (every variant but portable on x86).
 
 #include "gemm.h"
 
