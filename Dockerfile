@@ -7,7 +7,7 @@ FROM ${BASE_IMAGE}
 WORKDIR /app
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 DEBIAN_FRONTEND=noninteractive
 # g++: builds the worker's C++ kernels (worker/kernels) when the image is built: every instruction-set
-# variant of the image's architecture (avx512, avxvnni, avx2, portable on amd64; neon, portable on arm64), none for
+# variant of the image's architecture (avx512, avxvnni, avx2, portable on amd64; neon_i8mm, neon, portable on arm64), none for
 # the build machine alone (no -march=native), so one image runs on any CPU of its platform and the worker
 # picks at start. python3-venv only where the base has no Python of its own.
 RUN apt-get update \

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The aarch64 kernels checked on an x86 machine (docs/arm.md): cross-compiled with Debian's
-# aarch64-linux-gnu-g++, run under qemu-user (-cpu max: armv8.2-a's dot product included).
+# aarch64-linux-gnu-g++, run under qemu-user (-cpu max: the dot product and i8mm included).
 #
 #   scripts/arm_check.sh [standalone|compile|link|emulate|all|full]
 #                        (default all = standalone, compile, link; full = all, then emulate)
 #
 # standalone  tests/arm/neon_vs_portable.cpp: every primitive of worker/kernels/isa_neon.h against
-#             isa_portable.h on random inputs, built static and run under qemu (a few seconds).
-# compile     every kernel source for both aarch64 variants (neon, portable: worker/cpu.py) with the
+#             isa_portable.h on random inputs, built static with the neon flags and with neon_i8mm's
+#             (its smmla row pairs too) and run under qemu (a few seconds each).
+# compile     every kernel source for the aarch64 variants (neon_i8mm, neon, portable: worker/cpu.py) with the
 #             flags of worker/kernels/compile.py, against the headers of PyPI's aarch64 torch wheel.
 # link        each variant's objects linked into its library against the wheel's libc10/libtorch_cpu
 #             (undefined symbols reported, as a native build would).
@@ -15,8 +16,8 @@
 #             Python 3.11 with that wheel, under qemu-user: Debian arm64 packages unpacked by
 #             debootstrap --foreign (no chroot, no binfmt_misc needed), the libraries the link step
 #             made put where worker/kernels/compile.py looks for them (compiling under emulation
-#             would take an hour), and /proc/cpuinfo shown as an armv8.2 CPU with asimddp (a mount
-#             namespace: unshare -m, root) so that both aarch64 variants run. ~10-20 min.
+#             would take an hour), and /proc/cpuinfo shown as an armv8.2 CPU with asimddp and i8mm (a
+#             mount namespace: unshare -m, root) so that every aarch64 variant runs. ~10-20 min.
 #
 # Idempotent: installs what it lacks with apt-get (g++-aarch64-linux-gnu, qemu-user-static, unzip;
 # debootstrap for emulate), keeps the wheel, its unpacked headers, the objects and emulate's root and
@@ -40,8 +41,9 @@ JOBS=${LLMPOOL_ARM_JOBS:-$(nproc)}
 CXX=aarch64-linux-gnu-g++
 KERNELS=worker/kernels
 SOURCES=(ops attention gemm packed decode_step sampling)
-# worker/cpu.py's aarch64 variants: name and target flags.
-declare -A MARCH=([neon]="-march=armv8.2-a+dotprod" [portable]="-march=armv8-a")
+# worker/cpu.py's aarch64 variants, best first: name and target flags.
+VARIANTS=(neon_i8mm neon portable)
+declare -A MARCH=([neon_i8mm]="-march=armv8.2-a+dotprod+i8mm" [neon]="-march=armv8.2-a+dotprod" [portable]="-march=armv8-a")
 # worker/kernels/compile.py's CFLAGS and OpenMP flag (the wheel is built with the C++11 ABI).
 CFLAGS=(-O3 -ffp-contract=fast -fvisibility=hidden -fPIC -std=c++20 -fopenmp -D_GLIBCXX_USE_CXX11_ABI=1)
 mkdir -p "$CACHE"
@@ -76,13 +78,15 @@ failures=0
 
 # --- standalone: isa_neon.h against isa_portable.h ----------------------------------------------
 if [ "$what" = standalone ] || [ "$what" = all ] || [ "$what" = full ]; then
-    echo "== standalone: tests/arm/neon_vs_portable.cpp under qemu -cpu max"
     mkdir -p "$CACHE/build"
-    binary=$CACHE/build/neon_vs_portable
-    # The flags the neon variant's kernels get (-O3 -ffp-contract=fast -march=armv8.2-a+dotprod).
-    $CXX -std=c++20 -static -O3 -ffp-contract=fast -march=armv8.2-a+dotprod -Wall -Wextra \
-        -I tests/arm/stub -I "$KERNELS" tests/arm/neon_vs_portable.cpp -o "$binary"
-    qemu "$binary" "${LLMPOOL_ARM_TRIALS:-2000}" || failures=$((failures + 1))
+    for variant in neon neon_i8mm; do
+        echo "== standalone: tests/arm/neon_vs_portable.cpp ($variant: ${MARCH[$variant]}) under qemu -cpu max"
+        binary=$CACHE/build/neon_vs_portable_$variant
+        # The flags the variant's kernels get (-O3 -ffp-contract=fast and its -march).
+        $CXX -std=c++20 -static -O3 -ffp-contract=fast "${MARCH[$variant]}" -Wall -Wextra \
+            -I tests/arm/stub -I "$KERNELS" tests/arm/neon_vs_portable.cpp -o "$binary"
+        qemu "$binary" "${LLMPOOL_ARM_TRIALS:-2000}" || failures=$((failures + 1))
+    done
 fi
 
 # --- the aarch64 torch wheel's headers (and libraries, to link) ----------------------------------
@@ -144,24 +148,25 @@ compile_one() {  # $1 variant, $2 source stem
 
 if [ "$what" != standalone ]; then
     unpack_torch include
-    echo "== compile: ${SOURCES[*]} for neon and portable (aarch64, torch $TORCH_VERSION headers, $JOBS at a time)"
+    echo "== compile: ${SOURCES[*]} for ${VARIANTS[*]} (aarch64, torch $TORCH_VERSION headers, $JOBS at a time)"
     export -f compile_one
     export CXX KERNELS CACHE TORCH
-    export CFLAGS_LIST="${CFLAGS[*]}" MARCH_NEON="${MARCH[neon]}" MARCH_PORTABLE="${MARCH[portable]}"
+    export CFLAGS_LIST="${CFLAGS[*]}" MARCH_DECLARED="$(declare -p MARCH)"
     # xargs runs each in a fresh bash: arrays are rebuilt there from the exported strings.
-    results=$(for variant in neon portable; do for source in "${SOURCES[@]}"; do echo "$variant $source"; done; done |
-        xargs -P "$JOBS" -L 1 bash -c 'declare -A MARCH=([neon]="$MARCH_NEON" [portable]="$MARCH_PORTABLE");
+    results=$(for variant in "${VARIANTS[@]}"; do for source in "${SOURCES[@]}"; do echo "$variant $source"; done; done |
+        xargs -P "$JOBS" -L 1 bash -c 'eval "$MARCH_DECLARED";
             read -ra CFLAGS <<<"$CFLAGS_LIST"; compile_one "$0" "$1"' 2>&1 || true)
     echo "$results"
     compiled=$(grep -c '^ok' <<<"$results" || true)
-    echo "== compiled $compiled of $((2 * ${#SOURCES[@]})) (kernel source, variant) pairs"
-    [ "$compiled" = $((2 * ${#SOURCES[@]})) ] || failures=$((failures + 1))
+    expected=$((${#VARIANTS[@]} * ${#SOURCES[@]}))
+    echo "== compiled $compiled of $expected (kernel source, variant) pairs"
+    [ "$compiled" = "$expected" ] || failures=$((failures + 1))
 fi
 
 # --- link: each variant's library, as worker/kernels/compile.py links it --------------------------
-if [ "$what" != standalone ] && [ "$what" != compile ] && [ "${compiled:-0}" = $((2 * ${#SOURCES[@]})) ]; then
+if [ "$what" != standalone ] && [ "$what" != compile ] && [ "${compiled:-0}" = "${expected:-}" ]; then
     unpack_torch lib
-    for variant in neon portable; do
+    for variant in "${VARIANTS[@]}"; do
         objects=()
         for source in "${SOURCES[@]}"; do
             objects+=("$(cat "$CACHE/objects/$variant/$source.current")")
@@ -214,11 +219,12 @@ if { [ "$what" = emulate ] || [ "$what" = full ]; } && [ "$failures" = 0 ]; then
         "${pip[@]}" --upgrade psutil pyyaml
         touch "$CACHE/site/.installed"
     fi
-    printf 'processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\nCPU implementer\t: 0x41\nCPU architecture: 8\n\n' \
-        >"$CACHE/cpuinfo-armv8.2"
+    # An armv8.2 CPU's flags plus i8mm (qemu -cpu max executes smmla), so that neon_i8mm runs too.
+    printf 'processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp i8mm\nCPU implementer\t: 0x41\nCPU architecture: 8\n\n' \
+        >"$CACHE/cpuinfo-i8mm"
     # The libraries the link step made, where the emulated worker looks for them (its build folder's
     # name hashes the sources, flags and torch: asked of the emulated Python itself).
-    arm_python "$CACHE/cpuinfo-armv8.2" -c '
+    arm_python "$CACHE/cpuinfo-i8mm" -c '
 from worker import cpu
 from worker.kernels.compile import library
 for v in cpu.runnable(): print(v.name, library(v))' >"$CACHE/libraries.txt"
@@ -228,7 +234,7 @@ for v in cpu.runnable(): print(v.name, library(v))' >"$CACHE/libraries.txt"
     done <"$CACHE/libraries.txt"
     echo "== emulate: $(awk '{print $1}' "$CACHE/libraries.txt" | xargs) libraries in place; pytest under qemu"
     # A library that did not load would skip every test: checked first.
-    arm_python "$CACHE/cpuinfo-armv8.2" -c '
+    arm_python "$CACHE/cpuinfo-i8mm" -c '
 import platform, torch
 from worker import cpu, kernels
 print("python", platform.python_version(), platform.machine(), "torch", torch.__version__, "variants", [v.name for v in cpu.runnable()])
@@ -236,7 +242,7 @@ assert all(kernels.load_variant(v) for v in cpu.runnable()), kernels._errors' ||
     if [ "$failures" = 0 ]; then
         tests=(tests/worker/test_kernels.py tests/worker/test_kernel_variants.py)
         [ -z "${LLMPOOL_ARM_PYTEST:-}" ] || read -ra tests <<<"$LLMPOOL_ARM_PYTEST"
-        arm_python "$CACHE/cpuinfo-armv8.2" -m pytest -p no:cacheprovider -q "${tests[@]}" || failures=$((failures + 1))
+        arm_python "$CACHE/cpuinfo-i8mm" -m pytest -p no:cacheprovider -q "${tests[@]}" || failures=$((failures + 1))
     fi
 fi
 

@@ -33,7 +33,10 @@ class Variant:
 
 # Best first, per architecture. avx512 needs VNNI (Cascade Lake, Ice Lake, Sapphire Rapids, Zen 4 and
 # later); AVX-512 without it (Skylake-X) runs avx2, and AVX2 with AVX-VNNI (no AVX-512) avxvnni. neon
-# needs the dot-product extension (armv8.2: Graviton 2+, Ampere, Apple M1+, Cortex-A76+).
+# needs the dot-product extension (armv8.2: Graviton 2+, Ampere, Apple M1+, Cortex-A76+); neon_i8mm the
+# int8 matrix multiply too (smmla: Graviton 3/4, Neoverse V1/V2/N2, Apple M2+; armv8.2-a plus the two
+# extensions, not armv8.6-a, whose other features Graviton 3's armv8.4 lacks). No SVE variant: on
+# today's 128/256-bit SVE parts it does the int8 work NEON+i8mm does (docs/arm.md).
 VARIANTS: tuple[Variant, ...] = (
     Variant(
         "avx512",
@@ -60,6 +63,9 @@ VARIANTS: tuple[Variant, ...] = (
         "AVX2",
     ),
     Variant("portable", "x86_64", frozenset(), ("-march=x86-64", "-mtune=generic"), "default", "SSE41"),
+    Variant(
+        "neon_i8mm", "aarch64", frozenset({"asimd", "asimddp", "i8mm"}), ("-march=armv8.2-a+dotprod+i8mm",), None, None
+    ),
     Variant("neon", "aarch64", frozenset({"asimd", "asimddp"}), ("-march=armv8.2-a+dotprod",), None, None),
     Variant("portable", "aarch64", frozenset(), ("-march=armv8-a",), None, None),
 )
@@ -85,6 +91,8 @@ def features() -> frozenset[str]:
         found = {"asimd"}
         if _sysctl("hw.optional.arm.FEAT_DotProd") == "1":
             found.add("asimddp")
+        if _sysctl("hw.optional.arm.FEAT_I8MM") == "1":  # M2 and later
+            found.add("i8mm")
         if _sysctl("hw.optional.arm.FEAT_BF16") == "1":
             found.add("bf16")
         return frozenset(found)

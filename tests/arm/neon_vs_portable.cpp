@@ -5,7 +5,8 @@
 // loads, store_i8, add/sub/mul/div/max are compared bit for bit; fma and hsum within rounding;
 // exp16 within 2e-7 relative (and ~0 below -87, where both x86 variants give ~1e-38 too).
 //
-// Built for aarch64 and run under qemu by scripts/arm_check.sh (qemu -cpu max: sdot needs dotprod).
+// Built for aarch64 and run under qemu by scripts/arm_check.sh (qemu -cpu max: sdot needs dotprod),
+// once with the neon variant's flags and once with neon_i8mm's (+i8mm: the smmla row pairs too).
 // Usage: neon_vs_portable [trials] [seed]. Last line: "N passed, M failed"; exit status 1 on failure.
 #if !(defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD))
 #error "build with an aarch64 compiler and -march=armv8.2-a+dotprod (see scripts/arm_check.sh)"
@@ -375,6 +376,50 @@ void check_dots(int trials) {
   }
 }
 
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+// The neon_i8mm variant's row pairs (smmla over zipped columns: dot_pair, pair_rows) against the
+// portable dot products of each row over the same weights: the same int32 sums, bit for bit.
+void check_pairs(int trials) {
+  namespace N = llmpool_neon;
+  for (const bool q4 : {false, true}) {
+    Check c(q4 ? "dot_pair (q4 rows)" : "dot_pair (int8 rows)");
+    for (int t = 0; t < trials; ++t) {
+      const int steps = 1 + static_cast<int>(rng() % 16);  // 8 inputs a step
+      const int step_bytes = q4 ? 64 : 128;
+      std::vector<uint8_t> w(step_bytes * steps);
+      std::vector<int8_t> x(2 * 8 * steps);  // row 0's inputs, then row 1's
+      for (auto& b : w) b = static_cast<uint8_t>(rng());
+      for (auto& v : x) v = static_cast<int8_t>(rng());
+      if (t % 8 == 0) {  // extremes, as in check_dots
+        for (auto& b : w) b = q4 ? 0xFF : (rng() % 2 ? 0x80 : 0x7F);
+        for (auto& v : x) v = -128;
+      }
+      N::PairAcc acc = N::pair_zero();
+      for (int s = 0; s < steps; ++s) {
+        const N::PairW pw = q4 ? N::load_pairw(w.data() + 64 * s) : N::load_pairw(reinterpret_cast<const int8_t*>(w.data()) + 128 * s);
+        acc = N::dot_pair(acc, pw, x.data() + 8 * s, x.data() + 8 * steps + 8 * s);
+      }
+      N::Acc16 rows[2];
+      N::pair_rows(acc, rows[0], rows[1]);
+      for (int r = 0; r < 2; ++r) {
+        std::vector<int32_t> words(2 * steps);
+        std::memcpy(words.data(), x.data() + 8 * steps * r, 8 * steps);
+        int32_t want[16], got[16];
+        float fwant[16], fgot[16];
+        if (q4) Ref::dot_q4(w.data(), words.data(), steps, want, fwant);
+        else Ref::dot_s8(reinterpret_cast<const int8_t*>(w.data()), words.data(), 2 * steps, want, fwant);
+        std::memcpy(got, &rows[r], 64);
+        N::store16(fgot, N::acc_float(rows[r]));
+        for (int i = 0; i < 16; ++i) {
+          c.expect(got[i] == want[i], r ? "row 1 sum" : "row 0 sum", got[i], want[i], i);
+          c.expect(same(fgot[i], fwant[i]), "as float", fgot[i], fwant[i], i);
+        }
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -385,6 +430,9 @@ int main(int argc, char** argv) {
   check_loads(trials);
   check_float_ops(trials);
   check_dots(trials);
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+  check_pairs(trials);
+#endif
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }

@@ -1,7 +1,8 @@
 """The kernel variants against each other (worker/cpu.py, worker/kernels): the packed int8 and q4
-GEMMs give the same bits on avx2, avxvnni and avx512 (exact integer sums, the same float folds lane
-by lane), every variant stays within float rounding of the portable one, and a whole quantized decode
-step agrees across variants. The variant choice and its cap (LLMPOOL_CPU_ISA) are checked here too."""
+GEMMs give the same bits on avx2, avxvnni and avx512, and on neon and neon_i8mm (exact integer sums,
+whether by sdot or by smmla's row pairs, the same float folds lane by lane), every variant stays within
+float rounding of the portable one, and a whole quantized decode step agrees across variants. The
+variant choice and its cap (LLMPOOL_CPU_ISA) are checked here too."""
 
 import pytest
 import torch
@@ -11,13 +12,14 @@ from worker.quantization import pack_int8, pack_q4, quantize_int8, quantize_q4
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"C++ kernels did not build: {kernels.unavailable_reason()}")
 RUNNABLE = {v.name: v for v in cpu.runnable()}
-SIMD_X86 = ("avx512", "avxvnni", "avx2")  # integer dot products of their own, float folds in one order
+# Per architecture, the SIMD variants: integer dot products of their own, float folds in one order.
+SIMD = {"x86_64": ("avx512", "avxvnni", "avx2"), "aarch64": ("neon_i8mm", "neon")}
 
 
 def assert_simd_equal(got: dict[str, torch.Tensor]) -> None:
-    """The x86 SIMD variants this CPU runs give the same bits (avx2's maddubs pairs, avxvnni's and
-    avx512's vpdpbusd: the same exact integer sums)."""
-    simd = [name for name in SIMD_X86 if name in got]
+    """The SIMD variants this CPU runs give the same bits (avx2's maddubs pairs, avxvnni's and avx512's
+    vpdpbusd; neon's sdot and neon_i8mm's smmla row pairs: the same exact integer sums)."""
+    simd = [name for name in SIMD.get(cpu.arch(), ()) if name in got]
     for name in simd[1:]:
         assert torch.equal(got[name], got[simd[0]]), (name, simd[0])
 
@@ -89,6 +91,18 @@ def test_the_variant_is_the_best_the_cpu_runs_under_the_cap(monkeypatch):
         monkeypatch.setenv(cpu.CAP_VARIABLE, "neon")
         with pytest.raises(ValueError, match="LLMPOOL_CPU_ISA='neon' is not an instruction set"):
             cpu.chosen()
+    # aarch64's choice, whatever this machine is: i8mm (Graviton 3/4, Apple M2+) takes neon_i8mm,
+    # the dot product alone (Graviton 2, M1) neon, a cap of neon holds an i8mm CPU to it.
+    monkeypatch.delenv(cpu.CAP_VARIABLE, raising=False)
+    monkeypatch.setattr(cpu, "arch", lambda: "aarch64")
+    monkeypatch.setattr(cpu, "features", lambda: frozenset({"fp", "asimd", "asimddp", "i8mm", "bf16", "sve"}))
+    assert [v.name for v in cpu.runnable()] == ["neon_i8mm", "neon", "portable"]
+    assert cpu.chosen().name == "neon_i8mm"
+    monkeypatch.setenv(cpu.CAP_VARIABLE, "neon")
+    assert cpu.chosen().name == "neon"
+    monkeypatch.delenv(cpu.CAP_VARIABLE)
+    monkeypatch.setattr(cpu, "features", lambda: frozenset({"fp", "asimd", "asimddp"}))
+    assert cpu.chosen().name == "neon"
 
 
 def test_a_variant_that_does_not_build_falls_to_the_next_one_under_it(monkeypatch):

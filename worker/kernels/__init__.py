@@ -6,9 +6,9 @@ One file per op family: ``attention.cpp`` (paged decode attention), ``gemm.cpp``
 int8/q4/bf16/fp16/fp32 projections), ``packed.cpp`` (the packed int8 and q4 GEMMs), ``decode_step.cpp``
 (a whole decode step in one call), ``sampling.cpp``; ``ops.cpp`` registers them. ``vec.h`` gives
 them 16-float vectors and int8 dot products from the variant's ``isa_avx512.h``, ``isa_avx2.h``,
-``isa_neon.h`` or ``isa_portable.h``, picked by the target flags the variant is compiled with (no
-``-march=native``: a build, an image or a cache moved to another CPU of the architecture still
-runs). ``compile.py`` builds a variant.
+``isa_neon.h`` (neon, and neon_i8mm with its smmla row pairs) or ``isa_portable.h``, picked by the
+target flags the variant is compiled with (no ``-march=native``: a build, an image or a cache moved
+to another CPU of the architecture still runs). ``compile.py`` builds a variant.
 
 No maintained paged-attention or small-batch quantized kernel installs with this torch on the CPU
 (IPEX and vLLM's CPU build pin other torch versions), so the few kernels the decode path needs are

@@ -1,6 +1,7 @@
 // The neon variant's vectors (armv8.2-a with the dot-product extension: Graviton 2-4, Ampere,
 // Apple M1 and later, Cortex-A76 and later): 16 floats as four 4-float registers, int8 dot products
-// with sdot (4 signed byte pairs into each int32 lane). Included by vec.h.
+// with sdot (4 signed byte pairs into each int32 lane). Included by vec.h. The neon_i8mm variant is
+// this header compiled with +i8mm as well: the same primitives, plus row pairs with smmla (below).
 #pragma once
 
 #include <arm_neon.h>
@@ -94,8 +95,13 @@ inline V16 reduce16(const V16* r) {
 // lane. Signed activations (no shift); q4's nibbles (0-15) are valid signed bytes as they are.
 // ---------------------------------------------------------------------------------------------
 constexpr int ACTIVATION_SHIFT = 0;
-// Blocks of 16 columns a packed tile of 3 or 4 rows takes at once (32 registers).
+// Blocks of 16 columns a packed tile of 3 or 4 rows takes at once (32 registers). With i8mm, 1: a
+// block's 4 rows as two smmla pairs hold 16 accumulators, its zipped weights 8 and the rows' 2.
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+constexpr int TILE_BLOCKS = 1;
+#else
 constexpr int TILE_BLOCKS = 2;
+#endif
 struct Acc16 {
   int32x4_t v[4];
 };
@@ -133,5 +139,70 @@ inline Q4Acc dot_q4(Q4Acc acc, const Q4W& w, int32_t x0, int32_t x1) {
   return acc;
 }
 inline V16 q4_float(Q4Acc a) { return acc_float(a); }
+
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+// ---------------------------------------------------------------------------------------------
+// Row pairs with i8mm (armv8.6-a, optional from 8.2: Graviton 3/4, Neoverse V1/V2/N2, Apple M2 and
+// later). smmla multiplies a 2x8 int8 block (two rows' 8 activations) by an 8x2 one (two columns'
+// 8 weights, each column's 8 bytes contiguous) into 2x2 int32 sums: 32 products an instruction where
+// sdot gives 16, and each weight register serves two rows. The packed layouts hold a column's
+// inputs 4 to a 64-byte step, so two steps' words (int8) or a step's two nibbles (q4) are zipped
+// into column pairs first, once per tile for every pair of rows (packed.cpp: LLMPOOL_ROW_PAIRS).
+// ggml's q4_0/q8_0 dot products (ggml-cpu/arch/arm/quants.c) pair rows for smmla the same way.
+// ---------------------------------------------------------------------------------------------
+#define LLMPOOL_ROW_PAIRS 1
+// 16 columns' 8 inputs: v[p] holds columns 2p and 2p + 1, 8 bytes each.
+struct PairW {
+  int8x16_t v[8];
+};
+// v[p]: (row 0, column 2p), (0, 2p + 1), (1, 2p), (1, 2p + 1).
+struct PairAcc {
+  int32x4_t v[8];
+};
+inline PairAcc pair_zero() {
+  PairAcc a;
+  for (int p = 0; p < 8; ++p) a.v[p] = vdupq_n_s32(0);
+  return a;
+}
+// Each column's 4-byte words of two 4-input steps (a.val[i], b.val[i]: columns 4i..4i+3) side by side.
+inline PairW zip_columns(const int32x4_t (&a)[4], const int32x4_t (&b)[4]) {
+  PairW w;
+  for (int i = 0; i < 4; ++i) {
+    w.v[2 * i] = vreinterpretq_s8_s32(vzip1q_s32(a[i], b[i]));
+    w.v[2 * i + 1] = vreinterpretq_s8_s32(vzip2q_s32(a[i], b[i]));
+  }
+  return w;
+}
+// Two consecutive 64-byte steps of the int8 layout: inputs k..k+3, then k+4..k+7.
+inline PairW load_pairw(const int8_t* p) {
+  const int32x4x4_t a = vld1q_s32_x4(reinterpret_cast<const int32_t*>(p));
+  const int32x4x4_t b = vld1q_s32_x4(reinterpret_cast<const int32_t*>(p + 64));
+  return zip_columns({a.val[0], a.val[1], a.val[2], a.val[3]}, {b.val[0], b.val[1], b.val[2], b.val[3]});
+}
+// One 64-byte step of the q4 layout: low nibbles (inputs k..k+3), then high ones (k+4..k+7).
+inline PairW load_pairw(const uint8_t* p) {
+  const Q4W q = load_q4w(p);
+  int32x4_t lo[4], hi[4];
+  for (int i = 0; i < 4; ++i) {
+    lo[i] = vreinterpretq_s32_s8(q.lo[i]);
+    hi[i] = vreinterpretq_s32_s8(q.hi[i]);
+  }
+  return zip_columns(lo, hi);
+}
+// Rows 0 and 1's 8 activations (x0, x1: 8 bytes each) against the 16 columns.
+inline PairAcc dot_pair(PairAcc acc, const PairW& w, const int8_t* x0, const int8_t* x1) {
+  const int8x16_t x = vcombine_s8(vld1_s8(x0), vld1_s8(x1));
+  for (int p = 0; p < 8; ++p) acc.v[p] = vmmlaq_s32(acc.v[p], x, w.v[p]);
+  return acc;
+}
+// The pair's sums as each row's 16 (the Acc16 of dot_s8 / dot_q4 over the same inputs).
+inline void pair_rows(const PairAcc& a, Acc16& row0, Acc16& row1) {
+  for (int i = 0; i < 4; ++i) {
+    const int64x2_t c01 = vreinterpretq_s64_s32(a.v[2 * i]), c23 = vreinterpretq_s64_s32(a.v[2 * i + 1]);
+    row0.v[i] = vreinterpretq_s32_s64(vzip1q_s64(c01, c23));
+    row1.v[i] = vreinterpretq_s32_s64(vzip2q_s64(c01, c23));
+  }
+}
+#endif
 
 }  // namespace llmpool

@@ -1,8 +1,8 @@
 // The packed int8 and q4 GEMMs of the decode step, written once over the variant's int8 dot
-// products (isa_*.h: vpdpbusd on avx512, vpmaddubsw on avx2, sdot on neon, loops on portable).
-// The integer sums are exact and the float folds run lane by lane in the same order on every
-// variant, so their outputs agree wherever the float operations are fused alike (every variant
-// but portable on x86).
+// products (isa_*.h: vpdpbusd on avx512, vpmaddubsw on avx2, sdot on neon, loops on portable; on
+// neon_i8mm smmla for rows two at a time, pair_sums). The integer sums are exact and the float
+// folds run lane by lane in the same order on every variant, so their outputs agree wherever the
+// float operations are fused alike (every variant but portable on x86).
 
 #include "gemm.h"
 
@@ -50,6 +50,70 @@ inline void fill_tile(T (&acc)[R][NB], T value) {
     for (int b = 0; b < NB; ++b) acc[r][b] = value;
 }
 
+// One group's int32 sums (64 int8 inputs, 32 q4 ones) of a tile's rows from `first` on into iacc,
+// one row at a time: each 64-byte step of a block's weights (4 int8 inputs, or 8 as q4 nibbles, of
+// 16 columns) against each row's 4 or 8 activations (dot_s8, dot_q4). xq: the group's first
+// activation of row 0; w: its first weight byte of the tile's first block.
+template <int first, int R, int NB, typename W, typename A>
+inline void row_sums(const int8_t* xq, int64_t K, const W* w, int64_t block_bytes, A (&iacc)[R][NB]) {
+  constexpr bool q4 = std::is_same_v<W, uint8_t>;
+  constexpr int64_t inputs = q4 ? 8 : 4, steps = (q4 ? Q4_GROUP : VNNI_GROUP) / inputs;
+#pragma GCC unroll 1  // as the loop was before its trip count was a constant (q4's 4 steps unrolled at 1-2 rows)
+  for (int64_t k = 0; k < steps; ++k) {
+    std::conditional_t<q4, Q4W, S8W> wv[NB];
+    for (int b = 0; b < NB; ++b) {
+      const W* src = w + b * block_bytes + k * 64;
+      __builtin_prefetch(src + WEIGHT_PREFETCH_TILES * NB * block_bytes);  // see WEIGHT_PREFETCH_TILES
+      if constexpr (q4) wv[b] = load_q4w(src);
+      else wv[b] = load_s8w(src);
+    }
+    for (int r = first; r < R; ++r) {
+      int32_t four[2];
+      std::memcpy(four, xq + r * K + k * inputs, inputs);
+      for (int b = 0; b < NB; ++b) {
+        if constexpr (q4) iacc[r][b] = dot_q4(iacc[r][b], wv[b], four[0], four[1]);
+        else iacc[r][b] = dot_s8(iacc[r][b], wv[b], four[0]);
+      }
+    }
+  }
+}
+
+// Rows taken two at a time by the variant's row-pair products (isa_neon.h with i8mm: smmla), the
+// rest one at a time by dot_s8 / dot_q4: PAIRED<R> of a tile's R rows (0 on every other variant).
+#if defined(LLMPOOL_ROW_PAIRS)
+template <int R>
+constexpr int PAIRED = R / 2 * 2;
+
+// One group's int32 sums (64 int8 inputs, 32 q4 ones) of a tile's paired rows into iacc, the same
+// sums dot_s8 / dot_q4 give: 8 inputs a step (two int8 steps of the layout, one q4 step), the
+// block's weights zipped once for both pairs. xq: the group's first activation of row 0; w: the
+// block's first weight byte of the group. One block (TILE_BLOCKS is 1 with row pairs) and named
+// accumulators: GCC 12 kept an array of them in memory (every accumulator loaded and stored each step).
+template <int R, int NB, typename W, typename A>
+inline void pair_sums(const int8_t* xq, int64_t K, const W* w, int64_t block_bytes, A (&iacc)[R][NB]) {
+  static_assert(NB == 1 && R >= 2 && R <= 4, "one block of one or two row pairs");
+  constexpr bool q4 = std::is_same_v<W, uint8_t>;
+  constexpr int64_t steps = q4 ? Q4_GROUP / 8 : VNNI_GROUP / 8, step_bytes = q4 ? 64 : 128;
+  PairAcc rows01 = pair_zero(), rows23 = pair_zero();
+#pragma GCC unroll 1  // q4's 4 steps unrolled spilled a third of the registers (i8mm, 4 rows)
+  for (int64_t s = 0; s < steps; ++s) {
+    const W* src = w + s * step_bytes;
+    for (int64_t line = 0; line < step_bytes; line += 64)
+      __builtin_prefetch(src + line + WEIGHT_PREFETCH_TILES * NB * block_bytes);  // see WEIGHT_PREFETCH_TILES
+    const PairW wv = load_pairw(src);
+    rows01 = dot_pair(rows01, wv, xq + s * 8, xq + K + s * 8);
+    if constexpr (R == 4) rows23 = dot_pair(rows23, wv, xq + 2 * K + s * 8, xq + 3 * K + s * 8);
+  }
+  pair_rows(rows01, iacc[0][0], iacc[1][0]);
+  if constexpr (R == 4) pair_rows(rows23, iacc[2][0], iacc[3][0]);
+}
+#else
+template <int R>
+constexpr int PAIRED = 0;
+template <int R, int NB, typename W, typename A>
+inline void pair_sums(const int8_t*, int64_t, const W*, int64_t, A (&)[R][NB]) {}
+#endif
+
 // int8 weights packed (``worker/quantization.py: pack_int8``): blocks of 16 output columns,
 // [N / 16][K / 4][16][4], so 64 bytes hold 4 consecutive inputs of 16 columns and feed one dot
 // product against those 4 activations broadcast; a tile of R rows and NB blocks keeps R * NB int32
@@ -69,19 +133,9 @@ void packed_tile(const int8_t* xq, const float* xs, int64_t K, const int8_t* w, 
   for (int64_t g = 0; g < G; ++g) {
     Acc16 iacc[R][NB];
     fill_tile(iacc, acc_zero());
-    for (int64_t k4 = g * 16; k4 < (g + 1) * 16; ++k4) {
-      S8W wv[NB];
-      for (int b = 0; b < NB; ++b) {
-        const int8_t* src = w + (b0 + b) * block_bytes + k4 * 64;
-        __builtin_prefetch(src + WEIGHT_PREFETCH_TILES * NB * block_bytes);  // see WEIGHT_PREFETCH_TILES
-        wv[b] = load_s8w(src);
-      }
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xq + r * K + k4 * 4, 4);
-        for (int b = 0; b < NB; ++b) iacc[r][b] = dot_s8(iacc[r][b], wv[b], four);
-      }
-    }
+    const int8_t* wg = w + b0 * block_bytes + g * 16 * 64;
+    if constexpr (PAIRED<R> > 0) pair_sums(xq + g * VNNI_GROUP, K, wg, block_bytes, iacc);
+    if constexpr (PAIRED<R> < R) row_sums<PAIRED<R>>(xq + g * VNNI_GROUP, K, wg, block_bytes, iacc);
     for (int b = 0; b < NB; ++b) {
       const V16 shift = ACTIVATION_SHIFT ? mul(load16(meta + (b0 + b) * meta_block + (1 + g) * 16), V16::splat(ACTIVATION_SHIFT))
                                          : V16::zero();
@@ -132,19 +186,9 @@ void packed_q4_tile(const int8_t* xq, const float* xs, const float* xsum, int64_
   for (int64_t g = 0; g < G; ++g) {
     Q4Acc iacc[R][NB];
     fill_tile(iacc, q4_zero());
-    for (int64_t k8 = g * 4; k8 < (g + 1) * 4; ++k8) {
-      Q4W wv[NB];
-      for (int b = 0; b < NB; ++b) {
-        const uint8_t* src = w + (b0 + b) * block_bytes + k8 * 64;
-        __builtin_prefetch(src + WEIGHT_PREFETCH_TILES * NB * block_bytes);  // see WEIGHT_PREFETCH_TILES
-        wv[b] = load_q4w(src);
-      }
-      for (int r = 0; r < R; ++r) {
-        int32_t four[2];
-        std::memcpy(four, xq + r * K + k8 * 8, 8);
-        for (int b = 0; b < NB; ++b) iacc[r][b] = dot_q4(iacc[r][b], wv[b], four[0], four[1]);
-      }
-    }
+    const uint8_t* wg = w + b0 * block_bytes + g * 4 * 64;
+    if constexpr (PAIRED<R> > 0) pair_sums(xq + g * Q4_GROUP, K, wg, block_bytes, iacc);
+    if constexpr (PAIRED<R> < R) row_sums<PAIRED<R>>(xq + g * Q4_GROUP, K, wg, block_bytes, iacc);
     for (int b = 0; b < NB; ++b) {
       const c10::Half* dm = meta + ((b0 + b) * G + g) * 32;
       const V16 d = load16(dm), m = load16(dm + 16);
