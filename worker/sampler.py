@@ -58,8 +58,8 @@ class Sampler:
             logits = self.guided.mask(logits, requests)
         logits = _force(logits, requests)
         if all(p.temperature == 0 for p in params):
-            return logits.argmax(dim=-1)
-        greedy = logits.argmax(dim=-1) if any(p.temperature == 0 for p in params) else None
+            return self._argmax(logits)
+        greedy = self._argmax(logits) if any(p.temperature == 0 for p in params) else None
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         uniform = torch.rand(len(params), device=logits.device)
         for row, request_id in enumerate(request_ids):
@@ -75,6 +75,11 @@ class Sampler:
         sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         sampled = sampled.clamp(max=cdf.shape[-1] - 1)
         return sampled if greedy is None else torch.where(temperature > 0, sampled, greedy)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy pick: torch's argmax, or the same index from the C++ kernels on the calling
+        thread (torch's is a scalar reduction in an OpenMP region, 0.1-0.2 ms a row of 49,152)."""
+        return kernels.ops().argmax_rows(logits.contiguous()) if self.fused else logits.argmax(dim=-1)
 
     def verify(
         self, raw_logits: torch.Tensor, request: Request, drafts: list[int]

@@ -288,6 +288,22 @@ def test_fused_temperature_sampling_inverts_the_same_cdf_as_torch(ops):
     torch.testing.assert_close(freq, torch.softmax(small[0], -1), atol=0.03, rtol=0)
 
 
+def test_argmax_rows_is_torch_argmax(ops):
+    """Greedy's pick from the kernels is torch.argmax's index: the first of tied maxima, a NaN before
+    anything, infinities, and a vocabulary that is no multiple of 16."""
+    torch.manual_seed(0)
+    for vocab in (49152, 1000, 7):
+        x = torch.randn(6, vocab).round(decimals=1)  # ties
+        x[1, ::3] = float("-inf")
+        x[2, vocab // 2] = float("inf")
+        x[2, -1] = float("inf")
+        x[3, vocab - 1] = float("nan")
+        x[3, 0] = float("inf")
+        x[4] = float("-inf")
+        x[5, vocab // 3] = x[5].max() + 1  # one clear winner
+        assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1)), vocab
+
+
 @pytest.mark.parametrize(
     "quantization, intermediate, any_batch",
     [("int8", 128, True), ("int8", 40, False), ("int8", 96, False), ("q4", 128, True), ("q4", 96, True)],

@@ -17,7 +17,7 @@
 //   (that dispatch was ~3 ms of a 13 ms step), with LoRA adapters' low-rank products for the rows
 //   that have one.
 // - sample_temperature: plain temperature sampling of each row in one call (the sampler's torch
-//   ops took 0.13-0.6 ms of a batch-1 step).
+//   ops took 0.13-0.6 ms of a batch-1 step); argmax_rows: greedy's pick (torch's argmax, 0.1-0.2 ms).
 //
 // Vectors of 16 floats and int8 dot products from the variant's isa_*.h; all maths in float32.
 
@@ -34,6 +34,7 @@ LLMPOOL_LIBRARY(LLMPOOL_OPS, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, float scale) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("sample_temperature(Tensor logits, Tensor temperature, Tensor uniform) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def(
       "decoder_step(Tensor hidden, Tensor rope, Tensor?[] weights, Tensor?[] experts, int[] ints, float[] floats, "
       "Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor block_tables, Tensor lengths, "
@@ -44,5 +45,6 @@ LLMPOOL_LIBRARY_IMPL(LLMPOOL_OPS, CPU, m) {
   m.impl("paged_decode_attention", &llmpool::paged_decode_attention);
   m.impl("linear", &llmpool::linear);
   m.impl("sample_temperature", &llmpool::sample_temperature);
+  m.impl("argmax_rows", &llmpool::argmax_rows);
   m.impl("decoder_step", &llmpool::decoder_step);
 }

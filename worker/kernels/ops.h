@@ -17,6 +17,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>
 std::string variant();
 // sampling.cpp
 Tensor sample_temperature(const Tensor& logits, const Tensor& temperature, const Tensor& uniform);
+Tensor argmax_rows(const Tensor& logits);
 // decode_step.cpp
 Tensor decoder_step(const Tensor& hidden, const Tensor& rope, const c10::List<c10::optional<Tensor>>& weights,
                     const c10::List<c10::optional<Tensor>>& experts, at::IntArrayRef ints, at::ArrayRef<double> floats,
