@@ -9,7 +9,9 @@
   layer's attention. With 16 streams decoding (9-11 ms a step) and a 2,000-token prompt arriving,
   the steps that carry its chunks take 44-48 ms (median) and 62-67 ms (p99) this way; 64 ms and
   74-88 ms with the chunks in the torch path beside the C++ decode rows. A LoRA adapter's rows
-  (worker/lora) get its low-rank products inside the step, so adapters' decodes stay on it.
+  (worker/lora) get its low-rank products inside the step, so adapters' decodes stay on it. An
+  image-text model's decode-only batches take it (text tokens, plain embeddings); its prompt chunks,
+  which carry image features, run on the torch path, and so do the decode rows beside them.
 - ``flat``: the torch path (the native forward or transformers' classes) over one flat sequence;
   prefill-only batches (oneDNN's bf16 GEMMs and SDPA do large chunks faster) and prompts that want
   logprobs take it (adding adapters' products too), except with ``--quantized-only``, where every
@@ -89,7 +91,8 @@ class ExecutionPaths:
         if decodes == len(batch.requests):
             return self.fused.any_batch or decodes <= FAST_DECODE_MAX_ROWS
         return (
-            self.fused.any_batch
+            self.vision is None  # an image-text model's prompt chunks run on embeddings with image features
+            and self.fused.any_batch
             and decodes > 0
             and not any(r.draft_token_ids or r.sampling.prompt_logprobs is not None for r in batch.requests)
         )
