@@ -25,9 +25,15 @@ FAST_FAMILIES = {
     "llama", "qwen2", "qwen3", "mistral", "ministral", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "granite", "olmo2",
     "olmo3", "exaone4", "cohere2", "smollm3", "starcoder2", "cohere", "helium", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
 }  # fmt: skip
-# The language models of image-text models (LLaVA-style: decoder at ``model.model.language_model``
-# or ``.text_model``, head outside) whose decode rows the step takes, checked by tests/vision/test_vision_step.py.
-IMAGE_TEXT_DECODERS = {"llama", "mistral", "ministral", "qwen2", "gemma3_text"}
+# The language models of image-text models whose decode rows the step takes (decoder at
+# ``model.model.language_model`` or ``.text_model``, the head outside), each checked in
+# tests/vision/test_vision_step.py. M-RoPE's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a generated token's
+# three axes are equal, where its rotation is plain RoPE's (worker/runner/paths.py shifts the position
+# past the images); Qwen3-VL's DeepStack adds features at image positions only, in prompt chunks.
+IMAGE_TEXT_DECODERS = {
+    "llama", "mistral", "ministral", "qwen2", "gemma3_text", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
+    "qwen3_vl_moe_text",
+}  # fmt: skip
 
 
 def describe(model: torch.nn.Module) -> Family:
@@ -35,7 +41,7 @@ def describe(model: torch.nn.Module) -> Family:
     decoder = text_decoder(model)
     config = model.config.get_text_config()
     kind = config.model_type
-    if kind not in FAST_FAMILIES:
+    if kind not in FAST_FAMILIES | IMAGE_TEXT_DECODERS:
         raise NotFast(f"model type {kind!r} is not among the fused decode step's families")
     if getattr(config, "attention_chunk_size", None):
         raise NotFast("chunked attention")
@@ -81,8 +87,6 @@ def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
         return model.model
     inner = model.model
     kind = model.config.get_text_config().model_type
-    if hasattr(inner, "get_rope_index"):  # Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and its DeepStack)
-        raise NotFast("an image-text model with M-RoPE (decode positions shifted by rope_deltas; not checked here)")
     if kind not in IMAGE_TEXT_DECODERS:
         raise NotFast(f"an image-text model whose language model ({kind!r}) the step has not been checked against")
     if getattr(model.config.get_text_config(), "final_logit_softcapping", None):
