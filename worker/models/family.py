@@ -25,17 +25,24 @@ FAST_FAMILIES = {
     "llama", "qwen2", "qwen3", "mistral", "ministral", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "granite", "olmo2",
     "olmo3", "exaone4", "cohere2", "smollm3", "starcoder2", "cohere", "helium", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
 }  # fmt: skip
+# The language models of image-text models whose decode rows the step takes (decoder at
+# ``model.model.language_model`` or ``.text_model``, the head outside), each checked in
+# tests/vision/test_vision_step.py. M-RoPE's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a generated token's
+# three axes are equal, where its rotation is plain RoPE's (worker/runner/paths.py shifts the position
+# past the images); Qwen3-VL's DeepStack adds features at image positions only, in prompt chunks.
+IMAGE_TEXT_DECODERS = {
+    "llama", "mistral", "ministral", "qwen2", "gemma3_text", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
+    "qwen3_vl_moe_text",
+}  # fmt: skip
 
 
 def describe(model: torch.nn.Module) -> Family:
     """The model in the fused step's terms, or ``NotFast`` naming what it lacks."""
-    if getattr(model.config, "vision_config", None) is not None:
-        raise NotFast("an image-text model (its decoder sits beside a vision tower)")
+    decoder = text_decoder(model)
     config = model.config.get_text_config()
     kind = config.model_type
-    if kind not in FAST_FAMILIES:
+    if kind not in FAST_FAMILIES | IMAGE_TEXT_DECODERS:
         raise NotFast(f"model type {kind!r} is not among the fused decode step's families")
-    decoder = model.model
     if getattr(config, "attention_chunk_size", None):
         raise NotFast("chunked attention")
     attn0 = decoder.layers[0].self_attn
@@ -70,6 +77,24 @@ def describe(model: torch.nn.Module) -> Family:
         lm_head_bias=None if head.bias is None else head.bias.detach().float(),
         layers=layers,
     )
+
+
+def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder the step runs: the model's own, or an image-text model's language model (its
+    decode rows hold text tokens only, embedded by the plain token embedding; prompt chunks, which
+    carry image features, stay on the torch path: worker/runner/paths.py)."""
+    if getattr(model.config, "vision_config", None) is None:
+        return model.model
+    inner = model.model
+    kind = model.config.get_text_config().model_type
+    if kind not in IMAGE_TEXT_DECODERS:
+        raise NotFast(f"an image-text model whose language model ({kind!r}) the step has not been checked against")
+    if getattr(model.config.get_text_config(), "final_logit_softcapping", None):
+        raise NotFast("an image-text model with a logit softcap (its wrapper's head does not apply it)")
+    decoder = getattr(inner, "language_model", None) or getattr(inner, "text_model", None)
+    if decoder is None or not hasattr(decoder, "layers") or not hasattr(model, "lm_head"):
+        raise NotFast(f"an image-text model whose decoder the step does not find ({type(model).__name__})")
+    return decoder
 
 
 def _logit_multiplier(config: object) -> float:

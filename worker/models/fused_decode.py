@@ -51,8 +51,8 @@ class FusedDecode:
         if not kernels.load():
             raise RuntimeError(f"the fused decode step needs the C++ kernels: {kernels.unavailable_reason()}")
         self.family = family or describe(model)
-        self.decoder = model.model
-        self.embed = model.model.embed_tokens
+        self.decoder = family_module.text_decoder(model)  # an image-text model's language model
+        self.embed = self.decoder.embed_tokens
         self.ops = kernels.ops()
         self.packed = quantization in ("int8", "q4")  # every variant has packed int8 GEMMs (worker/kernels/packed.cpp)
         self.quantization = quantization

@@ -130,6 +130,10 @@ class ModelRunner:
         by_default = (
             self.device.type == "cpu" and source.gguf_file is not None and config.dtype == "auto" and pooling is None
         )
+        if config.quantized_only and self.vision is not None:
+            raise ValueError(
+                "--quantized-only runs prompts through the C++ step, which takes an image-text model's decode rows only"
+            )
         only_rows = rows_only(config.quantized_only, fused, by_default)
         self.rows_by_default = only_rows and config.quantized_only is None
         # The model's own weights, described while its layers are still there (the native forward

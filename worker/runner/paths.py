@@ -9,7 +9,10 @@
   layer's attention. With 16 streams decoding (9-11 ms a step) and a 2,000-token prompt arriving,
   the steps that carry its chunks take 44-48 ms (median) and 62-67 ms (p99) this way; 64 ms and
   74-88 ms with the chunks in the torch path beside the C++ decode rows. A LoRA adapter's rows
-  (worker/lora) get its low-rank products inside the step, so adapters' decodes stay on it.
+  (worker/lora) get its low-rank products inside the step, so adapters' decodes stay on it. An
+  image-text model's batches of generated tokens alone take it (text, plain embeddings; M-RoPE's
+  position past the images); its prompt chunks, which carry image features, run on the torch path,
+  and so do the decode rows beside them.
 - ``flat``: the torch path (the native forward or transformers' classes) over one flat sequence;
   prefill-only batches (oneDNN's bf16 GEMMs and SDPA do large chunks faster) and prompts that want
   logprobs take it (adding adapters' products too), except with ``--quantized-only``, where every
@@ -86,6 +89,12 @@ class ExecutionPaths:
         if not self.fast or (any(r.lora for r in batch.requests) and not self.fused.takes_lora):
             return False
         decodes = sum(map(is_decode_row, batch.requests, batch.num_new_tokens))
+        if self.vision is not None:  # generated tokens only: a prompt's last token may be an image's
+            return (
+                decodes == len(batch.requests)
+                and all(r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests)
+                and (self.fused.any_batch or decodes <= FAST_DECODE_MAX_ROWS)
+            )
         if decodes == len(batch.requests):
             return self.fused.any_batch or decodes <= FAST_DECODE_MAX_ROWS
         return (
@@ -95,9 +104,14 @@ class ExecutionPaths:
         )
 
     def rows(self, rows: RowInputs, lora: Segments | None = None) -> torch.Tensor:
+        positions = rows.positions
+        if self.vision is not None and self.vision.mrope:  # each row a generated token (``takes_rows``)
+            # M-RoPE's position past an image prompt (its three axes equal: plain RoPE at that position)
+            spans = [(r, i, r.num_computed_tokens, 1) for i, r in enumerate(rows.sampled_requests) if r.images]
+            positions = self.vision.positions(positions.unsqueeze(0), spans)[0, 0] if spans else positions
         return self.fused(
             rows.ids,
-            rows.positions,
+            positions,
             self.inputs.kv_caches,
             rows.slots,
             rows.tables,
@@ -125,6 +139,7 @@ class ExecutionPaths:
 
     def verify(self, request: Request) -> torch.Tensor:
         """Logits of the last token and of each draft after it."""
-        if self.rows_only or (self.fast and 1 + len(request.draft_token_ids) <= FAST_DECODE_MAX_ROWS):
+        mrope = self.vision is not None and self.vision.mrope  # its positions: the torch path's ``flat``
+        if self.rows_only or (self.fast and not mrope and 1 + len(request.draft_token_ids) <= FAST_DECODE_MAX_ROWS):
             return self.rows(self.inputs.verify_rows(request))
         return self.flat(self.inputs.verify_flat(request))
