@@ -38,11 +38,11 @@ IMAGE_TEXT_DECODERS = {
 
 def describe(model: torch.nn.Module) -> Family:
     """The model in the fused step's terms, or ``NotFast`` naming what it lacks."""
-    decoder = text_decoder(model)
     config = model.config.get_text_config()
     kind = config.model_type
     if kind not in FAST_FAMILIES | IMAGE_TEXT_DECODERS:
         raise NotFast(f"model type {kind!r} is not among the fused decode step's families")
+    decoder = text_decoder(model)  # after the family check: GPT-2-style models keep theirs elsewhere
     if getattr(config, "attention_chunk_size", None):
         raise NotFast("chunked attention")
     attn0 = decoder.layers[0].self_attn
