@@ -113,6 +113,7 @@ def test_a_variant_that_does_not_build_falls_to_the_next_one_under_it(monkeypatc
         pytest.skip("one variant only under this cap")
     monkeypatch.setattr(kernels, "_loaded", {k: v for k, v in kernels._loaded.items() if k != first.name})
     monkeypatch.setattr(kernels, "_errors", {})
+    monkeypatch.setattr(kernels, "_active", {})
     built = kernels.compile_variant
 
     def compile_variant(variant):

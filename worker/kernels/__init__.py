@@ -21,6 +21,7 @@ none builds.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 _loaded: dict[str, bool] = {}
 _errors: dict[str, str] = {}
 _fell_back: set[str] = set()
+_active: dict[str | None, cpu.Variant | None] = {}  # per LLMPOOL_CPU_ISA value
 
 
 def load_variant(variant: cpu.Variant) -> bool:
@@ -53,8 +55,12 @@ def load_variant(variant: cpu.Variant) -> bool:
 
 
 def active() -> cpu.Variant | None:
-    """The variant ``load()`` settled on: the chosen one, or the best under it that built (None: none did)."""
-    return next((v for v in cpu.candidates() if load_variant(v)), None)
+    """The variant ``load()`` settled on: the chosen one, or the best under it that built (None: none
+    did). Settled once per cap: ``ops()`` asks on every decode attention call."""
+    limit = os.environ.get(cpu.CAP_VARIABLE)
+    if limit not in _active:
+        _active[limit] = next((v for v in cpu.candidates() if load_variant(v)), None)
+    return _active[limit]
 
 
 def load() -> bool:
