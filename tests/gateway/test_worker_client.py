@@ -4,6 +4,7 @@ reachability, tokenizer loading, another protocol version). What dispatch decide
 sockets in test_dispatch.py."""
 
 import asyncio
+import time
 
 import msgspec
 import zmq
@@ -63,9 +64,9 @@ async def eventually(check, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def run(scenario) -> None:
+def run(scenario, heartbeat_interval: float = 0.2) -> None:
     async def main():
-        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", heartbeat_interval=0.2, heartbeat_liveness=3)
+        client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", heartbeat_interval, heartbeat_liveness=3)
         await client.start()
         worker = FakeWorker(client.bind_address)
         try:
@@ -101,6 +102,26 @@ def test_requests_of_one_tick_travel_together_and_outputs_reach_their_streams():
         assert client.snapshot()["workers"][0]["inflight"] == 1
 
     run(scenario)
+
+
+def test_an_output_that_lands_just_before_a_send_is_read_at_once():
+    """zmq's FD signals a change once, and a send takes the signals pending: an output that landed
+    just before the gateway sent something must still be read then, not when the next message
+    (here a heartbeat 30 s away) signals again."""
+
+    async def scenario(client, worker):
+        await worker.send(READY)
+        await eventually(lambda: client.workers)
+        stream = client.submit(request(0), "m")
+        await worker.receive(AddRequests)
+        for token in range(5):
+            await worker.send(StepOutputs([RequestOutput("r0", [token], None, 3, token + 1, seq=token)]))
+            time.sleep(0.05)  # the event loop held: the output reaches the ROUTER and signals its FD
+            client.send(b"fake", Heartbeat())  # a send on the ROUTER takes that signal
+            output = await asyncio.wait_for(stream.queue.get(), 2.0)
+            assert output.new_token_ids == [token]
+
+    run(scenario, heartbeat_interval=30.0)
 
 
 def test_malformed_frames_are_dropped_and_the_socket_keeps_working():
