@@ -52,6 +52,11 @@ class Sampler:
     def _choose(self, raw_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         request_ids = [r.request_id for r in requests]
         params = [r.sampling for r in requests]
+        if raw_logits.dtype == torch.float32 and not any(map(_changes_logits, requests)):
+            if all(p.temperature == 0 for p in params):  # the common rows read the logits, no copy
+                return self._argmax(raw_logits)
+            if self.fused and all(_plain(p) for p in params):
+                return self._sample_plain(raw_logits, request_ids, params)
         # One copy (the caller's logits stay raw for logprobs); everything after it works in place.
         logits = _adjust(_float_copy(raw_logits), requests)
         if self.guided is not None:
@@ -59,22 +64,33 @@ class Sampler:
         logits = _force(logits, requests)
         if all(p.temperature == 0 for p in params):
             return self._argmax(logits)
+        if self.fused and all(_plain(p) for p in params):
+            return self._sample_plain(logits, request_ids, params)
         greedy = self._argmax(logits) if any(p.temperature == 0 for p in params) else None
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        uniform = torch.rand(len(params), device=logits.device)
-        for row, request_id in enumerate(request_ids):
-            generator = self._generators.get(request_id)
-            if generator is not None:
-                uniform[row] = torch.rand(1, generator=generator, device=logits.device)[0]
-        if greedy is None and self.fused and all(_plain(p) for p in params):
-            # The same inverse CDF in one C++ call (worker/kernels): ~10 torch ops took 0.4-0.6 ms a batch-1 step.
-            return kernels.ops().sample_temperature(logits.contiguous(), temperature.float(), uniform)
+        uniform = self._uniform(request_ids, logits.device)
         probs = _unnormalized_probs(logits, params, temperature)
         cdf = probs.cumsum_(dim=-1)
         # The first token whose cumulative probability exceeds u; masked tokens add nothing, so never win.
         sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         sampled = sampled.clamp(max=cdf.shape[-1] - 1)
         return sampled if greedy is None else torch.where(temperature > 0, sampled, greedy)
+
+    def _uniform(self, request_ids: list[str], device: torch.device) -> torch.Tensor:
+        """One uniform number per row; a seeded request's from its own generator."""
+        uniform = torch.rand(len(request_ids), device=device)
+        for row, request_id in enumerate(request_ids):
+            generator = self._generators.get(request_id)
+            if generator is not None:
+                uniform[row] = torch.rand(1, generator=generator, device=device)[0]
+        return uniform
+
+    def _sample_plain(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
+        """Rows shaped by temperature alone: the inverse CDF in one C++ call (worker/kernels), which
+        only reads the logits; ~10 torch ops took 0.4-0.6 ms a batch-1 step."""
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        uniform = self._uniform(request_ids, logits.device)
+        return kernels.ops().sample_temperature(logits.contiguous(), temperature, uniform)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's greedy pick: torch's argmax, or the same index from the C++ kernels on the calling
@@ -131,6 +147,21 @@ def _force(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
             logits[row].fill_(float("-inf"))
             logits[row, token] = 0.0
     return logits
+
+
+def _changes_logits(request: Request) -> bool:
+    """Whether the row's logits change before its choice (``_adjust``, a grammar, ``_force``): then
+    the choice works on a copy, and the raw logits stay for logprobs."""
+    p = request.sampling
+    return bool(
+        p.presence_penalty
+        or p.frequency_penalty
+        or p.repetition_penalty != 1.0
+        or p.logit_bias
+        or p.min_tokens
+        or request.guide is not None
+        or (request.reasoning is not None and request.reasoning.forced() is not None)
+    )
 
 
 def _plain(p: SamplingParams) -> bool:

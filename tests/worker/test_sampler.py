@@ -105,6 +105,24 @@ def test_same_seed_same_tokens_whatever_the_batch():
     assert len(draws) > 1
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rows_that_change_no_logit_read_them_in_place_and_pick_as_the_copy_does(temperature):
+    """Greedy and temperature-only rows choose on the caller's logits with no working copy; a zero
+    logit bias sends the same rows through the copy, and the seeded picks agree draw for draw."""
+    x = logits(rows=2, vocab=1000)
+    before = x.clone()
+
+    def draws(bias: dict[int, float]) -> list[list[int]]:
+        torch.manual_seed(0)  # the unseeded row's numbers
+        sampler = TokensOnly(torch.device("cpu"))
+        sampler.add_request("a", 11)
+        params = [SamplingParams(temperature=temperature, seed=11, logit_bias=bias), SamplingParams(temperature)]
+        return [sampler(x, reqs(["a", "b"], params)) for _ in range(10)]
+
+    assert draws({}) == draws({0: 0.0})
+    assert torch.equal(x, before), "the caller's logits are left alone"
+
+
 def test_samples_follow_the_distribution_and_never_pick_masked_tokens():
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
     x = torch.log(probs).repeat(4000, 1)  # -inf for the last token
