@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Callable
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 
 class IncrementalDetokenizer:
@@ -31,6 +33,7 @@ class IncrementalDetokenizer:
         # Special tokens that stay in the text when the others are skipped (a reasoning model's
         # special thinking markers, which the split must see): the rest are dropped before decoding.
         self._drop = frozenset(tokenizer.all_special_ids) - keep if skip_special_tokens and keep else frozenset()
+        self._backend = _backend(tokenizer)
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -38,6 +41,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if self._drop:
             ids = [t for t in ids if t not in self._drop]
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, new_token_ids: list[int]) -> str:
@@ -70,3 +75,15 @@ class IncrementalDetokenizer:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         decoder.decode(b"".join(self.token_bytes(t) for t in token_ids), final=False)
         return bool(decoder.getstate()[0])
+
+
+def _backend(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The Rust tokenizer whose ``decode`` is all that ``tokenizer.decode`` would do (a fast
+    tokenizer that neither overrides ``_decode`` nor cleans up spaces), else None. Called twice
+    per streamed token, transformers' wrapper (argument conversion, kwargs) cost 20 us a call."""
+    if (
+        getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        or type(tokenizer)._decode is not TokenizersBackend._decode
+    ):
+        return None
+    return getattr(tokenizer, "_tokenizer", None)
