@@ -165,6 +165,22 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def templating() -> Iterator[Server]:
+    """One launcher with one worker that takes a request's own chat template
+    (``--allow-request-chat-template``), for the session, warmed by a first chat (a worker's first
+    step compiles, seconds) so tests that time a template's deadline do not time that."""
+    srv = start_serve("templating", 1, "--allow-request-chat-template")
+    try:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert srv.post("/v1/chat/completions", json=chat).status_code == 200
+    except BaseException:
+        srv.stop()
+        raise
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def client(server: Server):  # an openai.OpenAI
     """The OpenAI SDK pointed at the shared server, as a user would point it."""
     import openai
