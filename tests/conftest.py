@@ -165,6 +165,17 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def keyed_server() -> Iterator[Server]:
+    """One launcher with one worker behind API keys (``key-one``, ``key-two``) and an admin key
+    (``admin-key``), for the session: the key tests of the API, the page and the deploy probe share it
+    (a server start is ~15 s of this machine's two cores)."""
+    keys = {"LLMPOOL_API_KEY": "key-one,key-two", "LLMPOOL_ADMIN_KEY": "admin-key"}
+    srv = start_serve("serve-apikey", 1, env=keys)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def templating() -> Iterator[Server]:
     """One launcher with one worker that takes a request's own chat template
     (``--allow-request-chat-template``), for the session, warmed by a first chat (a worker's first
