@@ -178,8 +178,9 @@ def keyed_server() -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def templating() -> Iterator[Server]:
     """One launcher with one worker that takes a request's own chat template
-    (``--allow-request-chat-template``), for the session, warmed by a first chat (a worker's first
-    step compiles, seconds) so tests that time a template's deadline do not time that."""
+    (``--allow-request-chat-template``), for the session: the template tests and those that want a
+    worker alone (test_engine_behaviour) share it. Warmed by a first chat (a worker's first step
+    compiles, seconds) so tests that time a template's deadline or a stream's gaps do not time that."""
     srv = start_serve("templating", 1, "--allow-request-chat-template")
     try:
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
