@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
-import torch
 
 from tests.conftest import MODEL
+
+if TYPE_CHECKING:  # torch only once a test asks for the model: other modules' collection stays light
+    import torch
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +18,7 @@ def gguf_reference() -> torch.nn.Module:
     server's conversion), in bf16, once a session: de-quantizing costs seconds. The closeness
     references start from it (test_api's as it is, test_lora's a copy with an adapter); none
     changes it."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from common.model_source import resolve_model
