@@ -165,6 +165,34 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def keyed_server() -> Iterator[Server]:
+    """One launcher with one worker behind API keys (``key-one``, ``key-two``) and an admin key
+    (``admin-key``), for the session: the key tests of the API, the page and the deploy probe share it
+    (a server start is ~15 s of this machine's two cores)."""
+    keys = {"LLMPOOL_API_KEY": "key-one,key-two", "LLMPOOL_ADMIN_KEY": "admin-key"}
+    srv = start_serve("serve-apikey", 1, env=keys)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def templating() -> Iterator[Server]:
+    """One launcher with one worker that takes a request's own chat template
+    (``--allow-request-chat-template``), for the session: the template tests and those that want a
+    worker alone (test_engine_behaviour) share it. Warmed by a first chat (a worker's first step
+    compiles, seconds) so tests that time a template's deadline or a stream's gaps do not time that."""
+    srv = start_serve("templating", 1, "--allow-request-chat-template")
+    try:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert srv.post("/v1/chat/completions", json=chat).status_code == 200
+    except BaseException:
+        srv.stop()
+        raise
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def client(server: Server):  # an openai.OpenAI
     """The OpenAI SDK pointed at the shared server, as a user would point it."""
     import openai

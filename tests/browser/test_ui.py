@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, start_serve, wait_until, worker_argv
+from tests.conftest import ARTIFACTS, MODEL, Server, free_port, spawn, wait_until, worker_argv
 from tests.integration.test_batches import chat, jsonl
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -150,17 +150,10 @@ def test_operator_view_shows_a_worker_appear(page):
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def keyed_server() -> Iterator[Server]:
-    server = start_serve("ui-apikey", 1, env={"LLMPOOL_API_KEY": "ui-secret", "LLMPOOL_ADMIN_KEY": "ui-admin"})
-    yield server
-    server.stop()
-
-
 def test_page_asks_for_the_api_key_and_sends_it(keyed_server: Server, page):
     page.goto(keyed_server.base_url + "/")
     page.wait_for_selector("#key-dialog[open]", timeout=20000)
-    page.fill("#key-input", "ui-secret")
+    page.fill("#key-input", "key-one")
     page.click("#key-save")
     send(page, "Say hello.", max_tokens=8)
     page.wait_for_selector(".msg.assistant[data-finish]", timeout=60000)
@@ -175,15 +168,15 @@ def test_dashboard_lists_the_keys_and_the_batches(keyed_server: Server, page):
     the keys table once the admin key is given (the page prompts for it), the batch as it runs to its end."""
     made = httpx.post(
         keyed_server.base_url + "/admin/keys",
-        headers={"Authorization": "Bearer ui-admin"},
+        headers={"Authorization": "Bearer admin-key"},
         json={"name": "ui-team", "rpm": 60, "models": [MODEL]},
         timeout=30,
     ).json()
-    sdk = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key="ui-secret", max_retries=0, timeout=60)
+    sdk = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key="key-one", max_retries=0, timeout=60)
     upload = sdk.files.create(file=("ui.jsonl", jsonl({"one": chat("Hi", max_tokens=2)})), purpose="batch")
     batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-    page.add_init_script("localStorage.setItem('llmpool.apiKey', 'ui-secret')")
-    page.on("dialog", lambda dialog: dialog.accept("ui-admin"))
+    page.add_init_script("localStorage.setItem('llmpool.apiKey', 'key-one')")
+    page.on("dialog", lambda dialog: dialog.accept("admin-key"))
     page.goto(keyed_server.base_url + "/dashboard")
     done = f"#batches tr[data-batch='{batch.id}']"
     page.wait_for_function(

@@ -20,7 +20,7 @@ import yaml
 from gateway.config import ALL_GATEWAY_FLAGS
 from launcher.cli import LAUNCHER_FLAGS
 from launcher.cli import build_parser as launcher_parser
-from tests.conftest import REPO, start_serve
+from tests.conftest import REPO
 from tests.deploy.kustomize import render
 from worker.config import ALL_WORKER_FLAGS
 
@@ -351,27 +351,24 @@ def test_make_secrets_provides_every_secret_the_manifests_mount(tmp_path):
     )
 
 
-def test_readiness_probe_command_against_a_real_gateway():
-    """The exec probe, as the manifest has it, run next to a real gateway with an API key."""
+def test_readiness_probe_command_against_a_real_gateway(keyed_server):
+    """The exec probe, as the manifest has it, run next to a real gateway with API keys (the
+    session's keyed server: ``key-one,key-two``)."""
     (gateway,) = workloads(objects("cpu"), "gateway")
     command = readiness_command(gateway)
     assert command[0] == "python"
-    server = start_serve("deploy-probe", 1, env={"LLMPOOL_API_KEY": "probe-key,other"})
-    try:
 
-        def probe(key: str) -> int:
-            environment = {**os.environ, "LLMPOOL_PORT": str(server.port), "LLMPOOL_API_KEY": key}
-            return subprocess.run(
-                ["python3" if shutil.which("python") is None else "python", *command[1:]],
-                env=environment,
-                capture_output=True,
-                timeout=30,
-            ).returncode
+    def probe(key: str) -> int:
+        environment = {**os.environ, "LLMPOOL_PORT": str(keyed_server.port), "LLMPOOL_API_KEY": key}
+        return subprocess.run(
+            ["python3" if shutil.which("python") is None else "python", *command[1:]],
+            env=environment,
+            capture_output=True,
+            timeout=30,
+        ).returncode
 
-        assert probe("probe-key,other") == 0
-        assert probe("wrong") != 0  # 401: a probe that cannot authenticate never reports ready
-        import httpx
+    assert probe("key-one,key-two") == 0
+    assert probe("wrong") != 0  # 401: a probe that cannot authenticate never reports ready
+    import httpx
 
-        assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200  # liveness needs no key
-    finally:
-        server.stop()
+    assert httpx.get(keyed_server.base_url + "/health", timeout=10).status_code == 200  # liveness needs no key

@@ -9,7 +9,6 @@ import threading
 import httpx
 import openai
 import pytest
-import torch
 
 from tests.conftest import ARTIFACTS, MODEL, wait_until
 
@@ -138,23 +137,17 @@ GREEDY_PROMPTS = [
 ]
 
 
-def test_greedy_output_passes_the_closeness_test_against_transformers_generate(client, tokenizer):
+def test_greedy_output_passes_the_closeness_test_against_transformers_generate(client, tokenizer, gguf_reference):
     """Same weights (loaded independently from the GGUF file), bf16 ``generate`` as the reference.
 
     The server runs its fast paths (the C++ decode kernel with q4 weights by default), so the rule
     is vLLM's closeness test instead of identity: greedy texts agree token for token until they
     diverge, and where they do, each side's token is among the other's top-5 logprobs.
     """
-    from transformers import AutoModelForCausalLM
-
     from bench.accuracy import check_close
-    from common.model_source import resolve_model
     from tests.closeness import reference_reply, served_reply
 
-    source = resolve_model(MODEL)
-    reference = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=torch.bfloat16
-    ).eval()
+    reference = gguf_reference
     agreed = []
     for prompt in GREEDY_PROMPTS:
         ids = tokenizer.apply_chat_template(ask(prompt), add_generation_prompt=True, tokenize=True)

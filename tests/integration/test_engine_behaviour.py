@@ -32,10 +32,10 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, times: list[f
 
 
 @pytest.fixture(scope="module")
-def one_worker() -> Server:
-    server = start_serve("serve-chunked", 1)
-    yield server
-    server.stop()
+def one_worker(templating: Server) -> Server:
+    """A server with one worker of the default model: the session's (tests/conftest.py ``templating``;
+    a request's own template, which it allows, is not used here), not a launcher of its own."""
+    return templating
 
 
 def test_a_long_prompt_does_not_freeze_running_streams(one_worker):

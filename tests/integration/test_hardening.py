@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MODEL, start_serve, wait_until
+from tests.conftest import MODEL, wait_until
 from tests.gateway.test_templates import HOSTILE
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -199,16 +199,6 @@ def test_tokenize_counts_what_chat_sends(server):
         chat = server.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, **extra}).json()
         count = server.post("/tokenize", json={"messages": CHAT["messages"], **extra}).json()["count"]
         assert count == chat["usage"]["prompt_tokens"], extra
-
-
-@pytest.fixture(scope="module")
-def templating():
-    srv = start_serve("hardening-templates", 1, "--allow-request-chat-template")
-    assert (
-        srv.post("/v1/chat/completions", json=CHAT).status_code == 200
-    )  # warm: a worker's first step compiles (seconds)
-    yield srv
-    srv.stop()
 
 
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

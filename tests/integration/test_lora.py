@@ -5,6 +5,8 @@ model's), reported in ``vllm:lora_requests_info``, then unloaded; unknown adapte
 
 from __future__ import annotations
 
+import copy
+
 import openai
 import pytest
 import torch
@@ -16,16 +18,13 @@ ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
+def adapter(tmp_path_factory, gguf_reference):
     """A random rank-8 adapter on every projection (peft leaves B at zero: both drawn at random),
-    and peft's merged bf16 model as the reference."""
+    and peft's merged bf16 model as the reference (on a copy of the session's GGUF model: peft
+    changes the model it wraps)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    from common.model_source import resolve_model
-
-    source = resolve_model(MODEL)
-    base = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.bfloat16)
+    base = copy.deepcopy(gguf_reference)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
     generator = torch.Generator().manual_seed(0)

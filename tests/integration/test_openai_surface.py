@@ -12,7 +12,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.conftest import MODEL, start_serve
+from tests.conftest import MODEL
 
 
 def ask(text: str) -> list[dict]:
@@ -203,25 +203,21 @@ def test_tokenize_and_detokenize(server, tokenizer):
     assert server.post("/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404
 
 
-def test_chat_template_kwargs_reach_the_template(server, client):
+def test_chat_template_kwargs_reach_the_template(server, client, templating):
     """A request's own template (allowed with --allow-request-chat-template) reads a kwarg: the
     prompt grows by the tokens the kwarg switches on."""
-    templating = start_serve("templating", 1, "--allow-request-chat-template")
-    try:
-        sdk = openai.OpenAI(base_url=templating.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %} LOUDLY PLEASE{% endif %}"
-        counts = []
-        for kwargs in ({}, {"shout": True}):
-            reply = sdk.chat.completions.create(
-                model=MODEL,
-                messages=ask("Say hi"),
-                max_tokens=2,
-                extra_body={"chat_template": template, "chat_template_kwargs": kwargs},
-            )
-            counts.append(reply.usage.prompt_tokens)
-        assert counts[1] == counts[0] + 7, counts  # " LOUDLY PLEASE" is seven tokens
-    finally:
-        templating.stop()
+    sdk = openai.OpenAI(base_url=templating.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %} LOUDLY PLEASE{% endif %}"
+    counts = []
+    for kwargs in ({}, {"shout": True}):
+        reply = sdk.chat.completions.create(
+            model=MODEL,
+            messages=ask("Say hi"),
+            max_tokens=2,
+            extra_body={"chat_template": template, "chat_template_kwargs": kwargs},
+        )
+        counts.append(reply.usage.prompt_tokens)
+    assert counts[1] == counts[0] + 7, counts  # " LOUDLY PLEASE" is seven tokens
     refused = server.post(
         "/v1/chat/completions", json={"model": MODEL, "messages": ask("Hi"), "chat_template_kwargs": {"messages": []}}
     )

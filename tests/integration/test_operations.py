@@ -56,13 +56,6 @@ def test_metrics_count_requests_latencies_and_the_pool(server):
     assert "llmpool_worker_prefix_cache_hit_tokens_total" in text
 
 
-@pytest.fixture(scope="module")
-def keyed_server():
-    server = start_serve("serve-apikey", 1, env={"LLMPOOL_API_KEY": "key-one,key-two"})
-    yield server
-    server.stop()
-
-
 def test_api_key_closes_everything_but_health(keyed_server):
     url = keyed_server.base_url
     assert httpx.get(url + "/health").status_code == 200
