@@ -52,19 +52,19 @@ class Sampler:
     def _choose(self, raw_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         request_ids = [r.request_id for r in requests]
         params = [r.sampling for r in requests]
-        if raw_logits.dtype == torch.float32 and not any(map(_changes_logits, requests)):
-            if all(p.temperature == 0 for p in params):  # the common rows read the logits, no copy
-                return self._argmax(raw_logits)
-            if self.fused and all(_plain(p) for p in params):
-                return self._sample_plain(raw_logits, request_ids, params)
-        # One copy (the caller's logits stay raw for logprobs); everything after it works in place.
-        logits = _adjust(_float_copy(raw_logits), requests)
-        if self.guided is not None:
-            logits = self.guided.mask(logits, requests)
-        logits = _force(logits, requests)
-        if all(p.temperature == 0 for p in params):
+        greedy_only = all(p.temperature == 0 for p in params)
+        plain = self.fused and all(_plain(p) for p in params)
+        # The torch path below works in place, and the caller's logits stay raw for logprobs: a copy,
+        # unless no row's logits change and the choice only reads them (argmax, the C++ inverse CDF).
+        reads_only = (greedy_only or plain) and raw_logits.dtype == torch.float32
+        logits = (
+            raw_logits
+            if reads_only and not any(map(_changes_logits, requests))
+            else self._changed(raw_logits, requests)
+        )
+        if greedy_only:
             return self._argmax(logits)
-        if self.fused and all(_plain(p) for p in params):
+        if plain:
             return self._sample_plain(logits, request_ids, params)
         greedy = self._argmax(logits) if any(p.temperature == 0 for p in params) else None
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
@@ -75,6 +75,13 @@ class Sampler:
         sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         sampled = sampled.clamp(max=cdf.shape[-1] - 1)
         return sampled if greedy is None else torch.where(temperature > 0, sampled, greedy)
+
+    def _changed(self, raw_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """A float32 copy with penalties, bias, min_tokens, grammars and forced tokens applied."""
+        logits = _adjust(_float_copy(raw_logits), requests)
+        if self.guided is not None:
+            logits = self.guided.mask(logits, requests)
+        return _force(logits, requests)
 
     def _uniform(self, request_ids: list[str], device: torch.device) -> torch.Tensor:
         """One uniform number per row; a seeded request's from its own generator."""
@@ -152,15 +159,17 @@ def _force(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 def _changes_logits(request: Request) -> bool:
     """Whether the row's logits change before its choice (``_adjust``, a grammar, ``_force``): then
     the choice works on a copy, and the raw logits stay for logprobs."""
-    p = request.sampling
-    return bool(
-        p.presence_penalty
-        or p.frequency_penalty
-        or p.repetition_penalty != 1.0
-        or p.logit_bias
-        or p.min_tokens
+    return (
+        _adjusted(request.sampling)
         or request.guide is not None
         or (request.reasoning is not None and request.reasoning.forced() is not None)
+    )
+
+
+def _adjusted(p: SamplingParams) -> bool:
+    """Whether ``_adjust`` changes the row: penalties, logit bias or min_tokens (most rows: no)."""
+    return bool(
+        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias or p.min_tokens
     )
 
 
@@ -248,9 +257,7 @@ def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     vocab = logits.shape[-1]
     for row, request in enumerate(requests):
         p = request.sampling
-        if not (
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias or p.min_tokens
-        ):
+        if not _adjusted(p):
             continue  # the common case: nothing to do, not even a copy of the generated tokens
         output = request.generated_token_ids
         if output and (p.presence_penalty or p.frequency_penalty):

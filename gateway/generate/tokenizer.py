@@ -86,4 +86,4 @@ def _backend(tokenizer: PreTrainedTokenizerBase) -> Any:
         or type(tokenizer)._decode is not TokenizersBackend._decode
     ):
         return None
-    return getattr(tokenizer, "_tokenizer", None)
+    return tokenizer.backend_tokenizer
