@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import struct
 import subprocess
 from dataclasses import dataclass
 
@@ -77,9 +78,36 @@ def arch() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 
+# Linux's aarch64 hardware capabilities (uapi asm/hwcap.h: (auxiliary-vector key, bit)) under the names
+# /proc/cpuinfo's Features line gives them.
+_AT_HWCAP, _AT_HWCAP2 = 16, 26
+_ARM_HWCAPS = {
+    (_AT_HWCAP, 0): "fp", (_AT_HWCAP, 1): "asimd", (_AT_HWCAP, 20): "asimddp", (_AT_HWCAP, 22): "sve",
+    (_AT_HWCAP2, 1): "sve2", (_AT_HWCAP2, 13): "i8mm", (_AT_HWCAP2, 14): "bf16",
+}  # fmt: skip
+
+
+def arm_hwcaps(path: str = "/proc/self/auxv") -> frozenset[str] | None:
+    """What Linux grants this aarch64 process, from its auxiliary vector (ggml reads it with getauxval).
+    /proc/cpuinfo says the same on a real ARM machine, but under qemu-user (an arm64 container on an x86
+    host, binfmt_misc) it is the host's x86 file, while qemu writes the emulated CPU's capabilities here."""
+    try:
+        with open(path, "rb") as auxv:
+            data = auxv.read()
+    except OSError:
+        return None
+    vector = dict(struct.iter_unpack("=QQ", data[: len(data) // 16 * 16]))
+    if _AT_HWCAP not in vector:
+        return None
+    return frozenset(name for (key, bit), name in _ARM_HWCAPS.items() if vector.get(key, 0) >> bit & 1)
+
+
 @functools.cache
 def features() -> frozenset[str]:
-    """The CPU's instruction-set flags as Linux's /proc/cpuinfo names them (macOS: from sysctl)."""
+    """The CPU's instruction-set flags as Linux's /proc/cpuinfo names them (aarch64 Linux: from the
+    auxiliary vector; macOS: from sysctl)."""
+    if platform.system() == "Linux" and arch() == "aarch64" and (hwcaps := arm_hwcaps()) is not None:
+        return hwcaps
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:

@@ -4,6 +4,8 @@ whether by sdot or by smmla's row pairs, the same float folds lane by lane), eve
 float rounding of the portable one, and a whole quantized decode step agrees across variants. The
 variant choice and its cap (LLMPOOL_CPU_ISA) are checked here too."""
 
+import struct
+
 import pytest
 import torch
 
@@ -103,6 +105,25 @@ def test_the_variant_is_the_best_the_cpu_runs_under_the_cap(monkeypatch):
     monkeypatch.delenv(cpu.CAP_VARIABLE)
     monkeypatch.setattr(cpu, "features", lambda: frozenset({"fp", "asimd", "asimddp"}))
     assert cpu.chosen().name == "neon"
+
+
+def test_aarch64_linux_reads_the_capabilities_linux_grants_from_the_auxiliary_vector(tmp_path, monkeypatch):
+    """An arm64 container on an x86 host (qemu-user, binfmt_misc) shows the host's /proc/cpuinfo; the
+    auxiliary vector holds the emulated CPU's capabilities, as on real ARM: AT_HWCAP's asimd (1),
+    asimddp (20) and sve (22), AT_HWCAP2's sve2 (1), i8mm (13) and bf16 (14)."""
+    monkeypatch.setattr(cpu, "arch", lambda: "aarch64")
+    auxv = tmp_path / "auxv"
+    graviton2 = 1 << 0 | 1 << 1 | 1 << 20
+    auxv.write_bytes(struct.pack("=6Q", 6, 4096, 16, graviton2, 0, 0))  # AT_PAGESZ, AT_HWCAP, AT_NULL
+    assert cpu.arm_hwcaps(str(auxv)) == {"fp", "asimd", "asimddp"}
+    assert cpu.runnable(cpu.arm_hwcaps(str(auxv)))[0].name == "neon"
+    graviton3 = struct.pack("=6Q", 16, graviton2 | 1 << 22, 26, 1 << 1 | 1 << 13 | 1 << 14, 0, 0)
+    auxv.write_bytes(graviton3)
+    assert cpu.arm_hwcaps(str(auxv)) == {"fp", "asimd", "asimddp", "sve", "sve2", "i8mm", "bf16"}
+    assert cpu.runnable(cpu.arm_hwcaps(str(auxv)))[0].name == "neon_i8mm"
+    auxv.write_bytes(struct.pack("=4Q", 6, 4096, 0, 0))  # no AT_HWCAP: /proc/cpuinfo decides
+    assert cpu.arm_hwcaps(str(auxv)) is None
+    assert cpu.arm_hwcaps(str(tmp_path / "absent")) is None
 
 
 def test_a_variant_that_does_not_build_falls_to_the_next_one_under_it(monkeypatch):
