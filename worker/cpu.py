@@ -72,9 +72,10 @@ VARIANTS: tuple[Variant, ...] = (
 )
 
 
-def arch() -> str:
-    """x86_64 or aarch64 (macOS calls the latter arm64)."""
-    machine = platform.machine().lower()
+def arch(machine: str | None = None) -> str:
+    """x86_64 or aarch64: this machine's, or ``machine`` named as macOS or Docker's platforms name it
+    (arm64, amd64)."""
+    machine = (machine or platform.machine()).lower()
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 

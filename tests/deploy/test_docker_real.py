@@ -46,7 +46,7 @@ pytestmark = [
 PROJECT = "llmpool-docker-test"
 OFFLINE_BASE = os.environ.get("LLMPOOL_BASE_IMAGE", "llmpool-debian:bookworm")  # compose.offline.yaml's too
 PLATFORM = os.environ.get("DOCKER_DEFAULT_PLATFORM", "")  # docker and compose build and run this platform
-MACHINE = {"amd64": "x86_64", "arm64": "aarch64"}.get(PLATFORM.rpartition("/")[2]) if PLATFORM else cpu.arch()
+MACHINE = cpu.arch(PLATFORM.rpartition("/")[2]) if PLATFORM else cpu.arch()
 EMULATED = MACHINE != cpu.arch()
 SLOWER = 6 if EMULATED else 1  # qemu-user runs the fleet's Python and kernels several times slower
 # qemu's -cpu max without SVE: qemu 7.2 runs SVE through helper calls, and torch's BLAS picks SVE
@@ -191,10 +191,8 @@ def test_the_image_carries_every_kernel_variant_of_its_architecture(fleet):
     assert built == expected, listing
     logs = _run([*fleet, "logs", "--no-color", "worker", "worker-assistant"], timeout=120).stdout
     probe = ["python", "-c", "from worker import cpu; print(cpu.chosen().name)"]
-    best = _run(
-        ["docker", "run", "--rm", "-e", f"QEMU_CPU={QEMU_CPU}", "llmpool:latest", *probe], timeout=REQUEST_TIMEOUT
-    )
-    best = best.stdout.strip()
+    in_image = ["docker", "run", "--rm", "-e", f"QEMU_CPU={QEMU_CPU}", "llmpool:latest", *probe]
+    best = _run(in_image, timeout=REQUEST_TIMEOUT).stdout.strip()
     assert best == (next(v.name for v in cpu.VARIANTS if v.arch == machine) if EMULATED else cpu.runnable()[0].name)
     assert f"kernels {best}" in logs and "unavailable, using the torch path" not in logs, logs[-3000:]
 
