@@ -10,8 +10,9 @@ every thread of the team. When another process takes one core, the team's thread
 in the slices the scheduler gives it, and every region waits for it: on 2 cores one busy process
 beside the worker made a 128-token answer 9-12x slower. ``AdaptiveTeam`` watches the step times:
 when steps of one size run well over their quiet time, it tries a smaller team, keeps it while it
-is faster, and tries the full team again every few seconds, so the quiet speed comes back with the
-cores.
+is faster, and tries the full team again after half a second, then after twice as long each time
+the smaller team wins again (at most every 8 s), so a comparison spoilt by a moment's load costs
+half a second, and the quiet speed comes back with the cores.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 
 WINDOW = 6  # steps of one size that make a reading
 SLOW = 1.6  # a reading this much over the size's quiet time means a core is taken
-RETRY_S = 3.0  # how often a smaller team tries the full one again
+RETRY_S = 0.5  # how long a smaller team runs before it tries the full one again: doubled each time
+RETRY_MAX_S = 8.0  # the smaller team wins again, up to this, and back to RETRY_S when the full team wins
 
 
 def usable_cpus() -> float:
@@ -74,7 +76,10 @@ class AdaptiveTeam:
     and the full team's best. The full team gives way to one thread fewer when its reading is well
     over its best, or over the smaller team's last reading, and once for each new size of step (so
     a worker that starts on a busy machine finds out too); a smaller team gives way back when it is
-    no faster than the full team's last reading, and every RETRY_S seconds to look again.
+    no faster than the full team's last reading, and after ``retry`` seconds to look again: RETRY_S
+    at first (a reading spoilt by a moment's load, a process starting beside the worker, is put
+    right at once), doubled each time the full team loses again (a neighbour that stays costs a few
+    slow steps every RETRY_MAX_S), and RETRY_S again once the full team keeps its place.
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class AdaptiveTeam:
         self._best: dict[int, float] = {}  # size -> the full team's best reading
         self._recent: dict[int, deque[float]] = {}  # size -> this team's step times since the last reading
         self._since = clock()  # when the team last changed
+        self.retry = RETRY_S  # how long the smaller team runs before the full one is tried again
         self.changes = 0
 
     @staticmethod
@@ -116,10 +122,13 @@ class AdaptiveTeam:
                     self.full - 1,
                     f"steps of {size} tokens take {reading * 1e3:.1f} ms ({reading / best:.1f}x the quiet time)",
                 )
+            else:
+                self.retry = RETRY_S
         elif reading >= self._last.get((self.full, size), math.inf):
             self._change(self.full, f"{self.threads} threads are no faster on steps of {size} tokens")
-        elif self._clock() - self._since > RETRY_S:
-            self._change(self.full, "looking at the full team again")
+        elif self._clock() - self._since > self.retry:
+            self._change(self.full, f"looking at the full team again after {self.retry:.1f} s")
+            self.retry = min(2 * self.retry, RETRY_MAX_S)
 
     def _change(self, threads: int, why: str) -> None:
         previous, self.threads = self.threads, threads

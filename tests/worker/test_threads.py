@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from worker.threads import WINDOW, AdaptiveTeam, cgroup_quota, team_size
+from worker.threads import RETRY_MAX_S, RETRY_S, WINDOW, AdaptiveTeam, cgroup_quota, team_size
 
 
 def test_quota_files_of_both_cgroup_versions(tmp_path):
@@ -71,3 +71,29 @@ def test_one_thread_or_no_steps_change_nothing():
     for _ in range(50):
         team.observe(1.0, 1)
     assert sizes == []
+
+
+def test_a_comparison_spoilt_by_a_moments_load_is_put_right_in_half_a_second():
+    """The full team's first reading lands while another process starts (slow), so one thread looks
+    faster; the full team is tried again after RETRY_S, not after seconds of one-thread steps."""
+    clock, sizes = Clock(), []
+    team = AdaptiveTeam(2, sizes.append, clock)
+    feed(team, clock, {2: 0.012, 1: 0.005}, WINDOW)  # spoilt: both threads slower than one
+    feed(team, clock, {2: 0.003, 1: 0.005}, WINDOW)  # the moment has passed: one thread keeps its reading
+    assert team.threads == 1
+    start = clock.now
+    while team.threads == 1:
+        feed(team, clock, {2: 0.003, 1: 0.005}, 1)
+    assert clock.now - start < 1.0, "one-thread steps for a second or more on a quiet machine"
+    feed(team, clock, {2: 0.003, 1: 0.005}, 1000)
+    assert team.threads == 2 and team.retry == RETRY_S
+
+
+def test_a_neighbour_that_stays_is_looked_at_less_and_less_often():
+    """Each retry the smaller team wins again doubles the wait before the next one, up to RETRY_MAX_S."""
+    clock, back = Clock(), []
+    team = AdaptiveTeam(2, lambda n: back.append(clock.now) if n == 2 else None, clock)
+    feed(team, clock, {2: 0.030, 1: 0.006}, 10_000)  # 60 s beside a busy neighbour
+    gaps = [b - a for a, b in zip(back, back[1:])]
+    assert len(back) >= 8 and all(b > a - 0.1 for a, b in zip(gaps, gaps[1:]))
+    assert gaps[0] < 1.5 and RETRY_MAX_S <= gaps[-1] < RETRY_MAX_S + 1
