@@ -26,10 +26,12 @@ fi
 .venv/bin/python -m worker.kernels --all || echo "note: some C++ kernel variants did not build; workers load the best one that did, or the slower torch path" >&2
 # Test tools from Debian: a compose validator (no Docker engine needed), Chromium for the browser tests,
 # PostgreSQL, which the state store's tests start as a process (tests/postgres.py),
-# and Redis for the KV store's shared tier (the tests start their own redis-server process).
+# Redis for the KV store's shared tier (the tests start their own redis-server process), and on x86-64
+# qemu-user, whose EPYC-Milan is a CPU with no AVX-512 at all for the kernel-choice test.
 if [ "${1:-}" = "--test" ]; then
     missing=()
     command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+    [ "$(uname -m)" != x86_64 ] || command -v qemu-x86_64-static >/dev/null 2>&1 || missing+=(qemu-user-static)
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)
     compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || command -v initdb >/dev/null 2>&1 || missing+=(postgresql)
     command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)

@@ -10,7 +10,9 @@ worker sets torch's twins of it, ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_IS
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import mmap
 import os
 import platform
 import struct
@@ -103,10 +105,79 @@ def arm_hwcaps(path: str = "/proc/self/auxv") -> frozenset[str] | None:
     return frozenset(name for (key, bit), name in _ARM_HWCAPS.items() if vector.get(key, 0) >> bit & 1)
 
 
+# x86-64 machine code (System V ABI), called through ctypes. cpuid(leaf, subleaf, out): eax, ebx, ecx
+# and edx into out[0..3] (push rbx; mov eax, edi; mov ecx, esi; mov r8, rdx; cpuid; mov [r8], eax;
+# mov [r8+4], ebx; mov [r8+8], ecx; mov [r8+12], edx; pop rbx; ret). xgetbv(): XCR0, the register
+# states the OS saves (xor ecx, ecx; xgetbv; shl rdx, 32; or rax, rdx; ret).
+_CPUID = bytes.fromhex("53 89f8 89f1 4989d0 0fa2 418900 41895804 41894808 4189500c 5b c3")
+_XGETBV = bytes.fromhex("31c9 0f01d0 48c1e220 4809d0 c3")
+_EAX, _EBX, _ECX, _EDX = range(4)
+_YMM, _ZMM, _TILE = 0x6, 0xE6, 0x60000  # XCR0 bits: SSE+AVX; +opmask, ZMM_Hi256, Hi16_ZMM; XTILECFG+XTILEDATA
+# Linux's names for the flags the variants and the start-up line use: (leaf, subleaf, register, bit, XCR0 states).
+_X86_FLAGS = {
+    "fma": (1, 0, _ECX, 12, _YMM), "avx": (1, 0, _ECX, 28, _YMM), "f16c": (1, 0, _ECX, 29, _YMM),
+    "avx2": (7, 0, _EBX, 5, _YMM), "bmi2": (7, 0, _EBX, 8, 0), "avx512f": (7, 0, _EBX, 16, _ZMM),
+    "avx512dq": (7, 0, _EBX, 17, _ZMM), "avx512bw": (7, 0, _EBX, 30, _ZMM), "avx512vl": (7, 0, _EBX, 31, _ZMM),
+    "avx512_vnni": (7, 0, _ECX, 11, _ZMM), "amx_bf16": (7, 0, _EDX, 22, _TILE), "avx512_fp16": (7, 0, _EDX, 23, _ZMM),
+    "amx_tile": (7, 0, _EDX, 24, _TILE), "amx_int8": (7, 0, _EDX, 25, _TILE), "avx_vnni": (7, 1, _EAX, 4, _YMM),
+    "avx512_bf16": (7, 1, _EAX, 5, _ZMM),
+}  # fmt: skip
+
+
+@functools.cache
+def x86_cpuid() -> tuple[dict[tuple[int, int], tuple[int, ...]], int] | None:
+    """The cpuid leaves this module reads (leaf, subleaf -> eax, ebx, ecx, edx) and XCR0, asked of the
+    CPU as ggml, ATen and numpy ask them; None where machine code cannot be mapped executable (a W^X
+    policy: /proc/cpuinfo decides then)."""
+    try:
+        page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    except (OSError, AttributeError):
+        return None
+    page.write(_CPUID + _XGETBV)
+    code = ctypes.c_char.from_buffer(page)
+    base = ctypes.addressof(code)
+    call = ctypes.CFUNCTYPE(None, ctypes.c_uint32, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32))(base)
+    out = (ctypes.c_uint32 * 4)()
+
+    def cpuid(leaf: int, subleaf: int = 0) -> tuple[int, ...]:
+        call(leaf, subleaf, out)
+        return tuple(out)
+
+    top, extended = cpuid(0)[_EAX], cpuid(0x80000000)[_EAX]
+    leaves = {(1, 0): cpuid(1)} | ({(7, 0): cpuid(7, 0)} if top >= 7 else {})
+    if top >= 7 and leaves[(7, 0)][_EAX] >= 1:
+        leaves[(7, 1)] = cpuid(7, 1)
+    if extended >= 0x80000004:  # the brand string
+        leaves |= {(leaf, 0): cpuid(leaf) for leaf in (0x80000002, 0x80000003, 0x80000004)}
+    xcr0 = 0
+    if leaves[(1, 0)][_ECX] >> 27 & 1:  # OSXSAVE: xgetbv exists and the OS uses it
+        xcr0 = ctypes.CFUNCTYPE(ctypes.c_uint64)(base + len(_CPUID))()
+    del code  # the page's last export: it can close now
+    page.close()
+    return leaves, xcr0
+
+
+def x86_flags() -> frozenset[str] | None:
+    """What this x86-64 process can execute: the CPU's cpuid bits whose register states the OS saves.
+    /proc/cpuinfo says the same on a real machine, but under an x86 emulator (qemu-user, an amd64
+    container on an ARM Mac) it is the host's file, and an AVX-512 flag there was a SIGILL on an
+    emulated Zen 3 that has none."""
+    if (asked := x86_cpuid()) is None:
+        return None
+    leaves, xcr0 = asked
+    return frozenset(
+        name
+        for name, (leaf, subleaf, register, bit, states) in _X86_FLAGS.items()
+        if (leaf, subleaf) in leaves and leaves[(leaf, subleaf)][register] >> bit & 1 and xcr0 & states == states
+    )
+
+
 @functools.cache
 def features() -> frozenset[str]:
-    """The CPU's instruction-set flags as Linux's /proc/cpuinfo names them (aarch64 Linux: from the
-    auxiliary vector; macOS: from sysctl)."""
+    """The CPU's instruction-set flags as Linux's /proc/cpuinfo names them (x86-64: from cpuid and XCR0;
+    aarch64 Linux: from the auxiliary vector; macOS on Apple silicon: from sysctl)."""
+    if arch() == "x86_64" and (flags := x86_flags()) is not None:
+        return flags
     if platform.system() == "Linux" and arch() == "aarch64" and (hwcaps := arm_hwcaps()) is not None:
         return hwcaps
     try:
@@ -136,7 +207,11 @@ def _sysctl(name: str) -> str:
 
 
 def model_name() -> str:
-    """The CPU's name, for the start-up line."""
+    """The CPU's name, for the start-up line: on x86-64 its cpuid brand string (an emulated CPU's own)."""
+    if arch() == "x86_64" and (asked := x86_cpuid()) and (0x80000002, 0) in asked[0]:
+        brand = b"".join(struct.pack("<4I", *asked[0][(leaf, 0)]) for leaf in (0x80000002, 0x80000003, 0x80000004))
+        if name := brand.split(b"\0")[0].decode("ascii", "replace").strip():
+            return name
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:

@@ -4,7 +4,13 @@ whether by sdot or by smmla's row pairs, the same float folds lane by lane), eve
 float rounding of the portable one, and a whole quantized decode step agrees across variants. The
 variant choice and its cap (LLMPOOL_CPU_ISA) are checked here too."""
 
+import json
+import os
+import shutil
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +130,79 @@ def test_aarch64_linux_reads_the_capabilities_linux_grants_from_the_auxiliary_ve
     auxv.write_bytes(struct.pack("=4Q", 6, 4096, 0, 0))  # no AT_HWCAP: /proc/cpuinfo decides
     assert cpu.arm_hwcaps(str(auxv)) is None
     assert cpu.arm_hwcaps(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.skipif(cpu.arch() != "x86_64" or not Path("/proc/cpuinfo").exists(), reason="x86-64 Linux")
+def test_x86_64_asks_the_cpu_what_it_executes_and_agrees_with_linux():
+    """cpuid and XCR0, asked from Python (as ggml, ATen and numpy ask them), give every flag the
+    variants and the bf16 default turn on exactly as this machine's /proc/cpuinfo lists it."""
+    asked = cpu.x86_flags()
+    assert asked is not None, "no executable page for the cpuid stub"
+    listed = set(
+        next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    )
+    for flag in set().union(*(v.needs for v in cpu.VARIANTS if v.arch == "x86_64")) | {"avx512_bf16"}:
+        assert (flag in asked) == (flag in listed), flag
+
+
+QEMU_X86 = shutil.which("qemu-x86_64-static") or shutil.which("qemu-x86_64")
+EMULATED = """
+import json, sys
+from worker import cpu
+report = {"chosen": cpu.chosen().name, "features": sorted(cpu.features()), "line": cpu.describe()}
+if sys.argv[1] != "-":
+    import torch
+    from tests.worker.test_fused_families import fused_logits, tiny
+    from worker import kernels
+    from worker.models.fused_decode import FusedDecode
+    assert kernels.load(), kernels.unavailable_reason()
+    state, ids = torch.load(sys.argv[1])
+    model = tiny("llama")
+    model.load_state_dict(state)
+    fused = FusedDecode(model, "q4")
+    fused.ops = kernels.ops()
+    torch.save(fused_logits(model, fused, ids, torch.bfloat16), sys.argv[2])
+    report["active"] = kernels.active().name
+print(json.dumps(report))
+"""
+
+
+def emulated(cpu_model: str, *args: str) -> dict:
+    """EMULATED's report from this Python under qemu-user's ``cpu_model``, with no cap set."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in (cpu.CAP_VARIABLE, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+    }
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    command = [QEMU_X86, "-cpu", cpu_model, sys.executable, "-c", EMULATED, *(args or ["-"])]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(
+    cpu.arch() != "x86_64" or QEMU_X86 is None or "avx2" not in RUNNABLE,
+    reason="x86-64 with AVX2 and qemu-user (Debian's qemu-user-static: scripts/setup.sh --test installs it)",
+)
+def test_an_emulated_zen3_runs_the_avx2_kernels_unasked_and_its_step_gives_the_same_bits(tmp_path):
+    """A CPU with no AVX-512 at all: qemu-user's EPYC-Milan (Zen 3: AVX2 and FMA; an AVX-512
+    instruction there is SIGILL), while /proc/cpuinfo stays this host's (AVX-512 on some of these
+    machines). With no cap the worker asks the CPU, picks avx2, and a whole quantized decode step
+    there gives the bits the avx2 variant gives here. Baseline x86-64 (qemu64) gets portable."""
+    from tests.worker.test_fused_families import PROMPT, SIZES, fused_logits, tiny
+    from worker.models.fused_decode import FusedDecode
+
+    model = tiny("llama")
+    ids = torch.randint(1, SIZES["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(1))
+    torch.save((model.state_dict(), ids), tmp_path / "model.pt")
+    zen3 = emulated("EPYC-Milan-v1", str(tmp_path / "model.pt"), str(tmp_path / "logits.pt"))
+    assert zen3["chosen"] == zen3["active"] == "avx2", zen3
+    assert zen3["line"] == "CPU AMD EPYC-Milan Processor (x86_64: avx2 fma); kernels avx2"
+    assert "avx2" in zen3["features"] and not any(f.startswith("avx512") for f in zen3["features"])
+    fused = FusedDecode(model, "q4")
+    fused.ops = kernels.variant_ops(RUNNABLE["avx2"])
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), fused_logits(model, fused, ids, torch.bfloat16))
+    baseline = emulated("qemu64")
+    assert baseline["chosen"] == "portable" and "avx2" not in baseline["features"], baseline
 
 
 def test_a_variant_that_does_not_build_falls_to_the_next_one_under_it(monkeypatch):
