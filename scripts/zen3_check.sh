@@ -26,7 +26,7 @@ fi
 unset LLMPOOL_CPU_ISA ATEN_CPU_CAPABILITY ONEDNN_MAX_CPU_ISA
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
-port() { $PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+port() { $PY -c "from bench.servers import free_port; print(free_port())"; }
 
 wait_ready() { # url, seconds, pid of the process that must stay up
     local deadline=$((SECONDS + $2))

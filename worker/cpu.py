@@ -144,9 +144,11 @@ def x86_cpuid() -> tuple[dict[tuple[int, int], tuple[int, ...]], int] | None:
         return tuple(out)
 
     top, extended = cpuid(0)[_EAX], cpuid(0x80000000)[_EAX]
-    leaves = {(1, 0): cpuid(1)} | ({(7, 0): cpuid(7, 0)} if top >= 7 else {})
-    if top >= 7 and leaves[(7, 0)][_EAX] >= 1:
-        leaves[(7, 1)] = cpuid(7, 1)
+    leaves = {(1, 0): cpuid(1)}
+    if top >= 7:
+        leaves[(7, 0)] = cpuid(7, 0)
+        if leaves[(7, 0)][_EAX] >= 1:  # subleaf 1 exists
+            leaves[(7, 1)] = cpuid(7, 1)
     if extended >= 0x80000004:  # the brand string
         leaves |= {(leaf, 0): cpuid(leaf) for leaf in (0x80000002, 0x80000003, 0x80000004)}
     xcr0 = 0
@@ -172,6 +174,18 @@ def x86_flags() -> frozenset[str] | None:
     )
 
 
+def cpuinfo_flags(path: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The first core's flags (x86) or Features (aarch64) line of Linux's /proc/cpuinfo; None without one."""
+    try:
+        with open(path) as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
 @functools.cache
 def features() -> frozenset[str]:
     """The CPU's instruction-set flags as Linux's /proc/cpuinfo names them (x86-64: from cpuid and XCR0;
@@ -180,13 +194,8 @@ def features() -> frozenset[str]:
         return flags
     if platform.system() == "Linux" and arch() == "aarch64" and (hwcaps := arm_hwcaps()) is not None:
         return hwcaps
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    if (listed := cpuinfo_flags()) is not None:
+        return listed
     if platform.system() == "Darwin" and arch() == "aarch64":  # every Apple-silicon core has these
         found = {"asimd"}
         if _sysctl("hw.optional.arm.FEAT_DotProd") == "1":
